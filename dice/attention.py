@@ -1,0 +1,153 @@
+"""Attention masks, the attention kernel dispatch, and the KV cache (DESIGN.md §2, §5).
+
+Three visibility rules are used in this project, all with "True = may attend":
+
+* block-causal (inference): query i sees key j iff block(j) <= block(i), block(i) = pos(i) // B
+  on the absolute position grid (the prompt included);
+* block-diffusion (training, the doubled sequence [x_t ; x_0] whose halves both carry positions
+  0..n-1), with b the block and h the half (0 noisy, 1 clean) of query q and key k:
+      b_q == b_k and h_q == h_k            (bidirectional inside a block, within one half)
+      h_q == 0, h_k == 1, b_q >  b_k       (a noisy block sees the clean past)
+      h_q == 1, h_k == 1, b_q >= b_k       (the clean half is block-causal)
+  and with packing, q and k must also belong to the same sample;
+* cached decoding: a new token sees every committed key of its own sequence (padding excluded)
+  plus the new tokens under the block-causal rule.
+
+The block-diffusion predicate is one function used both for the dense CPU mask and as the
+FlexAttention `mask_mod`, so the two cannot drift apart.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # torch < 2.5: dense masks only
+    BlockMask = create_block_mask = flex_attention = None
+
+
+def block_causal_mask(position_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[..., L] positions -> [..., L, L] mask: block(k) <= block(q)."""
+    block = position_ids // block_size
+    return block.unsqueeze(-1) >= block.unsqueeze(-2)
+
+
+def block_diffusion_visible(q_block, k_block, q_clean, k_clean, q_sample, k_sample):
+    """The block-diffusion training rule (module docstring), elementwise on broadcastable tensors."""
+    same_half_block = (q_block == k_block) & (q_clean == k_clean)
+    noisy_sees_past = ~q_clean & k_clean & (q_block > k_block)
+    clean_causal = q_clean & k_clean & (q_block >= k_block)
+    return (same_half_block | noisy_sees_past | clean_causal) & (q_sample == k_sample)
+
+
+def _doubled_descriptors(position_ids: torch.Tensor, block_size: int, sample_ids: torch.Tensor | None):
+    """Per-token (block, is_clean, sample) of the doubled sequence from the [B, n] half's positions."""
+    n = position_ids.shape[-1]
+    block = (position_ids // block_size).repeat(1, 2)
+    clean = (torch.arange(2 * n, device=position_ids.device) >= n).expand_as(block)
+    if sample_ids is None:
+        sample_ids = torch.zeros_like(position_ids)
+    return block, clean, sample_ids.repeat(1, 2)
+
+
+def block_diffusion_mask(position_ids: torch.Tensor, block_size: int,
+                         sample_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense [B, 2n, 2n] training mask for `[x_t ; x_0]`.
+
+    position_ids: [B, n] positions of one half (restarting at 0 for every packed sample);
+    sample_ids: [B, n] which packed sample each token belongs to (None = one sample per row).
+    """
+    if position_ids.dim() == 1:
+        position_ids = position_ids.unsqueeze(0)
+        sample_ids = None if sample_ids is None else sample_ids.unsqueeze(0)
+    block, clean, sample = _doubled_descriptors(position_ids, block_size, sample_ids)
+    q = lambda t: t.unsqueeze(-1)  # noqa: E731 - broadcast along keys
+    k = lambda t: t.unsqueeze(-2)  # noqa: E731 - broadcast along queries
+    return block_diffusion_visible(q(block), k(block), q(clean), k(clean), q(sample), k(sample))
+
+
+def flex_block_diffusion_mask(position_ids: torch.Tensor, block_size: int,
+                              sample_ids: torch.Tensor | None = None):
+    """The same rule as `block_diffusion_mask`, as a FlexAttention BlockMask (CUDA training)."""
+    if create_block_mask is None:
+        raise RuntimeError("FlexAttention needs torch >= 2.5; pass the dense block_diffusion_mask instead")
+    block, clean, sample = _doubled_descriptors(position_ids, block_size, sample_ids)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return block_diffusion_visible(block[b, q_idx], block[b, kv_idx], clean[b, q_idx],
+                                       clean[b, kv_idx], sample[b, q_idx], sample[b, kv_idx])
+
+    L = block.shape[1]
+    return create_block_mask(mask_mod, block.shape[0], None, L, L, device=position_ids.device)
+
+
+_compiled_flex = None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v with GQA. q [B, H, Lq, D], k/v [B, Hkv, Lk, D].
+
+    `mask` is a bool tensor broadcastable to [B, 1, Lq, Lk] or a FlexAttention BlockMask.
+    """
+    global _compiled_flex
+    if BlockMask is not None and isinstance(mask, BlockMask):
+        if _compiled_flex is None:
+            # Uncompiled flex_attention materialises the full score matrix; compiling fuses it.
+            _compiled_flex = torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention
+        return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class KVCache:
+    """Preallocated keys/values of every layer for a batch of sequences (DESIGN.md §5).
+
+    Slots [0, length) are committed; a forward over T new tokens writes their keys/values at
+    slots [length, length + T) and commits the first `commit` of them. Uncommitted slots are
+    scratch: the next forward overwrites them, which is how a block is run against the cache
+    "without storing it". `valid[b, j]` marks committed slots that hold real tokens (left padding
+    of batched prompts is False), so padding is never attended.
+    """
+
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 *, dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def check_room(self, new_tokens: int) -> None:
+        if self.length + new_tokens > self.max_len:
+            raise ValueError(f"KV cache overflow: {self.length} + {new_tokens} tokens > max_len "
+                             f"{self.max_len}; allocate a larger cache")
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new [B, Hkv, T, D] keys/values at the scratch slots; return the keys/values to
+        attend over: committed slots plus the new ones."""
+        end = self.length + k.shape[2]
+        self.k[layer, :, :, self.length:end] = k
+        self.v[layer, :, :, self.length:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def attention_mask(self, position_ids: torch.Tensor, new_valid: torch.Tensor, block_size: int) -> torch.Tensor:
+        """[B, 1, T, length + T] mask for T new tokens: committed valid keys, plus the new tokens
+        under the block-causal rule. Every token sees itself, so no row is empty (padding rows
+        would otherwise produce NaN that could leak through 0 * NaN)."""
+        T = position_ids.shape[1]
+        past = self.valid[:, None, :self.length].expand(-1, T, -1)
+        eye = torch.eye(T, dtype=torch.bool, device=position_ids.device)
+        new = (block_causal_mask(position_ids, block_size) & new_valid[:, None, :]) | eye
+        return torch.cat([past, new], dim=-1).unsqueeze(1)
+
+    def commit(self, new_valid: torch.Tensor, commit: int) -> None:
+        self.valid[:, self.length:self.length + commit] = new_valid[:, :commit]
+        self.length += commit
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Drop finished sequences from the batch (rows: indices to keep)."""
+        self.k, self.v, self.valid = self.k[:, rows], self.v[:, rows], self.valid[rows]

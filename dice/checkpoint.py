@@ -1,0 +1,170 @@
+"""Model folders in the published SDAR / DICE layout (DESIGN.md §2).
+
+A model folder holds `config.json` and either `model.safetensors` or shards listed by
+`model.safetensors.index.json` (`{"weight_map": {tensor name: shard file}}`), plus tokenizer
+files. Loading builds the model on the meta device and fills it one tensor at a time straight
+into the requested dtype/device, so peak host memory is about one tensor, not a second full copy
+(an 8B bf16 model loads on a 24 GB machine). Saving writes the same layout, each file atomically.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .model import SDAR, ModelConfig
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A model folder that cannot be loaded; the message names the file and the fix."""
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    file = Path(path) / CONFIG
+    if not file.is_file():
+        raise CheckpointError(f"{file} not found: point --model at a folder with an SDAR/DICE config.json")
+    try:
+        return ModelConfig.from_dict(json.loads(file.read_text()))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON ({e}); re-download or fix it") from None
+    except KeyError as e:
+        raise CheckpointError(f"{file} lacks required key(s) {e}; is this an SDAR/DICE config?") from None
+
+
+def weight_files(path: str | os.PathLike) -> dict[str, Path]:
+    """tensor name -> the safetensors file holding it; {} when the folder has no weights."""
+    path = Path(path)
+    if (path / INDEX).is_file():
+        try:
+            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{path / INDEX} is not a valid safetensors index ({e!r}); re-download it") from None
+        return {name: path / shard for name, shard in weight_map.items()}
+    if (path / SINGLE).is_file():
+        return {name: path / SINGLE for name in _open(path / SINGLE, "cpu").keys()}
+    return {}
+
+
+def has_weights(path: str | os.PathLike) -> bool:
+    return (Path(path) / INDEX).is_file() or (Path(path) / SINGLE).is_file()
+
+
+def _open(file: Path, device: str):
+    if not file.is_file():
+        raise CheckpointError(f"{file} not found (listed in the checkpoint); re-download the model folder")
+    try:
+        return safe_open(str(file), framework="pt", device=device)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file} is not a readable safetensors file ({e}); re-download it") from None
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> SDAR:
+    """Load an SDAR/DICE model folder. With `tie_word_embeddings`, `lm_head.weight` is the
+    embedding (a stored `lm_head.weight` is then ignored, as in the reference)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"model folder {path} does not exist: pass a folder with config.json and "
+                              "model.safetensors (a downloaded SDAR/DICE checkpoint)")
+    config = read_config(path)
+    files = weight_files(path)
+    if not files:
+        raise CheckpointError(f"{path} has no {SINGLE} or {INDEX}: download the weights into it")
+    with torch.device("meta"):
+        model = SDAR(config)
+    expected = dict(model.named_parameters())  # tied weights appear once, as the embedding
+    unknown = sorted(set(files) - set(expected) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
+    if unknown:
+        raise CheckpointError(f"{files[unknown[0]]} holds tensor {unknown[0]!r} that an SDAR model does not "
+                              f"have ({len(unknown)} unknown in all); is this a different architecture?")
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        raise CheckpointError(f"{path} lacks tensor {missing[0]!r} ({len(missing)} missing in all); "
+                              "the checkpoint is incomplete: re-download it")
+    load_device = str(device) if str(device).startswith("cuda") else "cpu"
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    for file, names in by_file.items():
+        handle = _open(file, load_device)
+        for name in names:
+            try:
+                tensor = handle.get_tensor(name)
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({e}); re-download the file") from None
+            want = tuple(expected[name].shape)
+            if tuple(tensor.shape) != want:
+                raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)} but config.json "
+                                      f"implies {want}; config and weights do not belong together")
+            _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def _set_parameter(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    setattr(module, attr, torch.nn.Parameter(tensor))
+
+
+def _atomic_write(file: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, file)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def save_model(model: SDAR, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,
+               dtype: torch.dtype | None = None, state_dict: dict | None = None) -> None:
+    """Write config.json and safetensors weights (sharded with an index above `max_shard_bytes`).
+
+    `state_dict` lets distributed training pass full tensors it gathered; `dtype` casts on save.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = state_dict if state_dict is not None else model.state_dict()
+    tensors = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in tensors.items()}
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    config = model.config.to_dict()
+    config["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    _atomic_write(path / CONFIG, lambda f: Path(f).write_text(json.dumps(config, indent=2) + "\n"))
+
+    shards, current, size = [], {}, 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = tensors[name]
+        size += nbytes
+    shards.append(current)
+    meta = {"format": "pt"}
+    stale = [path / INDEX, path / SINGLE, *path.glob("model-*-of-*.safetensors")]
+    if len(shards) == 1:
+        names = [SINGLE]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        _atomic_write(path / name, lambda f, s=shard: save_file(s, f, metadata=meta))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {t: n for n, s in zip(names, shards) for t in s}}
+        _atomic_write(path / INDEX, lambda f: Path(f).write_text(json.dumps(index, indent=2) + "\n"))
+    for old in stale:
+        if old.name not in names and old.name != (INDEX if len(shards) > 1 else None) and old.exists():
+            old.unlink()
