@@ -1,0 +1,241 @@
+"""Block-diffusion sampling with a KV cache (DESIGN.md §5).
+
+Blocks of B = `config.block_size` tokens sit on the absolute position grid: a prompt of P tokens
+contributes P // B full blocks, prefilled into the KV cache, and its last P mod B tokens share the
+first generated block, whose other positions start as MASK. Every later block starts all MASK.
+
+Within a block, step s = 0..S-1 unmasks min(n_s, masks left) tokens, with
+    n_s = floor(B / S) + [s < B mod S]                       (tokens per step, from the block size)
+Each step computes the block's logits given the clean cache (bidirectional inside the block),
+never samples the mask token, draws a token per masked position, and scores it by its
+confidence c = p(token) under the temperature softmax before top-k / top-p filtering
+(temperature 0: argmax, c = its softmax probability). Then
+    low_confidence_static:  unmask the n_s masked positions with the highest c;
+    low_confidence_dynamic: unmask every masked position with c > threshold, or the top n_s if
+                            fewer qualify.
+A finished block's keys/values are committed in the same forward as the next block's first step
+(the two blocks are block-causal to each other, so this equals a separate commit forward).
+Generation stops per sequence after the block holding an eos id, or once `max_new_tokens`
+positions were generated; tokens are cut after the first eos (kept) or at `max_new_tokens`.
+`step_map[i]` is the sequence's own denoising-forward count (from 1) when token i was unmasked.
+
+Sequences of different lengths are batched by left padding each prompt by whole blocks so that
+every sequence's first generated block has the same index; padding is never attended, position
+ids start at 0 at each sequence's first real token, and sampling noise is a hash of (seed, step,
+position), so a batch never changes a sequence's result.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .attention import block_causal_mask
+
+REMASKING = ("low_confidence_static", "low_confidence_dynamic")
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]
+    step_map: list[list[int]]
+    forwards: int = 0                     # model forwards run (prefill, steps; fused commits count once)
+    seconds: float = 0.0
+    denoising_steps: list[int] = field(default_factory=list)   # per sequence
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+def tokens_per_step(block_size: int, steps: int) -> list[int]:
+    """n_s = floor(B / S) + [s < B mod S] for s = 0..S-1."""
+    return [block_size // steps + (s < block_size % steps) for s in range(steps)]
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """u in (0, 1), a deterministic function of (row seed, row step, position): [B], [B], [B, T]."""
+    x = (positions * 0x9E3779B1 + (steps * 0x85EBCA77)[:, None] + seeds[:, None]) & _M32
+    x = _fmix32(_fmix32(x) ^ seeds[:, None])
+    return (x.double() + 0.5) / 2.0**32
+
+
+def _row_seeds(seed: int | Sequence[int] | None, n: int) -> list[int]:
+    if seed is None:
+        seed = int(torch.randint(0, 2**31, ()).item())
+    seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed + i for i in range(n)]
+    if len(seeds) != n:
+        raise ValueError(f"got {len(seeds)} seeds for {n} prompts")
+    out = []
+    for s in seeds:  # fold an arbitrary int into 32 bits
+        h = 0
+        while True:
+            h = (h * 0x01000193 ^ (s & _M32)) & _M32
+            s >>= 32
+            if s in (0, -1):
+                break
+        out.append(h)
+    return out
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k / nucleus (top-p) set to -inf."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p          # keeps the first token always
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def choose_tokens(logits: torch.Tensor, mask_token_id: int, temperature: float, top_k: int, top_p: float,
+                  uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, confidence) per position of [B, T, V] logits; see the module docstring."""
+    logits = logits.float()
+    logits[..., mask_token_id] = float("-inf")
+    if temperature == 0:
+        conf, tok = logits.softmax(-1).max(-1)
+        return tok, conf
+    scaled = logits / temperature
+    probs = scaled.softmax(-1)
+    cdf = filter_logits(scaled, top_k, top_p).softmax(-1).cumsum(-1)
+    target = (uniforms * cdf[..., -1].double()).float().unsqueeze(-1)
+    tok = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+    return tok, probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+
+
+def select_positions(conf: torch.Tensor, masked: torch.Tensor, n: torch.Tensor, remasking: str,
+                     threshold: float) -> torch.Tensor:
+    """Which masked positions to unmask this step: [B, T] bool. n: [B] tokens this step per row
+    (already min(n_s, masks left)). Ties go to the lower position."""
+    score = conf.masked_fill(~masked, -1.0)
+    order = score.sort(dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    top_n = rank < n[:, None]
+    if remasking == "low_confidence_static":
+        return top_n
+    confident = masked & (conf > threshold)
+    return torch.where((confident.sum(-1) >= n)[:, None], confident, top_n)
+
+
+@torch.inference_mode()
+def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, steps_per_block: int = 4,
+             remasking: str = "low_confidence_static", threshold: float = 0.9, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, eos_token_ids: Sequence[int] = (), use_cache: bool = True,
+             seed: int | Sequence[int] | None = None,
+             progress: Callable[[int], None] | None = None) -> GenerationResult:
+    """Generate a response for every prompt (lists of token ids); see the module docstring.
+
+    use_cache=False recomputes the whole sequence at every step: the brute-force reference.
+    seed: an int (row i uses seed + i) or one seed per prompt; None draws one from torch's RNG.
+    progress: called after every block with the number of positions generated so far.
+    """
+    if remasking not in REMASKING:
+        raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if max_new_tokens < 1 or steps_per_block < 1:
+        raise ValueError("max_new_tokens and steps_per_block must be >= 1")
+    cfg = model.config
+    bs, mask_id, device = cfg.block_size, cfg.mask_token_id, next(model.parameters()).device
+    schedule = tokens_per_step(bs, steps_per_block)
+    n_rows = len(prompts)
+    start = time.perf_counter()
+
+    lens = torch.tensor([len(p) for p in prompts])
+    full, rem = lens // bs, lens % bs
+    F = int(full.max())
+    blocks_needed = 1 + (max_new_tokens - (bs - rem)).clamp(min=0).add(bs - 1).div(bs, rounding_mode="floor")
+    total_len = (F + int(blocks_needed.max())) * bs
+    pad = (F - full) * bs
+
+    x = torch.full((n_rows, total_len), mask_id, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        x[i, int(pad[i]):int(pad[i]) + len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+    idx = torch.arange(total_len)
+    pos = (idx[None] - pad[:, None]).clamp(min=0)
+    valid = idx[None] >= pad[:, None]
+    gen_start = F * bs + rem                          # index of each row's first generated position
+    x, pos, valid, gen_start = x.to(device), pos.to(device), valid.to(device), gen_start.to(device)
+    generated = idx.to(device)[None] >= gen_start[:, None]
+    step_map = torch.zeros(n_rows, total_len, dtype=torch.long, device=device)
+    steps = torch.zeros(n_rows, dtype=torch.long, device=device)
+    seeds = torch.tensor(_row_seeds(seed, n_rows), dtype=torch.long, device=device)
+    eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
+
+    live = torch.arange(n_rows, device=device)       # original row of each batch row
+    out_tokens: list[list[int]] = [[] for _ in range(n_rows)]
+    out_steps: list[list[int]] = [[] for _ in range(n_rows)]
+    out_n_steps = [0] * n_rows
+    forwards = positions_done = 0
+    cache = model.new_cache(n_rows, total_len) if use_cache else None
+    if use_cache and F > 0:
+        model.forward_cached(x[:, :F * bs], pos[:, :F * bs], cache, commit=F * bs, valid=valid[:, :F * bs],
+                             logits_from=F * bs)
+        forwards += 1
+    pending_commit = False
+
+    for j in range(int(blocks_needed.max())):
+        b0, b1 = (F + j) * bs, (F + j + 1) * bs
+        masked = generated[:, b0:b1].clone()
+        positions_done += int(masked.sum())
+        for n_s in schedule:
+            left = masked.sum(-1)
+            active = left > 0
+            if not active.any():
+                break
+            if use_cache:
+                c0 = b0 - bs if pending_commit else b0
+                logits = model.forward_cached(x[:, c0:b1], pos[:, c0:b1], cache, commit=b0 - c0,
+                                              valid=valid[:, c0:b1], logits_from=b0 - c0)
+                pending_commit = False
+            else:
+                keys_ok = valid[:, None, :b1] | torch.eye(b1, dtype=torch.bool, device=device)
+                logits = model(x[:, :b1], pos[:, :b1], block_causal_mask(pos[:, :b1], bs) & keys_ok)[:, b0:b1]
+            forwards += 1
+            steps += active.long()
+            u = uniform_noise(seeds, steps, pos[:, b0:b1]) if temperature > 0 else None
+            tok, conf = choose_tokens(logits, mask_id, temperature, top_k, top_p, u)
+            chosen = select_positions(conf, masked, left.clamp(max=n_s), remasking, threshold)
+            x[:, b0:b1] = torch.where(chosen, tok, x[:, b0:b1])
+            step_map[:, b0:b1] = torch.where(chosen, steps[:, None], step_map[:, b0:b1])
+            masked &= ~chosen
+        pending_commit = True
+
+        # a sequence is finished once it has generated enough or its block holds an eos id
+        has_eos = (torch.isin(x[:, b0:b1], eos) & generated[:, b0:b1]).any(-1)
+        finished = (b1 - gen_start >= max_new_tokens) | has_eos
+        for r in finished.nonzero().flatten().tolist():
+            row, g0 = int(live[r]), int(gen_start[r])
+            toks, smap = x[r, g0:b1].tolist(), step_map[r, g0:b1].tolist()
+            cut = min(max_new_tokens, next((k + 1 for k, t in enumerate(toks) if t in eos_token_ids), len(toks)))
+            out_tokens[row], out_steps[row], out_n_steps[row] = toks[:cut], smap[:cut], int(steps[r])
+        if progress is not None:
+            progress(positions_done)
+        if finished.all():
+            break
+        if finished.any():
+            keep = (~finished).nonzero().flatten()
+            x, pos, valid, gen_start, generated, step_map, steps, seeds, live = (
+                t[keep] for t in (x, pos, valid, gen_start, generated, step_map, steps, seeds, live))
+            if cache is not None:
+                cache.keep_rows(keep)
+
+    return GenerationResult(out_tokens, out_steps, forwards, time.perf_counter() - start, out_n_steps)

@@ -1,0 +1,129 @@
+"""The cached sampler against the no-cache brute force, and the rules of DESIGN.md §5."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from dice import load_model
+from dice.sampler import choose_tokens, generate, select_positions, tokens_per_step
+
+TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
+# lengths 7, 8, 3, 13, 1: on and off the block grid (block 4), mixed in one batch
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3], [7] * 13, [42]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(TINY)
+
+
+@pytest.fixture(scope="module")
+def peaked():
+    """The tiny model with sharper output distributions, so that confidences pass thresholds."""
+    m = load_model(TINY)
+    with torch.no_grad():
+        m.lm_head.weight *= 8
+    return m
+
+
+def run(model, prompts=PROMPTS, **kw):
+    kw = {"max_new_tokens": 21, **kw}
+    return generate(model, prompts, **kw)
+
+
+@pytest.mark.parametrize("remasking,threshold", [("low_confidence_static", 0.9),
+                                                 ("low_confidence_dynamic", 0.9),
+                                                 ("low_confidence_dynamic", 0.5)])
+def test_cached_equals_brute_force_and_batch_invariant(peaked, remasking, threshold):
+    model = peaked
+    kw = dict(remasking=remasking, threshold=threshold)
+    cached, brute = run(model, **kw), run(model, use_cache=False, **kw)
+    assert cached.tokens == brute.tokens and cached.step_map == brute.step_map
+    for i, p in enumerate(PROMPTS):
+        alone = run(model, [p], **kw)
+        assert alone.tokens[0] == cached.tokens[i] and alone.step_map[0] == cached.step_map[i]
+
+
+def test_sampling_is_seeded_batch_invariant_and_matches_brute_force(model):
+    kw = dict(temperature=1.0, top_k=50, top_p=0.9, seed=11)
+    a, b, brute = run(model, **kw), run(model, **kw), run(model, use_cache=False, **kw)
+    assert a.tokens == b.tokens == brute.tokens and a.step_map == brute.step_map
+    assert run(model, [PROMPTS[2]], **{**kw, "seed": 13}).tokens[0] == a.tokens[2]  # row i uses seed + i
+    assert run(model, **{**kw, "seed": 12}).tokens != a.tokens
+
+
+def test_tokens_per_step_from_block_size():
+    assert tokens_per_step(4, 4) == [1, 1, 1, 1]
+    assert tokens_per_step(4, 3) == [2, 1, 1]
+    assert tokens_per_step(5, 2) == [3, 2]
+    assert tokens_per_step(4, 8) == [1, 1, 1, 1, 0, 0, 0, 0]
+
+
+def test_static_with_steps_equal_block_unmasks_one_token_per_step(model):
+    out = run(model, max_new_tokens=30)
+    for prompt, toks, smap, n_steps in zip(PROMPTS, out.tokens, out.step_map, out.denoising_steps):
+        assert len(toks) == 30
+        assert len(set(smap)) == len(smap)                    # never two tokens in one step
+        first_block = 4 - len(prompt) % 4
+        positions = first_block + 4 * -(-(30 - first_block) // 4)   # whole blocks are generated
+        assert n_steps == positions and max(smap) <= n_steps   # and no step without a token
+
+
+def test_dynamic_never_takes_more_steps_than_static(peaked):
+    static = run(peaked, max_new_tokens=40)
+    saved = []
+    for threshold in (0.99, 0.9, 0.5):
+        dyn = run(peaked, max_new_tokens=40, remasking="low_confidence_dynamic", threshold=threshold)
+        assert all(d <= s for d, s in zip(dyn.denoising_steps, static.denoising_steps))
+        saved.append(sum(static.denoising_steps) - sum(dyn.denoising_steps))
+    assert saved[-1] > 0 and dyn.forwards < static.forwards   # a peaked model does save forwards
+
+
+def test_eos_cuts_after_first_eos_and_keeps_it(model):
+    free = run(model, max_new_tokens=40)
+    toks = free.tokens[0]
+    eos = toks[10]
+    first = toks.index(eos)
+    cut = run(model, max_new_tokens=40, eos_token_ids=(eos,))
+    assert cut.tokens[0] == toks[:first + 1]
+    assert cut.step_map[0] == free.step_map[0][:first + 1]
+
+
+def test_mask_token_is_never_sampled(model):
+    boosted = load_model(TINY)
+    with torch.no_grad():
+        boosted.lm_head.weight[boosted.config.mask_token_id] *= 50
+    for kw in (dict(), dict(temperature=1.0, seed=0)):
+        out = run(boosted, **kw)
+        assert all(boosted.config.mask_token_id not in t for t in out.tokens)
+
+
+def test_confidence_is_taken_before_top_k():
+    logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0]]])
+    tok, conf = choose_tokens(logits.clone(), mask_token_id=3, temperature=1.0, top_k=1, top_p=1.0,
+                              uniforms=torch.tensor([[0.99]], dtype=torch.float64))
+    assert tok.item() == 0
+    expected = torch.tensor([2.0, 1.0, 0.0]).softmax(0)[0]   # mask excluded, no top-k
+    assert conf.item() == pytest.approx(expected.item(), abs=1e-6)
+
+
+def test_sampling_follows_the_filtered_distribution():
+    logits = torch.tensor([1.0, 0.0, -1.0, 5.0]).expand(1, 20000, 4).clone()
+    u = torch.rand(1, 20000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    tok, _ = choose_tokens(logits, mask_token_id=3, temperature=1.0, top_k=0, top_p=1.0, uniforms=u)
+    freq = torch.bincount(tok.flatten(), minlength=4).float() / 20000
+    target = torch.tensor([1.0, 0.0, -1.0]).softmax(0)
+    assert freq[3] == 0 and torch.allclose(freq[:3], target, atol=0.02)
+    tok, _ = choose_tokens(logits, mask_token_id=3, temperature=1.0, top_k=0, top_p=0.6, uniforms=u)
+    assert set(tok.flatten().tolist()) == {0}                 # nucleus 0.6 holds only the top token
+
+
+def test_select_positions_static_and_dynamic():
+    conf = torch.tensor([[0.95, 0.2, 0.97, 0.5], [0.3, 0.4, 0.1, 0.2]])
+    masked = torch.tensor([[True, True, False, True], [True, True, True, True]])
+    n = torch.tensor([1, 2])
+    static = select_positions(conf, masked, n, "low_confidence_static", 0.9)
+    assert static.tolist() == [[True, False, False, False], [True, True, False, False]]
+    dyn = select_positions(conf, masked, n, "low_confidence_dynamic", 0.4)
+    # row 0: 0.95 and 0.5 pass the threshold (0.97 is not masked); row 1: none does -> top 2
+    assert dyn.tolist() == [[True, False, False, True], [True, True, False, False]]
