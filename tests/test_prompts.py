@@ -1,0 +1,120 @@
+"""dice.prompts: the chat format, the kernel prompt, code extraction and the skeleton check."""
+import ast
+
+import pytest
+
+from dice.prompts import (
+    EXAMPLE_CUPY, EXAMPLE_LOAD_INLINE, EXAMPLE_MODEL, INFILL_GAP, REQUEST, chat_prompt, chat_response,
+    extract_code, keeps_skeleton, kernel_prompt,
+)
+
+TASK = '''import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+
+def get_inputs():
+    return [torch.randn(16, 16)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+# A solution split like DICE's infilling tasks: the prefix ends a line, the middle is the
+# CUDA source, the suffix starts with the newline that ends the middle's last line.
+PREFIX = "import torch\nimport torch.nn as nn\nfrom torch.utils.cpp_extension import load_inline\n\n"
+MIDDLE = 'source = """\n__global__ void relu_kernel(const float* x, float* y, int n) {}\n"""'
+SUFFIX = (
+    "\n\ncpp_src = \"torch::Tensor relu_cuda(torch::Tensor x);\"\n"
+    "ops = load_inline(name='ops', cpp_sources=cpp_src, cuda_sources=source, functions=['relu_cuda'])\n\n"
+    "class ModelNew(nn.Module):\n"
+    "    def forward(self, x):\n"
+    "        return ops.relu_cuda(x)"
+)
+PROGRAM = PREFIX + MIDDLE + SUFFIX
+
+
+def test_chat_prompt_is_chatml():
+    assert chat_prompt("Hi") == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert chat_response("```python\nx\n```") == "```python\nx\n```<|im_end|>"
+
+
+def test_kernel_prompt_contains_the_task_and_the_request():
+    prompt = kernel_prompt(TASK)
+    assert prompt.startswith("You write custom CUDA kernels to replace the pytorch operators")
+    assert TASK.rstrip() in prompt
+    assert EXAMPLE_LOAD_INLINE.rstrip() in prompt
+    assert prompt.endswith(REQUEST)
+    assert INFILL_GAP not in prompt
+
+
+def test_kernel_prompt_one_shot_styles():
+    assert EXAMPLE_CUPY.rstrip() in kernel_prompt(TASK, one_shot="cupy")
+    short = kernel_prompt(TASK, one_shot=None)
+    assert "ModelNew" not in short.replace(REQUEST, "") and TASK.rstrip() in short
+    with pytest.raises(ValueError, match="one_shot='triton'"):
+        kernel_prompt(TASK, one_shot="triton")
+
+
+@pytest.mark.parametrize("source", [EXAMPLE_MODEL, EXAMPLE_LOAD_INLINE, EXAMPLE_CUPY])
+def test_one_shot_examples_are_valid_python(source):
+    ast.parse(source)
+
+
+def test_infilling_prompt_shows_the_skeleton():
+    prompt = kernel_prompt(TASK, prefix=PREFIX, suffix=SUFFIX)
+    assert TASK.rstrip() in prompt
+    assert (PREFIX + INFILL_GAP + SUFFIX).strip() in prompt
+    assert MIDDLE not in prompt
+    assert REQUEST in prompt and "complete program" in prompt
+    with pytest.raises(ValueError, match="both prefix and suffix"):
+        kernel_prompt(TASK, prefix=PREFIX)
+
+
+@pytest.mark.parametrize("response, code", [
+    ("Here it is:\n```python\nimport torch\nx = 1\n```\nDone.", "import torch\nx = 1"),
+    ("```cpp\n__global__ void k() {}\n```", "__global__ void k() {}"),
+    ("```cuda\n__global__ void k() {}\n```", "__global__ void k() {}"),
+    ("```\nplain = True\n```", "plain = True"),
+    ("```python\nfirst = 1\n```\ntext\n```python\nsecond = 2\n```", "first = 1"),
+    ("```python\nclass ModelNew:\n    pass\n", "class ModelNew:\n    pass"),  # cut at max tokens
+    ("```python\n```", ""),
+    ("No code here, only `inline` words.", None),
+])
+def test_extract_code(response, code):
+    assert extract_code(response) == code
+
+
+def test_keeps_skeleton_accepts_the_reference_and_other_middles():
+    assert keeps_skeleton(PROGRAM, PREFIX, SUFFIX)
+    assert keeps_skeleton(PREFIX + 'source = r"""\n// a different kernel\n"""\n' + SUFFIX, PREFIX, SUFFIX)
+
+
+def test_keeps_skeleton_tolerates_whitespace_at_line_ends_and_blank_edges():
+    spaced = "\n\n" + PROGRAM.replace("\n", "   \r\n") + "\n\n\n"
+    assert keeps_skeleton(spaced, PREFIX, SUFFIX)
+    assert keeps_skeleton(extract_code(f"```python\n{PROGRAM}\n```"), PREFIX, SUFFIX)
+
+
+@pytest.mark.parametrize("program", [
+    PROGRAM.replace("import torch.nn as nn", "import torch.nn as neural"),  # prefix changed
+    PROGRAM.replace("return ops.relu_cuda(x)", "return torch.relu(x)"),  # suffix changed
+    "import numpy\n" + PROGRAM,  # code before the prefix
+    PROGRAM + "\n\nif __name__ == '__main__':\n    print(ModelNew())\n",  # code after the suffix
+    PROGRAM.replace("        return ops", "    return ops"),  # indentation is not trailing space
+    MIDDLE,  # no skeleton at all
+    "",
+])
+def test_keeps_skeleton_rejects_changes(program):
+    assert not keeps_skeleton(program, PREFIX, SUFFIX)
+
+
+def test_keeps_skeleton_needs_room_for_both_ends():
+    # A program as long as the prefix alone cannot also end with the suffix.
+    assert not keeps_skeleton(PREFIX, PREFIX, SUFFIX)
+    assert keeps_skeleton(PREFIX + SUFFIX, PREFIX, SUFFIX)
