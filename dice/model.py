@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from .attention import KVCache, attend, block_causal_mask
 
@@ -197,14 +198,17 @@ class SDAR(nn.Module):
                 h = layer(h, cos, sin, attention_mask)
         return self.model.norm(h)
 
-    def forward(self, input_ids, position_ids=None, attention_mask=None) -> torch.Tensor:
+    def forward(self, input_ids, position_ids=None, attention_mask=None, logits_at=None) -> torch.Tensor:
         """Logits [B, L, V] (unshifted).
 
         input_ids: [B, L]; position_ids: [B, L] (default 0..L-1); attention_mask: bool [L, L] or
         [B, L, L] with True = may attend, a FlexAttention BlockMask, or None for the block-causal
-        mask with blocks of `config.block_size` counted from index 0.
+        mask with blocks of `config.block_size` counted from index 0. logits_at: optional [B, L]
+        bool; then only the logits of those positions are computed, [N, V] (training needs the
+        logits of the masked tokens alone).
         """
-        return self.lm_head(self.hidden_states(input_ids, position_ids, attention_mask))
+        h = self.hidden_states(input_ids, position_ids, attention_mask)
+        return self.lm_head(h if logits_at is None else h[logits_at])
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.lm_head.weight

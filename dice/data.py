@@ -1,0 +1,180 @@
+"""SFT data: record readers, tokenisation, and packing into fixed-length rows (DESIGN.md §4).
+
+Accepted records (a JSON list or JSONL, one object per line):
+  {"prompt": ..., "response": ...}
+  {"instruction": ..., "input": ..., "output": ...}           LLaMA-Factory alpaca
+  {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}   the last turn is
+                                                              the assistant's response
+  {"pytorch_code": ..., "cuda_code": ...}                     a kernel task and its solution,
+                                                              through the DICE prompt builder
+Each becomes ChatML text `chat_prompt(user)` + `chat_response(answer)`; prompt and response are
+tokenised separately, as at inference, where the response starts right after the prompt.
+
+Packing: every example is padded to a multiple of the block size (padding belongs to no
+sample: it is never attended to and never trained) and examples are laid greedily into rows of
+`row_len` tokens, with position ids restarting at 0 per sample and `sample_ids` telling samples
+apart, so no token attends across samples.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .prompts import chat_prompt, chat_response, kernel_prompt
+
+
+class DataError(ValueError):
+    """A data file or record that cannot be used; the message names the file, record and fix."""
+
+
+def read_records(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {path} not found")
+    text = path.read_text()
+    try:
+        if path.suffix == ".jsonl":
+            return [json.loads(line) for line in text.splitlines() if line.strip()]
+        records = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} is not valid {'JSONL' if path.suffix == '.jsonl' else 'JSON'}: {e}") from None
+    if not isinstance(records, list):
+        raise DataError(f"{path} must hold a JSON list of records (or be .jsonl with one record per line)")
+    return records
+
+
+def _messages_prompt(messages: list[dict]) -> tuple[str, str]:
+    *context, last = messages
+    if last.get("role") != "assistant" or not context:
+        raise KeyError("messages must end with an assistant turn after at least one user turn")
+    system = "".join(f"<|im_start|>system\n{m['content']}<|im_end|>\n" for m in context if m["role"] == "system")
+    turns = [m for m in context if m["role"] != "system"]
+    history = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in turns[:-1])
+    return system + history + chat_prompt(turns[-1]["content"]), last["content"]
+
+
+def record_to_text(record: dict, *, one_shot: str | None = "load_inline") -> tuple[str, str]:
+    """(ChatML prompt text, response text ending with <|im_end|>) of one record."""
+    if "messages" in record:
+        prompt, answer = _messages_prompt(record["messages"])
+        return prompt, chat_response(answer)
+    if "pytorch_code" in record and "cuda_code" in record:
+        user = kernel_prompt(record["pytorch_code"], one_shot=one_shot)
+        answer = f"```python\n{record['cuda_code'].strip()}\n```"
+    elif "instruction" in record:
+        user = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
+        answer = record["output"]
+    else:
+        user, answer = record["prompt"], record["response"]
+    return chat_prompt(user), chat_response(answer)
+
+
+@dataclass
+class Example:
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+def tokenize_records(records: list[dict], tokenizer, max_len: int, *, source: str = "data",
+                     one_shot: str | None = "load_inline") -> tuple[list[Example], int]:
+    """Tokenise records; responses longer than the room left are cut. Returns (examples, number
+    of records skipped because their prompt alone fills `max_len`)."""
+    examples, skipped = [], 0
+    for i, record in enumerate(records):
+        try:
+            prompt, response = record_to_text(record, one_shot=one_shot)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise DataError(f"{source}: record {i} is not a prompt/response, alpaca, messages or "
+                            f"pytorch_code/cuda_code record ({e!r})") from None
+        p, r = tokenizer.encode(prompt), tokenizer.encode(response)
+        if len(p) >= max_len:
+            skipped += 1
+            continue
+        examples.append(Example(p, r[:max_len - len(p)]))
+    return examples, skipped
+
+
+def pack_rows(examples: list[Example], row_len: int, block_size: int, pad_id: int) -> list[dict]:
+    """Greedy packing in the given order into rows of `row_len` tokens (see module docstring)."""
+    if row_len % block_size:
+        raise ValueError(f"row length {row_len} must be a multiple of the block size {block_size}")
+    rows, current = [], []
+    used = 0
+    for ex in examples:
+        n = len(ex.prompt_ids) + len(ex.response_ids)
+        padded = -(-n // block_size) * block_size
+        if current and used + padded > row_len:
+            rows.append(_row(current, row_len, block_size, pad_id))
+            current, used = [], 0
+        current.append(ex)
+        used += padded
+    if current:
+        rows.append(_row(current, row_len, block_size, pad_id))
+    return rows
+
+
+def _row(examples: list[Example], row_len: int, block_size: int, pad_id: int) -> dict:
+    ids = torch.full((row_len,), pad_id, dtype=torch.long)
+    pos = torch.zeros(row_len, dtype=torch.long)
+    sample = torch.full((row_len,), -1, dtype=torch.long)
+    loss = torch.zeros(row_len, dtype=torch.bool)
+    start = 0
+    for k, ex in enumerate(examples):
+        toks = ex.prompt_ids + ex.response_ids
+        n, padded = len(toks), -(-len(toks) // block_size) * block_size
+        ids[start:start + n] = torch.tensor(toks)
+        pos[start:start + padded] = torch.arange(padded)
+        sample[start:start + n] = k
+        loss[start + len(ex.prompt_ids):start + n] = True
+        start += padded
+    return {"input_ids": ids, "position_ids": pos, "sample_ids": sample, "loss_mask": loss}
+
+
+def collate(rows: list[dict]) -> dict:
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+class RowStream:
+    """An endless, reproducible stream of packed rows: epoch e packs the examples shuffled with
+    seed + e, so row k of the stream depends only on (examples, seed, k) and training resumes
+    on exactly the data it would have seen."""
+
+    def __init__(self, examples: list[Example], row_len: int, block_size: int, pad_id: int, seed: int):
+        if not examples:
+            raise DataError("no training examples left (all prompts longer than --max-len?)")
+        self.examples, self.row_len, self.block_size, self.pad_id, self.seed = examples, row_len, block_size, pad_id, seed
+        self._lengths: dict[int, int] = {}
+        self._cached: tuple[int, list[dict]] = (-1, [])
+
+    def epoch_rows(self, epoch: int) -> list[dict]:
+        if self._cached[0] != epoch:
+            order = list(range(len(self.examples)))
+            random.Random(self.seed + epoch).shuffle(order)
+            rows = pack_rows([self.examples[i] for i in order], self.row_len, self.block_size, self.pad_id)
+            self._cached, self._lengths[epoch] = (epoch, rows), len(rows)
+        return self._cached[1]
+
+    def epoch_length(self, epoch: int) -> int:
+        if epoch not in self._lengths:
+            self.epoch_rows(epoch)
+        return self._lengths[epoch]
+
+    def rows(self, start: int, count: int) -> list[dict]:
+        """Rows [start, start + count) of the stream."""
+        epoch, offset = 0, start
+        while self.epoch_length(epoch) <= offset:
+            offset -= self.epoch_length(epoch)
+            epoch += 1
+        out = []
+        while len(out) < count:
+            rows = self.epoch_rows(epoch)
+            take = rows[offset:offset + count - len(out)]
+            out.extend(take)
+            offset += len(take)
+            if offset >= len(rows):
+                epoch, offset = epoch + 1, 0
+        return out

@@ -1,0 +1,332 @@
+"""What every training phase shares: devices and FSDP2, the optimiser and its schedule,
+checkpoints that are written atomically and resumed exactly, metrics and the progress line;
+and the SFT loop itself (DESIGN.md §4).
+
+Run directory layout (`--out DIR`):
+    DIR/metrics.jsonl                 one JSON object per optimiser step
+    DIR/checkpoints/step_000100/      a model folder (config.json, safetensors, tokenizer files)
+                                      plus trainer_state.pt (optimiser, step); written to a
+                                      temporary folder first and renamed, so a kill never leaves
+                                      a half-written checkpoint
+    DIR/checkpoints/latest            the name of the newest complete checkpoint
+    DIR/final/                        the model folder after the last step
+Randomness is a function of (seed, step, global row), never of a running generator, so a run
+resumed from step k continues exactly as the unbroken run would, on any number of processes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import has_weights, load_model, read_config, save_model
+from .data import RowStream, collate, read_records, tokenize_records
+from .diffusion import count_samples, diffusion_loss
+from .model import SDAR
+from .tokenizer import load_tokenizer
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "added_tokens.json",
+                   "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+
+
+@dataclass
+class TrainConfig:
+    """Flags of `python train.py` (every field is a `--flag`; see README)."""
+    phase: str = "sft"
+    model: str = ""
+    data: str = ""
+    out: str = ""
+    steps: int = 0
+    epochs: float = 0.0
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 1e-5
+    min_lr_ratio: float = 0.1
+    warmup: int = 0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    max_len: int = 2048
+    dtype: str = "auto"
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    resume: bool = False
+    seed: int = 0
+    gradient_checkpointing: bool = False
+    one_shot: str = "load_inline"
+    # BiC-RL (dice.rl)
+    tasks_per_step: int = 64
+    group_size: int = 16
+    max_new_tokens: int = 4096
+    temperature: float = 1.0
+    remasking: str = "low_confidence_dynamic"
+    threshold: float = 0.9
+    steps_per_block: int = 4
+    rollout_batch: int = 64
+    clip_eps: float = 0.2
+    kl_beta: float = 0.01
+    reference_model: bool = False
+    reward: str = "correct"
+    eval_every: int = 0
+    eval_data: str = ""
+    verifier_workers: int = 8
+    verify_timeout: float = 60.0
+
+
+# ---------------------------------------------------------------- devices and processes
+
+@dataclass
+class Runtime:
+    device: torch.device
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self, dtype: str):
+        enabled = dtype == "bf16" or (dtype == "auto" and self.device.type == "cuda")
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def all_sum(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t.item())
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+def setup_runtime() -> Runtime:
+    """One process per device under torchrun (NCCL on GPUs, gloo on CPU); plain otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Runtime(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl")
+        device = torch.device("cuda", local)
+    else:
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+    return Runtime(device, dist.get_rank(), world)
+
+
+def build_model(cfg: TrainConfig, rt: Runtime, log) -> SDAR:
+    """Load `--model`, or initialise it from its config.json when the folder has no weights.
+    Parameters stay float32 (the optimiser's master copy); bf16 comes from autocast. With
+    several processes every decoder layer and the root are sharded with FSDP2."""
+    if has_weights(cfg.model):
+        model = load_model(cfg.model, device=rt.device, dtype=torch.float32)
+    else:
+        log(f"{cfg.model} has config.json but no weights: starting from scratch (random init, seed {cfg.seed})")
+        model = SDAR(read_config(cfg.model)).init_weights(seed=cfg.seed).to(rt.device)
+    model.gradient_checkpointing = cfg.gradient_checkpointing
+    if rt.world > 1:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    return model.train()
+
+
+def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to min_lr_ratio * lr at `total`."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, total - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def row_generator(seed: int, step: int, row: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_000_003 + row)
+
+
+# ---------------------------------------------------------------- checkpoints and logs
+
+def _full_state(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_checkpoint(out: Path, step: int, model, optimizer, tokenizer_dir: str, rt: Runtime,
+                    keep: int, extra: dict | None = None) -> None:
+    """checkpoints/step_N written as a temporary folder, then renamed; then `latest` updated."""
+    model_state, optim_state = _full_state(model, optimizer)
+    if rt.main:
+        ckpts = out / "checkpoints"
+        final, tmp = ckpts / f"step_{step:06d}", ckpts / f".step_{step:06d}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_model_folder(model, tmp, tokenizer_dir, state_dict=model_state)
+        torch.save({"step": step, "optimizer": optim_state, **(extra or {})}, tmp / "trainer_state.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        (ckpts / ".latest.tmp").write_text(final.name)
+        os.replace(ckpts / ".latest.tmp", ckpts / "latest")
+        for old in sorted(ckpts.glob("step_*"))[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    rt.barrier()
+
+
+def write_model_folder(model, path: Path, tokenizer_dir: str, state_dict: dict | None = None) -> None:
+    """A loadable model folder: config + weights + the tokenizer files of the source folder."""
+    save_model(model, path, state_dict=state_dict)
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / name).is_file() and Path(tokenizer_dir).resolve() != path.resolve():
+            shutil.copy2(Path(tokenizer_dir) / name, path / name)
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    pointer = out / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    path = out / "checkpoints" / pointer.read_text().strip()
+    return path if (path / "trainer_state.pt").is_file() else None
+
+
+def resume(out: Path, model, optimizer, log) -> tuple[int, dict]:
+    """Load the newest checkpoint into model and optimiser; returns (next step, trainer state)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from safetensors.torch import load_file
+    path = latest_checkpoint(out)
+    if path is None:
+        log(f"--resume: no checkpoint in {out / 'checkpoints'}; starting at step 0")
+        return 0, {}
+    state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    weights = {}
+    for f in sorted(path.glob("*.safetensors")):
+        weights.update(load_file(f))
+    if model.config.tie_word_embeddings:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(full_state_dict=True))
+    log(f"resumed from {path} (next step {state['step']})")
+    return state["step"], state
+
+
+class MetricsLog:
+    """DIR/metrics.jsonl, truncated to the resumed step so a resumed run has no duplicate steps."""
+
+    def __init__(self, out: Path, start_step: int, enabled: bool):
+        self.file, self.enabled = out / "metrics.jsonl", enabled
+        if enabled and self.file.exists():
+            kept = [l for l in self.file.read_text().splitlines() if l.strip() and json.loads(l)["step"] < start_step]
+            self.file.write_text("".join(l + "\n" for l in kept))
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with self.file.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def progress_line(step: int, total: int, started: float, first_step: int, fields: dict) -> str:
+    done = step + 1 - first_step
+    eta = (time.perf_counter() - started) / max(done, 1) * (total - step - 1)
+    shown = " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items())
+    return f"step {step + 1}/{total} | {shown} | ETA {int(eta // 60)}m{int(eta % 60):02d}s"
+
+
+def make_logger(rt: Runtime):
+    def log(msg: str) -> None:
+        if rt.main:
+            print(msg, file=sys.stderr, flush=True)
+    return log
+
+
+# ---------------------------------------------------------------- SFT
+
+def train_sft(cfg: TrainConfig) -> Path:
+    """Masked block-diffusion SFT (DESIGN.md §4); returns the final model folder."""
+    rt = setup_runtime()
+    log = make_logger(rt)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(cfg.model)
+    model = build_model(cfg, rt, log)
+    bs = model.config.block_size
+    row_len = cfg.max_len - cfg.max_len % bs
+    examples, skipped = tokenize_records(read_records(cfg.data), tok, row_len, source=cfg.data, one_shot=cfg.one_shot)
+    if skipped:
+        log(f"skipped {skipped} records whose prompt alone fills --max-len {cfg.max_len}")
+    stream = RowStream(examples, row_len, bs, tok.pad_token_id, cfg.seed)
+    rows_per_step = cfg.batch_size * cfg.grad_accum * rt.world
+    total = cfg.steps or math.ceil(max(cfg.epochs, 1e-9) * stream.epoch_length(0) / rows_per_step)
+    optimizer = make_optimizer(model, cfg)
+    start = resume(out, model, optimizer, log)[0] if cfg.resume else 0
+    metrics = MetricsLog(out, start, rt.main)
+    mask_id = model.config.mask_token_id
+    log(f"SFT: {len(examples)} examples, {stream.epoch_length(0)} rows of {row_len} tokens per epoch, "
+        f"{rows_per_step} rows per step, steps {start}..{total}, device {rt.device} x{rt.world}")
+    started = time.perf_counter()
+    for step in range(start, total):
+        t0 = time.perf_counter()
+        lr = lr_at(step, total, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        step_rows = stream.rows(step * rows_per_step, rows_per_step)
+        global_samples = sum(count_samples(r["loss_mask"][None], r["sample_ids"][None]) for r in step_rows)
+        loss_sum, tokens = 0.0, 0
+        for micro in range(cfg.grad_accum):
+            first = (micro * rt.world + rt.rank) * cfg.batch_size
+            rows = step_rows[first:first + cfg.batch_size]
+            gens = [row_generator(cfg.seed, step, step * rows_per_step + first + i) for i in range(len(rows))]
+            with rt.autocast(cfg.dtype):
+                loss = diffusion_loss(model, collate(rows), gens, mask_id, use_flex=rt.device.type == "cuda")
+            # FSDP averages gradients over processes: scale so the step's gradient is the mean
+            # over the global batch's samples
+            (loss * rt.world / global_samples).backward()
+            loss_sum += loss.item()
+            tokens += sum(int((r["sample_ids"] >= 0).sum()) for r in rows)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = rt.all_sum(loss_sum) / global_samples
+        tokens = int(rt.all_sum(tokens))
+        dt = time.perf_counter() - t0
+        record = {"step": step + 1, "loss": loss_value, "lr": lr, "tokens_per_s": tokens / dt,
+                  "grad_norm": float(grad_norm), "step_time_s": dt}
+        metrics.write(record)
+        log(progress_line(step, total, started, start, {"loss": loss_value, "lr": lr,
+                                                        "tok/s": round(tokens / dt)}))
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < total:
+            save_checkpoint(out, step + 1, model, optimizer, cfg.model, rt, cfg.keep_checkpoints)
+    final_state, _ = _full_state(model, optimizer)
+    if rt.main:
+        write_model_folder(model, out / "final", cfg.model, state_dict=final_state)
+        log(f"wrote {out / 'final'}")
+    rt.barrier()
+    return out / "final"
+
+
+def config_from_args(argv: list[str] | None = None) -> TrainConfig:
+    """argparse over the TrainConfig fields: `--batch-size 8`, `--resume`, ..."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="train.py", description="SFT and BiC-RL training (see README)")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", default=f.default)
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            parser.add_argument(flag, type=kind, default=f.default)
+    return TrainConfig(**vars(parser.parse_args(argv)))
