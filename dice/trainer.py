@@ -230,7 +230,7 @@ class MetricsLog:
     def __init__(self, out: Path, start_step: int, enabled: bool):
         self.file, self.enabled = out / "metrics.jsonl", enabled
         if enabled and self.file.exists():
-            kept = [l for l in self.file.read_text().splitlines() if l.strip() and json.loads(l)["step"] < start_step]
+            kept = [l for l in self.file.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= start_step]
             self.file.write_text("".join(l + "\n" for l in kept))
 
     def write(self, record: dict) -> None:

@@ -9,3 +9,37 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def make_tiny_model_folder(folder, texts, *, vocab_size=300, hidden=64, layers=2):
+    """A from-scratch model folder: a tokenizer trained on `texts` and a config without weights."""
+    import json
+    from pathlib import Path
+
+    from dice.tokenizer import train_tokenizer
+
+    folder = Path(folder)
+    tok = train_tokenizer(texts, vocab_size, folder)
+    config = dict(vocab_size=tok.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                  mask_token_id=tok.mask_token_id, block_size=4, tie_word_embeddings=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def addition_task(tmp_path_factory):
+    """A tiny SFT corpus (addition facts) and a from-scratch model folder for it."""
+    import json
+    import random
+
+    root = tmp_path_factory.mktemp("addition")
+    rng = random.Random(0)
+    records = []
+    for _ in range(200):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        records.append({"prompt": f"add {a} and {b}", "response": f"{a} + {b} = {a + b}"})
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    model = make_tiny_model_folder(root / "model", [r["prompt"] + " " + r["response"] for r in records] * 3)
+    return model, data
