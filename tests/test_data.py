@@ -1,0 +1,66 @@
+"""SFT record readers, ChatML formatting and packing."""
+import json
+
+import pytest
+import torch
+
+from dice.data import DataError, Example, RowStream, pack_rows, read_records, record_to_text, tokenize_records
+
+
+def test_record_formats_become_chatml():
+    expect = ("<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n", "A<|im_end|>")
+    assert record_to_text({"prompt": "Q", "response": "A"}) == expect
+    assert record_to_text({"instruction": "Q", "input": "", "output": "A"}) == expect
+    assert record_to_text({"instruction": "Q", "input": "x", "output": "A"})[0].startswith(
+        "<|im_start|>user\nQ\n\nx<|im_end|>")
+    msgs = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+                         {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q"},
+                         {"role": "assistant", "content": "A"}]}
+    assert record_to_text(msgs) == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n"
+                                    "<|im_start|>assistant\nA1<|im_end|>\n" + expect[0], expect[1])
+    prompt, response = record_to_text({"pytorch_code": "class Model: pass", "cuda_code": "class ModelNew: pass"},
+                                      one_shot=None)
+    assert "class Model: pass" in prompt and response == "```python\nclass ModelNew: pass\n```<|im_end|>"
+
+
+def test_json_and_jsonl_and_bad_records(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps([{"prompt": "Q", "response": "A"}]))
+    (tmp_path / "b.jsonl").write_text('{"prompt": "Q", "response": "A"}\n\n{"foo": 1}\n')
+    assert read_records(tmp_path / "a.json") == [{"prompt": "Q", "response": "A"}]
+    records = read_records(tmp_path / "b.jsonl")
+
+    class Chars:
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    with pytest.raises(DataError, match=r"b.jsonl: record 1 is not a prompt/response"):
+        tokenize_records(records, Chars(), 100, source=str(tmp_path / "b.jsonl"))
+    (tmp_path / "c.json").write_text("{broken")
+    with pytest.raises(DataError, match="c.json is not valid JSON"):
+        read_records(tmp_path / "c.json")
+    with pytest.raises(DataError, match="not found"):
+        read_records(tmp_path / "nope.json")
+
+
+def test_packing_restarts_positions_and_pads_blocks():
+    examples = [Example([1, 2], [3, 4, 5]), Example([6], [7, 8]), Example([9, 9, 9], [10] * 6)]
+    rows = pack_rows(examples, row_len=12, block_size=4, pad_id=0)
+    assert len(rows) == 2
+    r = rows[0]
+    assert r["input_ids"].tolist() == [1, 2, 3, 4, 5, 0, 0, 0, 6, 7, 8, 0]
+    assert r["position_ids"].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
+    assert r["sample_ids"].tolist() == [0, 0, 0, 0, 0, -1, -1, -1, 1, 1, 1, -1]
+    assert r["loss_mask"].tolist() == [False, False, True, True, True, False, False, False, False, True, True, False]
+    assert rows[1]["sample_ids"].tolist() == [0] * 9 + [-1] * 3
+
+
+def test_row_stream_is_reproducible_across_epochs():
+    examples = [Example([i], [i, i]) for i in range(10)]
+    stream = RowStream(examples, 8, 4, 0, seed=3)
+    n0, n1 = stream.epoch_length(0), stream.epoch_length(1)
+    everything = stream.rows(0, n0 + n1)
+    fresh = RowStream(examples, 8, 4, 0, seed=3)
+    for start in (0, 3, n0 - 1, n0 + 1):
+        got = fresh.rows(start, 2)
+        assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(got, everything[start:start + 2]))
+    assert not torch.equal(stream.epoch_rows(0)[0]["input_ids"], stream.epoch_rows(1)[0]["input_ids"]) or n0 == 1
