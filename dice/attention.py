@@ -107,6 +107,9 @@ class KVCache:
     scratch: the next forward overwrites them, which is how a block is run against the cache
     "without storing it". `valid[b, j]` marks committed slots that hold real tokens (left padding
     of batched prompts is False), so padding is never attended.
+
+    Writes go through a device tensor of slot indices and attention may span a fixed `kv_len`
+    (the whole buffer), so the same code runs eagerly and inside a captured CUDA graph.
     """
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, max_len: int,
@@ -126,23 +129,24 @@ class KVCache:
             raise ValueError(f"KV cache overflow: {self.length} + {new_tokens} tokens > max_len "
                              f"{self.max_len}; allocate a larger cache")
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write new [B, Hkv, T, D] keys/values at the scratch slots; return the keys/values to
-        attend over: committed slots plus the new ones."""
-        end = self.length + k.shape[2]
-        self.k[layer, :, :, self.length:end] = k
-        self.v[layer, :, :, self.length:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv_len: int):
+        """Write new [B, Hkv, T, D] keys/values at `slots` [T]; return the first `kv_len` slots'
+        keys/values to attend over."""
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
+        return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]
 
-    def attention_mask(self, position_ids: torch.Tensor, new_valid: torch.Tensor, block_size: int) -> torch.Tensor:
-        """[B, 1, T, length + T] mask for T new tokens: committed valid keys, plus the new tokens
-        under the block-causal rule. Every token sees itself, so no row is empty (padding rows
-        would otherwise produce NaN that could leak through 0 * NaN)."""
-        T = position_ids.shape[1]
-        past = self.valid[:, None, :self.length].expand(-1, T, -1)
+    def attention_mask(self, slots: torch.Tensor, position_ids: torch.Tensor, new_valid: torch.Tensor,
+                       block_size: int, kv_len: int) -> torch.Tensor:
+        """[B, 1, T, kv_len] mask for T new tokens at `slots`: committed valid keys, plus the new
+        tokens under the block-causal rule. Every token sees itself, so no row is empty (padding
+        rows would otherwise produce NaN that could leak through 0 * NaN)."""
+        B, T = position_ids.shape
         eye = torch.eye(T, dtype=torch.bool, device=position_ids.device)
         new = (block_causal_mask(position_ids, block_size) & new_valid[:, None, :]) | eye
-        return torch.cat([past, new], dim=-1).unsqueeze(1)
+        mask = self.valid[:, None, :kv_len].expand(B, T, kv_len).clone()
+        mask.scatter_(2, slots.expand(B, T, T), new)
+        return mask.unsqueeze(1)
 
     def commit(self, new_valid: torch.Tensor, commit: int) -> None:
         self.valid[:, self.length:self.length + commit] = new_valid[:, :commit]

@@ -106,9 +106,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                 raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)} but config.json "
                                       f"implies {want}; config and weights do not belong together")
             _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval()
+    return model.tie_weights().eval()
 
 
 def _set_parameter(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -109,14 +109,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None = None, layer: int = 0):
+    def forward(self, x, cos, sin, mask, cache: KVCache | None = None, layer: int = 0, slots=None, kv_len=0):
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            k, v = cache.write(layer, k, v)
+            k, v = cache.write(layer, k, v, slots, kv_len)
         y = attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
@@ -140,8 +140,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, mask, cache=None, layer=0):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache, layer)
+    def forward(self, h, cos, sin, mask, cache=None, layer=0, slots=None, kv_len=0):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache, layer, slots, kv_len)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -161,19 +161,27 @@ class SDAR(nn.Module):
         self.config = config
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_weights()
         self.gradient_checkpointing = False
 
+    def tie_weights(self) -> "SDAR":
+        """lm_head shares the embedding when `tie_word_embeddings`; re-run after `to_empty`,
+        which gives every module its own new tensor."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        return self
+
+    @torch.no_grad()
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> "SDAR":
-        """Random init for training from scratch: N(0, std) matrices, unit norms."""
-        gen = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+        """Random init for training from scratch: N(0, std) matrices, unit norms. Drawn on the
+        parameters' device with a generator seeded by `seed`."""
+        device = self.lm_head.weight.device
+        gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
         for name, p in self.named_parameters():
-            with torch.no_grad():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
         return self
 
     def hidden_states(self, input_ids, position_ids=None, attention_mask=None) -> torch.Tensor:
@@ -230,12 +238,21 @@ class SDAR(nn.Module):
         cache.check_room(T)
         if valid is None:
             valid = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
-        mask = cache.attention_mask(position_ids, valid, self.config.block_size)
+        slots = torch.arange(cache.length, cache.length + T, device=input_ids.device)
+        logits = self.step_logits(input_ids, position_ids, valid, cache, slots, cache.length + T, logits_from)
+        cache.commit(valid, commit)
+        return logits
+
+    def step_logits(self, input_ids, position_ids, valid, cache: KVCache, slots: torch.Tensor, kv_len: int,
+                    logits_from: int = 0) -> torch.Tensor:
+        """The body of `forward_cached` without the host-side commit: every shape is fixed by
+        (B, T, kv_len) and the write position is the device tensor `slots`, so a CUDA graph can
+        capture it (`dice.sampler` does, with kv_len = the whole cache)."""
+        mask = cache.attention_mask(slots, position_ids, valid, self.config.block_size, kv_len)
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, h.dtype)
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, mask, cache, i)
-        cache.commit(valid, commit)
+            h = layer(h, cos, sin, mask, cache, i, slots, kv_len)
         return self.lm_head(self.model.norm(h[:, logits_from:]))
 
 

@@ -135,16 +135,68 @@ def select_positions(conf: torch.Tensor, masked: torch.Tensor, n: torch.Tensor, 
     return torch.where((confident.sum(-1) >= n)[:, None], confident, top_n)
 
 
+class CachedForward:
+    """`model.forward_cached`, or on CUDA its replay from CUDA graphs captured once per shape.
+
+    A block step is a few hundred small kernels; at batch 1 launching them costs more than the
+    math, so the step is captured with the attention spanning the whole cache buffer (fixed
+    shapes) and the write position passed as a device tensor. Graphs hold the cache's memory,
+    so `reset` must follow any change of the cache's tensors (dropping finished rows).
+    """
+
+    def __init__(self, model, cache, use_graphs: bool):
+        self.model, self.cache, self.use_graphs = model, cache, use_graphs
+        self.graphs: dict[tuple, dict] = {}
+
+    def reset(self) -> None:
+        self.graphs.clear()
+
+    def __call__(self, ids, pos, valid, commit: int, logits_from: int) -> torch.Tensor:
+        if not self.use_graphs:
+            return self.model.forward_cached(ids, pos, self.cache, commit=commit, valid=valid, logits_from=logits_from)
+        self.cache.check_room(ids.shape[1])
+        key = (*ids.shape, logits_from)
+        g = self.graphs.get(key) or self._capture(ids, pos, valid, logits_from)
+        g["ids"].copy_(ids)
+        g["pos"].copy_(pos)
+        g["valid"].copy_(valid)
+        g["start"].fill_(self.cache.length)
+        g["graph"].replay()
+        self.cache.commit(valid, commit)
+        return g["logits"]
+
+    def _capture(self, ids, pos, valid, logits_from) -> dict:
+        g = {"ids": ids.clone(), "pos": pos.clone(), "valid": valid.clone(),
+             "start": torch.full((), self.cache.length, dtype=torch.long, device=ids.device)}
+        offsets = torch.arange(ids.shape[1], device=ids.device)
+
+        def body():
+            return self.model.step_logits(g["ids"], g["pos"], g["valid"], self.cache, g["start"] + offsets,
+                                          self.cache.max_len, logits_from)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()  # warm-up outside capture (lazy init, workspace allocation); writes scratch slots only
+        torch.cuda.current_stream().wait_stream(side)
+        g["graph"] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g["graph"]):
+            g["logits"] = body()
+        self.graphs[(*ids.shape, logits_from)] = g
+        return g
+
+
 @torch.inference_mode()
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, steps_per_block: int = 4,
              remasking: str = "low_confidence_static", threshold: float = 0.9, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, eos_token_ids: Sequence[int] = (), use_cache: bool = True,
-             seed: int | Sequence[int] | None = None,
+             seed: int | Sequence[int] | None = None, cuda_graphs: bool = True,
              progress: Callable[[int], None] | None = None) -> GenerationResult:
     """Generate a response for every prompt (lists of token ids); see the module docstring.
 
     use_cache=False recomputes the whole sequence at every step: the brute-force reference.
     seed: an int (row i uses seed + i) or one seed per prompt; None draws one from torch's RNG.
+    cuda_graphs: replay block steps from CUDA graphs (CUDA with use_cache only; same results).
     progress: called after every block with the number of positions generated so far.
     """
     if remasking not in REMASKING:
@@ -181,11 +233,14 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
     eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
 
     live = torch.arange(n_rows, device=device)       # original row of each batch row
+    done = torch.zeros(n_rows, dtype=torch.bool, device=device)
     out_tokens: list[list[int]] = [[] for _ in range(n_rows)]
     out_steps: list[list[int]] = [[] for _ in range(n_rows)]
     out_n_steps = [0] * n_rows
     forwards = positions_done = 0
     cache = model.new_cache(n_rows, total_len) if use_cache else None
+    graphs = use_cache and cuda_graphs and device.type == "cuda"
+    step_forward = CachedForward(model, cache, graphs) if use_cache else None
     if use_cache and F > 0:
         model.forward_cached(x[:, :F * bs], pos[:, :F * bs], cache, commit=F * bs, valid=valid[:, :F * bs],
                              logits_from=F * bs)
@@ -203,8 +258,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
                 break
             if use_cache:
                 c0 = b0 - bs if pending_commit else b0
-                logits = model.forward_cached(x[:, c0:b1], pos[:, c0:b1], cache, commit=b0 - c0,
-                                              valid=valid[:, c0:b1], logits_from=b0 - c0)
+                logits = step_forward(x[:, c0:b1], pos[:, c0:b1], valid[:, c0:b1], b0 - c0, b0 - c0)
                 pending_commit = False
             else:
                 keys_ok = valid[:, None, :b1] | torch.eye(b1, dtype=torch.bool, device=device)
@@ -221,7 +275,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
 
         # a sequence is finished once it has generated enough or its block holds an eos id
         has_eos = (torch.isin(x[:, b0:b1], eos) & generated[:, b0:b1]).any(-1)
-        finished = (b1 - gen_start >= max_new_tokens) | has_eos
+        finished = ((b1 - gen_start >= max_new_tokens) | has_eos) & ~done
         for r in finished.nonzero().flatten().tolist():
             row, g0 = int(live[r]), int(gen_start[r])
             toks, smap = x[r, g0:b1].tolist(), step_map[r, g0:b1].tolist()
@@ -229,13 +283,17 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
             out_tokens[row], out_steps[row], out_n_steps[row] = toks[:cut], smap[:cut], int(steps[r])
         if progress is not None:
             progress(positions_done)
-        if finished.all():
+        done |= finished
+        if done.all():
             break
-        if finished.any():
-            keep = (~finished).nonzero().flatten()
-            x, pos, valid, gen_start, generated, step_map, steps, seeds, live = (
-                t[keep] for t in (x, pos, valid, gen_start, generated, step_map, steps, seeds, live))
+        # drop finished rows; with graphs only once half the batch is done (each drop re-captures)
+        if finished.any() and (not graphs or 2 * int(done.sum()) >= len(done)):
+            keep = (~done).nonzero().flatten()
+            x, pos, valid, gen_start, generated, step_map, steps, seeds, live, done = (
+                t[keep] for t in (x, pos, valid, gen_start, generated, step_map, steps, seeds, live, done))
             if cache is not None:
                 cache.keep_rows(keep)
+                step_forward.reset()
+        generated &= ~done[:, None]
 
     return GenerationResult(out_tokens, out_steps, forwards, time.perf_counter() - start, out_n_steps)

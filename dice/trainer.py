@@ -146,8 +146,9 @@ def build_model(cfg: TrainConfig, rt: Runtime, log) -> SDAR:
 def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    fused = decay[0].device.type == "cuda"
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), fused=fused)
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:

@@ -1,0 +1,208 @@
+"""Benchmarks on random SDAR-shaped models (GPU): `python -m dice.bench sample|train|verify|model`.
+
+Every number is a median over repeated runs after warm-up; each table names the roofline it is
+compared with. H200 ceilings used (measured on this project's machine kind, see README):
+HBM 4.8 TB/s (datasheet; ~4.3 TB/s measured copy), bf16 dense matmul 790 TFLOP/s.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from .model import SDAR, flops_per_token, sdar_shape
+
+HBM_BYTES_PER_S = 4.8e12
+BF16_FLOPS = 790e12
+
+
+def random_model(shape: str, device="cuda", dtype=torch.bfloat16, seed: int = 0, peaked: float = 1.0, **overrides):
+    """A random-weight SDAR of a public shape; `peaked` scales lm_head so that outputs are confident."""
+    with torch.device("meta"):
+        model = SDAR(sdar_shape(shape, **overrides))
+    model = model.to_empty(device=device).tie_weights().float().init_weights(seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(peaked)
+    return model.to(dtype).eval()
+
+
+def forward_weight_bytes(model) -> int:
+    """Bytes of weights one decode forward reads: every matrix except the embedding table,
+    of which only the looked-up rows are read (lm_head is read in full, tied or not)."""
+    embed = model.model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    untied = model.lm_head.weight is not embed
+    return total - (embed.numel() * embed.element_size() if untied else 0)
+
+
+def table(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    widths = [max(len(k), *(len(str(r[k])) for r in rows)) for k in keys]
+    line = lambda vals: "  ".join(str(v).rjust(w) for v, w in zip(vals, widths))  # noqa: E731
+    return "\n".join([line(keys), *(line([r[k] for k in keys]) for r in rows)])
+
+
+def bench_sample(args) -> None:
+    """Block-diffusion decoding vs autoregressive decoding with the same cache code, vs the
+    weight-bandwidth roofline (weights bytes / 4.8 TB/s per forward)."""
+    from .sampler import generate
+    torch.manual_seed(0)
+    model = random_model(args.shape)
+    roofline_fps = HBM_BYTES_PER_S / forward_weight_bytes(model)
+    prompt = torch.randint(0, 150000, (args.prompt_len,)).tolist()
+    rows = []
+
+    def run(label, batch, block_size, steps, graphs, remasking="low_confidence_static", m=model):
+        saved = m.config.block_size
+        m.config.block_size = block_size
+        try:
+            kw = dict(max_new_tokens=args.gen, steps_per_block=steps, remasking=remasking, cuda_graphs=graphs)
+            generate(m, [prompt] * batch, **{**kw, "max_new_tokens": 64})   # warm-up, graph capture
+            times, res = [], None
+            for _ in range(args.repeats):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                res = generate(m, [prompt] * batch, **kw)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+        finally:
+            m.config.block_size = saved
+        t = statistics.median(times)
+        fps = res.forwards / t
+        rows.append({"decode": label, "batch": batch, "graphs": graphs, "tokens/s": round(res.num_tokens / t),
+                     "forwards": res.forwards, "ms/forward": round(1e3 / fps, 3),
+                     "% roofline fwd/s": round(100 * fps / roofline_fps, 1)})
+        print(table(rows[-1:]), file=sys.stderr, flush=True)
+
+    for batch in args.batch:
+        for graphs in (True, False):
+            run("diffusion B=4 S=4", batch, 4, 4, graphs)
+        run("autoregressive", batch, 1, 1, True)
+    peaked = random_model(args.shape, peaked=12.0)
+    for remasking in ("low_confidence_static", "low_confidence_dynamic"):
+        run(f"peaked {remasking.split('_')[-1]}", 1, 4, 4, True, remasking, m=peaked)
+    print(f"\nsample bench: random SDAR-{args.shape} bf16, prompt {args.prompt_len}, gen {args.gen}, "
+          f"{torch.cuda.get_device_name()}; roofline {roofline_fps:.0f} forwards/s "
+          f"({forward_weight_bytes(model) / 1e9:.2f} GB weights / 4.8 TB/s)")
+    print(table(rows))
+
+
+def attention_pairs(mask) -> int:
+    return int(mask.sum())
+
+
+def bench_train(args) -> None:
+    """One SFT step of a random SDAR-shaped model: step time, tokens/s, peak memory, MFU.
+
+    FLOPs per step = 6 * (layer matmul params) * 2n  (forward + backward, every token of [x_t ; x_0])
+                   + 6 * d * V * masked              (lm_head on masked positions only)
+                   + 12 * layers * heads * head_dim * visible (q, k) pairs of the block-diffusion mask
+    MFU = FLOPs / step time / 790 TFLOP/s (bf16 matmul rate measured on the H200).
+    """
+    from .attention import block_diffusion_mask
+    from .diffusion import diffusion_loss
+    from .trainer import TrainConfig, make_optimizer
+    torch.manual_seed(0)
+    cfg_model = sdar_shape(args.shape)
+    n = args.seq_len
+    with torch.device("meta"):
+        model = SDAR(cfg_model)
+    model = model.to_empty(device="cuda").tie_weights().init_weights(seed=0).train()
+    model.gradient_checkpointing = args.grad_ckpt
+    opt = make_optimizer(model, TrainConfig(lr=1e-5))
+    prompt = n // 8
+    row = {"input_ids": torch.randint(0, 150000, (1, n)), "position_ids": torch.arange(n)[None],
+           "sample_ids": torch.zeros(1, n, dtype=torch.long), "loss_mask": (torch.arange(n) >= prompt)[None]}
+    batch = {k: v.repeat(args.batch, 1) for k, v in row.items()}
+    times = []
+    for i in range(args.warmup + args.steps):
+        gens = [torch.Generator().manual_seed(i * 100 + j) for j in range(args.batch)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = diffusion_loss(model, batch, gens, cfg_model.mask_token_id, use_flex=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    t = statistics.median(times)
+    layer_params = cfg_model.num_parameters(include_embedding=False)
+    visible = attention_pairs(block_diffusion_mask(torch.arange(n), cfg_model.block_size))
+    masked = int((n - prompt) * 0.5)  # E[p] = 1/2 of the response is masked
+    flops = args.batch * (6 * layer_params * 2 * n + 6 * cfg_model.hidden_size * cfg_model.vocab_size * masked
+                          + 12 * cfg_model.num_hidden_layers * cfg_model.num_attention_heads * cfg_model.head_dim * visible)
+    dense_6nd = args.batch * 2 * n * flops_per_token(cfg_model, 2 * n)
+    print(f"\ntrain bench: random SDAR-{args.shape}, bf16 autocast + fp32 master weights, AdamW, FlexAttention, "
+          f"batch {args.batch} x {n} tokens ({2 * n} doubled), grad ckpt {args.grad_ckpt}, "
+          f"{torch.cuda.get_device_name()}")
+    print(table([{"step ms": round(t * 1e3, 1), "tokens/s": round(args.batch * n / t),
+                  "doubled tokens/s": round(args.batch * 2 * n / t),
+                  "peak GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+                  "TFLOP/step": round(flops / 1e12, 1), "MFU %": round(100 * flops / t / BF16_FLOPS, 1),
+                  "MFU % (dense 6ND+attn)": round(100 * dense_6nd / t / BF16_FLOPS, 1)}]))
+
+
+def bench_model(args) -> None:
+    """bf16 GPU logits vs the float32 CPU path, and FlexAttention vs dense training forward."""
+    from .attention import block_diffusion_mask, flex_block_diffusion_mask
+    gpu32 = random_model(args.shape, dtype=torch.float32)
+    cpu32 = random_model(args.shape, dtype=torch.float32)
+    cpu32.load_state_dict(gpu32.state_dict())
+    cpu32 = cpu32.cpu()
+    gpu16 = gpu32.to(torch.bfloat16)
+    ids = torch.randint(0, 150000, (2, 37))
+    with torch.no_grad():
+        ref = cpu32(ids).double()
+        got = gpu16(ids.cuda()).double().cpu()
+        n = 512
+        tokens = torch.randint(0, 150000, (1, 2 * n), device="cuda")
+        pos = torch.arange(n, device="cuda")[None]
+        doubled_pos = torch.cat([pos, pos], 1)
+        dense = gpu16(tokens, doubled_pos, block_diffusion_mask(pos, 4)).double()
+        flex = gpu16(tokens, doubled_pos, flex_block_diffusion_mask(pos, 4)).double()
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    print(f"\nmodel check: random SDAR-{args.shape}")
+    print(table([{"check": "bf16 GPU vs fp32 CPU logits", "rel err (norm)": f"{rel(got, ref):.2e}",
+                  "max abs / max|ref|": f"{float((got - ref).abs().max() / ref.abs().max()):.2e}"},
+                 {"check": "flex vs dense training fwd (bf16)", "rel err (norm)": f"{rel(flex, dense):.2e}",
+                  "max abs / max|ref|": f"{float((flex - dense).abs().max() / dense.abs().max()):.2e}"}]))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dice.bench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("sample", help="decoding tokens/s vs autoregressive and the roofline")
+    s.add_argument("--shape", default="1.7b")
+    s.add_argument("--gen", type=int, default=1024)
+    s.add_argument("--prompt-len", type=int, default=128)
+    s.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    s.add_argument("--repeats", type=int, default=3)
+    t = sub.add_parser("train", help="SFT step time, tokens/s, memory and MFU")
+    t.add_argument("--shape", default="1.7b")
+    t.add_argument("--seq-len", type=int, default=4096)
+    t.add_argument("--batch", type=int, default=1)
+    t.add_argument("--steps", type=int, default=5)
+    t.add_argument("--warmup", type=int, default=2)
+    t.add_argument("--grad-ckpt", action="store_true")
+    m = sub.add_parser("model", help="bf16 vs fp32 logits, flex vs dense attention")
+    m.add_argument("--shape", default="1.7b")
+    v = sub.add_parser("verify", help="kernels verified per minute (CuPy vs load_inline)")
+    v.add_argument("--workers", type=int, default=8)
+    args, rest = parser.parse_known_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("python -m dice.bench needs a CUDA GPU; this machine has none")
+    if args.what == "verify":
+        from .bench_verify import main as verify_main
+        verify_main(rest + ["--workers", str(args.workers)])
+        return
+    {"sample": bench_sample, "train": bench_train, "model": bench_model}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()

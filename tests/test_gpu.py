@@ -1,0 +1,66 @@
+"""GPU checks of the model and the sampler (run on a CUDA machine with `pytest -m gpu`)."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from dice import load_model
+from dice.attention import block_diffusion_mask, flex_block_diffusion_mask
+from dice.bench import random_model
+from dice.sampler import generate
+
+pytestmark = pytest.mark.gpu
+TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3], [7] * 13, [42]]
+
+
+def rel_err(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@torch.no_grad()
+def test_bf16_gpu_logits_agree_with_fp32_cpu():
+    gpu = random_model("1.7b", dtype=torch.float32, num_hidden_layers=4)
+    cpu = random_model("1.7b", dtype=torch.float32, num_hidden_layers=4)
+    cpu.load_state_dict(gpu.state_dict())
+    ids = torch.randint(0, 150000, (2, 37))
+    ref = cpu.cpu()(ids)
+    got = gpu.to(torch.bfloat16)(ids.cuda()).cpu()
+    assert rel_err(got, ref) < 2e-2
+
+
+@torch.no_grad()
+def test_flex_training_forward_equals_dense():
+    model = load_model(TINY, device="cuda")
+    n = 40
+    ids = torch.randint(0, 319, (2, 2 * n), device="cuda")
+    pos = torch.tensor([list(range(24)) + list(range(16))] * 2, device="cuda")    # two packed samples
+    sample = torch.tensor([[0] * 24 + [1] * 16] * 2, device="cuda")
+    doubled = torch.cat([pos, pos], 1)
+    dense = model(ids, doubled, block_diffusion_mask(pos, 4, sample))
+    flex = model(ids, doubled, flex_block_diffusion_mask(pos, 4, sample))
+    assert rel_err(flex, dense) < 1e-5
+
+
+@pytest.mark.parametrize("remasking,threshold", [("low_confidence_static", 0.9), ("low_confidence_dynamic", 0.5)])
+def test_graphs_cache_and_brute_force_agree_on_the_tiny_model(remasking, threshold):
+    model = load_model(TINY, device="cuda")
+    with torch.no_grad():
+        model.lm_head.weight *= 8
+    kw = dict(max_new_tokens=21, remasking=remasking, threshold=threshold)
+    runs = [generate(model, PROMPTS, cuda_graphs=True, **kw), generate(model, PROMPTS, cuda_graphs=False, **kw),
+            generate(model, PROMPTS, use_cache=False, **kw)]
+    assert runs[0].tokens == runs[1].tokens == runs[2].tokens
+    assert runs[0].step_map == runs[1].step_map == runs[2].step_map
+    for i, p in enumerate(PROMPTS):
+        assert generate(model, [p], **kw).tokens[0] == runs[0].tokens[i]
+
+
+@pytest.mark.parametrize("remasking", ["low_confidence_static", "low_confidence_dynamic"])
+def test_cached_equals_brute_force_on_a_random_1p7b_shape_in_fp32(remasking):
+    """float32: exact agreement is expected (bf16 near-ties may differ; the bench reports bf16)."""
+    model = random_model("1.7b", dtype=torch.float32, peaked=12.0, num_hidden_layers=6)
+    prompts = [torch.randint(0, 150000, (n,)).tolist() for n in (16, 21, 30)]
+    kw = dict(max_new_tokens=24, remasking=remasking)
+    cached, brute = generate(model, prompts, **kw), generate(model, prompts, use_cache=False, **kw)
+    assert cached.tokens == brute.tokens and cached.step_map == brute.step_map
