@@ -1,0 +1,134 @@
+"""Kernel tasks: KernelBench folders and DICE JSON files -> `Task` records (DESIGN.md §8, §9).
+
+A task is Python source in the KernelBench format: it defines `class Model(nn.Module)`,
+`get_inputs()` (the forward arguments) and `get_init_inputs()` (the constructor arguments).
+Two on-disk layouts are read:
+
+- KernelBench: `root/level1/19_ReLU.py ...`, a single `levelN/` folder, or one `.py` file.
+  Names are `level1/19_ReLU` (or the bare file stem when the level is unknown).
+- DICE JSON: a list of records with `pytorch_code` and optionally `level`, `id` or `idx`,
+  `cuda_code` (a reference solution) and `prefix` / `middle` / `suffix` (its infilling split).
+  Names are `<file stem>/<id>`.
+
+Filtering by level is the caller's business; every loaded source is checked (by its AST, without
+running it) for the three names the verifier needs.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+REQUIRED_NAMES = ("Model", "get_inputs", "get_init_inputs")
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    level: int | None
+    source: str
+    prefix: str | None = None
+    middle: str | None = None
+    suffix: str | None = None
+    solution: str | None = None
+
+
+def missing_task_names(source: str) -> list[str]:
+    """Names of REQUIRED_NAMES that `source` does not define at module level.
+
+    Raises SyntaxError when the source does not parse."""
+    defined = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.Assign):
+            defined.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return [name for name in REQUIRED_NAMES if name not in defined]
+
+
+def check_task_source(source: str, where: str) -> None:
+    """Raise ValueError naming `where` unless `source` is a usable KernelBench task."""
+    try:
+        missing = missing_task_names(source)
+    except SyntaxError as exc:
+        raise ValueError(f"{where}: task source does not parse (line {exc.lineno}: {exc.msg}); "
+                         "fix the Python syntax of the task") from None
+    if missing:
+        raise ValueError(f"{where}: task source defines no {', '.join(missing)}; a KernelBench task "
+                         "needs class Model(nn.Module), get_inputs() and get_init_inputs()")
+
+
+def load_tasks(path: str | Path) -> list[Task]:
+    """Load every task under `path` (KernelBench root, level folder, .py file or DICE .json)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such task file or folder; pass a KernelBench folder, "
+                                "a task .py file or a DICE .json file")
+    if path.is_file() and path.suffix == ".json":
+        return _load_json(path)
+    if path.is_file() and path.suffix == ".py":
+        return [_load_py(path, _level_of(path.parent.name))]
+    if path.is_dir():
+        level_dirs = sorted((d for d in path.iterdir() if d.is_dir() and _level_of(d.name) is not None),
+                            key=lambda d: _level_of(d.name))
+        folders = level_dirs or [path]
+        tasks = [_load_py(f, _level_of(d.name)) for d in folders for f in _sorted_py_files(d)]
+        if tasks:
+            return tasks
+    raise ValueError(f"{path}: found no tasks; expected level*/NN_Name.py files, NN_Name.py files, "
+                     "or a .json list of records with pytorch_code")
+
+
+def _level_of(name: str) -> int | None:
+    match = re.fullmatch(r"level_?(\d+)", name)
+    return int(match.group(1)) if match else None
+
+
+def _sorted_py_files(folder: Path) -> list[Path]:
+    # KernelBench numbers its problems: 2_X.py sorts before 10_X.py.
+    def key(f: Path):
+        match = re.match(r"(\d+)", f.name)
+        return (int(match.group(1)) if match else float("inf"), f.name)
+    return sorted((f for f in folder.glob("*.py") if not f.name.startswith("_")), key=key)
+
+
+def _load_py(path: Path, level: int | None) -> Task:
+    source = path.read_text()
+    check_task_source(source, str(path))
+    name = f"level{level}/{path.stem}" if level is not None else path.stem
+    return Task(name=name, level=level, source=source)
+
+
+def _load_json(path: Path) -> list[Task]:
+    try:
+        records = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(records, list):
+        raise ValueError(f"{path}: expected a JSON list of task records, got a {type(records).__name__}")
+    file_level = _level_of(re.sub(r".*(level_?\d+).*", r"\1", path.stem))
+    tasks = []
+    for i, record in enumerate(records):
+        where = f"{path} record {i}"
+        if not isinstance(record, dict) or not isinstance(record.get("pytorch_code"), str):
+            raise ValueError(f"{where}: no 'pytorch_code' string; DICE task files are lists of "
+                             "objects with a pytorch_code field")
+        check_task_source(record["pytorch_code"], where)
+        split = [record.get(k) for k in ("prefix", "middle", "suffix")]
+        if any(s is not None for s in split) and not all(isinstance(s, str) for s in split):
+            raise ValueError(f"{where}: has only part of prefix/middle/suffix; give all three strings or none")
+        ident = record.get("id", record.get("idx", i))
+        level = record.get("level")
+        tasks.append(Task(
+            name=f"{path.stem}/{ident}",
+            level=int(level) if level is not None else file_level,
+            source=record["pytorch_code"],
+            prefix=split[0], middle=split[1], suffix=split[2],
+            solution=record.get("cuda_code"),
+        ))
+    return tasks

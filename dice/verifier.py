@@ -1,0 +1,470 @@
+"""Kernel verifier: the RL reward and the KernelBench evaluator (DESIGN.md §8).
+
+    from dice.verifier import verify, Verifier, VerifyResult
+    result = verify(task_src, candidate_src)                 # one candidate, shared default pool
+    with Verifier(workers=8) as verifier:                     # many candidates, warm workers
+        results = verifier.map(pairs, timing=False, progress=lambda i, r: ...)
+
+A task is KernelBench source (`Model`, `get_inputs`, `get_init_inputs`); a candidate is source
+defining `ModelNew` with the same constructor, computing with its own CUDA kernels: CuPy
+(`cupy.RawModule`, NVRTC) or `torch.utils.cpp_extension.load_inline` (built once per distinct
+source, see `verifier_worker.BuildCache`). Candidate code only ever runs in worker processes
+(`verifier_pool`); reference outputs live in a separate trusted judge process.
+
+Stages, first failure wins:
+1. static, in the parent: the source parses (else compile_error); it defines ModelNew, contains
+   a `__global__` kernel (CUDA only), and no `try` whose except branch calls PyTorch (invalid);
+2. load: import the module (compile_error), ModelNew is an nn.Module not derived from the task's
+   Model (invalid), ModelNew(*get_init_inputs()) after the same manual_seed as the reference;
+3. `trials` correctness trials, each with its own seed: torch.manual_seed(seed); get_inputs();
+   forward (trial 1 also profiled and called twice on the same inputs). Invalid: none of the
+   source's `__global__` kernels ran (profiler), an input was modified or an output shares an
+   input's memory (unless the reference does the same), an output changed after torch's current
+   stream was done (work hidden on another stream), threads left running, an output exactly equal
+   to an earlier trial's while the references differ (cached results), verifier functions
+   replaced. Incorrect: not torch.allclose(atol, rtol) to the reference (NaN/Inf only where the
+   reference has them, same shapes/dtypes/device), on any trial or on the repeated call;
+4. timing (if `timing`): median over timing_trials calls with L2 flushed and input buffers
+   rotated, CUDA events bracketing a device-wide synchronize; the eager reference is timed the same
+   way (cached per task, GPU and torch version). speedup = baseline_ms / runtime_ms. Only one
+   timing runs at a time and no correctness check runs during it (`GpuLock`). Invalid when the
+   host clock over the same bracket exceeds 2 x event time + 0.5 ms: for honest code the two
+   agree to launch/sync latency, so a gap means work escaped the event timer.
+Crashes and CUDA faults give runtime_error, hangs timeout; only that worker is replaced.
+
+Seeds: `seed=None` draws the base seed once per Verifier (unknown to candidates, shared by all
+candidates of one Verifier so reference outputs are computed once per task and seed).
+"""
+
+from __future__ import annotations
+
+import ast
+import atexit
+import hashlib
+import json
+import os
+import queue
+import random
+import re
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from dice.tasks import check_task_source
+from dice.verifier_pool import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, describe_exit
+
+STATUSES = ("correct", "incorrect", "compile_error", "runtime_error", "timeout", "invalid")
+NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is False); run on a GPU "
+          "machine, or use Verifier(device='cpu') to exercise the pool with pure-PyTorch candidates")
+JUDGE_TIMEOUT_S = 900.0       # reference forward + comparison of the largest KernelBench tasks
+UNLOAD_TIMEOUT_S = 60.0
+WALL_SLACK_MS = 0.5           # see the timing rule in the module docstring
+TORCH_NAMESPACES = ("at", "c10", "cub", "thrust", "cutlass")
+
+
+@dataclass
+class VerifyResult:
+    status: str
+    compiled: bool = False
+    correct: bool = False
+    speedup: float | None = None
+    runtime_ms: float | None = None
+    baseline_ms: float | None = None
+    message: str = ""
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"unknown verification status {self.status!r}; expected one of {STATUSES}")
+        self.correct = self.status == "correct"
+
+
+class TaskError(ValueError):
+    """The task itself (not the candidate) is broken: its reference fails or returns non-tensors."""
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    trials: int = 5
+    timing: bool = True
+    seed: int | None = None
+    timeout_s: float = 120.0           # candidate run time: all trials + timing
+    compile_timeout_s: float = 600.0   # module import, including a load_inline build
+    atol: float = 1e-2
+    rtol: float = 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# Static checks on the candidate source.
+
+def kernel_names(source: str) -> list[str]:
+    """Names of the `__global__` functions in the CUDA code embedded in `source`."""
+    text = re.sub(r"__launch_bounds__\s*\([^)]*\)", " ", source)
+    return sorted(set(re.findall(r"__global__\b[^;{}()]*?\b([A-Za-z_]\w*)\s*\(", text)))
+
+
+def matching_kernels(launched: Iterable[str], defined: Iterable[str]) -> list[str]:
+    """The launched kernel names (demangled, as the profiler reports them) that are `defined` ones.
+
+    "void add_kernel<float>(float const*, ...)", "add_kernel" (extern "C") and the mangled
+    "_Z10add_kernelPKf..." all match add_kernel; PyTorch's own kernels (at::, cub::...) never do."""
+    defined = set(defined)
+    hits = []
+    for name in launched:
+        plain = name.replace("(anonymous namespace)::", "")
+        words = re.split(r"[<(]", plain, maxsplit=1)[0].split()
+        qualified = words[-1] if words else ""
+        namespace, _, base = qualified.rpartition("::")
+        mangled = re.match(r"_Z(\d+)", plain)
+        if mangled and plain[len(mangled.group(0)):][:int(mangled.group(1))] in defined:
+            hits.append(name)
+        elif base in defined and namespace.split("::")[0] not in TORCH_NAMESPACES:
+            hits.append(name)
+    return hits
+
+
+def fallback_problem(tree: ast.Module) -> str | None:
+    """Why a `try` in the candidate falls back to PyTorch when its kernel fails, or None.
+
+    Flagged: an except branch that does not end in `raise` and calls a name imported from torch
+    (torch.relu, F.gelu, nn.Linear), the reference `Model`, `super()`, or a `self.x` submodule
+    created from torch (self.conv = nn.Conv2d(...))."""
+    torch_names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            torch_names.update((a.asname or a.name.split(".")[0]) for a in node.names if a.name.split(".")[0] == "torch")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            torch_names.update(a.asname or a.name for a in node.names)
+
+    def root(expr):
+        while isinstance(expr, ast.Attribute):
+            expr = expr.value
+        return expr
+
+    def from_torch(call):
+        r = root(call.func)
+        return isinstance(r, ast.Name) and r.id in torch_names
+
+    torch_modules = {t.attr for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                     and isinstance(node.value, ast.Call) and from_torch(node.value)
+                     for t in node.targets if isinstance(t, ast.Attribute)
+                     and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Try):
+            continue
+        for handler in node.handlers:
+            if handler.body and isinstance(handler.body[-1], ast.Raise):
+                continue
+            for call in (n for stmt in handler.body for n in ast.walk(stmt) if isinstance(n, ast.Call)):
+                r = root(call.func)
+                self_module = (isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
+                               and call.func.value.id == "self" and call.func.attr in torch_modules)
+                if (from_torch(call) or self_module or (isinstance(r, ast.Name) and r.id == "Model")
+                        or (isinstance(r, ast.Call) and isinstance(r.func, ast.Name) and r.func.id == "super")):
+                    return (f"line {handler.lineno}: the except branch calls {ast.unparse(call.func)}; a try/except "
+                            "that falls back to PyTorch when the custom kernel fails is not allowed")
+    return None
+
+
+def static_check(source: str, need_kernel: bool) -> VerifyResult | None:
+    """The verdict when `source` fails a check that needs no execution, else None."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as exc:
+        return VerifyResult("compile_error", message=f"candidate.py line {exc.lineno}: SyntaxError: {exc.msg}")
+    defined = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    if "ModelNew" not in defined:
+        return VerifyResult("invalid", message="the candidate defines no ModelNew; name the optimized "
+                            "nn.Module class ModelNew")
+    if need_kernel and not kernel_names(source):
+        return VerifyResult("invalid", message="the candidate contains no __global__ CUDA kernel; "
+                            "ModelNew must compute with its own kernels, not PyTorch ops")
+    problem = fallback_problem(tree)
+    if problem:
+        return VerifyResult("invalid", message=problem)
+    return None
+
+
+def trial_seeds(base: int, trials: int) -> tuple[int, list[int]]:
+    """(weight-init seed, one seed per trial), all derived from `base`."""
+    rng = random.Random(base)
+    return rng.randrange(2**31), [rng.randrange(2**31) for _ in range(trials)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The pool.
+
+class BaselineCache:
+    """Eager baseline times in memory and in a JSON file (merged and replaced atomically on write)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock = threading.Lock()
+        self._memory = self._read()
+
+    def _read(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    def get(self, key: str) -> float | None:
+        with self._lock:
+            return self._memory.get(key)
+
+    def put(self, key: str, ms: float) -> None:
+        with self._lock:
+            self._memory[key] = ms
+            merged = {**self._read(), **self._memory}  # keep what other processes wrote meanwhile
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
+            os.replace(tmp, self.path)
+
+
+class _Clock:
+    """Seconds left for the candidate; only time spent waiting on its own worker counts."""
+
+    def __init__(self, seconds: float):
+        self.left = seconds
+
+
+class Verifier:
+    """A pool of warm candidate workers plus one judge; verifies candidates concurrently."""
+
+    def __init__(self, workers: int = 4, *, device: str = "cuda", cache_dir: str | Path | None = None,
+                 recycle_after: int = 50, warmup: int = 5, timing_trials: int = 100,
+                 reference_cache_gb: float = 4.0):
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda and not torch.cuda.is_available():
+            raise RuntimeError(NO_GPU)
+        if workers < 1:
+            raise ValueError(f"Verifier(workers={workers}): need at least one worker")
+        self.cache_dir = Path(cache_dir or os.environ.get("DICE_CACHE_DIR") or Path.home() / ".cache" / "dice")
+        self.recycle_after = recycle_after
+        self._log_dir = Path(tempfile.mkdtemp(prefix="dice-verifier-"))
+        config = {"device": device, "cache_dir": str(self.cache_dir), "warmup": warmup,
+                  "timing_trials": timing_trials, "reference_cache_gb": reference_cache_gb}
+        self._judge = WorkerProcess("judge", config, self._log_dir / "judge.log")
+        self._workers = [WorkerProcess("candidate", config, self._log_dir / f"candidate-{i}.log")
+                         for i in range(workers)]
+        self._idle: queue.SimpleQueue = queue.SimpleQueue()
+        for worker in self._workers:
+            self._idle.put(worker)
+        self._gpu = GpuLock()
+        self._seed_base = secrets.randbits(31)
+        self._baselines = BaselineCache(self.cache_dir / "baselines.json")
+
+    def __enter__(self) -> "Verifier":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for worker in [self._judge, *self._workers]:
+            worker.close()
+        shutil.rmtree(self._log_dir, ignore_errors=True)
+
+    def verify(self, task_src: str, candidate_src: str, **options) -> VerifyResult:
+        """Verify one candidate; options are VerifyOptions fields."""
+        return self.map([(task_src, candidate_src)], **options)[0]
+
+    def map(self, pairs: Iterable[tuple[str, str]], *, progress: Callable[[int, VerifyResult], None] | None = None,
+            **options) -> list[VerifyResult]:
+        """Verify (task_src, candidate_src) pairs concurrently; results in input order.
+
+        `progress(index, result)` is called as each one finishes. Raises ValueError (TaskError)
+        for a broken task, never for a broken candidate."""
+        opts = VerifyOptions(**options)
+        pairs = list(pairs)
+        for i, (task_src, _) in enumerate(pairs):
+            check_task_source(task_src, f"task of pair {i}")
+        results: list[VerifyResult | None] = [None] * len(pairs)
+        pool = ThreadPoolExecutor(max_workers=len(self._workers), thread_name_prefix="dice-verify")
+        try:
+            futures = {pool.submit(self._verify_one, task, cand, opts): i for i, (task, cand) in enumerate(pairs)}
+            for future in as_completed(futures):
+                i = futures[future]
+                results[i] = future.result()
+                if progress is not None:
+                    progress(i, results[i])
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        return results
+
+    # -- one candidate ------------------------------------------------------------------------
+
+    def _verify_one(self, task_src: str, candidate_src: str, opts: VerifyOptions) -> VerifyResult:
+        static = static_check(candidate_src, need_kernel=self.cuda)
+        if static is not None:
+            return static
+        worker = self._idle.get()
+        try:
+            return self._run_candidate(worker, task_src, candidate_src, opts)
+        finally:
+            self._release(worker)
+
+    def _run_candidate(self, worker: WorkerProcess, task_src: str, candidate_src: str,
+                       opts: VerifyOptions) -> VerifyResult:
+        task = {"task_src": task_src, "task_key": hashlib.sha256(task_src.encode()).hexdigest()}
+        init_seed, seeds = trial_seeds(self._seed_base if opts.seed is None else opts.seed, opts.trials)
+        self._judge_call({"op": "reference", **task, "init_seed": init_seed, "seed": seeds[0]})
+        reply = self._ask(worker, {"op": "load", **task, "candidate_src": candidate_src, "init_seed": init_seed},
+                          _Clock(opts.compile_timeout_s), "loading the candidate module")
+        if reply["status"] != "ok":
+            return self._failed(reply, compiled=False)
+        clock, history = _Clock(opts.timeout_s), []
+        for i, seed in enumerate(seeds):
+            where = f"trial {i + 1} of {len(seeds)} (seed {seed})"
+            with self._gpu.shared():
+                ran = self._ask(worker, {"op": "run", "seed": seed, "profile": i == 0, "repeat": i == 0},
+                                clock, "running forward")
+                if ran["status"] != "ok":
+                    return self._failed(ran, compiled=True, where=where)
+                judged = self._judge_call({"op": "compare", **task, "init_seed": init_seed, "seed": seed,
+                                           "outputs": ran["outputs"], "second": ran["second"],
+                                           "atol": opts.atol, "rtol": opts.rtol})
+            verdict = self._trial_verdict(where, candidate_src, ran, judged, history)
+            if verdict is not None:
+                return verdict
+        if not opts.timing:
+            return VerifyResult("correct", compiled=True, message=f"correct on {len(seeds)} trials")
+        with self._gpu.exclusive():
+            timed = self._ask(worker, {"op": "time", "seed": seeds[0]}, clock, "timing forward")
+            if timed["status"] != "ok":
+                return self._failed(timed, compiled=True)
+            baseline_ms = self._baseline_ms(task, init_seed, seeds[0])
+        runtime_ms, wall_ms = timed["runtime_ms"], timed["wall_ms"]
+        if wall_ms > 2 * runtime_ms + WALL_SLACK_MS:
+            return VerifyResult("invalid", compiled=True, runtime_ms=runtime_ms, message=(
+                f"timing clocks disagree: CUDA events measured {runtime_ms:.3f} ms per forward but the host "
+                f"clock {wall_ms:.3f} ms over the same bracket; work escaped the event timer (verify on an "
+                "otherwise idle GPU if another process shares it)"))
+        return VerifyResult("correct", compiled=True, speedup=baseline_ms / max(runtime_ms, 1e-6),
+                            runtime_ms=runtime_ms, baseline_ms=baseline_ms,
+                            message=f"correct on {len(seeds)} trials; {runtime_ms:.4g} ms vs eager "
+                                    f"{baseline_ms:.4g} ms")
+
+    def _trial_verdict(self, where: str, candidate_src: str, ran: dict, judged: dict,
+                       history: list) -> VerifyResult | None:
+        def invalid(message):
+            return VerifyResult("invalid", compiled=True, message=message)
+
+        if ran["kernels"] is not None:
+            defined = kernel_names(candidate_src)
+            if not matching_kernels(ran["kernels"], defined):
+                launched = ", ".join(k[:60] for k in ran["kernels"][:5]) or "none"
+                return invalid(f"none of the candidate's kernels ({', '.join(defined)}) ran during forward "
+                               f"(CUDA kernels launched: {launched}); ModelNew must compute with its own "
+                               "kernels, not PyTorch ops")
+        mutated = sorted(set(ran["mutated"]) - set(judged["reference_mutated"]))
+        if mutated:
+            return invalid(f"forward modified input {mutated[0]} in place ({where}); inputs must be left unchanged")
+        aliased = [pair for pair in ran["aliased"] if pair not in judged["reference_aliased"]]
+        if aliased:
+            return invalid(f"output {aliased[0][0]} shares memory with input {aliased[0][1]} ({where}); "
+                           "return a newly allocated tensor")
+        for j, (reference_fp, got_fp) in enumerate(history):
+            if got_fp == judged["fingerprints"] and reference_fp != judged["reference_fingerprints"]:
+                return invalid(f"{where} returned exactly the output of trial {j + 1} although the reference "
+                               "outputs differ: results are cached across calls or constant")
+        history.append((judged["reference_fingerprints"], judged["fingerprints"]))
+        if judged["mismatch"]:
+            return VerifyResult("incorrect", compiled=True, message=f"{where}: {judged['mismatch']}")
+        if judged["second_mismatch"]:
+            return VerifyResult("incorrect", compiled=True, message=(
+                f"a second call on the same inputs ({where}) went wrong: {judged['second_mismatch']}; "
+                "forward must not depend on earlier calls"))
+        return None
+
+    # -- talking to workers -------------------------------------------------------------------
+
+    def _ask(self, worker: WorkerProcess, request: dict, clock: _Clock, doing: str) -> dict:
+        """A candidate-worker request; a hang or crash becomes a reply with status timeout/runtime_error."""
+        start = time.monotonic()
+        try:
+            reply = worker.call(request, timeout=max(clock.left, 0.0))
+        except WorkerTimeout:
+            return {"status": "timeout", "message": f"the candidate did not finish {doing} within its "
+                    f"time limit (hang, deadlock or very slow kernel); its worker was killed"}
+        except WorkerDied as exc:
+            tail = f"; last output:\n{_log_summary(exc.log_tail)}" if exc.log_tail else ""
+            return {"status": "runtime_error", "message": f"the worker process {describe_exit(exc.exitcode)} "
+                    f"while {doing} (segfault, os._exit or abort in the candidate){tail}"}
+        finally:
+            clock.left -= time.monotonic() - start
+        if reply.get("recycle"):
+            worker.restart()
+        return reply
+
+    @staticmethod
+    def _failed(reply: dict, compiled: bool, where: str = "") -> VerifyResult:
+        status = reply["status"]
+        message = reply["message"] if not where or status == "compile_error" else f"{where}: {reply['message']}"
+        return VerifyResult(status, compiled=compiled and status != "compile_error", message=message)
+
+    def _judge_call(self, request: dict) -> dict:
+        try:
+            reply = self._judge.call(request, timeout=JUDGE_TIMEOUT_S)
+        except (WorkerTimeout, WorkerDied) as exc:
+            raise RuntimeError(f"the reference (judge) worker failed ({exc}); the task's Model, get_inputs or "
+                               "get_init_inputs may crash or hang") from None
+        if reply["status"] == "task_error":
+            raise TaskError(f"task {request['task_key'][:12]}: the reference failed: {reply['message']}; "
+                            "fix the task source")
+        if reply["status"] != "ok":
+            raise RuntimeError(reply["message"])
+        return reply
+
+    def _baseline_ms(self, task: dict, init_seed: int, seed: int) -> float:
+        key = f"{task['task_key']}|{self._judge.info.get('device')}|torch {torch.__version__}"
+        cached = self._baselines.get(key)
+        if cached is None:
+            cached = self._judge_call({"op": "baseline", **task, "init_seed": init_seed, "seed": seed})["runtime_ms"]
+            self._baselines.put(key, cached)
+        return cached
+
+    def _release(self, worker: WorkerProcess) -> None:
+        worker.jobs += 1
+        if worker.jobs >= self.recycle_after:
+            worker.restart()
+        elif worker.ready:  # a just-replaced worker has nothing to unload
+            try:
+                worker.call({"op": "unload"}, timeout=UNLOAD_TIMEOUT_S)
+            except (WorkerTimeout, WorkerDied):
+                pass  # the worker has already been replaced
+        self._idle.put(worker)
+
+
+def _log_summary(log_tail: str, max_lines: int = 8) -> str:
+    """The lines of a dead worker's log that say what happened (errors, candidate frames)."""
+    lines = log_tail.splitlines()
+    useful = [line for line in lines if re.search(r"candidate\.py|error|Error|CUDA|Fatal|Abort|assert", line)]
+    return "\n".join((useful or lines)[-max_lines:])
+
+
+_default_verifier: Verifier | None = None
+_default_lock = threading.Lock()
+
+
+def verify(task_src: str, candidate_src: str, *, trials: int = 5, timing: bool = True, seed: int | None = None,
+           timeout_s: float = 120.0, **options) -> VerifyResult:
+    """Verify one candidate with a shared default Verifier (started on first use, closed at exit).
+
+    Raises RuntimeError at once when there is no CUDA GPU; other options: see VerifyOptions."""
+    global _default_verifier
+    with _default_lock:
+        if _default_verifier is None:
+            _default_verifier = Verifier()
+            atexit.register(_default_verifier.close)
+    return _default_verifier.verify(task_src, candidate_src, trials=trials, timing=timing, seed=seed,
+                                    timeout_s=timeout_s, **options)

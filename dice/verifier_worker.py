@@ -1,0 +1,713 @@
+"""What runs inside the verifier's worker processes (DESIGN.md §8).
+
+Two roles, each one process (see `dice.verifier_pool`):
+
+- "candidate" (untrusted code): builds one candidate at a time (task module + candidate module),
+  runs its forward on seeded inputs and checks the rules that need the live process: which CUDA
+  kernels ran (profiler), inputs modified, outputs sharing memory with inputs, outputs still being
+  written after torch's current stream finished (work hidden on another stream), background
+  threads. It ships its outputs to the judge and, when asked, times itself.
+- "judge" (trusted: runs only task code): computes reference outputs per (task, init seed, trial
+  seed), caches them (RL verifies 16 candidates per task), compares shipped candidate outputs
+  with them, and times the eager baseline. Candidate code never runs in this process, so it cannot
+  reach the reference outputs or the comparison.
+
+Tensor transport: CUDA outputs travel as CUDA IPC handles (torch.multiprocessing's pickler; no
+copy), CPU outputs by value. The candidate worker keeps shipped outputs alive until its next
+request, as CUDA IPC requires.
+
+Trust: the functions the harness relies on are captured at import, before any candidate code runs,
+and the candidate worker reports `invalid` (and is recycled) when a candidate replaced one of
+`WATCHED`. Workers are a boundary against crashes, hangs and reward hacks, not a security sandbox:
+a candidate that deliberately forges pipe messages is out of scope.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import gc
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import linecache
+import os
+import pickle
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import types
+from collections import OrderedDict
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+
+import torch
+import torch.multiprocessing  # noqa: F401 - registers the CUDA IPC reductions on ForkingPickler
+import torch.utils.cpp_extension
+from torch import nn
+
+WATCHED = (
+    "torch.allclose", "torch.isclose", "torch.equal", "torch.manual_seed", "torch.no_grad",
+    "torch.cuda.synchronize", "torch.cuda.current_stream", "torch.cuda.Event",
+    "torch.cuda.Event.record", "torch.cuda.Event.elapsed_time", "torch.Tensor.clone",
+    "torch.Tensor.data_ptr", "torch.Tensor.untyped_storage", "torch.nn.Module.__call__",
+    "torch.profiler.profile", "time.perf_counter",
+)
+L2_FLUSH_BYTES = 256 * 2**20    # > L2 of any current GPU (H100 50 MB, H200 60 MB, B200 126 MB)
+TIMING_INPUT_BYTES = 2**30      # extra input copies for timing, rotated so no call sees warm buffers
+STALE_BUILD_S = 3600.0          # build-* folders older than this were left by killed builds
+MAX_MESSAGE_LINES = 25
+
+# Captured before any candidate code runs in this process (see module docstring).
+_clone = torch.Tensor.clone
+_equal = torch.equal
+_manual_seed = torch.manual_seed
+_no_grad = torch.no_grad
+_perf_counter = time.perf_counter
+_cuda_synchronize = torch.cuda.synchronize
+_Event = torch.cuda.Event
+_event_record = torch.cuda.Event.record
+_event_elapsed = torch.cuda.Event.elapsed_time
+_storage = torch.Tensor.untyped_storage
+_profile = torch.profiler.profile
+
+
+def _resolve(dotted: str):
+    obj = importlib.import_module(dotted.split(".")[0])
+    for part in dotted.split(".")[1:]:
+        obj = getattr(obj, part)
+    return obj
+
+
+_ORIGINALS = {name: _resolve(name) for name in WATCHED}
+
+
+def replaced_functions() -> list[str]:
+    """Names in WATCHED that no longer resolve to the object captured at import."""
+    replaced = []
+    for name, original in _ORIGINALS.items():
+        try:
+            if _resolve(name) is not original:
+                replaced.append(name)
+        except AttributeError:
+            replaced.append(name)
+    return replaced
+
+
+def serve(conn, role: str, config: dict, log_path: str) -> None:
+    """Worker main loop: one request dict in, one reply dict out, until None or EOF."""
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.stdout.reconfigure(line_buffering=True)
+    faulthandler.enable()  # a segfault leaves a Python traceback in the log for the parent to quote
+    handler = CandidateHandler(config) if role == "candidate" else JudgeHandler(config)
+    conn.send(handler.info)
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        if request is None:
+            return
+        try:
+            reply = getattr(handler, request["op"])(request)
+        except Exception as exc:  # a failure outside the candidate's code paths; keep serving
+            reply = {"status": "runtime_error", "recycle": True,
+                     "message": f"verifier {role} worker failed: {describe_exception(exc)}"}
+        conn.send(reply)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers: modules from source, seeded models and inputs, output checks, timing.
+
+def init_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
+        torch.cuda.set_device(device)
+        torch.zeros(1, device=device)  # create the CUDA context now, not inside the first candidate
+    return device
+
+
+def load_module(source: str, filename: str, module_name: str) -> types.ModuleType:
+    """Execute `source` as a fresh module; tracebacks then show its lines under `filename`."""
+    code = compile(source, filename, "exec")
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    module = types.ModuleType(module_name)
+    module.__file__ = filename
+    sys.modules[module_name] = module  # some libraries (dataclasses, pickling) look modules up here
+    exec(code, module.__dict__)
+    return module
+
+
+def describe_exception(exc: BaseException, filename: str = "candidate.py") -> str:
+    """`Type: message` (first lines) plus the deepest line of `filename` in the traceback."""
+    lines = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    text = "\n".join(lines[:6])
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == filename]
+    if frames:
+        text += f"\n  at {filename} line {frames[-1].lineno}: {frames[-1].line}"
+    return text
+
+
+def to_device(values, device: torch.device) -> list:
+    return [v.to(device) if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def build_model(task: types.ModuleType, cls: type, init_seed: int, device: torch.device) -> nn.Module:
+    """cls(*get_init_inputs()) with weights drawn after manual_seed(init_seed), as for the reference."""
+    with _no_grad():
+        _manual_seed(init_seed)
+        init_inputs = to_device(task.get_init_inputs(), device)
+        _manual_seed(init_seed)
+        return cls(*init_inputs).to(device)
+
+
+def make_inputs(task: types.ModuleType, seed: int, device: torch.device) -> list:
+    _manual_seed(seed)
+    return to_device(list(task.get_inputs()), device)
+
+
+def flatten(output) -> list:
+    """Leaves of a (nested) tuple/list output; a single tensor is a one-leaf output."""
+    if isinstance(output, (tuple, list)):
+        return [leaf for item in output for leaf in flatten(item)]
+    return [output]
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """An integer view of `t` with the same bytes, so equality is exact (NaN == NaN, -0 != 0)."""
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.is_floating_point():
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and _equal(as_bits(a), as_bits(b))
+
+
+def modified_inputs(originals: list, inputs: list) -> list[int]:
+    return [j for j, (o, x) in enumerate(zip(originals, inputs)) if o is not None and not same_bits(o, x)]
+
+
+def aliased_outputs(outputs: list, inputs: list) -> list[list[int]]:
+    """[output index, input index] pairs whose storages overlap in memory."""
+    def span(t):
+        s = _storage(t)
+        return t.device, s.data_ptr(), s.data_ptr() + s.nbytes()
+    pairs = []
+    for i, out in enumerate(outputs):
+        for j, x in enumerate(inputs):
+            if isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.numel() and x.numel():
+                (d1, a1, b1), (d2, a2, b2) = span(out), span(x)
+                if d1 == d2 and a1 < b2 and a2 < b1:
+                    pairs.append([i, j])
+    return pairs
+
+
+def fingerprint(t: torch.Tensor) -> list:
+    """Cheap exact summary: bit-pattern sum and 16 sampled bit patterns. Equal tensors give equal
+    fingerprints; tensors computed from different random inputs practically never do."""
+    bits = as_bits(t.detach()).reshape(-1)
+    if bits.numel() == 0:
+        return [str(t.dtype), list(t.shape)]
+    index = torch.linspace(0, bits.numel() - 1, steps=min(bits.numel(), 16), device=bits.device).long()
+    return [str(t.dtype), list(t.shape), int(torch.sum(bits, dtype=torch.int64))] + bits[index].tolist()
+
+
+def compare_outputs(expected: list, got: list, atol: float, rtol: float) -> str | None:
+    """None when `got` matches `expected` (allclose; NaN/Inf exactly where expected), else why not."""
+    if len(got) != len(expected):
+        return f"forward returned {len(got)} tensor(s), the reference returns {len(expected)}"
+    for i, (e, g) in enumerate(zip(expected, got)):
+        label = f"output {i}" if len(expected) > 1 else "output"
+        if g.device.type != e.device.type:
+            return f"{label} is on {g.device.type}, the reference's is on {e.device.type}"
+        if g.dtype != e.dtype:
+            return f"{label} has dtype {str(g.dtype)[6:]}, expected {str(e.dtype)[6:]}"
+        if g.shape != e.shape:
+            return f"{label} has shape {list(g.shape)}, expected {list(e.shape)}"
+        problem = _value_mismatch(e, g, atol, rtol)
+        if problem:
+            return f"{label}: {problem}"
+    return None
+
+
+def _value_mismatch(e: torch.Tensor, g: torch.Tensor, atol: float, rtol: float) -> str | None:
+    if e.is_floating_point() or e.is_complex():
+        # isclose with equal_nan: NaN only matches NaN, inf only the same inf.
+        bad = ~torch.isclose(g, e, rtol=rtol, atol=atol, equal_nan=True)
+    else:
+        bad = g != e
+    n_bad = int(bad.sum())
+    if n_bad == 0:
+        return None
+    first = _index(bad.reshape(-1).nonzero()[0].item(), e.shape)
+    text = (f"{n_bad} of {e.numel()} elements differ beyond atol={atol:g}, rtol={rtol:g}; "
+            f"first at {first} (got {g[first].item():.6g}, expected {e[first].item():.6g})")
+    if e.is_floating_point():
+        g32, e32 = g.float(), e.float()
+        finite = torch.isfinite(g32) & torch.isfinite(e32)
+        err = torch.where(finite, (g32 - e32).abs(), torch.zeros((), device=e.device))
+        worst = _index(int(err.reshape(-1).argmax()), e.shape)
+        rel = err / e32.abs().clamp_min(1e-6)
+        text += (f"; max abs error {err[worst].item():.4g} at {worst} (got {g[worst].item():.6g}, "
+                 f"expected {e[worst].item():.6g}); max rel error {rel.max().item():.4g}")
+    return text
+
+
+def _index(flat: int, shape) -> tuple:
+    index = []
+    for size in reversed(shape):
+        index.append(flat % size)
+        flat //= size
+    return tuple(reversed(index))
+
+
+def export_tensor(t: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+    """(bytes the judge can unpickle, tensor to keep alive meanwhile)."""
+    t = t.detach()
+    if not t.is_cuda:
+        return pickle.dumps(t), t
+    try:
+        return bytes(ForkingPickler.dumps(t)), t
+    except Exception:
+        # Memory from another allocator (e.g. CuPy's pool) cannot be IPC-shared by torch: copy it.
+        t = _clone(t)
+        return bytes(ForkingPickler.dumps(t)), t
+
+
+def _nbytes(values: list) -> int:
+    return sum(x.numel() * x.element_size() for x in values if isinstance(x, torch.Tensor))
+
+
+def input_sets(inputs: list) -> list[list]:
+    """The inputs plus up to 3 copies in fresh buffers (as memory allows), rotated while timing."""
+    copies = min(3, TIMING_INPUT_BYTES // max(_nbytes(inputs), 1))
+    return [inputs] + [[_clone(x) if isinstance(x, torch.Tensor) else x for x in inputs] for _ in range(copies)]
+
+
+def time_forward(model: nn.Module, sets: list[list], device: torch.device, warmup: int, trials: int) -> dict:
+    """Median forward time over `trials` calls, with two clocks over the same window.
+
+    Per trial: flush L2 (write L2_FLUSH_BYTES), synchronize, then [record start event, forward,
+    device-wide synchronize (so work on any stream counts), record end event]. `wall_ms` is the
+    host perf_counter over that bracket; for honest code it exceeds the event time only by launch
+    and sync latency (tens of µs). On CPU both clocks are the host clock."""
+    cuda = device.type == "cuda"
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device) if cuda else None
+
+    def sync():
+        if cuda:
+            _cuda_synchronize(device)
+
+    events, wall = [], []
+    with _no_grad():
+        for i in range(warmup):
+            model(*sets[i % len(sets)])
+        sync()
+        for i in range(trials):
+            if cuda:
+                flush.zero_()
+                start, end = _Event(enable_timing=True), _Event(enable_timing=True)
+            sync()
+            t0 = _perf_counter()
+            if cuda:
+                _event_record(start)
+            model(*sets[i % len(sets)])
+            sync()
+            if cuda:
+                _event_record(end)
+                events.append((start, end))
+            wall.append((_perf_counter() - t0) * 1e3)
+        sync()
+    times = [_event_elapsed(s, e) for s, e in events] if cuda else wall
+    return {"runtime_ms": statistics.median(times), "wall_ms": statistics.median(wall), "trials": trials}
+
+
+# ---------------------------------------------------------------------------------------------
+# load_inline with a build cache.
+
+class BuildError(Exception):
+    """A load_inline build failed; the message holds the compiler's error lines."""
+
+
+class BuildCache:
+    """`torch.utils.cpp_extension.load_inline` with a cache keyed by sources + flags + toolchain.
+
+    Each build runs in its own fresh `build-*` folder (torch's FileBaton lock lives there, so a
+    killed build never blocks a later one) under a unique module name `dice_ext_<hash>`; the .so
+    is then moved into the cache with an atomic rename. Identical sources reuse it."""
+
+    def __init__(self, root: Path, device: torch.device):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        now = time.time()
+        for stale in root.glob("build-*"):
+            if now - stale.stat().st_mtime > STALE_BUILD_S:
+                shutil.rmtree(stale, ignore_errors=True)
+        self.toolchain = [torch.__version__, torch.version.cuda, sys.version.split()[0],
+                          list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
+                          os.environ.get("TORCH_CUDA_ARCH_LIST")]
+        self.loaded: dict[str, types.ModuleType] = {}
+        self.real_load_inline = torch.utils.cpp_extension.load_inline
+
+    def install(self) -> None:
+        """Make `from torch.utils.cpp_extension import load_inline` in candidate code hit the cache."""
+        torch.utils.cpp_extension.load_inline = self.load_inline
+
+    def load_inline(self, *args, **kwargs):
+        bound = inspect.signature(self.real_load_inline).bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        recipe = {k: v for k, v in arguments.items() if k not in ("name", "build_directory", "verbose")}
+        key = hashlib.sha256(json.dumps([self.toolchain, recipe], sort_keys=True, default=repr).encode()).hexdigest()
+        name = f"dice_ext_{key[:24]}"
+        if name not in self.loaded:
+            library = self.root / f"{name}.so"
+            if library.exists():
+                self.loaded[name] = _load_library(name, library, arguments["is_python_module"])
+            else:
+                self.loaded[name] = self._build(name, arguments, library)
+        return self.loaded[name]
+
+    def _build(self, name: str, arguments: dict, library: Path):
+        build_dir = tempfile.mkdtemp(prefix="build-", dir=self.root)
+        try:
+            # load_inline also imports what it built; the rename keeps that mapping valid.
+            loaded = self.real_load_inline(**{**arguments, "name": name, "build_directory": build_dir,
+                                              "verbose": False})
+            os.replace(Path(build_dir) / f"{name}.so", library)
+            return loaded if arguments["is_python_module"] else str(library)
+        except Exception as exc:
+            raise BuildError(build_error_message(str(exc), build_dir)) from None
+        finally:
+            shutil.rmtree(build_dir, ignore_errors=True)
+
+
+def _load_library(name: str, library: Path, is_python_module: bool):
+    """Import a cached build the way load_inline would have returned it."""
+    if not is_python_module:
+        torch.ops.load_library(str(library))
+        return str(library)
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_error_message(log: str, build_dir: str) -> str:
+    log = log.replace(build_dir + os.sep, "")
+    errors = [line.strip() for line in log.splitlines()
+              if re.search(r"\berror\b|undefined (symbol|reference)", line, re.IGNORECASE)
+              and not line.startswith("Error building extension") and len(line) < 500]
+    lines = errors or log.strip().splitlines()[-MAX_MESSAGE_LINES:]
+    return ("load_inline build failed (cuda.cu = cuda_sources after 3 #include lines torch adds, "
+            "main.cpp = cpp_sources after 1):\n" + "\n".join(lines[:MAX_MESSAGE_LINES]))
+
+
+def nvrtc_error_message(exc: Exception) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()] or lines
+    return "NVRTC could not compile the CUDA source:\n" + "\n".join(errors[:MAX_MESSAGE_LINES])
+
+
+def _is_nvrtc_error(exc: BaseException) -> bool:
+    return type(exc).__name__ == "CompileException"  # cupy.cuda.compiler.CompileException
+
+
+# ---------------------------------------------------------------------------------------------
+# The candidate role.
+
+class CandidateHandler:
+    """Loads, runs and times one candidate at a time (requests: load, run, time, unload)."""
+
+    def __init__(self, config: dict):
+        self.device = init_device(config["device"])
+        self.cuda = self.device.type == "cuda"
+        self.builds = BuildCache(Path(config["cache_dir"]) / "torch_extensions", self.device)
+        self.builds.install()
+        self.warmup, self.timing_trials = config["warmup"], config["timing_trials"]
+        self.task = self.model = None
+        self.pending: list[torch.Tensor] = []  # shipped to the judge; alive until the next request
+        self.loads = 0
+        if self.cuda:
+            try:
+                import cupy  # noqa: F401 - warm import; CuPy candidates then start fast
+            except ImportError:
+                pass
+            with _profile(activities=[torch.profiler.ProfilerActivity.CUDA]):  # starts CUPTI once, here
+                torch.ones(1, device=self.device).add_(1)
+        self.info = {"device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu"}
+        self.flags = _global_flags()
+
+    def load(self, request: dict) -> dict:
+        self._drop_candidate()
+        self.task = load_module(request["task_src"], "task.py", "dice_task")
+        self.loads += 1
+        try:
+            module = load_module(request["candidate_src"], "candidate.py", f"dice_candidate_{self.loads}")
+        except Exception as exc:
+            return self._finish(self._load_error(exc))
+        cls = getattr(module, "ModelNew", None)
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            return self._finish({"status": "invalid", "message": "the candidate defines no ModelNew "
+                                 "nn.Module subclass; name the optimized class ModelNew"})
+        if any(c is self.task.Model or c.__name__ == "Model" for c in cls.__mro__[1:]):
+            return self._finish({"status": "invalid", "message": "ModelNew subclasses the reference Model; "
+                                 "ModelNew must derive from nn.Module and compute forward with its own kernels"})
+        try:
+            self.model = build_model(self.task, cls, request["init_seed"], self.device)
+        except Exception as exc:
+            return self._finish(self._run_error(exc, "ModelNew(*get_init_inputs())"))
+        return self._finish({"status": "ok"})
+
+    def run(self, request: dict) -> dict:
+        """One correctness trial: forward on inputs from `seed` (twice if `repeat`), checks, export."""
+        self.pending = []
+        seed = request["seed"]
+        inputs = make_inputs(self.task, seed, self.device)
+        originals = [_clone(x) if isinstance(x, torch.Tensor) else None for x in inputs]
+        threads = set(threading.enumerate())
+        kernels, second = None, None
+        try:
+            if request["profile"] and self.cuda:
+                outputs, not_ready, kernels = self._profiled_call(inputs, seed)
+            else:
+                outputs, not_ready = self._call(inputs, seed)
+            if request["repeat"]:
+                second, late = self._call(inputs, seed)
+                not_ready = not_ready or late
+        except Exception as exc:
+            return self._finish(self._run_error(exc, "forward"))
+        for i, t in enumerate(outputs + (second or [])):
+            if type(t) is not torch.Tensor:
+                return self._finish({"status": "invalid", "message": f"output {i % len(outputs)} is a "
+                                     f"{type(t).__name__}; forward must return torch.Tensor outputs"})
+        started = [t.name for t in threading.enumerate() if t not in threads and t.is_alive()]
+        if started:
+            return self._finish({"status": "invalid", "message": f"forward left background threads running "
+                                 f"({', '.join(started)}); all work must finish inside forward"})
+        if not_ready:
+            return self._finish({"status": "invalid", "message": f"output {not_ready[0]} was still being "
+                                 "written after torch's current stream finished: forward launched work on "
+                                 "another stream without making the current stream wait for it"})
+        shipped = [export_tensor(t) for t in outputs]
+        shipped_second = [export_tensor(t) for t in second] if second is not None else None
+        self.pending = [t for _, t in shipped + (shipped_second or [])]
+        return self._finish({
+            "status": "ok",
+            "outputs": [data for data, _ in shipped],
+            "second": [data for data, _ in shipped_second] if shipped_second is not None else None,
+            "kernels": kernels,
+            "mutated": modified_inputs(originals, inputs),
+            "aliased": aliased_outputs(outputs, inputs),
+        })
+
+    def time(self, request: dict) -> dict:
+        self.pending = []
+        try:
+            sets = input_sets(make_inputs(self.task, request["seed"], self.device))
+            stats = time_forward(self.model, sets, self.device, self.warmup, self.timing_trials)
+        except Exception as exc:
+            return self._finish(self._run_error(exc, "forward (while timing)"))
+        return self._finish({"status": "ok", **stats})
+
+    def unload(self, request: dict) -> dict:
+        self._drop_candidate()
+        return {"status": "ok"}
+
+    def _call(self, inputs: list, seed: int) -> tuple[list, list[int]]:
+        """Forward once; on CUDA also report outputs that changed after torch's stream was done."""
+        stream = torch.cuda.current_stream(self.device) if self.cuda else None
+        _manual_seed(seed)
+        with _no_grad():
+            outputs = flatten(self.model(*inputs))
+        if not self.cuda:
+            return outputs, []
+        stream.synchronize()
+        with torch.cuda.stream(stream):
+            snapshot = [_clone(t) if type(t) is torch.Tensor and t.is_cuda else None for t in outputs]
+        _cuda_synchronize(self.device)
+        late = [i for i, s in enumerate(snapshot) if s is not None and not same_bits(s, outputs[i])]
+        return outputs, late
+
+    def _profiled_call(self, inputs: list, seed: int) -> tuple[list, list[int], list[str]]:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with _profile(activities=activities) as prof:
+            _manual_seed(seed)
+            with _no_grad():
+                outputs = flatten(self.model(*inputs))
+            _cuda_synchronize(self.device)
+        kernels = sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+        return outputs, [], kernels
+
+    def _load_error(self, exc: Exception) -> dict:
+        if isinstance(exc, SyntaxError):
+            message = f"candidate.py line {exc.lineno}: SyntaxError: {exc.msg}"
+        elif isinstance(exc, BuildError):
+            message = str(exc)
+        elif _is_nvrtc_error(exc):
+            message = nvrtc_error_message(exc)
+        else:
+            message = "the candidate module failed to load: " + describe_exception(exc)
+        return {"status": "compile_error", "message": message}
+
+    def _run_error(self, exc: Exception, what: str) -> dict:
+        if _is_nvrtc_error(exc) or isinstance(exc, BuildError):  # CuPy compiles lazily, at first launch
+            return self._load_error(exc)
+        return {"status": "runtime_error", "message": f"{what} raised {describe_exception(exc)}"}
+
+    def _finish(self, reply: dict) -> dict:
+        replaced = replaced_functions()
+        if replaced:
+            return {"status": "invalid", "recycle": True, "message": f"the candidate replaced "
+                    f"{', '.join(replaced)}; verification relies on these staying torch's own"}
+        if reply["status"] in ("runtime_error", "compile_error") and self._cuda_broken():
+            reply["recycle"] = True  # e.g. an illegal address: this CUDA context is unusable now
+        return reply
+
+    def _cuda_broken(self) -> bool:
+        if not self.cuda:
+            return False
+        try:
+            _cuda_synchronize(self.device)
+            torch.ones(1, device=self.device).add_(1).item()
+            return False
+        except Exception:
+            return True
+
+    def _drop_candidate(self) -> None:
+        self.pending, self.model, self.task = [], None, None
+        for name in [m for m in sys.modules if m.startswith("dice_candidate_") or m == "dice_task"]:
+            del sys.modules[name]
+        _restore_global_flags(self.flags)
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
+def _global_flags() -> dict:
+    """Process-wide torch settings a candidate may change; restored between candidates."""
+    return {"default_dtype": torch.get_default_dtype(),
+            "matmul_precision": torch.get_float32_matmul_precision(),
+            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+            "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "cudnn_deterministic": torch.backends.cudnn.deterministic}
+
+
+def _restore_global_flags(flags: dict) -> None:
+    torch.set_default_dtype(flags["default_dtype"])
+    torch.set_float32_matmul_precision(flags["matmul_precision"])
+    torch.backends.cuda.matmul.allow_tf32 = flags["tf32_matmul"]
+    torch.backends.cudnn.allow_tf32 = flags["tf32_cudnn"]
+    torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
+    torch.backends.cudnn.deterministic = flags["cudnn_deterministic"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The judge role.
+
+class JudgeHandler:
+    """Reference outputs, comparisons and baseline timing (requests: reference, compare, baseline)."""
+
+    MODELS_KEPT = 4
+
+    def __init__(self, config: dict):
+        self.device = init_device(config["device"])
+        self.cache_bytes = int(config["reference_cache_gb"] * 2**30)
+        self.warmup, self.timing_trials = config["warmup"], config["timing_trials"]
+        self.tasks: dict[str, types.ModuleType] = {}
+        self.models: OrderedDict = OrderedDict()      # (task_key, init_seed) -> reference Model
+        self.references: OrderedDict = OrderedDict()  # (task_key, init_seed, seed) -> reference record
+        self.info = {"device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"}
+
+    def compare(self, request: dict) -> dict:
+        try:
+            reference = self._reference(request)
+        except Exception as exc:
+            return {"status": "task_error", "message": describe_exception(exc, "task.py")}
+        got = [pickle.loads(data) for data in request["outputs"]]
+        second = [pickle.loads(data) for data in request["second"]] if request["second"] is not None else None
+        expected = reference["outputs"]
+        reply = {
+            "status": "ok",
+            "mismatch": compare_outputs(expected, got, request["atol"], request["rtol"]),
+            "second_mismatch": compare_outputs(expected, second, request["atol"], request["rtol"])
+            if second is not None else None,
+            "fingerprints": [fingerprint(t) for t in got],
+            **{k: v for k, v in reference.items() if k != "outputs"},
+        }
+        del got, second  # releases the CUDA IPC mappings of the candidate's memory
+        return reply
+
+    def reference(self, request: dict) -> dict:
+        """Compute (and cache) the reference for one seed, so a broken task is blamed on the task."""
+        try:
+            self._reference(request)
+        except Exception as exc:
+            return {"status": "task_error", "message": describe_exception(exc, "task.py")}
+        return {"status": "ok"}
+
+    def baseline(self, request: dict) -> dict:
+        try:
+            task = self._task(request["task_key"], request["task_src"])
+            model = self._model(task, request["task_key"], request["init_seed"])
+            sets = input_sets(make_inputs(task, request["seed"], self.device))
+            stats = time_forward(model, sets, self.device, self.warmup, self.timing_trials)
+        except Exception as exc:
+            return {"status": "task_error", "message": describe_exception(exc, "task.py")}
+        return {"status": "ok", **stats}
+
+    def _task(self, key: str, source: str) -> types.ModuleType:
+        if key not in self.tasks:
+            self.tasks[key] = load_module(source, "task.py", f"dice_task_{key[:16]}")
+        return self.tasks[key]
+
+    def _model(self, task: types.ModuleType, task_key: str, init_seed: int) -> nn.Module:
+        key = (task_key, init_seed)
+        if key not in self.models:
+            self.models[key] = build_model(task, task.Model, init_seed, self.device)
+            while len(self.models) > self.MODELS_KEPT:
+                self.models.popitem(last=False)
+        self.models.move_to_end(key)
+        return self.models[key]
+
+    def _reference(self, request: dict) -> dict:
+        key = (request["task_key"], request["init_seed"], request["seed"])
+        if key in self.references:
+            self.references.move_to_end(key)
+            return self.references[key]
+        task = self._task(request["task_key"], request["task_src"])
+        model = self._model(task, request["task_key"], request["init_seed"])
+        inputs = make_inputs(task, request["seed"], self.device)
+        originals = [_clone(x) if isinstance(x, torch.Tensor) else None for x in inputs]
+        _manual_seed(request["seed"])
+        with _no_grad():
+            outputs = flatten(model(*inputs))
+        for i, t in enumerate(outputs):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"Model.forward returns a {type(t).__name__} as output {i}; "
+                                "only tensors (or tuples of tensors) can be compared")
+        reference = {
+            "outputs": [t.detach() for t in outputs],
+            "reference_fingerprints": [fingerprint(t) for t in outputs],
+            "reference_mutated": modified_inputs(originals, inputs),
+            "reference_aliased": aliased_outputs(outputs, inputs),
+        }
+        self.references[key] = reference
+        while len(self.references) > 1 and sum(_nbytes(r["outputs"]) for r in self.references.values()) > self.cache_bytes:
+            self.references.popitem(last=False)
+        return reference

@@ -1,0 +1,84 @@
+"""Task loading from KernelBench folders and DICE JSON files (dice/tasks.py)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dice.tasks import Task, check_task_source, load_tasks, missing_task_names
+
+FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
+TASK = (FIXTURES / "relu_task.py").read_text()
+
+
+def make_kernelbench(root: Path) -> Path:
+    for level, files in {"level1": ["10_Tenth.py", "2_Second.py"], "level2": ["1_First.py"]}.items():
+        (root / level).mkdir(parents=True)
+        for name in files:
+            (root / level / name).write_text(TASK)
+    (root / "level1" / "__init__.py").write_text("")
+    (root / "notes").mkdir()
+    return root
+
+
+def test_kernelbench_root_is_loaded_in_level_and_problem_order(tmp_path):
+    tasks = load_tasks(make_kernelbench(tmp_path))
+    assert [(t.name, t.level) for t in tasks] == [
+        ("level1/2_Second", 1), ("level1/10_Tenth", 1), ("level2/1_First", 2)]
+    assert tasks[0].source == TASK and tasks[0].solution is None and tasks[0].middle is None
+
+
+def test_single_level_folder_and_single_file(tmp_path):
+    root = make_kernelbench(tmp_path)
+    assert [t.name for t in load_tasks(root / "level2")] == ["level2/1_First"]
+    assert load_tasks(root / "level1" / "2_Second.py") == [Task("level1/2_Second", 1, TASK)]
+    plain = tmp_path / "mine"
+    plain.mkdir()
+    (plain / "3_Mine.py").write_text(TASK)
+    assert load_tasks(plain) == [Task("3_Mine", None, TASK)]
+
+
+def test_dice_json_records():
+    infill = load_tasks(FIXTURES / "dice_infilling_sample.json")
+    assert [t.name for t in infill] == ["dice_infilling_sample/6032", "dice_infilling_sample/8645"]
+    first = infill[0]
+    assert first.level is None and first.prefix + first.middle + first.suffix == first.solution
+    e2e = load_tasks(FIXTURES / "dice_e2e_sample.json")
+    assert [(t.name, t.level) for t in e2e] == [("dice_e2e_sample/0", 0), ("dice_e2e_sample/1", 1)]
+
+
+def test_json_level_from_file_name_and_index_names(tmp_path):
+    path = tmp_path / "kernelbench_level1.json"
+    path.write_text(json.dumps([{"pytorch_code": TASK}, {"pytorch_code": TASK}]))
+    assert [(t.name, t.level) for t in load_tasks(path)] == [("kernelbench_level1/0", 1), ("kernelbench_level1/1", 1)]
+
+
+def test_missing_names_are_reported_with_the_file(tmp_path):
+    assert missing_task_names("class Model: pass\n") == ["get_inputs", "get_init_inputs"]
+    bad = tmp_path / "level1" / "1_Bad.py"
+    bad.parent.mkdir()
+    bad.write_text("import torch\nclass Model: pass\n")
+    with pytest.raises(ValueError, match=r"1_Bad.py: task source defines no get_inputs, get_init_inputs"):
+        load_tasks(tmp_path)
+    with pytest.raises(ValueError, match="record 0: task source does not parse"):
+        check_task_source("def (", "x.json record 0")
+
+
+def test_bad_json_records(tmp_path):
+    path = tmp_path / "tasks.json"
+    path.write_text(json.dumps([{"code": TASK}]))
+    with pytest.raises(ValueError, match="record 0: no 'pytorch_code'"):
+        load_tasks(path)
+    path.write_text(json.dumps([{"pytorch_code": TASK, "prefix": "a", "middle": "b"}]))
+    with pytest.raises(ValueError, match="only part of prefix/middle/suffix"):
+        load_tasks(path)
+    path.write_text(json.dumps({"pytorch_code": TASK}))
+    with pytest.raises(ValueError, match="expected a JSON list"):
+        load_tasks(path)
+
+
+def test_missing_path_and_empty_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such task file"):
+        load_tasks(tmp_path / "nope")
+    with pytest.raises(ValueError, match="found no tasks"):
+        load_tasks(tmp_path)

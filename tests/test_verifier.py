@@ -1,0 +1,313 @@
+"""CPU tests of the kernel verifier: source rules, output checks, and the worker pool.
+
+The pool runs in CPU mode (Verifier(device="cpu")) with pure-PyTorch candidates, which exercises
+everything except what needs a GPU (NVRTC/nvcc, the profiler kernel check, CUDA IPC, events)."""
+
+import ast
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dice.verifier import (BaselineCache, TaskError, Verifier, VerifyResult, fallback_problem, kernel_names,
+                           matching_kernels, static_check, trial_seeds, verify)
+from dice.verifier_pool import GpuLock
+from dice.verifier_worker import (aliased_outputs, build_error_message, compare_outputs, fingerprint,
+                                  modified_inputs, nvrtc_error_message)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
+RELU_TASK = (FIXTURES / "relu_task.py").read_text()
+POSITIVE_TASK = (FIXTURES / "relu_positive_task.py").read_text()
+MEAN_TASK = (FIXTURES / "mean_task.py").read_text()
+LINEAR_TASK = (FIXTURES / "linear_task.py").read_text()
+
+
+def candidate(forward: str, extra: str = "", init: str = "pass") -> str:
+    """A pure-PyTorch ModelNew whose forward body is `forward` (indented 8 spaces)."""
+    body = "\n".join("        " + line for line in forward.strip().splitlines())
+    return (f"import torch\nimport torch.nn as nn\n{extra}\n\n"
+            f"class ModelNew(nn.Module):\n    def __init__(self):\n        super().__init__()\n        {init}\n\n"
+            f"    def forward(self, x):\n{body}\n")
+
+
+GOOD = candidate("return x.clamp_min(0)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Static rules.
+
+def test_kernel_names_finds_every_declaration_style():
+    source = '''
+    extern "C" __global__ void add_kernel(const float* a) {}
+    template <typename T> __global__ void __launch_bounds__(256, 2) scale_kernel(T* x) {}
+    __global__ static void
+    reduce_kernel (float* x) {}
+    __device__ float helper(float x) { return x; }
+    '''
+    assert kernel_names(source) == ["add_kernel", "reduce_kernel", "scale_kernel"]
+    assert kernel_names("import torch\nx = 1\n") == []
+
+
+def test_matching_kernels_accepts_the_candidates_own_kernels_only():
+    defined = ["add_kernel", "relu"]
+    launched = [
+        "add_kernel",                                         # CuPy extern "C"
+        "void add_kernel<float>(float const*, float*, int)",  # demangled template
+        "relu(c10::Half const*, c10::Half*, long)",           # args mention c10, name is ours
+        "_Z10add_kernelPKfPfi",                               # mangled
+        "void at::native::vectorized_elementwise_kernel<4, at::native::relu>(int)",
+        "void at::native::(anonymous namespace)::relu(float*)",
+        "add_kernel_v2(float*)",
+    ]
+    assert matching_kernels(launched, defined) == launched[:4]
+
+
+@pytest.mark.parametrize("handler", [
+    "return torch.relu(x)",
+    "return F.relu(x)",
+    "return self.act(x)",
+    "return super().forward(x)",
+    "return Model()(x)",
+    "y = relu(x)\n            return y",
+])
+def test_fallback_to_pytorch_in_except_is_flagged(handler):
+    source = f'''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import relu
+
+class ModelNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        try:
+            return ext.relu_cuda(x)
+        except Exception:
+            {handler}
+'''
+    problem = fallback_problem(ast.parse(source))
+    assert problem is not None and "except branch" in problem
+
+
+@pytest.mark.parametrize("handler", ["raise", "print('kernel failed')\n        raise",
+                                     "return None", "pass"])
+def test_except_without_fallback_is_allowed(handler):
+    source = f'''
+import torch
+def f(x):
+    try:
+        return ext.relu_cuda(x)
+    except Exception:
+        {handler}
+'''
+    assert fallback_problem(ast.parse(source)) is None
+
+
+def test_static_check_verdicts():
+    syntax = static_check("class ModelNew(:\n", need_kernel=False)
+    assert syntax.status == "compile_error" and "line 1" in syntax.message and not syntax.compiled
+    assert static_check("import torch\n", need_kernel=False).status == "invalid"
+    no_kernel = static_check(GOOD, need_kernel=True)
+    assert no_kernel.status == "invalid" and "__global__" in no_kernel.message
+    assert static_check(GOOD, need_kernel=False) is None
+
+
+def test_trial_seeds_are_deterministic_and_distinct():
+    init, seeds = trial_seeds(7, 5)
+    assert (init, seeds) == trial_seeds(7, 5)
+    assert len(set(seeds + [init])) == 6
+    assert trial_seeds(8, 5) != (init, seeds)
+
+
+def test_verify_result_status_is_checked_and_correct_is_derived():
+    assert VerifyResult("correct", compiled=True).correct
+    assert not VerifyResult("incorrect", correct=True).correct
+    with pytest.raises(ValueError):
+        VerifyResult("fine")
+
+
+# ---------------------------------------------------------------------------------------------
+# Output checks (run in the judge / candidate worker; plain functions here).
+
+def test_compare_outputs_allclose_and_messages():
+    e = torch.tensor([[1.0, 2.0], [3.0, float("nan")]])
+    assert compare_outputs([e], [e + 0.005], 1e-2, 1e-2) is None
+    assert compare_outputs([e], [e.clone()], 1e-2, 1e-2) is None  # NaN where the reference has NaN
+    bad = e.clone()
+    bad[1, 0] = 3.5
+    message = compare_outputs([e], [bad], 1e-2, 1e-2)
+    assert "1 of 4 elements" in message and "(1, 0)" in message and "got 3.5" in message
+    nan_where_finite = e.clone()
+    nan_where_finite[0, 0] = float("nan")
+    assert "1 of 4" in compare_outputs([e], [nan_where_finite], 1e-2, 1e-2)
+    inf = torch.tensor([float("inf"), 1.0])
+    assert compare_outputs([inf], [inf.clone()], 1e-2, 1e-2) is None
+    assert compare_outputs([inf], [torch.tensor([-float("inf"), 1.0])], 1e-2, 1e-2) is not None
+    assert "shape [4]" in compare_outputs([e], [e.reshape(-1)], 1e-2, 1e-2)
+    assert "dtype float64" in compare_outputs([e], [e.double()], 1e-2, 1e-2)
+    assert "returned 2 tensor(s)" in compare_outputs([e], [e, e], 1e-2, 1e-2)
+    ints = torch.tensor([100, 200])
+    assert compare_outputs([ints], [torch.tensor([100, 201])], 1e-2, 1e-2) is not None
+
+
+def test_fingerprint_is_exact():
+    a = torch.randn(1000)
+    assert fingerprint(a) == fingerprint(a.clone())
+    b = a.clone()
+    b[123] += 1e-6
+    assert fingerprint(a) != fingerprint(b)
+    assert fingerprint(torch.zeros(0)) == fingerprint(torch.zeros(0))
+    assert fingerprint(torch.tensor([True, False])) != fingerprint(torch.tensor([False, True]))
+
+
+def test_modified_and_aliased_detection():
+    x = torch.randn(8)
+    out = x[2:5]
+    assert aliased_outputs([out, torch.randn(3)], [torch.randn(3), x]) == [[0, 1]]
+    original = x.clone()
+    x[0] = 100.0
+    assert modified_inputs([original, None], [x, 3]) == [0]
+    nan = torch.tensor([float("nan")])
+    assert modified_inputs([nan.clone()], [nan]) == []
+
+
+def test_compile_error_messages_keep_the_compiler_lines():
+    log = ("Error building extension 'dice_ext_abc': [1/3] /usr/local/cuda/bin/nvcc -c /tmp/build-x/cuda.cu "
+           "-o cuda.cuda.o " + "-DFLAG " * 100 + "\nFAILED: cuda.cuda.o\n"
+           "/tmp/build-x/cuda.cu(12): error: identifier \"undefined_thing\" is undefined\n"
+           "1 error detected in the compilation of \"/tmp/build-x/cuda.cu\".\nninja: build stopped\n")
+    message = build_error_message(log, "/tmp/build-x")
+    assert "cuda.cu(12): error: identifier \"undefined_thing\" is undefined" in message
+    assert "/tmp/build-x" not in message and "-DFLAG" not in message
+
+    class CompileException(Exception):
+        pass
+
+    nvrtc = nvrtc_error_message(CompileException("kern.cu(3): error: expected a \";\"\n\n1 error detected"))
+    assert nvrtc.startswith("NVRTC") and "kern.cu(3): error" in nvrtc
+
+
+# ---------------------------------------------------------------------------------------------
+# Pool machinery and locks.
+
+def test_gpu_lock_timing_excludes_checks():
+    lock, events = GpuLock(), []
+
+    def check(name):
+        with lock.shared():
+            events.append(f"{name} in")
+            time.sleep(0.05)
+            events.append(f"{name} out")
+
+    with lock.exclusive():
+        threads = [threading.Thread(target=check, args=(n,)) for n in ("a", "b")]
+        for t in threads:
+            t.start()
+        time.sleep(0.05)
+        events.append("timing done")
+    for t in threads:
+        t.join()
+    assert events[0] == "timing done"
+    assert events.index("a in") < events.index("b out") and events.index("b in") < events.index("a out")
+
+
+def test_baseline_cache_merges_and_persists(tmp_path):
+    path = tmp_path / "baselines.json"
+    first, second = BaselineCache(path), BaselineCache(path)
+    first.put("task-a|gpu", 1.5)
+    second.put("task-b|gpu", 2.5)
+    assert json.loads(path.read_text()) == {"task-a|gpu": 1.5, "task-b|gpu": 2.5}
+    assert BaselineCache(path).get("task-a|gpu") == 1.5
+
+
+def test_without_gpu_verify_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        verify(RELU_TASK, GOOD)
+
+
+@pytest.fixture(scope="module")
+def cpu_verifier(tmp_path_factory):
+    with Verifier(workers=2, device="cpu", cache_dir=tmp_path_factory.mktemp("cache"), timing_trials=10,
+                  warmup=1) as verifier:
+        yield verifier
+
+
+def test_pool_survives_hangs_crashes_and_exceptions(cpu_verifier):
+    cases = {
+        "correct": (GOOD, "correct", ""),
+        "wrong": (candidate("return x.clamp_min(0.5)"), "incorrect", "elements differ"),
+        "hang": (candidate("import time\ntime.sleep(600)"), "timeout", "time limit"),
+        "exit": (candidate("import os\nos._exit(3)"), "runtime_error", "exited with code 3"),
+        "segfault": (candidate("import ctypes\nreturn ctypes.string_at(0)"), "runtime_error", "SIGSEGV"),
+        "raises": (candidate("return x / undefined_name"), "runtime_error", "candidate.py line"),
+        "correct again": (GOOD, "correct", ""),
+    }
+    seen = []
+    results = cpu_verifier.map([(RELU_TASK, src) for src, _, _ in cases.values()], timing=False, timeout_s=3,
+                               progress=lambda i, r: seen.append(i))
+    for (name, (_, status, text)), result in zip(cases.items(), results):
+        assert result.status == status, (name, result)
+        assert text in result.message, (name, result.message)
+    assert sorted(seen) == list(range(len(cases)))
+    assert cpu_verifier.verify(RELU_TASK, GOOD, timing=False).correct  # pool still fine afterwards
+
+
+RULE_CASES = {
+    "mutates input": (RELU_TASK, candidate("y = x.clamp_min(0)\nx.zero_()\nreturn y"), "invalid", "modified input 0"),
+    "aliases input": (POSITIVE_TASK, candidate("return x"), "invalid", "shares memory with input 0"),
+    "cached constant": (MEAN_TASK, candidate("return torch.full((), 0.5)"), "invalid", "cached"),
+    "state across calls": (RELU_TASK, candidate("self.calls += 1\nreturn x.clamp_min(0) * self.calls",
+                                                init="self.calls = 0"), "incorrect", "second call"),
+    "subclasses Model": (RELU_TASK, "import torch\nimport torch.nn as nn\nclass Model(nn.Module):\n"
+                         "    def forward(self, x):\n        return torch.relu(x)\nclass ModelNew(Model):\n    pass\n",
+                         "invalid", "subclasses the reference Model"),
+    "not a module": (RELU_TASK, "ModelNew = 3\n", "invalid", "no ModelNew nn.Module"),
+    "patches allclose": (RELU_TASK, candidate("return x.clamp_min(0)",
+                                              extra="torch.allclose = lambda *a, **k: True"),
+                         "invalid", "torch.allclose"),
+    "background thread": (RELU_TASK, candidate("import threading, time\n"
+                                               "threading.Thread(target=time.sleep, args=(2,)).start()\n"
+                                               "return x.clamp_min(0)"), "invalid", "background threads"),
+    "import error": (RELU_TASK, candidate("return x", extra="raise ImportError('no such extension')"),
+                     "compile_error", "no such extension"),
+    "returns a float": (MEAN_TASK, candidate("return 0.5"), "invalid", "output 0 is a float"),
+    "wrong shape": (RELU_TASK, candidate("return x.clamp_min(0).t()"), "incorrect", "shape"),
+    "falls back": (RELU_TASK, candidate("try:\n    return ext.relu(x)\nexcept Exception:\n    return torch.relu(x)"),
+                   "invalid", "except branch"),
+    "init weights match": (LINEAR_TASK, "import torch\nimport torch.nn as nn\nclass ModelNew(nn.Module):\n"
+                           "    def __init__(self, i, o):\n        super().__init__()\n        self.linear = nn.Linear(i, o)\n"
+                           "    def forward(self, x):\n        return (x @ self.linear.weight.t() + self.linear.bias).clamp_min(0)\n",
+                           "correct", ""),
+}
+
+
+def test_rules_give_the_right_verdicts(cpu_verifier):
+    results = cpu_verifier.map([(task, src) for task, src, _, _ in RULE_CASES.values()], timing=False,
+                               timeout_s=20)
+    for (name, (_, _, status, text)), result in zip(RULE_CASES.items(), results):
+        assert result.status == status, (name, result)
+        assert text in result.message, (name, result.message)
+
+
+def test_timing_reports_speedup_and_caches_the_baseline(cpu_verifier):
+    result = cpu_verifier.verify(RELU_TASK, GOOD, seed=1)
+    assert result.correct and result.speedup > 0 and result.runtime_ms > 0 and result.baseline_ms > 0
+    assert "correct on 5 trials" in result.message
+    cached = json.loads((cpu_verifier.cache_dir / "baselines.json").read_text())
+    assert result.baseline_ms in cached.values()
+
+
+def test_bad_task_raises_value_error(cpu_verifier):
+    with pytest.raises(ValueError, match="get_init_inputs"):
+        cpu_verifier.map([("import torch\nclass Model: pass\ndef get_inputs(): return []\n", GOOD)])
+    broken = RELU_TASK.replace("return [torch.randn(256, 1024)]", "raise RuntimeError('broken task')")
+    with pytest.raises(TaskError, match="broken task"):
+        cpu_verifier.verify(broken, GOOD, timing=False)
