@@ -71,6 +71,7 @@ class TrainConfig:
     threshold: float = 0.9
     steps_per_block: int = 4
     rollout_batch: int = 64
+    updates_per_step: int = 1
     clip_eps: float = 0.2
     kl_beta: float = 0.01
     reference_model: bool = False

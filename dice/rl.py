@@ -1,0 +1,398 @@
+"""BiC-RL: TraceRL rollouts -> verifier rewards -> policy update, in two phases (DESIGN.md §7).
+
+Per RL step: take `tasks_per_step` tasks in curriculum order (ascending level, wrapping), sample
+`group_size` responses each with the block-diffusion sampler, reward each (1 if the kernel
+compiles and is correct; in the `infill` phase also only if the program keeps the given prefix
+and suffix), and form group z-score advantages A = (R - mean_g) / std_g, dropping groups whose
+rewards are all equal.
+
+Trace -> training rounds (`trace_rounds`): the sampler's step map says when every response token
+was unmasked. For each block (on the absolute grid, the prompt's tail included) the distinct
+step values s_1 < s_2 < ... are its rounds; round r replays the state the sampler saw at that
+block's r-th step: tokens unmasked at step >= s_r are MASK, earlier ones clean, and the loss
+counts the tokens unmasked at s_r. Blocks never see each other's noisy halves, so round r of
+every block shares one doubled sequence [x_t ; x_0]: a response costs max_b(#rounds) forwards.
+
+Objective per loss token (ids kept from generation, never re-tokenised):
+    rho = exp(logp_new - logp_old)
+    l   = -min(rho A, clip(rho, 1 - eps, 1 + eps) A) + beta * k3,   k3 = e^(lr - ln) - (lr - ln) - 1
+with lr the reference log-prob (a frozen reference model, or the rollout policy), ln = logp_new;
+summed over a response's loss tokens, divided by its length, averaged over responses.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .attention import block_diffusion_mask, flex_block_diffusion_mask
+from .prompts import keeps_skeleton
+from .rollout import Completion, complete, one_shot_style, task_prompt_ids
+from .tasks import Task, load_tasks
+
+
+@dataclass
+class Round:
+    masked: list[int]      # positions (in prompt + response) that are MASK in the noisy copy
+    loss: list[int]        # positions whose loss counts (unmasked at this round's step)
+
+
+def trace_rounds(step_map: Sequence[int], prompt_len: int, block_size: int) -> list[Round]:
+    """Training rounds of one rollout (module docstring); positions index prompt + response."""
+    blocks: dict[int, list[tuple[int, int]]] = {}
+    for i, step in enumerate(step_map):
+        pos = prompt_len + i
+        blocks.setdefault(pos // block_size, []).append((pos, step))
+    rounds: list[Round] = []
+    for tokens in blocks.values():
+        for r, s in enumerate(sorted({step for _, step in tokens})):
+            if r == len(rounds):
+                rounds.append(Round([], []))
+            rounds[r].masked += [p for p, step in tokens if step >= s]
+            rounds[r].loss += [p for p, step in tokens if step == s]
+    for rnd in rounds:
+        rnd.masked.sort()
+        rnd.loss.sort()
+    return rounds
+
+
+def group_advantages(rewards: Sequence[float], group_size: int) -> list[float | None]:
+    """(R - mean_g) / std_g per group of `group_size` consecutive rewards (population std);
+    None for every member of a group whose rewards are all equal (the group is dropped)."""
+    out: list[float | None] = []
+    for g in range(0, len(rewards), group_size):
+        group = rewards[g:g + group_size]
+        mean, std = statistics.fmean(group), statistics.pstdev(group)
+        out += [None] * len(group) if std == 0 else [(r - mean) / std for r in group]
+    return out
+
+
+def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantage: torch.Tensor, *, clip_eps: float,
+                kl_beta: float, logp_ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Per-token PPO-clip loss plus beta * k3 KL (module docstring); returns (loss [N], stats)."""
+    ratio = torch.exp(logp_new - logp_old)
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    pg = -torch.minimum(ratio * advantage, clipped * advantage)
+    ref = logp_old if logp_ref is None else logp_ref
+    log_r = ref - logp_new
+    k3 = torch.exp(log_r) - log_r - 1
+    stats = {"clip_fraction": float(((ratio - clipped).abs() > 0).float().mean()) if ratio.numel() else 0.0,
+             "kl": float(k3.detach().mean()) if k3.numel() else 0.0}
+    return pg + kl_beta * k3, stats
+
+
+@dataclass
+class RoundBatch:
+    """Doubled training sequences of several rounds, padded to one length."""
+    noisy: torch.Tensor        # [B, n]
+    clean: torch.Tensor        # [B, n]
+    position_ids: torch.Tensor
+    sample_ids: torch.Tensor   # 0 for tokens, -1 for padding (never attended)
+    loss_at: torch.Tensor      # [B, n] bool
+    token_weight: torch.Tensor  # [N] 1 / (response length * responses) for every loss token, in loss_at order
+    advantage: torch.Tensor    # [N]
+    owner: list[int]           # response index of every row
+
+
+def build_round_batch(items: list[tuple[int, Completion, Round]], block_size: int, mask_id: int, pad_id: int,
+                      advantages: Sequence[float], n_responses: int) -> RoundBatch:
+    n = max(len(c.prompt_ids) + len(c.tokens) for _, c, _ in items)
+    n = -(-n // block_size) * block_size
+    B = len(items)
+    clean = torch.full((B, n), pad_id, dtype=torch.long)
+    sample = torch.full((B, n), -1, dtype=torch.long)
+    loss_at = torch.zeros(B, n, dtype=torch.bool)
+    weights, adv = [], []
+    for row, (k, c, rnd) in enumerate(items):
+        seq = c.prompt_ids + c.tokens
+        clean[row, :len(seq)] = torch.tensor(seq)
+        sample[row, :len(seq)] = 0
+        loss_at[row, rnd.loss] = True
+        weights += [1.0 / (len(c.tokens) * n_responses)] * len(rnd.loss)
+        adv += [advantages[k]] * len(rnd.loss)
+    noisy = clean.clone()
+    for row, (_, _, rnd) in enumerate(items):
+        noisy[row, rnd.masked] = mask_id
+    return RoundBatch(noisy, clean, torch.arange(n).expand(B, n).clone(), sample, loss_at,
+                      torch.tensor(weights), torch.tensor(adv), [k for k, _, _ in items])
+
+
+def round_logprobs(model, batch: RoundBatch, use_flex: bool) -> torch.Tensor:
+    """log p(x_0 token | x_t) at every loss position, in `loss_at` order: [N]."""
+    device = next(model.parameters()).device
+    to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    pos, sample = to(batch.position_ids), to(batch.sample_ids)
+    mask = (flex_block_diffusion_mask if use_flex else block_diffusion_mask)(pos, model.config.block_size, sample)
+    ids = torch.cat([to(batch.noisy), to(batch.clean)], 1)
+    logits_at = torch.cat([to(batch.loss_at), torch.zeros_like(to(batch.loss_at))], 1)
+    logits = model(ids, torch.cat([pos, pos], 1), mask, logits_at=logits_at).float()
+    return -F.cross_entropy(logits, to(batch.clean)[to(batch.loss_at)], reduction="none")
+
+
+# ---------------------------------------------------------------- rewards
+
+RewardFn = Callable[[list[Task], list[Completion]], list[float]]
+
+
+def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = False, trials: int = 3,
+                    timeout_s: float = 60.0) -> Callable:
+    """Reward through the kernel verifier: 1 if compiled and correct (infill: and the program
+    keeps the task's prefix and suffix), else 0; kind "speedup" adds 0.5 * clamp(log2 speedup,
+    0, 2). Returns a function that also leaves the VerifyResults on `fn.last_results`."""
+    def reward(tasks: list[Task], completions: list[Completion]) -> list[float]:
+        pairs, index = [], []
+        for i, (t, c) in enumerate(zip(tasks, completions)):
+            if c.code is None or (phase == "infill" and not keeps_skeleton(c.code, t.prefix, t.suffix)):
+                continue
+            pairs.append((t.source, c.code))
+            index.append(i)
+        results = verifier.map(pairs, timing=timing or kind == "speedup", trials=trials, timeout_s=timeout_s)
+        by_item = dict(zip(index, results))
+        reward.last_results = [by_item.get(i) for i in range(len(tasks))]
+        out = []
+        for i in range(len(tasks)):
+            r = by_item.get(i)
+            value = float(r is not None and r.correct)
+            if value and kind == "speedup" and r.speedup:
+                value += 0.5 * min(max(math.log2(r.speedup), 0.0), 2.0)
+            out.append(value)
+        return out
+    reward.last_results = []
+    return reward
+
+
+def curriculum(tasks: list[Task]) -> list[Task]:
+    """Tasks in ascending level (stable; unknown levels last)."""
+    return sorted(tasks, key=lambda t: (t.level is None, t.level or 0))
+
+
+def step_tasks(ordered: list[Task], step: int, count: int) -> list[Task]:
+    return [ordered[(step * count + i) % len(ordered)] for i in range(count)]
+
+
+# ---------------------------------------------------------------- the loop
+
+class _FullParameters:
+    """Generation calls layers directly (not the root forward), so under FSDP2 every module's
+    parameters are gathered for the whole rollout and resharded afterwards."""
+
+    def __init__(self, model):
+        from torch.distributed.fsdp import FSDPModule
+        self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def __enter__(self):
+        for m in self.modules:
+            m.set_reshard_after_forward(False)
+            m.unshard()
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            m.reshard()
+            m.set_reshard_after_forward(True)
+
+
+def rollout(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, seed: int, infill: bool):
+    """Generate `group_size` responses per task in batches, rewarding each batch on a background
+    thread while the next one generates. Returns (completions, rewards, timings)."""
+    prompts, owners = [], []
+    style = one_shot_style(model)
+    for t in tasks:
+        ids = task_prompt_ids(tok, t, infill=infill, one_shot=style)
+        prompts += [ids] * cfg.group_size
+        owners += [t] * cfg.group_size
+    completions: list[Completion] = []
+    futures, verify_seconds = [], [0.0]
+    gen_seconds = 0.0
+
+    def score(ts, cs):
+        t0 = time.perf_counter()
+        out = reward_fn(ts, cs)
+        verify_seconds[0] += time.perf_counter() - t0
+        return out
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        for start in range(0, len(prompts), cfg.rollout_batch):
+            t0 = time.perf_counter()
+            chunk = complete(model, tok, prompts[start:start + cfg.rollout_batch], batch_size=cfg.rollout_batch,
+                             seed=seed + start, max_new_tokens=cfg.max_new_tokens,
+                             steps_per_block=cfg.steps_per_block, remasking=cfg.remasking, threshold=cfg.threshold,
+                             temperature=cfg.temperature)
+            gen_seconds += time.perf_counter() - t0
+            completions += chunk
+            futures.append(pool.submit(score, owners[start:start + len(chunk)], chunk))
+        rewards = [r for f in futures for r in f.result()]
+    return completions, rewards, {"generate_s": gen_seconds, "verify_s": verify_seconds[0]}
+
+
+def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer) -> dict:
+    """One optimiser step (or `updates_per_step`) over the kept responses' trace rounds."""
+    bs, mask_id = model.config.block_size, model.config.mask_token_id
+    pad_id = completions[0].prompt_ids[0] if completions else 0
+    kept = [k for k, a in enumerate(advantages) if a is not None and completions[k].tokens]
+    n_responses = rt.all_sum(len(kept))
+    items = [(k, completions[k], rnd) for k in kept
+             for rnd in trace_rounds(completions[k].step_map, len(completions[k].prompt_ids), bs)]
+    use_flex = next(model.parameters()).device.type == "cuda"
+    minibatches = [items[i::cfg.updates_per_step] for i in range(cfg.updates_per_step)]
+    old: dict[int, torch.Tensor] = {}
+    if cfg.updates_per_step > 1:   # the rollout policy's log-probs, before any update
+        with torch.no_grad(), rt.autocast(cfg.dtype):
+            for i, chunk in enumerate(_micro(items, cfg.batch_size)):
+                old[i] = round_logprobs(model, build_round_batch(chunk, bs, mask_id, pad_id, advantages, 1), use_flex)
+    stats = {"loss": 0.0, "kl": [], "clip_fraction": []}
+    micro_index = 0
+    for minibatch in minibatches:
+        for chunk in _micro(minibatch, cfg.batch_size):
+            batch = build_round_batch(chunk, bs, mask_id, pad_id, advantages, max(n_responses, 1))
+            with rt.autocast(cfg.dtype):
+                logp = round_logprobs(model, batch, use_flex)
+                logp_ref = None
+                if ref_model is not None:
+                    with torch.no_grad():
+                        logp_ref = round_logprobs(ref_model, batch, use_flex)
+            logp_old = old[micro_index] if old else logp.detach()
+            tok_loss, s = policy_loss(logp, logp_old.to(logp.device), batch.advantage.to(logp.device),
+                                      clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta, logp_ref=logp_ref)
+            loss = (tok_loss * batch.token_weight.to(logp.device)).sum() * cfg.updates_per_step
+            (loss * rt.world).backward()
+            stats["loss"] += loss.item() / cfg.updates_per_step
+            stats["kl"].append(s["kl"])
+            stats["clip_fraction"].append(s["clip_fraction"])
+            micro_index += 1
+        if minibatch or rt.world > 1:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return {"loss": rt.all_sum(stats["loss"]), "kl": statistics.fmean(stats["kl"]) if stats["kl"] else 0.0,
+            "clip_fraction": statistics.fmean(stats["clip_fraction"]) if stats["clip_fraction"] else 0.0,
+            "responses_trained": int(n_responses), "rounds": len(items)}
+
+
+def _micro(items: list, size: int):
+    # sort by length so that padded batches waste little
+    items = sorted(items, key=lambda it: len(it[1].prompt_ids) + len(it[1].tokens))
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+NOT_RUN = SimpleNamespace(compiled=False, correct=False, speedup=None)   # no code block / skeleton broken
+
+
+def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, infill: bool) -> dict:
+    """Greedy generation on held-out tasks; the mean reward and, with the verifier, KernelBench rates."""
+    from .metrics import summarize_group
+    completions = complete(model, tok, [task_prompt_ids(tok, t, infill=infill, one_shot=one_shot_style(model))
+                                        for t in tasks], batch_size=cfg.rollout_batch,
+                           max_new_tokens=cfg.max_new_tokens, steps_per_block=cfg.steps_per_block,
+                           remasking=cfg.remasking, threshold=cfg.threshold, temperature=0.0)
+    rewards = reward_fn(tasks, completions)
+    out = {"eval_reward": statistics.fmean(rewards) if rewards else 0.0}
+    results = getattr(reward_fn, "last_results", None)
+    if results:
+        s = summarize_group([(t.name, r or NOT_RUN) for t, r in zip(tasks, results)], ks=(1,))
+        out.update({"eval_compiled": s.compiled, "eval_correct": s.correct, "eval_fast_1": s.fast_1})
+    return out
+
+
+def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = None,
+             eval_tasks: list[Task] | None = None) -> Path:
+    """BiC-RL phase `cfg.phase` ("infill" or "e2e"); `reward_fn(tasks, completions) -> rewards`
+    replaces the kernel verifier (tests, other rewards). Returns the final model folder."""
+    from .checkpoint import load_model
+    from .tokenizer import load_tokenizer
+    from .trainer import (MetricsLog, build_model, make_logger, make_optimizer, progress_line, resume,
+                          save_checkpoint, setup_runtime, write_model_folder, _full_state)
+    rt = setup_runtime()
+    log = make_logger(rt)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    infill = cfg.phase == "infill"
+    ordered = curriculum(tasks if tasks is not None else load_tasks(cfg.data))
+    if infill:
+        ordered = [t for t in ordered if t.prefix is not None]
+        if not ordered:
+            raise ValueError(f"{cfg.data}: no task has a prefix/middle/suffix split, which the infill phase needs")
+    if eval_tasks is None and cfg.eval_every:
+        eval_tasks = load_tasks(cfg.eval_data)
+    tok = load_tokenizer(cfg.model)
+    model = build_model(cfg, rt, log)
+    ref_model = load_model(cfg.model, device=rt.device).eval().requires_grad_(False) if cfg.reference_model else None
+    optimizer = make_optimizer(model, cfg)
+    start = resume(out, model, optimizer, log)[0] if cfg.resume else 0
+    metrics = MetricsLog(out, start, rt.main)
+    verifier, eval_reward = None, reward_fn
+    if reward_fn is None:
+        from .verifier import Verifier
+        verifier = Verifier(workers=cfg.verifier_workers)
+        reward_fn = verifier_reward(verifier, cfg.phase, cfg.reward, timing=cfg.reward == "speedup",
+                                    timeout_s=cfg.verify_timeout)
+        eval_reward = verifier_reward(verifier, "e2e", "correct", timing=True, timeout_s=cfg.verify_timeout)
+    total = cfg.steps
+    gather = _FullParameters(model) if rt.world > 1 else None
+    log(f"BiC-RL {cfg.phase}: {len(ordered)} tasks (levels {sorted({t.level for t in ordered}, key=str)}), "
+        f"{cfg.tasks_per_step} tasks x {cfg.group_size} samples per step, steps {start}..{total}")
+    started = time.perf_counter()
+    try:
+        for step in range(start, total):
+            t0 = time.perf_counter()
+            if cfg.eval_every and eval_tasks and rt.main and step % cfg.eval_every == 0:
+                with torch.no_grad():
+                    model.eval()
+                    ev = evaluate_policy(model, tok, eval_tasks, cfg, eval_reward, infill=False)
+                metrics.write({"step": step, **ev})
+                log(f"eval before step {step + 1}: " + json.dumps(ev))
+            mine = step_tasks(ordered, step, cfg.tasks_per_step)[rt.rank::rt.world]
+            model.eval()
+            with torch.no_grad(), (gather or contextlib.nullcontext()):
+                completions, rewards, timing = rollout(model, tok, mine, cfg, reward_fn,
+                                                       seed=(cfg.seed * 100_003 + step) * 10_007 + rt.rank * 1_000_003,
+                                                       infill=infill)
+            results = getattr(reward_fn, "last_results", None) or []
+            advantages = group_advantages(rewards, cfg.group_size)
+            model.train()
+            upd = policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer)
+            n = rt.all_sum(len(rewards))
+            tokens = rt.all_sum(sum(len(c.tokens) for c in completions))
+            verified = rt.all_sum(sum(r is not None for r in results))
+            record = {"step": step + 1, "reward_mean": rt.all_sum(sum(rewards)) / n,
+                      "compiled_pct": 100 * rt.all_sum(sum(bool(r and r.compiled) for r in results)) / n,
+                      "correct_pct": 100 * rt.all_sum(sum(bool(r and r.correct) for r in results)) / n,
+                      "fast_1_pct": (100 * rt.all_sum(sum(bool(r and r.correct and (r.speedup or 0) > 1)
+                                                          for r in results)) / n) if cfg.reward == "speedup" else None,
+                      "mean_response_len": tokens / n, "kl": upd["kl"], "clip_fraction": upd["clip_fraction"],
+                      "loss": upd["loss"], "groups_kept_pct": 100 * upd["responses_trained"] / n,
+                      "rollout_tokens_per_s": tokens / max(timing["generate_s"], 1e-9),
+                      "kernels_verified_per_s": verified / timing["verify_s"] if timing["verify_s"] > 0 else None,
+                      "step_time_s": time.perf_counter() - t0}
+            metrics.write(record)
+            log(progress_line(step, total, started, start, {
+                "reward": record["reward_mean"], "correct%": record["correct_pct"], "kl": record["kl"],
+                "len": round(record["mean_response_len"]), "tok/s": round(record["rollout_tokens_per_s"])}))
+            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < total:
+                save_checkpoint(out, step + 1, model, optimizer, cfg.model, rt, cfg.keep_checkpoints)
+        if cfg.eval_every and eval_tasks and rt.main:
+            model.eval()
+            with torch.no_grad():
+                ev = evaluate_policy(model, tok, eval_tasks, cfg, eval_reward, infill=False)
+            metrics.write({"step": total, **ev})
+            log("eval after training: " + json.dumps(ev))
+        final_state, _ = _full_state(model, optimizer)
+        if rt.main:
+            write_model_folder(model, out / "final", cfg.model, state_dict=final_state)
+            log(f"wrote {out / 'final'}")
+        rt.barrier()
+    finally:
+        if verifier is not None:
+            verifier.close()
+    return out / "final"
+
+

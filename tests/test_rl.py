@@ -1,0 +1,145 @@
+"""BiC-RL pieces: trace replay, advantages, the clipped objective, and a tiny end-to-end run."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dice import load_model
+from dice.rl import (build_round_batch, group_advantages, policy_loss, round_logprobs, trace_rounds, train_rl)
+from dice.rollout import Completion
+from dice.sampler import generate
+from dice.tasks import Task
+from dice.trainer import TrainConfig
+
+from conftest import make_tiny_model_folder
+
+TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
+
+
+def as_lists(rounds):
+    return [(r.masked, r.loss) for r in rounds]
+
+
+def test_trace_rounds_static_on_grid():
+    # prompt of 8 (two full blocks); static, one token per step
+    rounds = trace_rounds([1, 3, 2, 4, 5, 8, 6, 7], prompt_len=8, block_size=4)
+    assert as_lists(rounds) == [
+        ([8, 9, 10, 11, 12, 13, 14, 15], [8, 12]),
+        ([9, 10, 11, 13, 14, 15], [10, 14]),
+        ([9, 11, 13, 15], [9, 15]),
+        ([11, 13], [11, 13]),
+    ]
+
+
+def test_trace_rounds_dynamic_off_grid():
+    # prompt of 6: positions 4, 5 are prompt and share the first generated block with 6, 7
+    rounds = trace_rounds([1, 2, 3, 3, 4, 3], prompt_len=6, block_size=4)
+    assert as_lists(rounds) == [([6, 7, 8, 9, 10, 11], [6, 8, 9, 11]), ([7, 10], [7, 10])]
+    # the reference's response-aligned grid would have put 6..9 in one block; ours never mixes
+    # the blocks [4, 8) and [8, 12)
+
+
+class Recorder(torch.nn.Module):
+    """Wraps a model and records the ids of every uncached sampler forward."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config, self.calls = model, model.config, []
+
+    def forward(self, ids, pos, mask):
+        self.calls.append(ids.clone())
+        return self.inner(ids, pos, mask)
+
+
+@pytest.mark.parametrize("remasking,threshold,prompt_len", [("low_confidence_static", 0.9, 7),
+                                                            ("low_confidence_dynamic", 0.5, 9),
+                                                            ("low_confidence_dynamic", 0.5, 12)])
+def test_rounds_replay_exactly_what_the_sampler_saw(remasking, threshold, prompt_len):
+    model = load_model(TINY)
+    with torch.no_grad():
+        model.lm_head.weight *= 8
+    rec = Recorder(model)
+    prompt = list(range(1, prompt_len + 1))
+    out = generate(rec, [prompt], max_new_tokens=14, use_cache=False, remasking=remasking, threshold=threshold)
+    tokens, step_map = out.tokens[0], out.step_map[0]
+    full = torch.tensor(prompt + tokens)
+    mask_id = model.config.mask_token_id
+    rounds = trace_rounds(step_map, prompt_len, 4)
+    # the sampler's forward number k (1-based) is denoising step k; its current block is the one
+    # holding the tokens unmasked at step k
+    for step, ids in enumerate(rec.calls, start=1):
+        positions = [prompt_len + i for i, s in enumerate(step_map) if s == step]
+        if not positions:
+            continue          # a step whose tokens were all cut after max_new_tokens
+        b0 = positions[0] // 4 * 4
+        r = sorted({s for i, s in enumerate(step_map) if (prompt_len + i) // 4 * 4 == b0}).index(step)
+        noisy = full.clone()
+        noisy[rounds[r].masked] = mask_id
+        seen = ids[0, b0:b0 + 4]
+        upto = min(b0 + 4, len(full)) - b0
+        assert torch.equal(seen[:upto], noisy[b0:b0 + upto])
+        assert [p for p in rounds[r].loss if b0 <= p < b0 + 4] == positions
+
+
+def test_group_advantages():
+    adv = group_advantages([1, 0, 0, 1, 1, 1, 1, 1], group_size=4)
+    assert adv[:4] == pytest.approx([1, -1, -1, 1])
+    assert adv[4:] == [None] * 4
+
+
+def test_policy_loss_clipping_and_kl_hand_computed():
+    new = torch.tensor([0.5, 0.5, -0.5, -0.1])
+    old = torch.tensor([0.0, 0.0, 0.0, 0.0])
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    loss, stats = policy_loss(new, old, adv, clip_eps=0.2, kl_beta=0.0)
+    e = torch.exp(torch.tensor([0.5, -0.5, -0.1]))
+    # rho=1.65,A=+1 -> clipped to 1.2; rho=1.65,A=-1 -> unclipped; rho=0.61,A=+1 -> unclipped;
+    # rho=0.905,A=-1 -> inside the range
+    torch.testing.assert_close(loss, torch.stack([-torch.tensor(1.2), e[0], -e[1], e[2]]))
+    assert stats["clip_fraction"] == pytest.approx(0.75)
+    loss_kl, stats = policy_loss(new, old, adv, clip_eps=0.2, kl_beta=0.01)
+    k3 = torch.exp(old - new) - (old - new) - 1
+    torch.testing.assert_close(loss_kl - loss, 0.01 * k3)
+    assert stats["kl"] == pytest.approx(float(k3.mean()))
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_gradient_raises_positive_and_lowers_negative_advantage_tokens(sign):
+    model = load_model(TINY)
+    prompt, tokens = list(range(10, 17)), [5, 6, 7, 8, 9]
+    comp = Completion(prompt, tokens, [1, 2, 2, 3, 4], "", None)
+    items = [(0, comp, r) for r in trace_rounds(comp.step_map, len(prompt), 4)]
+    batch = build_round_batch(items, 4, model.config.mask_token_id, 0, [sign], 1)
+    before = round_logprobs(model, batch, use_flex=False).detach()
+    loss, _ = policy_loss(round_logprobs(model, batch, False), before, batch.advantage, clip_eps=0.2, kl_beta=0.0)
+    (loss * batch.token_weight).sum().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.05 * p.grad
+    after = round_logprobs(model, batch, use_flex=False).detach()
+    assert len(before) == len(tokens)
+    assert ((after - before) * sign > 0).all()
+
+
+def test_tiny_run_with_python_reward_raises_the_reward(tmp_path):
+    tasks = [Task(name=f"t{i}", level=1 + i % 2, source=f"class Model:\n    scale = {i}\n") for i in range(8)]
+    from dice.prompts import chat_prompt, kernel_prompt
+    texts = [chat_prompt(kernel_prompt(t.source, one_shot=None)) for t in tasks] * 3
+    folder = make_tiny_model_folder(tmp_path / "model", texts, vocab_size=400)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "dice_one_shot": None}))
+    chosen = set(range(100, 200))      # a quarter of the vocabulary: about 0.25 at the start
+
+    def share_of_target(ts, completions):
+        return [sum(t in chosen for t in c.tokens) / max(len(c.tokens), 1) for c in completions]
+
+    cfg = TrainConfig(phase="e2e", model=str(folder), out=str(tmp_path / "out"), steps=8, tasks_per_step=4,
+                      group_size=8, max_new_tokens=12, lr=5e-3, rollout_batch=32, batch_size=16, seed=0,
+                      kl_beta=0.0)
+    train_rl(cfg, reward_fn=share_of_target, tasks=tasks)
+    records = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward_mean"] for r in records]
+    assert len(rewards) == 8 and all(r["step_time_s"] > 0 for r in records)
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
+    assert load_model(tmp_path / "out" / "final").config.extra["dice_one_shot"] is None
