@@ -17,8 +17,8 @@ Stages, first failure wins:
 2. load: import the module (compile_error), ModelNew is an nn.Module not derived from the task's
    Model (invalid), ModelNew(*get_init_inputs()) after the same manual_seed as the reference;
 3. `trials` correctness trials, each with its own seed: torch.manual_seed(seed); get_inputs();
-   forward (trial 1 also profiled and called twice on the same inputs). Invalid: none of the
-   source's `__global__` kernels ran (profiler), an input was modified or an output shares an
+   forward (trial 1 calls it twice on the same inputs, the last trial runs under the profiler).
+   Invalid: none of the source's `__global__` kernels ran in the profiled call, an input was modified or an output shares an
    input's memory (unless the reference does the same), an output changed after torch's current
    stream was done (work hidden on another stream), threads left running, an output exactly equal
    to an earlier trial's while the references differ (cached results), verifier functions
@@ -64,6 +64,8 @@ from dice.verifier_pool import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout
 STATUSES = ("correct", "incorrect", "compile_error", "runtime_error", "timeout", "invalid")
 NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is False); run on a GPU "
           "machine, or use Verifier(device='cpu') to exercise the pool with pure-PyTorch candidates")
+PROFILER_BROKEN = ("the CUDA profiler in the verifier's worker records no kernels (CUPTI unavailable?), so it "
+                   "cannot check that candidates launch their own kernels; run where torch.profiler works")
 JUDGE_TIMEOUT_S = 900.0       # reference forward + comparison of the largest KernelBench tasks
 UNLOAD_TIMEOUT_S = 60.0
 WALL_SLACK_MS = 0.5           # see the timing rule in the module docstring
@@ -317,22 +319,26 @@ class Verifier:
                        opts: VerifyOptions) -> VerifyResult:
         task = {"task_src": task_src, "task_key": hashlib.sha256(task_src.encode()).hexdigest()}
         init_seed, seeds = trial_seeds(self._seed_base if opts.seed is None else opts.seed, opts.trials)
-        self._judge_call({"op": "reference", **task, "init_seed": init_seed, "seed": seeds[0]})
+        with self._gpu.shared():  # a broken task fails here, blamed on the task, before any compiling
+            self._judge_call({"op": "reference", **task, "init_seed": init_seed, "seed": seeds[0]})
         reply = self._ask(worker, {"op": "load", **task, "candidate_src": candidate_src, "init_seed": init_seed},
                           _Clock(opts.compile_timeout_s), "loading the candidate module")
-        if reply["status"] != "ok":
-            return self._failed(reply, compiled=False)
+        if reply["status"] != "ok":  # the module imported if the failure came after that
+            return self._failed(reply, compiled=reply["status"] in ("invalid", "runtime_error"))
         clock, history = _Clock(opts.timeout_s), []
         for i, seed in enumerate(seeds):
             where = f"trial {i + 1} of {len(seeds)} (seed {seed})"
             with self._gpu.shared():
-                ran = self._ask(worker, {"op": "run", "seed": seed, "profile": i == 0, "repeat": i == 0},
-                                clock, "running forward")
+                # Profiling only the last trial keeps a crashing kernel away from the profiler.
+                ran = self._ask(worker, {"op": "run", "seed": seed, "profile": i == len(seeds) - 1,
+                                         "repeat": i == 0}, clock, "running forward")
                 if ran["status"] != "ok":
                     return self._failed(ran, compiled=True, where=where)
                 judged = self._judge_call({"op": "compare", **task, "init_seed": init_seed, "seed": seed,
                                            "outputs": ran["outputs"], "second": ran["second"],
                                            "atol": opts.atol, "rtol": opts.rtol})
+            if ran["kernels"] is not None and not worker.info.get("profiler_works"):
+                raise RuntimeError(PROFILER_BROKEN)
             verdict = self._trial_verdict(where, candidate_src, ran, judged, history)
             if verdict is not None:
                 return verdict
@@ -390,12 +396,12 @@ class Verifier:
 
     def _ask(self, worker: WorkerProcess, request: dict, clock: _Clock, doing: str) -> dict:
         """A candidate-worker request; a hang or crash becomes a reply with status timeout/runtime_error."""
-        start = time.monotonic()
+        start, limit = time.monotonic(), max(clock.left, 0.0)
         try:
-            reply = worker.call(request, timeout=max(clock.left, 0.0))
+            reply = worker.call(request, timeout=limit)
         except WorkerTimeout:
-            return {"status": "timeout", "message": f"the candidate did not finish {doing} within its "
-                    f"time limit (hang, deadlock or very slow kernel); its worker was killed"}
+            return {"status": "timeout", "message": f"the candidate did not finish {doing} in the {limit:.0f} s "
+                    "left of its time limit (hang, deadlock or very slow kernel); its worker was killed"}
         except WorkerDied as exc:
             tail = f"; last output:\n{_log_summary(exc.log_tail)}" if exc.log_tail else ""
             return {"status": "runtime_error", "message": f"the worker process {describe_exit(exc.exitcode)} "

@@ -336,6 +336,15 @@ def time_forward(model: nn.Module, sets: list[list], device: torch.device, warmu
     return {"runtime_ms": statistics.median(times), "wall_ms": statistics.median(wall), "trials": trials}
 
 
+def launched_kernels(fn, device: torch.device) -> tuple[object, list[str]]:
+    """(fn(), names of the CUDA kernels that ran during it, as the profiler reports them)."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with _profile(activities=activities) as prof:
+        result = fn()
+        _cuda_synchronize(device)
+    return result, sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+
+
 # ---------------------------------------------------------------------------------------------
 # load_inline with a build cache.
 
@@ -447,13 +456,16 @@ class CandidateHandler:
                 import cupy  # noqa: F401 - warm import; CuPy candidates then start fast
             except ImportError:
                 pass
-            with _profile(activities=[torch.profiler.ProfilerActivity.CUDA]):  # starts CUPTI once, here
-                torch.ones(1, device=self.device).add_(1)
-        self.info = {"device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu"}
+        # Starts CUPTI once, here, and checks that the profiler sees kernels at all.
+        probe = lambda: torch.ones(1, device=self.device).add_(1)  # noqa: E731
+        profiler_works = self.cuda and any(launched_kernels(probe, self.device)[1] for _ in range(2))
+        self.info = {"device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
+                     "profiler_works": profiler_works}
         self.flags = _global_flags()
 
     def load(self, request: dict) -> dict:
-        self._drop_candidate()
+        if self.task is not None:  # the previous candidate was not unloaded (its worker kept running)
+            self._drop_candidate()
         self.task = load_module(request["task_src"], "task.py", "dice_task")
         self.loads += 1
         try:
@@ -544,13 +556,11 @@ class CandidateHandler:
         return outputs, late
 
     def _profiled_call(self, inputs: list, seed: int) -> tuple[list, list[int], list[str]]:
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with _profile(activities=activities) as prof:
+        def forward():
             _manual_seed(seed)
             with _no_grad():
-                outputs = flatten(self.model(*inputs))
-            _cuda_synchronize(self.device)
-        kernels = sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+                return flatten(self.model(*inputs))
+        outputs, kernels = launched_kernels(forward, self.device)
         return outputs, [], kernels
 
     def _load_error(self, exc: Exception) -> dict:

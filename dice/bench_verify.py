@@ -1,0 +1,233 @@
+"""Verifier benchmark and reference-solution check (GPU): `python -m dice.bench verify [...]`.
+
+`bench_verify(args)`: kernels verified per minute for the same elementwise tasks written as CuPy
+(NVRTC) and as load_inline (nvcc) candidates: CuPy with a cold pool (worker start-up and NVRTC
+compiles included) and a warm one, with and without timing; load_inline with a warm pool and a
+cold then warm build cache; and load_inline evaluated KernelBench's way, one fresh Python process
+per kernel, one at a time. Every kernel is a new source (salted), so no cache helps unless the row
+says so.
+
+`check_reference_solutions(path, workers)`: runs the verifier over the reference solutions
+(`cuda_code`) of a DICE JSON file and prints how many it calls correct and every rejection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+
+from dice.tasks import load_tasks
+from dice.verifier import Verifier
+
+TASK = '''import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.relu(x * {scale} + {shift})
+
+
+def get_inputs():
+    return [torch.randn(2048, 2048)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+CUPY_CANDIDATE = '''import cupy as cp
+import torch
+import torch.nn as nn
+
+_source = r"""
+extern "C" __global__ void scale_shift_relu_{tag}(const float* x, float* y, long long n) {{
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = fmaxf(x[i] * {scale}f + {shift}f, 0.0f);
+}}
+"""
+_kernel = cp.RawModule(code=_source).get_function("scale_shift_relu_{tag}")
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        n = x.numel()
+        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            _kernel(((n + 255) // 256,), (256,), (x.data_ptr(), y.data_ptr(), cp.int64(n)))
+        return y
+'''
+
+INLINE_CANDIDATE = '''import torch
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+cuda_source = """
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+
+__global__ void scale_shift_relu_{tag}(const float* x, float* y, int64_t n) {{
+    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = fmaxf(x[i] * {scale}f + {shift}f, 0.0f);
+}}
+
+torch::Tensor run(torch::Tensor x) {{
+    auto xc = x.contiguous();
+    auto y = torch::empty_like(xc);
+    int64_t n = xc.numel();
+    scale_shift_relu_{tag}<<<(n + 255) / 256, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+        xc.data_ptr<float>(), y.data_ptr<float>(), n);
+    return y;
+}}
+"""
+
+ext = load_inline(name="scale_shift_relu_{tag}", cpp_sources="torch::Tensor run(torch::Tensor x);",
+                  cuda_sources=cuda_source, functions=["run"])
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        return ext.run(x)
+'''
+
+# KernelBench's way: one fresh process per kernel builds, checks (5 trials) and times (100 calls).
+ONE_PROCESS_EVAL = r'''
+import json, sys, torch
+task_src, candidate_src = json.load(sys.stdin)
+task, cand = {}, {}
+exec(task_src, task)
+exec(candidate_src, cand)
+torch.manual_seed(0)
+ref = task["Model"](*task["get_init_inputs"]()).cuda()
+torch.manual_seed(0)
+new = cand["ModelNew"](*task["get_init_inputs"]()).cuda()
+ok = True
+with torch.no_grad():
+    for seed in range(5):
+        torch.manual_seed(seed)
+        x = [t.cuda() for t in task["get_inputs"]()]
+        ok &= torch.allclose(ref(*x), new(*x), atol=1e-2, rtol=1e-2)
+    for _ in range(3):
+        new(*x)
+    times = []
+    for _ in range(100):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(); new(*x); end.record(); torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+print(json.dumps({"correct": bool(ok), "ms": sorted(times)[50]}))
+'''
+
+
+def variants(n: int, salt: str) -> list[tuple[str, dict]]:
+    """n (task source, template fields) pairs; the salt makes every kernel source new."""
+    out = []
+    for i in range(n):
+        fields = {"tag": f"{salt}_{i}", "scale": f"{1.0 + 0.25 * i:.2f}", "shift": f"{0.01 * i:.2f}"}
+        out.append((TASK.format(**fields), fields))
+    return out
+
+
+def _row(label: str, n: int, seconds: float, statuses: collections.Counter) -> dict:
+    return {"mode": label, "kernels": n, "seconds": f"{seconds:.1f}", "kernels/min": f"{60 * n / seconds:.1f}",
+            "verdicts": " ".join(f"{k}={v}" for k, v in sorted(statuses.items()))}
+
+
+def _timed_map(verifier: Verifier, pairs: list, **options) -> tuple[float, collections.Counter]:
+    start = time.perf_counter()
+    results = verifier.map(pairs, **options)
+    return time.perf_counter() - start, collections.Counter(r.status for r in results)
+
+
+def _print_table(rows: list[dict]) -> None:
+    keys = list(rows[0])
+    widths = [max(len(k), *(len(str(r[k])) for r in rows)) for k in keys]
+    for values in [keys] + [[r[k] for k in keys] for r in rows]:
+        print("  ".join(str(v).ljust(w) for v, w in zip(values, widths)))
+
+
+def bench_verify(args) -> None:
+    """Print kernels verified per minute for each way of verifying (see module docstring)."""
+    workers, n_cupy, n_inline = args.workers, args.kernels, args.inline_kernels
+    salt = secrets.token_hex(3)
+    scratch = tempfile.mkdtemp(prefix="dice-bench-verify-")
+    os.environ["CUPY_CACHE_DIR"] = os.path.join(scratch, "cupy")  # workers inherit it: cold NVRTC
+    cupy_a = [(task, CUPY_CANDIDATE.format(**f)) for task, f in variants(n_cupy, salt + "a")]
+    cupy_b = [(task, CUPY_CANDIDATE.format(**f)) for task, f in variants(n_cupy, salt + "b")]
+    cupy_c = [(task, CUPY_CANDIDATE.format(**f)) for task, f in variants(n_cupy, salt + "c")]
+    inline = [(task, INLINE_CANDIDATE.format(**f)) for task, f in variants(n_inline, salt + "i")]
+    rows = []
+    start = time.perf_counter()
+    with Verifier(workers=workers, cache_dir=os.path.join(scratch, "cache")) as verifier:
+        _, statuses = _timed_map(verifier, cupy_a)
+        rows.append(_row(f"cupy, cold pool ({workers} workers), timing", n_cupy,
+                         time.perf_counter() - start, statuses))
+        seconds, statuses = _timed_map(verifier, cupy_b)
+        rows.append(_row("cupy, warm pool, timing", n_cupy, seconds, statuses))
+        seconds, statuses = _timed_map(verifier, cupy_c, timing=False)
+        rows.append(_row("cupy, warm pool, no timing (RL reward)", n_cupy, seconds, statuses))
+        if n_inline:
+            seconds, statuses = _timed_map(verifier, inline)
+            rows.append(_row("load_inline, warm pool, cold build cache, timing", n_inline, seconds, statuses))
+            seconds, statuses = _timed_map(verifier, inline)
+            rows.append(_row("load_inline, warm pool, warm build cache, timing", n_inline, seconds, statuses))
+    if n_inline and not args.skip_one_process:
+        one_process = [(task, INLINE_CANDIDATE.format(**f)) for task, f in variants(n_inline, salt + "k")]
+        start, statuses = time.perf_counter(), collections.Counter()
+        for task, candidate in one_process:
+            done = subprocess.run([sys.executable, "-c", ONE_PROCESS_EVAL], input=json.dumps([task, candidate]),
+                                  capture_output=True, text=True, timeout=1800)
+            ok = done.returncode == 0 and json.loads(done.stdout.strip().splitlines()[-1])["correct"]
+            statuses["correct" if ok else "failed"] += 1
+        rows.append(_row("load_inline, one process per kernel (KernelBench), timing", n_inline,
+                         time.perf_counter() - start, statuses))
+    _print_table(rows)
+
+
+def check_reference_solutions(path: str, workers: int, timing: bool = False) -> None:
+    """Verify every reference solution in a DICE JSON file; print the tally and each rejection."""
+    tasks = [t for t in load_tasks(path) if t.solution]
+    if not tasks:
+        raise SystemExit(f"{path}: no records with a cuda_code reference solution")
+    start = time.perf_counter()
+
+    def progress(i, result):
+        print(f"\r{i + 1}/{len(tasks)} verified", end="", file=sys.stderr, flush=True)
+
+    with Verifier(workers=workers) as verifier:
+        results = verifier.map([(t.source, t.solution) for t in tasks], timing=timing, progress=progress)
+    print(file=sys.stderr)
+    statuses = collections.Counter(r.status for r in results)
+    correct = statuses.get("correct", 0)
+    print(f"{correct}/{len(tasks)} reference solutions verified correct in {time.perf_counter() - start:.0f} s "
+          f"({', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))})")
+    for task, result in zip(tasks, results):
+        if not result.correct:
+            lines = result.message.splitlines()
+            print(f"- {task.name}: {result.status}: " + "\n    ".join(lines[:8]))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dice.bench verify", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--kernels", type=int, default=32, help="CuPy kernels per CuPy row")
+    parser.add_argument("--inline-kernels", type=int, default=4, help="load_inline kernels per load_inline row")
+    parser.add_argument("--skip-one-process", action="store_true", help="skip the KernelBench-way row")
+    parser.add_argument("--check", metavar="JSON", help="instead verify the reference solutions in a DICE JSON file")
+    parser.add_argument("--timing", action="store_true", help="with --check: also time each solution")
+    args = parser.parse_args(argv)
+    if args.check:
+        check_reference_solutions(args.check, args.workers, timing=args.timing)
+    else:
+        bench_verify(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""GPU tests of the kernel verifier: real CuPy and load_inline kernels, faults, and reward hacks.
+
+Run on a CUDA machine with `pytest -m gpu tests/test_verifier_gpu.py` (about 3 minutes; the two
+load_inline builds take most of it)."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from dice.verifier import Verifier
+
+pytestmark = pytest.mark.gpu
+
+FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
+RELU_TASK = (FIXTURES / "relu_task.py").read_text()
+POSITIVE_TASK = (FIXTURES / "relu_positive_task.py").read_text()
+MEAN_TASK = (FIXTURES / "mean_task.py").read_text()
+CUPY_RELU = (FIXTURES / "cupy_relu.py").read_text()
+INLINE_RELU = (FIXTURES / "inline_relu.py").read_text()
+
+KERNELS = r'''
+extern "C" __global__ void relu_kernel(const float* x, float* y, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+}
+extern "C" __global__ void copy_kernel(const float* x, float* y, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i];
+}
+extern "C" __global__ void relu_and_zero_input_kernel(float* x, float* y, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) { y[i] = x[i] > 0.0f ? x[i] : 0.0f; x[i] = 0.0f; }
+}
+extern "C" __global__ void far_write_kernel(const float* x, float* y, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i + (1LL << 40)] = x[i];  // far outside any allocation: illegal address
+}
+extern "C" __global__ void spin_kernel(const int* flag, float* y, long long n) {
+    while (*(volatile const int*)flag == 0) { }  // the flag is never set: hangs forever
+}
+extern "C" __global__ void slow_relu_kernel(const float* x, float* y, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    long long start = clock64();
+    while (clock64() - start < 300000000LL) { }  // ~150 ms before writing anything
+    if (i < n) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+}
+extern "C" __global__ void sum_kernel(const float* x, float* total, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) atomicAdd(total, x[i]);
+}
+'''
+
+
+def cupy_candidate(forward: str, init: str = "pass", extra: str = "", kernels: str = KERNELS) -> str:
+    """A CuPy ModelNew; `launch(name, n, *args, stream=None)` runs a kernel one thread per element."""
+    body = "\n".join("        " + line for line in forward.strip().splitlines())
+    return f'''import cupy as cp
+import torch
+import torch.nn as nn
+
+_module = cp.RawModule(code=r"""{kernels}""")
+{extra}
+
+
+def launch(name, n, *args, stream=None):
+    kernel = _module.get_function(name)
+    with stream or cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        kernel(((n + 255) // 256,), (256,), args)
+
+
+class ModelNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+        {init}
+
+    def forward(self, x):
+{body}
+'''
+
+
+RELU_FORWARD = "y = torch.empty_like(x)\nlaunch('relu_kernel', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.numel()))\nreturn y"
+GOOD = cupy_candidate(RELU_FORWARD)
+WRONG = cupy_candidate(RELU_FORWARD.replace("relu_kernel", "copy_kernel"))
+POISON = cupy_candidate(RELU_FORWARD.replace("relu_kernel", "far_write_kernel"))
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory):
+    with Verifier(workers=4, cache_dir=tmp_path_factory.mktemp("verifier-cache"), timing_trials=30) as v:
+        yield v
+
+
+def test_correct_cupy_kernel_passes_with_a_speedup(verifier):
+    result = verifier.verify(RELU_TASK, CUPY_RELU)
+    assert result.status == "correct", result.message
+    assert result.compiled and result.speedup > 0 and result.runtime_ms > 0 and result.baseline_ms > 0
+    assert (verifier.cache_dir / "baselines.json").exists()
+
+
+def test_correct_load_inline_kernel_passes_and_its_build_is_cached(verifier):
+    first = verifier.verify(RELU_TASK, INLINE_RELU, timing=False)
+    assert first.status == "correct", first.message
+    start = time.perf_counter()
+    again = verifier.verify(RELU_TASK, INLINE_RELU, timing=False)
+    assert again.correct and time.perf_counter() - start < 20  # no second nvcc build
+    assert list((verifier.cache_dir / "torch_extensions").glob("dice_ext_*.so"))
+
+
+def test_broken_load_inline_build_is_a_compile_error_with_compiler_lines(verifier):
+    broken = INLINE_RELU.replace("y[i] = x[i] > 0.0f", "y[i] = undefined_thing > 0.0f")
+    result = verifier.verify(RELU_TASK, broken, timing=False)
+    assert result.status == "compile_error" and not result.compiled
+    assert "undefined_thing" in result.message and "cuda.cu" in result.message
+
+
+@pytest.mark.parametrize("at_import", [True, False])
+def test_nvrtc_errors_are_compile_errors(verifier, at_import):
+    kernels = KERNELS + '\nextern "C" __global__ void broken_kernel(float* y) { y[0] = missing_name; }\n'
+    extra = "_module.get_function('broken_kernel')" if at_import else ""
+    forward = "launch('broken_kernel', 1, x.data_ptr())\nreturn x"
+    result = verifier.verify(RELU_TASK, cupy_candidate(forward, extra=extra, kernels=kernels), timing=False)
+    assert result.status == "compile_error" and not result.compiled, result.message
+    assert "missing_name" in result.message
+
+
+def test_wrong_kernel_is_incorrect_with_mismatch_stats(verifier):
+    result = verifier.verify(RELU_TASK, WRONG, timing=False)
+    assert result.status == "incorrect"
+    assert "trial 1" in result.message and "max abs error" in result.message
+
+
+def test_illegal_address_costs_only_its_worker(verifier):
+    result = verifier.verify(RELU_TASK, POISON, timing=False)
+    assert result.status == "runtime_error", result.message
+    assert "illegal" in result.message.lower() or "worker process" in result.message
+    assert verifier.verify(RELU_TASK, GOOD, timing=False).correct
+
+
+def test_hanging_kernel_times_out(verifier):
+    hang = cupy_candidate("flag = torch.zeros(1, dtype=torch.int32, device=x.device)\n"
+                          "launch('spin_kernel', 1, flag.data_ptr(), x.data_ptr(), cp.int64(1))\n"
+                          "torch.cuda.synchronize()\nreturn x")
+    result = verifier.verify(RELU_TASK, hang, timing=False, timeout_s=10)
+    assert result.status == "timeout", result.message
+    assert verifier.verify(RELU_TASK, GOOD, timing=False).correct
+
+
+CHEATS = {
+    "calls torch ops": (RELU_TASK, cupy_candidate("return torch.relu(x)"), "none of the candidate's kernels"),
+    "subclasses Model": (RELU_TASK, GOOD.replace("class ModelNew(nn.Module):",
+                                                 "class Model(nn.Module):\n    pass\n\n\nclass ModelNew(Model):"),
+                         "subclasses the reference Model"),
+    "try/except fallback": (RELU_TASK, cupy_candidate("try:\n    " + RELU_FORWARD.replace("\n", "\n    ")
+                                                      + "\nexcept Exception:\n    return torch.relu(x)"),
+                            "except branch"),
+    "cached output": (MEAN_TASK, cupy_candidate(
+        "if self.cached is None:\n"
+        "    total = torch.zeros(1, device=x.device)\n"
+        "    launch('sum_kernel', x.numel(), x.data_ptr(), total.data_ptr(), cp.int64(x.numel()))\n"
+        "    self.cached = (total / x.numel()).reshape(())\n"
+        "return self.cached", init="self.cached = None"), "cached"),
+    "aliases input": (POSITIVE_TASK, cupy_candidate(
+        "launch('relu_kernel', x.numel(), x.data_ptr(), x.data_ptr(), cp.int64(x.numel()))\nreturn x"),
+        "shares memory with input 0"),
+    "mutates input": (RELU_TASK, cupy_candidate(RELU_FORWARD.replace("relu_kernel", "relu_and_zero_input_kernel")),
+                      "modified input 0"),
+    "hides work on another stream": (RELU_TASK, cupy_candidate(
+        "y = torch.empty_like(x)\n"
+        "launch('slow_relu_kernel', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.numel()), stream=SIDE)\n"
+        "return y", extra="SIDE = cp.cuda.Stream(non_blocking=True)"), "another stream"),
+}
+
+
+@pytest.mark.parametrize("name", list(CHEATS))
+def test_reward_hacks_are_invalid(verifier, name):
+    task, candidate, reason = CHEATS[name]
+    result = verifier.verify(task, candidate, timing=False, seed=1000 + list(CHEATS).index(name))
+    assert result.status == "invalid", (name, result)
+    assert reason in result.message, (name, result.message)
+
+
+def test_32_concurrent_candidates_with_a_poisoned_worker_all_get_their_verdict(verifier):
+    candidates = [POISON if i == 13 else WRONG if i % 4 == 1 else GOOD for i in range(32)]
+    expected = ["runtime_error" if i == 13 else "incorrect" if i % 4 == 1 else "correct" for i in range(32)]
+    results = verifier.map([(RELU_TASK, c) for c in candidates], timing=False)
+    assert [r.status for r in results] == expected, [(i, r.status, r.message[:200]) for i, r in enumerate(results)
+                                                     if r.status != expected[i]]
