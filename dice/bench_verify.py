@@ -191,9 +191,11 @@ def bench_verify(args) -> None:
     _print_table(rows)
 
 
-def check_reference_solutions(path: str, workers: int, timing: bool = False) -> None:
-    """Verify every reference solution in a DICE JSON file; print the tally and each rejection."""
-    tasks = [t for t in load_tasks(path) if t.solution]
+def check_reference_solutions(path: str, workers: int, timing: bool = False, limit: int | None = None) -> None:
+    """Verify every reference solution in a DICE JSON file; print the tally and each rejection.
+
+    load_inline builds are cached (~/.cache/dice/torch_extensions), so a second run is quick."""
+    tasks = [t for t in load_tasks(path) if t.solution][:limit]
     if not tasks:
         raise SystemExit(f"{path}: no records with a cuda_code reference solution")
     start = time.perf_counter()
@@ -222,9 +224,10 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-one-process", action="store_true", help="skip the KernelBench-way row")
     parser.add_argument("--check", metavar="JSON", help="instead verify the reference solutions in a DICE JSON file")
     parser.add_argument("--timing", action="store_true", help="with --check: also time each solution")
+    parser.add_argument("--limit", type=int, help="with --check: only the first N solutions")
     args = parser.parse_args(argv)
     if args.check:
-        check_reference_solutions(args.check, args.workers, timing=args.timing)
+        check_reference_solutions(args.check, args.workers, timing=args.timing, limit=args.limit)
     else:
         bench_verify(args)
 

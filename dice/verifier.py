@@ -336,7 +336,9 @@ class Verifier:
                     return self._failed(ran, compiled=True, where=where)
                 judged = self._judge_call({"op": "compare", **task, "init_seed": init_seed, "seed": seed,
                                            "outputs": ran["outputs"], "second": ran["second"],
-                                           "atol": opts.atol, "rtol": opts.rtol})
+                                           "atol": opts.atol, "rtol": opts.rtol}, candidate_outputs=True)
+            if judged["status"] != "ok":
+                return self._failed(judged, compiled=True, where=where)
             if ran["kernels"] is not None and not worker.info.get("profiler_works"):
                 raise RuntimeError(PROFILER_BROKEN)
             verdict = self._trial_verdict(where, candidate_src, ran, judged, history)
@@ -418,16 +420,22 @@ class Verifier:
         message = reply["message"] if not where or status == "compile_error" else f"{where}: {reply['message']}"
         return VerifyResult(status, compiled=compiled and status != "compile_error", message=message)
 
-    def _judge_call(self, request: dict) -> dict:
+    def _judge_call(self, request: dict, candidate_outputs: bool = False) -> dict:
+        """A judge request. Failures are the task's (raised) unless they came from handling a
+        candidate's outputs (`candidate_outputs`: returned as a runtime_error reply)."""
         try:
             reply = self._judge.call(request, timeout=JUDGE_TIMEOUT_S)
         except (WorkerTimeout, WorkerDied) as exc:
+            if candidate_outputs:
+                return {"status": "runtime_error", "message": f"the judge failed while comparing the outputs ({exc})"}
             raise RuntimeError(f"the reference (judge) worker failed ({exc}); the task's Model, get_inputs or "
                                "get_init_inputs may crash or hang") from None
+        if reply.get("recycle"):
+            self._judge.restart()
         if reply["status"] == "task_error":
             raise TaskError(f"task {request['task_key'][:12]}: the reference failed: {reply['message']}; "
                             "fix the task source")
-        if reply["status"] != "ok":
+        if reply["status"] != "ok" and not candidate_outputs:
             raise RuntimeError(reply["message"])
         return reply
 

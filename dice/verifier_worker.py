@@ -150,7 +150,7 @@ def load_module(source: str, filename: str, module_name: str) -> types.ModuleTyp
 def describe_exception(exc: BaseException, filename: str = "candidate.py") -> str:
     """`Type: message` (first lines) plus the deepest line of `filename` in the traceback."""
     lines = f"{type(exc).__name__}: {exc}".strip().splitlines()
-    text = "\n".join(lines[:6])
+    text = "\n".join(lines[:3])  # CUDA errors append generic debugging hints after these
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == filename]
     if frames:
         text += f"\n  at {filename} line {frames[-1].lineno}: {frames[-1].line}"
@@ -364,12 +364,16 @@ class BuildCache:
         root.mkdir(parents=True, exist_ok=True)
         now = time.time()
         for stale in root.glob("build-*"):
-            if now - stale.stat().st_mtime > STALE_BUILD_S:
-                shutil.rmtree(stale, ignore_errors=True)
+            try:
+                if now - stale.stat().st_mtime > STALE_BUILD_S:
+                    shutil.rmtree(stale, ignore_errors=True)
+            except FileNotFoundError:  # another worker removed it first
+                pass
         self.toolchain = [torch.__version__, torch.version.cuda, sys.version.split()[0],
                           list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
                           os.environ.get("TORCH_CUDA_ARCH_LIST")]
         self.loaded: dict[str, types.ModuleType] = {}
+        self.failed: dict[str, str] = {}  # torch will not rebuild a name it saw before in this process
         self.real_load_inline = torch.utils.cpp_extension.load_inline
 
     def install(self) -> None:
@@ -383,6 +387,8 @@ class BuildCache:
         recipe = {k: v for k, v in arguments.items() if k not in ("name", "build_directory", "verbose")}
         key = hashlib.sha256(json.dumps([self.toolchain, recipe], sort_keys=True, default=repr).encode()).hexdigest()
         name = f"dice_ext_{key[:24]}"
+        if name in self.failed:
+            raise BuildError(self.failed[name])
         if name not in self.loaded:
             library = self.root / f"{name}.so"
             if library.exists():
@@ -400,7 +406,8 @@ class BuildCache:
             os.replace(Path(build_dir) / f"{name}.so", library)
             return loaded if arguments["is_python_module"] else str(library)
         except Exception as exc:
-            raise BuildError(build_error_message(str(exc), build_dir)) from None
+            self.failed[name] = build_error_message(str(exc), build_dir)
+            raise BuildError(self.failed[name]) from None
         finally:
             shutil.rmtree(build_dir, ignore_errors=True)
 
@@ -649,17 +656,19 @@ class JudgeHandler:
             reference = self._reference(request)
         except Exception as exc:
             return {"status": "task_error", "message": describe_exception(exc, "task.py")}
-        got = [pickle.loads(data) for data in request["outputs"]]
-        second = [pickle.loads(data) for data in request["second"]] if request["second"] is not None else None
-        expected = reference["outputs"]
-        reply = {
-            "status": "ok",
-            "mismatch": compare_outputs(expected, got, request["atol"], request["rtol"]),
-            "second_mismatch": compare_outputs(expected, second, request["atol"], request["rtol"])
-            if second is not None else None,
-            "fingerprints": [fingerprint(t) for t in got],
-            **{k: v for k, v in reference.items() if k != "outputs"},
-        }
+        try:
+            got = [pickle.loads(data) for data in request["outputs"]]
+            second = [pickle.loads(data) for data in request["second"]] if request["second"] is not None else None
+            expected, atol, rtol = reference["outputs"], request["atol"], request["rtol"]
+            reply = {
+                "status": "ok",
+                "mismatch": compare_outputs(expected, got, atol, rtol),
+                "second_mismatch": compare_outputs(expected, second, atol, rtol) if second is not None else None,
+                "fingerprints": [fingerprint(t) for t in got],
+                **{k: v for k, v in reference.items() if k != "outputs"},
+            }
+        except Exception as exc:  # e.g. outputs too large to compare in the memory left
+            return {"status": "runtime_error", "message": f"comparing the outputs failed: {describe_exception(exc)}"}
         del got, second  # releases the CUDA IPC mappings of the candidate's memory
         return reply
 

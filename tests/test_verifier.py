@@ -4,7 +4,10 @@ The pool runs in CPU mode (Verifier(device="cpu")) with pure-PyTorch candidates,
 everything except what needs a GPU (NVRTC/nvcc, the profiler kernel check, CUDA IPC, events)."""
 
 import ast
+import inspect
 import json
+import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -15,8 +18,8 @@ import torch
 from dice.verifier import (BaselineCache, TaskError, Verifier, VerifyResult, fallback_problem, kernel_names,
                            matching_kernels, static_check, trial_seeds, verify)
 from dice.verifier_pool import GpuLock
-from dice.verifier_worker import (aliased_outputs, build_error_message, compare_outputs, fingerprint,
-                                  modified_inputs, nvrtc_error_message)
+from dice.verifier_worker import (BuildCache, BuildError, aliased_outputs, build_error_message, compare_outputs,
+                                  fingerprint, modified_inputs, nvrtc_error_message)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
 RELU_TASK = (FIXTURES / "relu_task.py").read_text()
@@ -193,6 +196,47 @@ def test_compile_error_messages_keep_the_compiler_lines():
     assert nvrtc.startswith("NVRTC") and "kern.cu(3): error" in nvrtc
 
 
+# A CPython extension without torch headers: builds in well under a second, through the same
+# load_inline path (ninja, build folder, import) as the CUDA candidates' extensions.
+TINY_EXTENSION = r"""
+#include <Python.h>
+#define CONCAT_(a, b) a##b
+#define CONCAT(a, b) CONCAT_(a, b)
+#define STR_(x) #x
+#define STR(x) STR_(x)
+static PyObject* answer(PyObject*, PyObject*) { return PyLong_FromLong(42); }
+static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, ""}, {nullptr, nullptr, 0, nullptr}};
+static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, STR(TORCH_EXTENSION_NAME), nullptr, -1, methods};
+PyMODINIT_FUNC CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module_def); }
+"""
+
+
+needs_compiler = pytest.mark.skipif(
+    not (shutil.which("c++") and shutil.which("ninja"))
+    or "no_implicit_headers" not in inspect.signature(torch.utils.cpp_extension.load_inline).parameters,
+    reason="needs a C++ compiler, ninja and load_inline(no_implicit_headers=...)")
+
+
+@needs_compiler
+def test_build_cache_reuses_builds_and_reports_compiler_errors(tmp_path):
+    stale = tmp_path / "build-killed"
+    stale.mkdir()
+    (stale / "lock").write_text("")
+    os.utime(stale, (0, 0))  # a build killed long ago left its lock behind
+    cache = BuildCache(tmp_path, torch.device("cpu"))
+    assert not stale.exists()
+    module = cache.load_inline("any_name", TINY_EXTENSION, no_implicit_headers=True)
+    assert module.answer() == 42 and module.__name__.startswith("dice_ext_")
+    assert [p.name for p in tmp_path.iterdir()] == [f"{module.__name__}.so"]  # build folder gone
+    assert cache.load_inline(name="other_name", cpp_sources=TINY_EXTENSION, no_implicit_headers=True) is module
+    assert BuildCache(tmp_path, torch.device("cpu")).load_inline(
+        "x", TINY_EXTENSION, no_implicit_headers=True).answer() == 42  # another process: loads the cached .so
+    broken = TINY_EXTENSION.replace("return PyLong", "retrn PyLong")
+    for _ in range(2):  # the second time from the failed-build memo
+        with pytest.raises(BuildError, match=r"main.cpp:\d+:\d+: error: .retrn. was not declared"):
+            cache.load_inline("broken", broken, no_implicit_headers=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Pool machinery and locks.
 
@@ -311,3 +355,14 @@ def test_bad_task_raises_value_error(cpu_verifier):
     broken = RELU_TASK.replace("return [torch.randn(256, 1024)]", "raise RuntimeError('broken task')")
     with pytest.raises(TaskError, match="broken task"):
         cpu_verifier.verify(broken, GOOD, timing=False)
+
+
+@needs_compiler
+def test_candidates_load_inline_goes_through_the_build_cache(cpu_verifier):
+    extension = f"from torch.utils.cpp_extension import load_inline\next = load_inline('tiny', r\"\"\"{TINY_EXTENSION}\"\"\", no_implicit_headers=True)"
+    good = candidate("return x.clamp_min(0) * (ext.answer() / 42)", extra=extension)
+    broken = good.replace("return PyLong", "retrn PyLong")
+    built, failed = cpu_verifier.map([(RELU_TASK, good), (RELU_TASK, broken)], timing=False)
+    assert built.correct, built.message
+    assert failed.status == "compile_error" and not failed.compiled and "retrn" in failed.message
+    assert list((cpu_verifier.cache_dir / "torch_extensions").glob("dice_ext_*.so"))
