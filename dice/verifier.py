@@ -8,8 +8,9 @@
 A task is KernelBench source (`Model`, `get_inputs`, `get_init_inputs`); a candidate is source
 defining `ModelNew` with the same constructor, computing with its own CUDA kernels: CuPy
 (`cupy.RawModule`, NVRTC) or `torch.utils.cpp_extension.load_inline` (built once per distinct
-source, see `verifier_worker.BuildCache`). Candidate code only ever runs in worker processes
-(`verifier_pool`); reference outputs live in a separate trusted judge process.
+source, see `verifier_build.BuildCache`). Candidate code only ever runs in worker processes
+(`verifier_pool`, `verifier_worker`); reference outputs live in a separate trusted judge process.
+The rules themselves are plain functions in `verifier_checks`.
 
 Stages, first failure wins:
 1. static, in the parent: the source parses (else compile_error); it defines ModelNew, contains
@@ -18,19 +19,21 @@ Stages, first failure wins:
    Model (invalid), ModelNew(*get_init_inputs()) after the same manual_seed as the reference;
 3. `trials` correctness trials, each with its own seed: torch.manual_seed(seed); get_inputs();
    forward (trial 1 calls it twice on the same inputs, the last trial runs under the profiler).
-   Invalid: none of the source's `__global__` kernels ran in the profiled call, an input was modified or an output shares an
-   input's memory (unless the reference does the same), an output changed after torch's current
-   stream was done (work hidden on another stream), threads left running, an output exactly equal
-   to an earlier trial's while the references differ (cached results), verifier functions
-   replaced. Incorrect: not torch.allclose(atol, rtol) to the reference (NaN/Inf only where the
-   reference has them, same shapes/dtypes/device), on any trial or on the repeated call;
+   Invalid: none of the source's `__global__` kernels ran in the profiled call, an input was
+   modified or an output shares an input's memory (unless the reference does the same), an output
+   changed after torch's current stream was done (work hidden on another stream), threads left
+   running, an output exactly equal to an earlier trial's while the references differ (cached
+   results), verifier functions replaced. Incorrect: not torch.allclose(atol, rtol) to the
+   reference (NaN/Inf only where the reference has them, same shapes/dtypes/device), on any trial
+   or on the repeated call;
 4. timing (if `timing`): median over timing_trials calls with L2 flushed and input buffers
    rotated, CUDA events bracketing a device-wide synchronize; the eager reference is timed the same
    way (cached per task, GPU and torch version). speedup = baseline_ms / runtime_ms. Only one
    timing runs at a time and no correctness check runs during it (`GpuLock`). Invalid when the
    host clock over the same bracket exceeds 2 x event time + 0.5 ms: for honest code the two
    agree to launch/sync latency, so a gap means work escaped the event timer.
-Crashes and CUDA faults give runtime_error, hangs timeout; only that worker is replaced.
+Crashes and CUDA faults give runtime_error, hangs timeout; only that worker is replaced. Module
+loading (compilation is CPU work) is not excluded from timing; time on a quiet host for papers.
 
 Seeds: `seed=None` draws the base seed once per Verifier (unknown to candidates, shared by all
 candidates of one Verifier so reference outputs are computed once per task and seed).
@@ -59,6 +62,7 @@ from typing import Callable, Iterable
 import torch
 
 from dice.tasks import check_task_source
+from dice.verifier_checks import fallback_problem, kernel_names, matching_kernels
 from dice.verifier_pool import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, describe_exit
 
 STATUSES = ("correct", "incorrect", "compile_error", "runtime_error", "timeout", "invalid")
@@ -69,7 +73,6 @@ PROFILER_BROKEN = ("the CUDA profiler in the verifier's worker records no kernel
 JUDGE_TIMEOUT_S = 900.0       # reference forward + comparison of the largest KernelBench tasks
 UNLOAD_TIMEOUT_S = 60.0
 WALL_SLACK_MS = 0.5           # see the timing rule in the module docstring
-TORCH_NAMESPACES = ("at", "c10", "cub", "thrust", "cutlass")
 
 
 @dataclass
@@ -106,75 +109,6 @@ class VerifyOptions:
 # ---------------------------------------------------------------------------------------------
 # Static checks on the candidate source.
 
-def kernel_names(source: str) -> list[str]:
-    """Names of the `__global__` functions in the CUDA code embedded in `source`."""
-    text = re.sub(r"__launch_bounds__\s*\([^)]*\)", " ", source)
-    return sorted(set(re.findall(r"__global__\b[^;{}()]*?\b([A-Za-z_]\w*)\s*\(", text)))
-
-
-def matching_kernels(launched: Iterable[str], defined: Iterable[str]) -> list[str]:
-    """The launched kernel names (demangled, as the profiler reports them) that are `defined` ones.
-
-    "void add_kernel<float>(float const*, ...)", "add_kernel" (extern "C") and the mangled
-    "_Z10add_kernelPKf..." all match add_kernel; PyTorch's own kernels (at::, cub::...) never do."""
-    defined = set(defined)
-    hits = []
-    for name in launched:
-        plain = name.replace("(anonymous namespace)::", "")
-        words = re.split(r"[<(]", plain, maxsplit=1)[0].split()
-        qualified = words[-1] if words else ""
-        namespace, _, base = qualified.rpartition("::")
-        mangled = re.match(r"_Z(\d+)", plain)
-        if mangled and plain[len(mangled.group(0)):][:int(mangled.group(1))] in defined:
-            hits.append(name)
-        elif base in defined and namespace.split("::")[0] not in TORCH_NAMESPACES:
-            hits.append(name)
-    return hits
-
-
-def fallback_problem(tree: ast.Module) -> str | None:
-    """Why a `try` in the candidate falls back to PyTorch when its kernel fails, or None.
-
-    Flagged: an except branch that does not end in `raise` and calls a name imported from torch
-    (torch.relu, F.gelu, nn.Linear), the reference `Model`, `super()`, or a `self.x` submodule
-    created from torch (self.conv = nn.Conv2d(...))."""
-    torch_names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            torch_names.update((a.asname or a.name.split(".")[0]) for a in node.names if a.name.split(".")[0] == "torch")
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
-            torch_names.update(a.asname or a.name for a in node.names)
-
-    def root(expr):
-        while isinstance(expr, ast.Attribute):
-            expr = expr.value
-        return expr
-
-    def from_torch(call):
-        r = root(call.func)
-        return isinstance(r, ast.Name) and r.id in torch_names
-
-    torch_modules = {t.attr for node in ast.walk(tree) if isinstance(node, ast.Assign)
-                     and isinstance(node.value, ast.Call) and from_torch(node.value)
-                     for t in node.targets if isinstance(t, ast.Attribute)
-                     and isinstance(t.value, ast.Name) and t.value.id == "self"}
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Try):
-            continue
-        for handler in node.handlers:
-            if handler.body and isinstance(handler.body[-1], ast.Raise):
-                continue
-            for call in (n for stmt in handler.body for n in ast.walk(stmt) if isinstance(n, ast.Call)):
-                r = root(call.func)
-                self_module = (isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
-                               and call.func.value.id == "self" and call.func.attr in torch_modules)
-                if (from_torch(call) or self_module or (isinstance(r, ast.Name) and r.id == "Model")
-                        or (isinstance(r, ast.Call) and isinstance(r.func, ast.Name) and r.func.id == "super")):
-                    return (f"line {handler.lineno}: the except branch calls {ast.unparse(call.func)}; a try/except "
-                            "that falls back to PyTorch when the custom kernel fails is not allowed")
-    return None
-
-
 def static_check(source: str, need_kernel: bool) -> VerifyResult | None:
     """The verdict when `source` fails a check that needs no execution, else None."""
     try:
@@ -187,8 +121,8 @@ def static_check(source: str, need_kernel: bool) -> VerifyResult | None:
         return VerifyResult("invalid", message="the candidate defines no ModelNew; name the optimized "
                             "nn.Module class ModelNew")
     if need_kernel and not kernel_names(source):
-        return VerifyResult("invalid", message="the candidate contains no __global__ CUDA kernel; "
-                            "ModelNew must compute with its own kernels, not PyTorch ops")
+        return VerifyResult("invalid", message="the candidate contains no __global__ CUDA kernel; ModelNew "
+                            "must compute with its own kernels, not PyTorch ops or library calls")
     problem = fallback_problem(tree)
     if problem:
         return VerifyResult("invalid", message=problem)

@@ -22,6 +22,8 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
+from dice.verifier_worker import serve
+
 STARTUP_TIMEOUT_S = 300.0  # importing torch + cupy and creating a CUDA context on a busy host
 LOG_TAIL_LINES = 40
 
@@ -66,7 +68,6 @@ class WorkerProcess:
         self._start()
 
     def _start(self) -> None:
-        from dice.verifier_worker import serve  # the worker module imports torch; keep it out of the parent's import path
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._process = ctx.Process(target=serve, args=(child_conn, self.role, self.config, str(self.log_path)),

@@ -16,31 +16,22 @@ Tensor transport: CUDA outputs travel as CUDA IPC handles (torch.multiprocessing
 copy), CPU outputs by value. The candidate worker keeps shipped outputs alive until its next
 request, as CUDA IPC requires.
 
-Trust: the functions the harness relies on are captured at import, before any candidate code runs,
-and the candidate worker reports `invalid` (and is recycled) when a candidate replaced one of
-`WATCHED`. Workers are a boundary against crashes, hangs and reward hacks, not a security sandbox:
-a candidate that deliberately forges pipe messages is out of scope.
+Trust: the harness calls torch through `verifier_checks.trusted` (captured before any candidate
+code runs) and the candidate worker reports `invalid` (and is recycled) when a candidate replaced
+one of `verifier_checks.WATCHED`. Workers are a boundary against crashes, hangs and reward hacks,
+not a security sandbox: a candidate that deliberately forges pipe messages is out of scope.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import gc
-import hashlib
-import importlib
-import importlib.util
-import inspect
-import json
 import linecache
 import os
 import pickle
-import re
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
-import time
 import traceback
 import types
 from collections import OrderedDict
@@ -49,55 +40,14 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the CUDA IPC reductions on ForkingPickler
-import torch.utils.cpp_extension
 from torch import nn
 
-WATCHED = (
-    "torch.allclose", "torch.isclose", "torch.equal", "torch.manual_seed", "torch.no_grad",
-    "torch.cuda.synchronize", "torch.cuda.current_stream", "torch.cuda.Event",
-    "torch.cuda.Event.record", "torch.cuda.Event.elapsed_time", "torch.Tensor.clone",
-    "torch.Tensor.data_ptr", "torch.Tensor.untyped_storage", "torch.nn.Module.__call__",
-    "torch.profiler.profile", "time.perf_counter",
-)
+from dice.verifier_build import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
+from dice.verifier_checks import (aliased_outputs, compare_outputs, fingerprint, flatten, modified_inputs,
+                                  replaced_functions, same_bits, trusted)
+
 L2_FLUSH_BYTES = 256 * 2**20    # > L2 of any current GPU (H100 50 MB, H200 60 MB, B200 126 MB)
 TIMING_INPUT_BYTES = 2**30      # extra input copies for timing, rotated so no call sees warm buffers
-STALE_BUILD_S = 3600.0          # build-* folders older than this were left by killed builds
-MAX_MESSAGE_LINES = 25
-
-# Captured before any candidate code runs in this process (see module docstring).
-_clone = torch.Tensor.clone
-_equal = torch.equal
-_manual_seed = torch.manual_seed
-_no_grad = torch.no_grad
-_perf_counter = time.perf_counter
-_cuda_synchronize = torch.cuda.synchronize
-_Event = torch.cuda.Event
-_event_record = torch.cuda.Event.record
-_event_elapsed = torch.cuda.Event.elapsed_time
-_storage = torch.Tensor.untyped_storage
-_profile = torch.profiler.profile
-
-
-def _resolve(dotted: str):
-    obj = importlib.import_module(dotted.split(".")[0])
-    for part in dotted.split(".")[1:]:
-        obj = getattr(obj, part)
-    return obj
-
-
-_ORIGINALS = {name: _resolve(name) for name in WATCHED}
-
-
-def replaced_functions() -> list[str]:
-    """Names in WATCHED that no longer resolve to the object captured at import."""
-    replaced = []
-    for name, original in _ORIGINALS.items():
-        try:
-            if _resolve(name) is not original:
-                replaced.append(name)
-        except AttributeError:
-            replaced.append(name)
-    return replaced
 
 
 def serve(conn, role: str, config: dict, log_path: str) -> None:
@@ -125,7 +75,7 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared helpers: modules from source, seeded models and inputs, output checks, timing.
+# Shared helpers: modules from source, seeded models and inputs, transport, timing.
 
 def init_device(name: str) -> torch.device:
     device = torch.device(name)
@@ -163,116 +113,16 @@ def to_device(values, device: torch.device) -> list:
 
 def build_model(task: types.ModuleType, cls: type, init_seed: int, device: torch.device) -> nn.Module:
     """cls(*get_init_inputs()) with weights drawn after manual_seed(init_seed), as for the reference."""
-    with _no_grad():
-        _manual_seed(init_seed)
+    with trusted.no_grad():
+        trusted.manual_seed(init_seed)
         init_inputs = to_device(task.get_init_inputs(), device)
-        _manual_seed(init_seed)
+        trusted.manual_seed(init_seed)
         return cls(*init_inputs).to(device)
 
 
 def make_inputs(task: types.ModuleType, seed: int, device: torch.device) -> list:
-    _manual_seed(seed)
+    trusted.manual_seed(seed)
     return to_device(list(task.get_inputs()), device)
-
-
-def flatten(output) -> list:
-    """Leaves of a (nested) tuple/list output; a single tensor is a one-leaf output."""
-    if isinstance(output, (tuple, list)):
-        return [leaf for item in output for leaf in flatten(item)]
-    return [output]
-
-
-def as_bits(t: torch.Tensor) -> torch.Tensor:
-    """An integer view of `t` with the same bytes, so equality is exact (NaN == NaN, -0 != 0)."""
-    if t.dtype == torch.bool:
-        return t.view(torch.uint8)
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    if t.is_floating_point():
-        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-    return t
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and _equal(as_bits(a), as_bits(b))
-
-
-def modified_inputs(originals: list, inputs: list) -> list[int]:
-    return [j for j, (o, x) in enumerate(zip(originals, inputs)) if o is not None and not same_bits(o, x)]
-
-
-def aliased_outputs(outputs: list, inputs: list) -> list[list[int]]:
-    """[output index, input index] pairs whose storages overlap in memory."""
-    def span(t):
-        s = _storage(t)
-        return t.device, s.data_ptr(), s.data_ptr() + s.nbytes()
-    pairs = []
-    for i, out in enumerate(outputs):
-        for j, x in enumerate(inputs):
-            if isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.numel() and x.numel():
-                (d1, a1, b1), (d2, a2, b2) = span(out), span(x)
-                if d1 == d2 and a1 < b2 and a2 < b1:
-                    pairs.append([i, j])
-    return pairs
-
-
-def fingerprint(t: torch.Tensor) -> list:
-    """Cheap exact summary: bit-pattern sum and 16 sampled bit patterns. Equal tensors give equal
-    fingerprints; tensors computed from different random inputs practically never do."""
-    bits = as_bits(t.detach()).reshape(-1)
-    if bits.numel() == 0:
-        return [str(t.dtype), list(t.shape)]
-    index = torch.linspace(0, bits.numel() - 1, steps=min(bits.numel(), 16), device=bits.device).long()
-    return [str(t.dtype), list(t.shape), int(torch.sum(bits, dtype=torch.int64))] + bits[index].tolist()
-
-
-def compare_outputs(expected: list, got: list, atol: float, rtol: float) -> str | None:
-    """None when `got` matches `expected` (allclose; NaN/Inf exactly where expected), else why not."""
-    if len(got) != len(expected):
-        return f"forward returned {len(got)} tensor(s), the reference returns {len(expected)}"
-    for i, (e, g) in enumerate(zip(expected, got)):
-        label = f"output {i}" if len(expected) > 1 else "output"
-        if g.device.type != e.device.type:
-            return f"{label} is on {g.device.type}, the reference's is on {e.device.type}"
-        if g.dtype != e.dtype:
-            return f"{label} has dtype {str(g.dtype)[6:]}, expected {str(e.dtype)[6:]}"
-        if g.shape != e.shape:
-            return f"{label} has shape {list(g.shape)}, expected {list(e.shape)}"
-        problem = _value_mismatch(e, g, atol, rtol)
-        if problem:
-            return f"{label}: {problem}"
-    return None
-
-
-def _value_mismatch(e: torch.Tensor, g: torch.Tensor, atol: float, rtol: float) -> str | None:
-    if e.is_floating_point() or e.is_complex():
-        # isclose with equal_nan: NaN only matches NaN, inf only the same inf.
-        bad = ~torch.isclose(g, e, rtol=rtol, atol=atol, equal_nan=True)
-    else:
-        bad = g != e
-    n_bad = int(bad.sum())
-    if n_bad == 0:
-        return None
-    first = _index(bad.reshape(-1).nonzero()[0].item(), e.shape)
-    text = (f"{n_bad} of {e.numel()} elements differ beyond atol={atol:g}, rtol={rtol:g}; "
-            f"first at {first} (got {g[first].item():.6g}, expected {e[first].item():.6g})")
-    if e.is_floating_point():
-        g32, e32 = g.float(), e.float()
-        finite = torch.isfinite(g32) & torch.isfinite(e32)
-        err = torch.where(finite, (g32 - e32).abs(), torch.zeros((), device=e.device))
-        worst = _index(int(err.reshape(-1).argmax()), e.shape)
-        rel = err / e32.abs().clamp_min(1e-6)
-        text += (f"; max abs error {err[worst].item():.4g} at {worst} (got {g[worst].item():.6g}, "
-                 f"expected {e[worst].item():.6g}); max rel error {rel.max().item():.4g}")
-    return text
-
-
-def _index(flat: int, shape) -> tuple:
-    index = []
-    for size in reversed(shape):
-        index.append(flat % size)
-        flat //= size
-    return tuple(reversed(index))
 
 
 def export_tensor(t: torch.Tensor) -> tuple[bytes, torch.Tensor]:
@@ -284,7 +134,7 @@ def export_tensor(t: torch.Tensor) -> tuple[bytes, torch.Tensor]:
         return bytes(ForkingPickler.dumps(t)), t
     except Exception:
         # Memory from another allocator (e.g. CuPy's pool) cannot be IPC-shared by torch: copy it.
-        t = _clone(t)
+        t = trusted.clone(t)
         return bytes(ForkingPickler.dumps(t)), t
 
 
@@ -295,7 +145,8 @@ def _nbytes(values: list) -> int:
 def input_sets(inputs: list) -> list[list]:
     """The inputs plus up to 3 copies in fresh buffers (as memory allows), rotated while timing."""
     copies = min(3, TIMING_INPUT_BYTES // max(_nbytes(inputs), 1))
-    return [inputs] + [[_clone(x) if isinstance(x, torch.Tensor) else x for x in inputs] for _ in range(copies)]
+    fresh = lambda: [trusted.clone(x) if isinstance(x, torch.Tensor) else x for x in inputs]  # noqa: E731
+    return [inputs] + [fresh() for _ in range(copies)]
 
 
 def time_forward(model: nn.Module, sets: list[list], device: torch.device, warmup: int, trials: int) -> dict:
@@ -310,137 +161,39 @@ def time_forward(model: nn.Module, sets: list[list], device: torch.device, warmu
 
     def sync():
         if cuda:
-            _cuda_synchronize(device)
+            trusted.cuda_synchronize(device)
 
     events, wall = [], []
-    with _no_grad():
+    with trusted.no_grad():
         for i in range(warmup):
             model(*sets[i % len(sets)])
         sync()
         for i in range(trials):
             if cuda:
                 flush.zero_()
-                start, end = _Event(enable_timing=True), _Event(enable_timing=True)
+                start, end = trusted.Event(enable_timing=True), trusted.Event(enable_timing=True)
             sync()
-            t0 = _perf_counter()
+            t0 = trusted.perf_counter()
             if cuda:
-                _event_record(start)
+                trusted.event_record(start)
             model(*sets[i % len(sets)])
             sync()
             if cuda:
-                _event_record(end)
+                trusted.event_record(end)
                 events.append((start, end))
-            wall.append((_perf_counter() - t0) * 1e3)
+            wall.append((trusted.perf_counter() - t0) * 1e3)
         sync()
-    times = [_event_elapsed(s, e) for s, e in events] if cuda else wall
+    times = [trusted.event_elapsed_time(s, e) for s, e in events] if cuda else wall
     return {"runtime_ms": statistics.median(times), "wall_ms": statistics.median(wall), "trials": trials}
 
 
 def launched_kernels(fn, device: torch.device) -> tuple[object, list[str]]:
     """(fn(), names of the CUDA kernels that ran during it, as the profiler reports them)."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with _profile(activities=activities) as prof:
+    with trusted.profile(activities=activities) as prof:
         result = fn()
-        _cuda_synchronize(device)
+        trusted.cuda_synchronize(device)
     return result, sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
-
-
-# ---------------------------------------------------------------------------------------------
-# load_inline with a build cache.
-
-class BuildError(Exception):
-    """A load_inline build failed; the message holds the compiler's error lines."""
-
-
-class BuildCache:
-    """`torch.utils.cpp_extension.load_inline` with a cache keyed by sources + flags + toolchain.
-
-    Each build runs in its own fresh `build-*` folder (torch's FileBaton lock lives there, so a
-    killed build never blocks a later one) under a unique module name `dice_ext_<hash>`; the .so
-    is then moved into the cache with an atomic rename. Identical sources reuse it."""
-
-    def __init__(self, root: Path, device: torch.device):
-        self.root = root
-        root.mkdir(parents=True, exist_ok=True)
-        now = time.time()
-        for stale in root.glob("build-*"):
-            try:
-                if now - stale.stat().st_mtime > STALE_BUILD_S:
-                    shutil.rmtree(stale, ignore_errors=True)
-            except FileNotFoundError:  # another worker removed it first
-                pass
-        self.toolchain = [torch.__version__, torch.version.cuda, sys.version.split()[0],
-                          list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
-                          os.environ.get("TORCH_CUDA_ARCH_LIST")]
-        self.loaded: dict[str, types.ModuleType] = {}
-        self.failed: dict[str, str] = {}  # torch will not rebuild a name it saw before in this process
-        self.real_load_inline = torch.utils.cpp_extension.load_inline
-
-    def install(self) -> None:
-        """Make `from torch.utils.cpp_extension import load_inline` in candidate code hit the cache."""
-        torch.utils.cpp_extension.load_inline = self.load_inline
-
-    def load_inline(self, *args, **kwargs):
-        bound = inspect.signature(self.real_load_inline).bind(*args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        recipe = {k: v for k, v in arguments.items() if k not in ("name", "build_directory", "verbose")}
-        key = hashlib.sha256(json.dumps([self.toolchain, recipe], sort_keys=True, default=repr).encode()).hexdigest()
-        name = f"dice_ext_{key[:24]}"
-        if name in self.failed:
-            raise BuildError(self.failed[name])
-        if name not in self.loaded:
-            library = self.root / f"{name}.so"
-            if library.exists():
-                self.loaded[name] = _load_library(name, library, arguments["is_python_module"])
-            else:
-                self.loaded[name] = self._build(name, arguments, library)
-        return self.loaded[name]
-
-    def _build(self, name: str, arguments: dict, library: Path):
-        build_dir = tempfile.mkdtemp(prefix="build-", dir=self.root)
-        try:
-            # load_inline also imports what it built; the rename keeps that mapping valid.
-            loaded = self.real_load_inline(**{**arguments, "name": name, "build_directory": build_dir,
-                                              "verbose": False})
-            os.replace(Path(build_dir) / f"{name}.so", library)
-            return loaded if arguments["is_python_module"] else str(library)
-        except Exception as exc:
-            self.failed[name] = build_error_message(str(exc), build_dir)
-            raise BuildError(self.failed[name]) from None
-        finally:
-            shutil.rmtree(build_dir, ignore_errors=True)
-
-
-def _load_library(name: str, library: Path, is_python_module: bool):
-    """Import a cached build the way load_inline would have returned it."""
-    if not is_python_module:
-        torch.ops.load_library(str(library))
-        return str(library)
-    spec = importlib.util.spec_from_file_location(name, library)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def build_error_message(log: str, build_dir: str) -> str:
-    log = log.replace(build_dir + os.sep, "")
-    errors = [line.strip() for line in log.splitlines()
-              if re.search(r"\berror\b|undefined (symbol|reference)", line, re.IGNORECASE)
-              and not line.startswith("Error building extension") and len(line) < 500]
-    lines = errors or log.strip().splitlines()[-MAX_MESSAGE_LINES:]
-    return ("load_inline build failed (cuda.cu = cuda_sources after 3 #include lines torch adds, "
-            "main.cpp = cpp_sources after 1):\n" + "\n".join(lines[:MAX_MESSAGE_LINES]))
-
-
-def nvrtc_error_message(exc: Exception) -> str:
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    errors = [line for line in lines if "error" in line.lower()] or lines
-    return "NVRTC could not compile the CUDA source:\n" + "\n".join(errors[:MAX_MESSAGE_LINES])
-
-
-def _is_nvrtc_error(exc: BaseException) -> bool:
-    return type(exc).__name__ == "CompileException"  # cupy.cuda.compiler.CompileException
 
 
 # ---------------------------------------------------------------------------------------------
@@ -497,7 +250,7 @@ class CandidateHandler:
         self.pending = []
         seed = request["seed"]
         inputs = make_inputs(self.task, seed, self.device)
-        originals = [_clone(x) if isinstance(x, torch.Tensor) else None for x in inputs]
+        originals = [trusted.clone(x) if isinstance(x, torch.Tensor) else None for x in inputs]
         threads = set(threading.enumerate())
         kernels, second = None, None
         try:
@@ -550,22 +303,22 @@ class CandidateHandler:
     def _call(self, inputs: list, seed: int) -> tuple[list, list[int]]:
         """Forward once; on CUDA also report outputs that changed after torch's stream was done."""
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
-        _manual_seed(seed)
-        with _no_grad():
+        trusted.manual_seed(seed)
+        with trusted.no_grad():
             outputs = flatten(self.model(*inputs))
         if not self.cuda:
             return outputs, []
         stream.synchronize()
         with torch.cuda.stream(stream):
-            snapshot = [_clone(t) if type(t) is torch.Tensor and t.is_cuda else None for t in outputs]
-        _cuda_synchronize(self.device)
+            snapshot = [trusted.clone(t) if type(t) is torch.Tensor and t.is_cuda else None for t in outputs]
+        trusted.cuda_synchronize(self.device)
         late = [i for i, s in enumerate(snapshot) if s is not None and not same_bits(s, outputs[i])]
         return outputs, late
 
     def _profiled_call(self, inputs: list, seed: int) -> tuple[list, list[int], list[str]]:
         def forward():
-            _manual_seed(seed)
-            with _no_grad():
+            trusted.manual_seed(seed)
+            with trusted.no_grad():
                 return flatten(self.model(*inputs))
         outputs, kernels = launched_kernels(forward, self.device)
         return outputs, [], kernels
@@ -575,14 +328,14 @@ class CandidateHandler:
             message = f"candidate.py line {exc.lineno}: SyntaxError: {exc.msg}"
         elif isinstance(exc, BuildError):
             message = str(exc)
-        elif _is_nvrtc_error(exc):
+        elif is_nvrtc_error(exc):
             message = nvrtc_error_message(exc)
         else:
             message = "the candidate module failed to load: " + describe_exception(exc)
         return {"status": "compile_error", "message": message}
 
     def _run_error(self, exc: Exception, what: str) -> dict:
-        if _is_nvrtc_error(exc) or isinstance(exc, BuildError):  # CuPy compiles lazily, at first launch
+        if is_nvrtc_error(exc) or isinstance(exc, BuildError):  # CuPy compiles lazily, at first launch
             return self._load_error(exc)
         return {"status": "runtime_error", "message": f"{what} raised {describe_exception(exc)}"}
 
@@ -599,7 +352,7 @@ class CandidateHandler:
         if not self.cuda:
             return False
         try:
-            _cuda_synchronize(self.device)
+            trusted.cuda_synchronize(self.device)
             torch.ones(1, device=self.device).add_(1).item()
             return False
         except Exception:
@@ -712,9 +465,9 @@ class JudgeHandler:
         task = self._task(request["task_key"], request["task_src"])
         model = self._model(task, request["task_key"], request["init_seed"])
         inputs = make_inputs(task, request["seed"], self.device)
-        originals = [_clone(x) if isinstance(x, torch.Tensor) else None for x in inputs]
-        _manual_seed(request["seed"])
-        with _no_grad():
+        originals = [trusted.clone(x) if isinstance(x, torch.Tensor) else None for x in inputs]
+        trusted.manual_seed(request["seed"])
+        with trusted.no_grad():
             outputs = flatten(model(*inputs))
         for i, t in enumerate(outputs):
             if not isinstance(t, torch.Tensor):
@@ -727,6 +480,9 @@ class JudgeHandler:
             "reference_aliased": aliased_outputs(outputs, inputs),
         }
         self.references[key] = reference
-        while len(self.references) > 1 and sum(_nbytes(r["outputs"]) for r in self.references.values()) > self.cache_bytes:
+        while len(self.references) > 1 and self._cached_bytes() > self.cache_bytes:
             self.references.popitem(last=False)
         return reference
+
+    def _cached_bytes(self) -> int:
+        return sum(_nbytes(r["outputs"]) for r in self.references.values())

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dice.verifier import (BaselineCache, TaskError, Verifier, VerifyResult, fallback_problem, kernel_names,
-                           matching_kernels, static_check, trial_seeds, verify)
+from dice.verifier import BaselineCache, TaskError, Verifier, VerifyResult, static_check, trial_seeds, verify
+from dice.verifier_build import BuildCache, BuildError, build_error_message, nvrtc_error_message
+from dice.verifier_checks import (aliased_outputs, compare_outputs, fallback_problem, fingerprint, kernel_names,
+                                  matching_kernels, modified_inputs)
 from dice.verifier_pool import GpuLock
-from dice.verifier_worker import (BuildCache, BuildError, aliased_outputs, build_error_message, compare_outputs,
-                                  fingerprint, modified_inputs, nvrtc_error_message)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
 RELU_TASK = (FIXTURES / "relu_task.py").read_text()
@@ -37,6 +37,17 @@ def candidate(forward: str, extra: str = "", init: str = "pass") -> str:
 
 
 GOOD = candidate("return x.clamp_min(0)")
+LINEAR_CANDIDATE = """import torch
+import torch.nn as nn
+
+class ModelNew(nn.Module):
+    def __init__(self, in_features, out_features):
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features)  # drawn from the same seed as Model's
+
+    def forward(self, x):
+        return (x @ self.linear.weight.t() + self.linear.bias).clamp_min(0)
+"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,8 +322,8 @@ RULE_CASES = {
     "state across calls": (RELU_TASK, candidate("self.calls += 1\nreturn x.clamp_min(0) * self.calls",
                                                 init="self.calls = 0"), "incorrect", "second call"),
     "subclasses Model": (RELU_TASK, "import torch\nimport torch.nn as nn\nclass Model(nn.Module):\n"
-                         "    def forward(self, x):\n        return torch.relu(x)\nclass ModelNew(Model):\n    pass\n",
-                         "invalid", "subclasses the reference Model"),
+                         "    def forward(self, x):\n        return torch.relu(x)\n"
+                         "class ModelNew(Model):\n    pass\n", "invalid", "subclasses the reference Model"),
     "not a module": (RELU_TASK, "ModelNew = 3\n", "invalid", "no ModelNew nn.Module"),
     "patches allclose": (RELU_TASK, candidate("return x.clamp_min(0)",
                                               extra="torch.allclose = lambda *a, **k: True"),
@@ -326,10 +337,7 @@ RULE_CASES = {
     "wrong shape": (RELU_TASK, candidate("return x.clamp_min(0).t()"), "incorrect", "shape"),
     "falls back": (RELU_TASK, candidate("try:\n    return ext.relu(x)\nexcept Exception:\n    return torch.relu(x)"),
                    "invalid", "except branch"),
-    "init weights match": (LINEAR_TASK, "import torch\nimport torch.nn as nn\nclass ModelNew(nn.Module):\n"
-                           "    def __init__(self, i, o):\n        super().__init__()\n        self.linear = nn.Linear(i, o)\n"
-                           "    def forward(self, x):\n        return (x @ self.linear.weight.t() + self.linear.bias).clamp_min(0)\n",
-                           "correct", ""),
+    "init weights match": (LINEAR_TASK, LINEAR_CANDIDATE, "correct", ""),
 }
 
 
@@ -359,7 +367,8 @@ def test_bad_task_raises_value_error(cpu_verifier):
 
 @needs_compiler
 def test_candidates_load_inline_goes_through_the_build_cache(cpu_verifier):
-    extension = f"from torch.utils.cpp_extension import load_inline\next = load_inline('tiny', r\"\"\"{TINY_EXTENSION}\"\"\", no_implicit_headers=True)"
+    extension = ("from torch.utils.cpp_extension import load_inline\n"
+                 f"ext = load_inline('tiny', r\"\"\"{TINY_EXTENSION}\"\"\", no_implicit_headers=True)")
     good = candidate("return x.clamp_min(0) * (ext.answer() / 42)", extra=extension)
     broken = good.replace("return PyLong", "retrn PyLong")
     built, failed = cpu_verifier.map([(RELU_TASK, good), (RELU_TASK, broken)], timing=False)

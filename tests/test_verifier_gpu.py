@@ -79,7 +79,9 @@ class ModelNew(nn.Module):
 '''
 
 
-RELU_FORWARD = "y = torch.empty_like(x)\nlaunch('relu_kernel', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.numel()))\nreturn y"
+RELU_FORWARD = """y = torch.empty_like(x)
+launch('relu_kernel', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.numel()))
+return y"""
 GOOD = cupy_candidate(RELU_FORWARD)
 WRONG = cupy_candidate(RELU_FORWARD.replace("relu_kernel", "copy_kernel"))
 POISON = cupy_candidate(RELU_FORWARD.replace("relu_kernel", "far_write_kernel"))
