@@ -1,0 +1,326 @@
+"""A synthetic kernel curriculum: KernelBench-format tasks with CuPy reference solutions.
+
+    python -m dice.taskgen --out DIR [--train 3000] [--heldout 90] [--seed 0]
+
+writes DIR/train.json and DIR/heldout.json, DICE-style records (`id`, `level`, `ops`,
+`pytorch_code`, `cuda_code`, `prefix`, `middle`, `suffix`), usable as SFT data (pytorch_code +
+cuda_code), as infill RL tasks (prefix/middle/suffix, the middle being the CUDA source) and as
+end-to-end RL or evaluation tasks.
+
+Levels (as in KernelBench, easy to hard):
+  1  one elementwise op or activation, with varied shapes and constants;
+  2  one reduction / normalisation / softmax along the last dimension;
+  3  a fused chain of 2-4 ops: 2-4 elementwise ops, or 1-3 elementwise ops feeding a level-2 op.
+Every `forward` is written one op per line and every kernel mirrors it line by line, so the
+mapping from PyTorch to CUDA is learnable by a small model.
+
+Held-out split: level-3 tasks whose op composition (the tuple of op names) is one of a fixed
+~20% of compositions that never occurs in train.json (each op is seen alone, never that
+chain); level-1 and level-2 held-out tasks are new instances (shapes, constants) of ops that
+train.json has, since a single op's composition cannot be held out without being unlearnable.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+from pathlib import Path
+
+# name -> (torch statement on x, CUDA statement on v, constant kinds); {a}/{lo}/{hi} are constants
+ELEMENTWISE = {
+    "relu": ("x = torch.relu(x)", "v = fmaxf(v, 0.0f);", ""),
+    "leaky_relu": ("x = torch.nn.functional.leaky_relu(x, {a})", "v = v > 0.0f ? v : v * {a}f;", "slope"),
+    "sigmoid": ("x = torch.sigmoid(x)", "v = 1.0f / (1.0f + expf(-v));", ""),
+    "tanh": ("x = torch.tanh(x)", "v = tanhf(v);", ""),
+    "gelu": ("x = torch.nn.functional.gelu(x)", "v = 0.5f * v * (1.0f + erff(v * 0.70710678f));", ""),
+    "silu": ("x = torch.nn.functional.silu(x)", "v = v / (1.0f + expf(-v));", ""),
+    "softplus": ("x = torch.nn.functional.softplus(x)", "v = v > 20.0f ? v : log1pf(expf(v));", ""),
+    "elu": ("x = torch.nn.functional.elu(x, alpha={a})", "v = v > 0.0f ? v : {a}f * (expf(v) - 1.0f);", "alpha"),
+    "hardtanh": ("x = torch.nn.functional.hardtanh(x, min_val={lo}, max_val={hi})",
+                 "v = fminf(fmaxf(v, {lo}f), {hi}f);", "range"),
+    "hardsigmoid": ("x = torch.nn.functional.hardsigmoid(x)", "v = fminf(fmaxf(v / 6.0f + 0.5f, 0.0f), 1.0f);", ""),
+    "abs": ("x = torch.abs(x)", "v = fabsf(v);", ""),
+    "square": ("x = x * x", "v = v * v;", ""),
+    "scale": ("x = x * {a}", "v = v * {a}f;", "scale"),
+    "shift": ("x = x + {a}", "v = v + {a}f;", "shift"),
+    "clamp": ("x = torch.clamp(x, min={lo}, max={hi})", "v = fminf(fmaxf(v, {lo}f), {hi}f);", "range"),
+}
+
+# name -> (torch statements on x, output keeps the row shape?, CUDA body over a row)
+ROW_OPS = {
+    "sum": ("x = torch.sum(x, dim=-1)", False, "float s = block_sum(acc_sum(xr, cols), buf);\n"
+            "    if (threadIdx.x == 0) y[row] = s;"),
+    "mean": ("x = torch.mean(x, dim=-1)", False, "float s = block_sum(acc_sum(xr, cols), buf);\n"
+             "    if (threadIdx.x == 0) y[row] = s / cols;"),
+    "max": ("x = torch.amax(x, dim=-1)", False, "float m = block_max(acc_max(xr, cols), buf);\n"
+            "    if (threadIdx.x == 0) y[row] = m;"),
+    "softmax": ("x = torch.softmax(x, dim=-1)", True,
+                "float m = block_max(acc_max(xr, cols), buf);\n"
+                "    float s = block_sum(acc_exp_sum(xr, cols, m), buf);\n"
+                "    for (int j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = expf(pre(xr[j]) - m) / s;"),
+    "log_softmax": ("x = torch.log_softmax(x, dim=-1)", True,
+                    "float m = block_max(acc_max(xr, cols), buf);\n"
+                    "    float s = block_sum(acc_exp_sum(xr, cols, m), buf);\n"
+                    "    for (int j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = pre(xr[j]) - m - logf(s);"),
+    "logsumexp": ("x = torch.logsumexp(x, dim=-1)", False,
+                  "float m = block_max(acc_max(xr, cols), buf);\n"
+                  "    float s = block_sum(acc_exp_sum(xr, cols, m), buf);\n"
+                  "    if (threadIdx.x == 0) y[row] = m + logf(s);"),
+    "rmsnorm": ("x = x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + 1e-6)", True,
+                "float ss = block_sum(acc_sq_sum(xr, cols), buf);\n"
+                "    float r = rsqrtf(ss / cols + 1e-6f);\n"
+                "    for (int j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = pre(xr[j]) * r;"),
+    "l2_normalize": ("x = torch.nn.functional.normalize(x, dim=-1)", True,
+                     "float ss = block_sum(acc_sq_sum(xr, cols), buf);\n"
+                     "    float r = 1.0f / fmaxf(sqrtf(ss), 1e-12f);\n"
+                     "    for (int j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = pre(xr[j]) * r;"),
+    "layer_norm": ("x = torch.nn.functional.layer_norm(x, (x.shape[-1],))", True,
+                   "float mu = block_sum(acc_sum(xr, cols), buf) / cols;\n"
+                   "    float var = block_sum(acc_dev_sum(xr, cols, mu), buf) / cols;\n"
+                   "    float r = rsqrtf(var + 1e-5f);\n"
+                   "    for (int j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = (pre(xr[j]) - mu) * r;"),
+}
+
+# CUDA helpers of the row kernels; a solution carries only those its row op uses
+ROW_HELPERS = {
+    "block_sum": r"""
+__device__ float block_sum(float v, float* buf) {
+    buf[threadIdx.x] = v;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) buf[threadIdx.x] += buf[threadIdx.x + s];
+        __syncthreads();
+    }
+    float r = buf[0];
+    __syncthreads();
+    return r;
+}
+""",
+    "block_max": r"""
+__device__ float block_max(float v, float* buf) {
+    buf[threadIdx.x] = v;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) buf[threadIdx.x] = fmaxf(buf[threadIdx.x], buf[threadIdx.x + s]);
+        __syncthreads();
+    }
+    float r = buf[0];
+    __syncthreads();
+    return r;
+}
+""",
+    "acc_sum": r"""
+__device__ float acc_sum(const float* xr, int cols) {
+    float a = 0.0f;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) a += pre(xr[j]);
+    return a;
+}
+""",
+    "acc_max": r"""
+__device__ float acc_max(const float* xr, int cols) {
+    float a = __int_as_float(0xff800000);  // -inf
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) a = fmaxf(a, pre(xr[j]));
+    return a;
+}
+""",
+    "acc_exp_sum": r"""
+__device__ float acc_exp_sum(const float* xr, int cols, float m) {
+    float a = 0.0f;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) a += expf(pre(xr[j]) - m);
+    return a;
+}
+""",
+    "acc_sq_sum": r"""
+__device__ float acc_sq_sum(const float* xr, int cols) {
+    float a = 0.0f;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+        float v = pre(xr[j]);
+        a += v * v;
+    }
+    return a;
+}
+""",
+    "acc_dev_sum": r"""
+__device__ float acc_dev_sum(const float* xr, int cols, float mu) {
+    float a = 0.0f;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+        float d = pre(xr[j]) - mu;
+        a += d * d;
+    }
+    return a;
+}
+""",
+}
+
+PREFIX = "import torch\nimport torch.nn as nn\nimport cupy as cp\n\n"
+
+
+def _constants(kind: str, rng: random.Random) -> dict:
+    if kind == "slope":
+        return {"a": rng.choice([0.01, 0.02, 0.05, 0.1, 0.2, 0.3])}
+    if kind == "alpha":
+        return {"a": rng.choice([0.5, 1.0, 1.5, 2.0])}
+    if kind == "scale":
+        return {"a": rng.choice([0.125, 0.25, 0.5, 1.5, 2.0, 3.0, -1.0, -0.5])}
+    if kind == "shift":
+        return {"a": rng.choice([-2.0, -1.0, -0.5, 0.25, 0.5, 1.0, 3.0])}
+    if kind == "range":
+        lo = rng.choice([-3.0, -2.0, -1.0, -0.5, 0.0])
+        return {"lo": lo, "hi": lo + rng.choice([0.5, 1.0, 2.0, 4.0])}
+    return {}
+
+
+def _elementwise_lines(ops: list[str], rng: random.Random) -> tuple[list[str], list[str]]:
+    torch_lines, cuda_lines = [], []
+    for op in ops:
+        t, c, kind = ELEMENTWISE[op]
+        k = _constants(kind, rng)
+        torch_lines.append(t.format(**k))
+        cuda_lines.append(c.format(**k))
+    return torch_lines, cuda_lines
+
+
+def _task_source(torch_lines: list[str], shape: tuple[int, ...]) -> str:
+    dims = ["batch_size", "dim"] if len(shape) == 2 else ["batch_size", "channels", "dim"]
+    body = "\n".join(f"        {line}" for line in torch_lines)
+    sizes = "\n".join(f"{n} = {s}" for n, s in zip(dims, shape))
+    return (f"import torch\nimport torch.nn as nn\n\n\nclass Model(nn.Module):\n"
+            f"    def __init__(self):\n        super().__init__()\n\n"
+            f"    def forward(self, x):\n{body}\n        return x\n\n\n{sizes}\n\n\n"
+            f"def get_inputs():\n    return [torch.randn({', '.join(dims)})]\n\n\n"
+            f"def get_init_inputs():\n    return []\n")
+
+
+def _elementwise_solution(cuda_lines: list[str]) -> tuple[str, str]:
+    body = "\n".join(f"        {line}" for line in cuda_lines)
+    middle = (f"_source = r'''\nextern \"C\" __global__ void fused_kernel(const float* x, float* y, long long n) {{\n"
+              f"    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;\n"
+              f"    if (i < n) {{\n        float v = x[i];\n{body}\n        y[i] = v;\n    }}\n}}\n'''")
+    suffix = ("\n\n_kernel = cp.RawModule(code=_source).get_function(\"fused_kernel\")\n\n\n"
+              "class ModelNew(nn.Module):\n    def __init__(self):\n        super().__init__()\n\n"
+              "    def forward(self, x):\n        x = x.contiguous()\n        y = torch.empty_like(x)\n"
+              "        n = x.numel()\n"
+              "        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):\n"
+              "            _kernel(((n + 255) // 256,), (256,), (x.data_ptr(), y.data_ptr(), cp.int64(n)))\n"
+              "        return y\n")
+    return middle, suffix
+
+
+def _row_solution(pre_cuda: list[str], row_op: str) -> tuple[str, str]:
+    _, keeps_shape, body = ROW_OPS[row_op]
+    pre = "\n".join(f"    {line}" for line in pre_cuda)
+    pre_fn = f"__device__ float pre(float v) {{\n{pre}\n    return v;\n}}\n" if pre_cuda else \
+        "__device__ float pre(float v) {\n    return v;\n}\n"
+    helpers = "\n".join(h.strip() + "\n" for name, h in ROW_HELPERS.items() if f"{name}(" in body)
+    middle = (f"_source = r'''\n{pre_fn}\n{helpers}\n"
+              f"extern \"C\" __global__ void row_kernel(const float* x, float* y, int cols) {{\n"
+              f"    __shared__ float buf[256];\n    long long row = blockIdx.x;\n"
+              f"    const float* xr = x + row * cols;\n    float* yr = y + row * cols;\n"
+              f"    {body}\n}}\n'''")
+    out = "torch.empty_like(x)" if keeps_shape else "torch.empty(x.shape[:-1], device=x.device, dtype=x.dtype)"
+    suffix = ("\n\n_kernel = cp.RawModule(code=_source).get_function(\"row_kernel\")\n\n\n"
+              "class ModelNew(nn.Module):\n    def __init__(self):\n        super().__init__()\n\n"
+              "    def forward(self, x):\n        x = x.contiguous()\n"
+              f"        y = {out}\n        cols = x.shape[-1]\n        rows = x.numel() // cols\n"
+              "        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):\n"
+              "            _kernel((rows,), (256,), (x.data_ptr(), y.data_ptr(), cp.int32(cols)))\n"
+              "        return y\n")
+    return middle, suffix
+
+
+def _shape(rng: random.Random, rows_op: bool) -> tuple[int, ...]:
+    """2-D or 3-D input sizes: 1M-16M elements for elementwise tasks (large enough that memory,
+    not launch overhead, decides the speed), up to 8M for row operations."""
+    if rows_op:
+        cols = rng.choice([256, 512, 1024, 2048, 4096, 8192])
+        rows = min(rng.choice([512, 1024, 2048, 4096]), 2**23 // cols)
+    else:
+        cols = rng.choice([1024, 2048, 4096, 8192, 16384])
+        rows = rng.choice([2**20, 2**21, 2**22, 2**23, 2**24]) // cols
+    if rng.random() < 0.3:
+        b = rng.choice([4, 8, 16])
+        return (b, max(rows // b, 1), cols)
+    return (rows, cols)
+
+
+def make_task(rng: random.Random, level: int, ops: list[str] | None = None) -> dict:
+    """One task record of `level`; `ops` fixes the composition (else drawn at random)."""
+    if ops is None:
+        ops = sample_composition(rng, level)
+    row_op = ops[-1] if ops[-1] in ROW_OPS else None
+    pre = ops[:-1] if row_op else ops
+    torch_lines, cuda_lines = _elementwise_lines(pre, rng)
+    if row_op:
+        torch_lines.append(ROW_OPS[row_op][0])
+        middle, suffix = _row_solution(cuda_lines, row_op)
+    else:
+        middle, suffix = _elementwise_solution(cuda_lines)
+    source = _task_source(torch_lines, _shape(rng, row_op is not None))
+    return {"level": level, "ops": list(ops), "pytorch_code": source, "cuda_code": PREFIX + middle + suffix,
+            "prefix": PREFIX, "middle": middle, "suffix": suffix}
+
+
+def sample_composition(rng: random.Random, level: int) -> list[str]:
+    names = sorted(ELEMENTWISE)
+    if level == 1:
+        return [rng.choice(names)]
+    if level == 2:
+        return [rng.choice(sorted(ROW_OPS))]
+    if rng.random() < 0.5:
+        return rng.sample(names, rng.randint(2, 4))
+    return rng.sample(names, rng.randint(1, 3)) + [rng.choice(sorted(ROW_OPS))]
+
+
+def is_heldout_composition(ops: list[str]) -> bool:
+    """A fixed ~20% of level-3 compositions, by a hash of the op names."""
+    return len(ops) > 1 and hashlib.sha256("|".join(ops).encode()).digest()[0] < 52
+
+
+def generate_split(n_train: int, n_heldout: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """(train, heldout) task records; levels mixed 30/30/40 in train, 30/30/40 in held-out."""
+    rng = random.Random(seed)
+    train, heldout, seen = [], [], set()
+    levels = lambda n: [1] * (n * 3 // 10) + [2] * (n * 3 // 10) + [3] * (n - 2 * (n * 3 // 10))  # noqa: E731
+    for level in levels(n_train):
+        while True:
+            ops = sample_composition(rng, level)
+            if not is_heldout_composition(ops):
+                break
+        task = make_task(rng, level, ops)
+        if task["pytorch_code"] in seen:
+            continue
+        seen.add(task["pytorch_code"])
+        train.append(task)
+    for level in levels(n_heldout):
+        while True:
+            ops = sample_composition(rng, level)
+            if level < 3 or is_heldout_composition(ops):
+                break
+        task = make_task(rng, level, ops)
+        if task["pytorch_code"] not in seen:
+            seen.add(task["pytorch_code"])
+            heldout.append(task)
+    for split, tasks in (("train", train), ("heldout", heldout)):
+        for i, t in enumerate(tasks):
+            t["id"] = f"{split}-{i:05d}-L{t['level']}-{'-'.join(t['ops'])}"
+    return train, heldout
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m dice.taskgen", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--train", type=int, default=3000)
+    p.add_argument("--heldout", type=int, default=90)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    train, heldout = generate_split(args.train, args.heldout, args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, tasks in (("train", train), ("heldout", heldout)):
+        (out / f"{name}.json").write_text(json.dumps(tasks, indent=1))
+    print(f"wrote {len(train)} train and {len(heldout)} held-out tasks to {out}")
+
+
+if __name__ == "__main__":
+    main()
