@@ -227,6 +227,7 @@ class CandidateHandler:
         if self.task is not None:  # the previous candidate was not unloaded (its worker kept running)
             self._drop_candidate()
         self.task = load_module(request["task_src"], "task.py", "dice_task")
+        self.builds.install()  # again: an earlier candidate may have replaced load_inline
         self.loads += 1
         try:
             module = load_module(request["candidate_src"], "candidate.py", f"dice_candidate_{self.loads}")
