@@ -1,4 +1,4 @@
-"""Train a DICE model: `python train.py --phase sft|infill|e2e --model DIR --data FILE --out DIR ...`.
+"""Train a DICE model: `python train.py --phase init|sft|infill|e2e --model DIR --data FILE --out DIR ...`.
 
 Every flag is a field of `dice.trainer.TrainConfig`; README lists them. Under
 `torchrun --nproc_per_node N train.py ...` the model is sharded with FSDP2.
@@ -6,21 +6,23 @@ Every flag is a field of `dice.trainer.TrainConfig`; README lists them. Under
 import sys
 
 from dice.cli import fail_cleanly
-from dice.trainer import config_from_args, train_sft
+from dice.trainer import config_from_args, init_model_folder, train_sft
 
 
 def main(argv=None) -> None:
     cfg = config_from_args(argv)
-    for flag in ("model", "data", "out"):
+    for flag in ("data", "out") if cfg.phase == "init" else ("model", "data", "out"):
         if not getattr(cfg, flag):
             sys.exit(f"train.py: --{flag} is required (see README)")
-    if cfg.phase == "sft":
+    if cfg.phase == "init":
+        init_model_folder(cfg)
+    elif cfg.phase == "sft":
         train_sft(cfg)
     elif cfg.phase in ("infill", "e2e"):
         from dice.rl import train_rl
         train_rl(cfg)
     else:
-        sys.exit(f"train.py: --phase must be sft, infill or e2e, not {cfg.phase!r}")
+        sys.exit(f"train.py: --phase must be init, sft, infill or e2e, not {cfg.phase!r}")
 
 
 if __name__ == "__main__":

@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import has_weights, load_model, read_config, save_model
-from .data import RowStream, collate, read_records, tokenize_records
+from .data import RowStream, collate, read_records, record_to_text, tokenize_records
 from .diffusion import count_samples, diffusion_loss
-from .model import SDAR
+from .model import SDAR, ModelConfig
+from .rollout import one_shot_style
 from .tokenizer import load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "added_tokens.json",
@@ -61,7 +62,14 @@ class TrainConfig:
     resume: bool = False
     seed: int = 0
     gradient_checkpointing: bool = False
-    one_shot: str = "load_inline"
+    # --phase init: a from-scratch model folder (tokenizer trained on --data, config, no weights)
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    num_layers: int = 6
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 768
+    block_size: int = 4
     # BiC-RL (dice.rl)
     tasks_per_step: int = 64
     group_size: int = 16
@@ -267,7 +275,8 @@ def train_sft(cfg: TrainConfig) -> Path:
     model = build_model(cfg, rt, log)
     bs = model.config.block_size
     row_len = cfg.max_len - cfg.max_len % bs
-    examples, skipped = tokenize_records(read_records(cfg.data), tok, row_len, source=cfg.data, one_shot=cfg.one_shot)
+    examples, skipped = tokenize_records(read_records(cfg.data), tok, row_len, source=cfg.data,
+                                         one_shot=one_shot_style(model))
     if skipped:
         log(f"skipped {skipped} records whose prompt alone fills --max-len {cfg.max_len}")
     stream = RowStream(examples, row_len, bs, tok.pad_token_id, cfg.seed)
@@ -318,6 +327,26 @@ def train_sft(cfg: TrainConfig) -> Path:
         log(f"wrote {out / 'final'}")
     rt.barrier()
     return out / "final"
+
+
+def init_model_folder(cfg: TrainConfig) -> Path:
+    """`--phase init`: train a byte-level BPE on the prompts and responses of --data and write a
+    model folder with it and a config.json (no weights: SFT then starts from scratch). Prompts
+    carry no one-shot example (`dice_one_shot: null`), which keeps them short for small models."""
+    from .tokenizer import train_tokenizer
+    out = Path(cfg.out)
+    texts = ["".join(record_to_text(r, one_shot=None)) for r in read_records(cfg.data)]
+    tok = train_tokenizer(texts, cfg.vocab_size, out)
+    config = ModelConfig(
+        vocab_size=tok.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads, mask_token_id=tok.mask_token_id, block_size=cfg.block_size,
+        tie_word_embeddings=True, max_position_embeddings=8192,
+        extra={"dice_one_shot": None, "eos_token_id": tok.im_end_id, "pad_token_id": tok.pad_token_id})
+    (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    print(f"wrote {out}: tokenizer of {tok.vocab_size} tokens trained on {len(texts)} records, config with "
+          f"{config.num_parameters() / 1e6:.2f}M parameters (no weights)", file=sys.stderr)
+    return out
 
 
 def config_from_args(argv: list[str] | None = None) -> TrainConfig:
