@@ -79,7 +79,9 @@ def flex_block_diffusion_mask(position_ids: torch.Tensor, block_size: int,
                                        clean[b, kv_idx], sample[b, q_idx], sample[b, kv_idx])
 
     L = block.shape[1]
-    return create_block_mask(mask_mod, block.shape[0], None, L, L, device=position_ids.device)
+    # compiled, mask creation visits block pairs instead of materialising [B, L, L]
+    return create_block_mask(mask_mod, block.shape[0], None, L, L, device=position_ids.device,
+                             _compile=position_ids.is_cuda)
 
 
 _compiled_flex = None
@@ -91,6 +93,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
     `mask` is a bool tensor broadcastable to [B, 1, Lq, Lk] or a FlexAttention BlockMask.
     """
     global _compiled_flex
+    # under autocast q/k leave RMSNorm and RoPE in float32 while v leaves its Linear in bf16
+    q, k = q.to(v.dtype), k.to(v.dtype)
     if BlockMask is not None and isinstance(mask, BlockMask):
         if _compiled_flex is None:
             # Uncompiled flex_attention materialises the full score matrix; compiling fuses it.
