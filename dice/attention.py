@@ -142,15 +142,16 @@ class KVCache:
 
     def attention_mask(self, slots: torch.Tensor, position_ids: torch.Tensor, new_valid: torch.Tensor,
                        block_size: int, kv_len: int) -> torch.Tensor:
-        """[B, 1, T, kv_len] mask for T new tokens at `slots`: committed valid keys, plus the new
-        tokens under the block-causal rule. Every token sees itself, so no row is empty (padding
-        rows would otherwise produce NaN that could leak through 0 * NaN)."""
+        """[B, 1, T, kv_len] mask for T new tokens at the contiguous `slots` [T]: committed valid
+        keys, plus the new tokens under the block-causal rule. Every token sees itself, so no row
+        is empty (padding rows would otherwise produce NaN that could leak through 0 * NaN)."""
         B, T = position_ids.shape
         eye = torch.eye(T, dtype=torch.bool, device=position_ids.device)
         new = (block_causal_mask(position_ids, block_size) & new_valid[:, None, :]) | eye
-        mask = self.valid[:, None, :kv_len].expand(B, T, kv_len).clone()
-        mask.scatter_(2, slots.expand(B, T, T), new)
-        return mask.unsqueeze(1)
+        rel = torch.arange(kv_len, device=slots.device) - slots[0]     # key slot -> index among the new
+        in_new = (rel >= 0) & (rel < T)
+        new_keys = new.index_select(2, rel.clamp(0, T - 1)) & in_new
+        return (self.valid[:, None, :kv_len] | new_keys).unsqueeze(1)
 
     def commit(self, new_valid: torch.Tensor, commit: int) -> None:
         self.valid[:, self.length:self.length + commit] = new_valid[:, :commit]

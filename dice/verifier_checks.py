@@ -20,6 +20,7 @@ import types
 from typing import Iterable
 
 import torch
+import torch._dynamo  # noqa: F401  importing dynamo wraps torch.manual_seed: capture after it
 
 WATCHED = (
     "torch.allclose", "torch.isclose", "torch.equal", "torch.manual_seed", "torch.no_grad",

@@ -31,15 +31,16 @@ def test_bf16_gpu_logits_agree_with_fp32_cpu():
 
 @torch.no_grad()
 def test_flex_training_forward_equals_dense():
-    model = load_model(TINY, device="cuda")
-    n = 40
-    ids = torch.randint(0, 319, (2, 2 * n), device="cuda")
-    pos = torch.tensor([list(range(24)) + list(range(16))] * 2, device="cuda")    # two packed samples
-    sample = torch.tensor([[0] * 24 + [1] * 16] * 2, device="cuda")
+    """bf16, 1.7B layer shapes (FlexAttention's kernels need head_dim >= 64 in practice), packed rows."""
+    model = random_model("1.7b", num_hidden_layers=2)
+    n = 80
+    ids = torch.randint(0, 150000, (2, 2 * n), device="cuda")
+    pos = torch.tensor([list(range(48)) + list(range(32))] * 2, device="cuda")    # two packed samples
+    sample = torch.tensor([[0] * 48 + [1] * 32] * 2, device="cuda")
     doubled = torch.cat([pos, pos], 1)
     dense = model(ids, doubled, block_diffusion_mask(pos, 4, sample))
     flex = model(ids, doubled, flex_block_diffusion_mask(pos, 4, sample))
-    assert rel_err(flex, dense) < 1e-5
+    assert rel_err(flex, dense) < 1e-2
 
 
 @pytest.mark.parametrize("remasking,threshold", [("low_confidence_static", 0.9), ("low_confidence_dynamic", 0.5)])
