@@ -166,12 +166,13 @@ class CachedForward:
         return g["logits"]
 
     def _capture(self, ids, pos, valid, logits_from) -> dict:
+        # every tensor the graph reads must outlive it: they all live in `g`
         g = {"ids": ids.clone(), "pos": pos.clone(), "valid": valid.clone(),
-             "start": torch.full((), self.cache.length, dtype=torch.long, device=ids.device)}
-        offsets = torch.arange(ids.shape[1], device=ids.device)
+             "start": torch.full((), self.cache.length, dtype=torch.long, device=ids.device),
+             "offsets": torch.arange(ids.shape[1], device=ids.device)}
 
         def body():
-            return self.model.step_logits(g["ids"], g["pos"], g["valid"], self.cache, g["start"] + offsets,
+            return self.model.step_logits(g["ids"], g["pos"], g["valid"], self.cache, g["start"] + g["offsets"],
                                           self.cache.max_len, logits_from)
 
         side = torch.cuda.Stream()
