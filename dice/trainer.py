@@ -87,7 +87,7 @@ class TrainConfig:
     eval_every: int = 0
     eval_data: str = ""
     verifier_workers: int = 8
-    verify_timeout: float = 60.0
+    verify_timeout: float = 15.0     # a hanging sampled kernel costs its worker this long
 
 
 # ---------------------------------------------------------------- devices and processes

@@ -1,0 +1,24 @@
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x):
+        x = torch.logsumexp(x, dim=-1)
+        return x
+
+
+batch_size = 8
+channels = 256
+dim = 2048
+
+
+def get_inputs():
+    return [torch.randn(batch_size, channels, dim)]
+
+
+def get_init_inputs():
+    return []

@@ -1,0 +1,48 @@
+"""The shipped commands on a CPU-only machine: README's main command and the one-line errors."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "dice" / "assets" / "examples").glob("*.py"))
+
+
+def run(*args):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_readme_main_command_generates_a_kernel_without_downloads(tmp_path):
+    out = tmp_path / "kernel.py"
+    res = run("sample.py", "--prompt", str(EXAMPLES[0]), "--verify", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "class ModelNew" in res.stdout and "__global__" in res.stdout
+    assert out.read_text().strip() == res.stdout.strip()
+    assert "generating:" in res.stderr and "tokens/s" in res.stderr
+    assert "verification needs a CUDA GPU" in res.stdout + res.stderr
+
+
+def test_every_shipped_example_is_a_valid_task():
+    from dice.tasks import load_tasks
+    assert len(EXAMPLES) == 3
+    for p in EXAMPLES:
+        assert load_tasks(p)[0].source == p.read_text()
+
+
+def test_bad_task_and_missing_model_are_one_line_errors(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("x = 1\n")
+    res = run("sample.py", "--prompt", str(bad))
+    assert res.returncode != 0 and res.stderr.strip().count("\n") == 0
+    assert "defines no Model, get_inputs, get_init_inputs" in res.stderr
+    res = run("sample.py", "--prompt", str(EXAMPLES[0]), "--model", str(tmp_path / "nope"))
+    assert res.returncode != 0 and "does not exist" in res.stderr and res.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_evaluate_without_gpu_is_one_line(tmp_path):
+    res = run("evaluate.py", "--tasks", str(EXAMPLES[0]), "--solutions", "reference")
+    assert res.returncode != 0 and "needs a CUDA GPU" in res.stderr and res.stderr.strip().count("\n") == 0
