@@ -13,13 +13,14 @@ from pathlib import Path
 
 import torch
 
+import dice
 from dice import load_model, load_tokenizer
 from dice.cli import fail_cleanly
 from dice.rollout import complete, one_shot_style, task_prompt_ids
 from dice.sampler import REMASKING
 from dice.tasks import load_tasks
 
-EMBEDDED_MODEL = Path(__file__).resolve().parent / "dice" / "assets" / "dice-tiny"
+EMBEDDED_MODEL = Path(dice.__file__).resolve().parent / "assets" / "dice-tiny"
 
 
 def parse_args(argv=None):

@@ -38,7 +38,11 @@ import torch.nn.functional as F
 from .attention import block_diffusion_mask, flex_block_diffusion_mask
 from .prompts import keeps_skeleton
 from .rollout import Completion, complete, one_shot_style, task_prompt_ids
+from .checkpoint import load_model
 from .tasks import Task, load_tasks
+from .tokenizer import load_tokenizer
+from .trainer import (MetricsLog, build_model, make_logger, make_optimizer, progress_line, resume, save_checkpoint,
+                      save_final, setup_runtime)
 
 
 @dataclass
@@ -189,6 +193,8 @@ class _FullParameters:
     def __init__(self, model):
         from torch.distributed.fsdp import FSDPModule
         self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        with torch.no_grad():   # FSDP initialises lazily, from a forward of the root module
+            model(torch.zeros(1, model.config.block_size, dtype=torch.long, device=next(model.parameters()).device))
 
     def __enter__(self):
         for m in self.modules:
@@ -201,15 +207,18 @@ class _FullParameters:
             m.set_reshard_after_forward(True)
 
 
-def rollout(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, seed: int, infill: bool):
+def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: RewardFn, seed: int, infill: bool):
     """Generate `group_size` responses per task in batches, rewarding each batch on a background
-    thread while the next one generates. Returns (completions, rewards, timings)."""
-    prompts, owners = [], []
+    thread while the next one generates. Sample j of the task in slot k of the step uses seed
+    seed + k * group_size + j, so rollouts do not depend on how tasks are spread over processes.
+    Returns (completions, rewards, timings)."""
+    prompts, owners, seeds = [], [], []
     style = one_shot_style(model)
-    for t in tasks:
+    for t, k in zip(tasks, slots):
         ids = task_prompt_ids(tok, t, infill=infill, one_shot=style)
         prompts += [ids] * cfg.group_size
         owners += [t] * cfg.group_size
+        seeds += [seed + k * cfg.group_size + j for j in range(cfg.group_size)]
     completions: list[Completion] = []
     futures, verify_seconds = [], [0.0]
     gen_seconds = 0.0
@@ -224,7 +233,7 @@ def rollout(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, seed: int, 
         for start in range(0, len(prompts), cfg.rollout_batch):
             t0 = time.perf_counter()
             chunk = complete(model, tok, prompts[start:start + cfg.rollout_batch], batch_size=cfg.rollout_batch,
-                             seed=seed + start, max_new_tokens=cfg.max_new_tokens,
+                             seed=seeds[start:start + cfg.rollout_batch], max_new_tokens=cfg.max_new_tokens,
                              steps_per_block=cfg.steps_per_block, remasking=cfg.remasking, threshold=cfg.threshold,
                              temperature=cfg.temperature)
             gen_seconds += time.perf_counter() - t0
@@ -234,48 +243,52 @@ def rollout(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, seed: int, 
     return completions, rewards, {"generate_s": gen_seconds, "verify_s": verify_seconds[0]}
 
 
-def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer) -> dict:
-    """One optimiser step (or `updates_per_step`) over the kept responses' trace rounds."""
-    bs, mask_id = model.config.block_size, model.config.mask_token_id
-    pad_id = completions[0].prompt_ids[0] if completions else 0
+def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer, pad_id: int) -> dict:
+    """`updates_per_step` optimiser steps (default one) over the kept responses' trace rounds.
+
+    Minibatch u holds every U-th round, cut into micro-batches of similar length. Under FSDP every
+    backward is a collective, so each rank runs as many micro-batches as the busiest rank, padding
+    with empty ones (a forward and backward with no loss token)."""
+    bs, mask_id, U = model.config.block_size, model.config.mask_token_id, cfg.updates_per_step
     kept = [k for k, a in enumerate(advantages) if a is not None and completions[k].tokens]
-    n_responses = rt.all_sum(len(kept))
+    n_responses = max(rt.all_sum(len(kept)), 1)
     items = [(k, completions[k], rnd) for k in kept
              for rnd in trace_rounds(completions[k].step_map, len(completions[k].prompt_ids), bs)]
+    plan = [_micro(items[u::U], cfg.batch_size) for u in range(U)]
+    plan = [chunks + [[]] * (int(rt.all_max(len(chunks))) - len(chunks)) for chunks in plan]
+    filler = (0, completions[0], Round([], []))
+    batches = [[build_round_batch(chunk or [filler], bs, mask_id, pad_id, advantages, n_responses)
+                for chunk in chunks] for chunks in plan]
     use_flex = next(model.parameters()).device.type == "cuda"
-    minibatches = [items[i::cfg.updates_per_step] for i in range(cfg.updates_per_step)]
-    old: dict[int, torch.Tensor] = {}
-    if cfg.updates_per_step > 1:   # the rollout policy's log-probs, before any update
+    old = None
+    if U > 1:   # the rollout policy's log-probs, before the first update
         with torch.no_grad(), rt.autocast(cfg.dtype):
-            for i, chunk in enumerate(_micro(items, cfg.batch_size)):
-                old[i] = round_logprobs(model, build_round_batch(chunk, bs, mask_id, pad_id, advantages, 1), use_flex)
+            old = [[round_logprobs(model, b, use_flex) for b in minibatch] for minibatch in batches]
     stats = {"loss": 0.0, "kl": [], "clip_fraction": []}
-    micro_index = 0
-    for minibatch in minibatches:
-        for chunk in _micro(minibatch, cfg.batch_size):
-            batch = build_round_batch(chunk, bs, mask_id, pad_id, advantages, max(n_responses, 1))
+    for u, minibatch in enumerate(batches):
+        for i, batch in enumerate(minibatch):
             with rt.autocast(cfg.dtype):
                 logp = round_logprobs(model, batch, use_flex)
                 logp_ref = None
                 if ref_model is not None:
                     with torch.no_grad():
                         logp_ref = round_logprobs(ref_model, batch, use_flex)
-            logp_old = old[micro_index] if old else logp.detach()
-            tok_loss, s = policy_loss(logp, logp_old.to(logp.device), batch.advantage.to(logp.device),
+            logp_old = old[u][i] if old else logp.detach()
+            tok_loss, s = policy_loss(logp, logp_old, batch.advantage.to(logp.device),
                                       clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta, logp_ref=logp_ref)
-            loss = (tok_loss * batch.token_weight.to(logp.device)).sum() * cfg.updates_per_step
-            (loss * rt.world).backward()
-            stats["loss"] += loss.item() / cfg.updates_per_step
-            stats["kl"].append(s["kl"])
-            stats["clip_fraction"].append(s["clip_fraction"])
-            micro_index += 1
-        if minibatch or rt.world > 1:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            # weights sum to ~1/U per minibatch: scale so that each update is a full-batch step
+            loss = (tok_loss * batch.token_weight.to(logp.device)).sum() * U
+            (loss * rt.world).backward()   # FSDP averages over ranks; weights already use the global count
+            stats["loss"] += loss.item() / U
+            if batch.advantage.numel():
+                stats["kl"].append(s["kl"])
+                stats["clip_fraction"].append(s["clip_fraction"])
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return {"loss": rt.all_sum(stats["loss"]), "kl": statistics.fmean(stats["kl"]) if stats["kl"] else 0.0,
             "clip_fraction": statistics.fmean(stats["clip_fraction"]) if stats["clip_fraction"] else 0.0,
-            "responses_trained": int(n_responses), "rounds": len(items)}
+            "responses_trained": int(rt.all_sum(len(kept))), "rounds": len(items)}
 
 
 def _micro(items: list, size: int):
@@ -307,15 +320,14 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
              eval_tasks: list[Task] | None = None) -> Path:
     """BiC-RL phase `cfg.phase` ("infill" or "e2e"); `reward_fn(tasks, completions) -> rewards`
     replaces the kernel verifier (tests, other rewards). Returns the final model folder."""
-    from .checkpoint import load_model
-    from .tokenizer import load_tokenizer
-    from .trainer import (MetricsLog, build_model, make_logger, make_optimizer, progress_line, resume,
-                          save_checkpoint, setup_runtime, write_model_folder, _full_state)
     rt = setup_runtime()
     log = make_logger(rt)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     infill = cfg.phase == "infill"
+    if cfg.tasks_per_step < rt.world:
+        raise ValueError(f"--tasks-per-step {cfg.tasks_per_step} is below the {rt.world} processes: every "
+                         "process needs at least one task per step")
     ordered = curriculum(tasks if tasks is not None else load_tasks(cfg.data))
     if infill:
         ordered = [t for t in ordered if t.prefix is not None]
@@ -350,16 +362,16 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
                     ev = evaluate_policy(model, tok, eval_tasks, cfg, eval_reward, infill=False)
                 metrics.write({"step": step, **ev})
                 log(f"eval before step {step + 1}: " + json.dumps(ev))
-            mine = step_tasks(ordered, step, cfg.tasks_per_step)[rt.rank::rt.world]
+            slots = list(range(cfg.tasks_per_step))[rt.rank::rt.world]
+            step_set = step_tasks(ordered, step, cfg.tasks_per_step)
             model.eval()
             with torch.no_grad(), (gather or contextlib.nullcontext()):
-                completions, rewards, timing = rollout(model, tok, mine, cfg, reward_fn,
-                                                       seed=(cfg.seed * 100_003 + step) * 10_007 + rt.rank * 1_000_003,
-                                                       infill=infill)
+                completions, rewards, timing = rollout(model, tok, [step_set[k] for k in slots], slots, cfg, reward_fn,
+                                                       seed=(cfg.seed * 100_003 + step) * 10_007, infill=infill)
             results = getattr(reward_fn, "last_results", None) or []
             advantages = group_advantages(rewards, cfg.group_size)
             model.train()
-            upd = policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer)
+            upd = policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer, tok.pad_token_id)
             n = rt.all_sum(len(rewards))
             tokens = rt.all_sum(sum(len(c.tokens) for c in completions))
             verified = rt.all_sum(sum(r is not None for r in results))
@@ -385,11 +397,7 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
                 ev = evaluate_policy(model, tok, eval_tasks, cfg, eval_reward, infill=False)
             metrics.write({"step": total, **ev})
             log("eval after training: " + json.dumps(ev))
-        final_state, _ = _full_state(model, optimizer)
-        if rt.main:
-            write_model_folder(model, out / "final", cfg.model, state_dict=final_state)
-            log(f"wrote {out / 'final'}")
-        rt.barrier()
+        save_final(model, optimizer, out, cfg.model, rt, log)
     finally:
         if verifier is not None:
             verifier.close()

@@ -38,11 +38,13 @@ class Completion:
     code: str | None            # the first fenced code block, if any
 
 
-def complete(model, tokenizer, prompts: Sequence[Sequence[int]], *, batch_size: int = 64, seed: int = 0,
-             progress: Callable[[int], None] | None = None, **generate_kwargs) -> list[Completion]:
+def complete(model, tokenizer, prompts: Sequence[Sequence[int]], *, batch_size: int = 64,
+             seed: int | Sequence[int] = 0, progress: Callable[[int], None] | None = None,
+             **generate_kwargs) -> list[Completion]:
     """Generate for every prompt in batches of `batch_size` (prompts sorted by length for tighter
-    batches; the sampler is batch-invariant and prompt i always uses seed + i, so the grouping
-    does not change any result)."""
+    batches; the sampler is batch-invariant and prompt i always uses its own seed, seed + i or
+    seed[i], so the grouping does not change any result)."""
+    seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed + i for i in range(len(prompts))]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[Completion | None] = [None] * len(prompts)
     done = 0
@@ -50,7 +52,7 @@ def complete(model, tokenizer, prompts: Sequence[Sequence[int]], *, batch_size: 
         chunk = order[start:start + batch_size]
         report = None if progress is None else (lambda n, base=done: progress(base + n))
         result = generate(model, [prompts[i] for i in chunk], eos_token_ids=tokenizer.eos_token_ids,
-                          seed=[seed + i for i in chunk], progress=report, **generate_kwargs)
+                          seed=[seeds[i] for i in chunk], progress=report, **generate_kwargs)
         for i, tokens, step_map in zip(chunk, result.tokens, result.step_map):
             body = tokens[:-1] if tokens and tokens[-1] in tokenizer.eos_token_ids else tokens
             text = tokenizer.decode(body)

@@ -113,6 +113,13 @@ class Runtime:
         dist.all_reduce(t)
         return float(t.item())
 
+    def all_max(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
@@ -174,7 +181,9 @@ def row_generator(seed: int, step: int, row: int) -> torch.Generator:
 
 # ---------------------------------------------------------------- checkpoints and logs
 
-def _full_state(model, optimizer):
+def full_state_dicts(model, optimizer):
+    """Full (unsharded, CPU) model and optimiser state dicts, keyed by parameter names, so that
+    checkpoints load on any number of processes."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
@@ -182,7 +191,7 @@ def _full_state(model, optimizer):
 def save_checkpoint(out: Path, step: int, model, optimizer, tokenizer_dir: str, rt: Runtime,
                     keep: int, extra: dict | None = None) -> None:
     """checkpoints/step_N written as a temporary folder, then renamed; then `latest` updated."""
-    model_state, optim_state = _full_state(model, optimizer)
+    model_state, optim_state = full_state_dicts(model, optimizer)
     if rt.main:
         ckpts = out / "checkpoints"
         final, tmp = ckpts / f"step_{step:06d}", ckpts / f".step_{step:06d}.tmp"
@@ -321,9 +330,14 @@ def train_sft(cfg: TrainConfig) -> Path:
                                                         "tok/s": round(tokens / dt)}))
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < total:
             save_checkpoint(out, step + 1, model, optimizer, cfg.model, rt, cfg.keep_checkpoints)
-    final_state, _ = _full_state(model, optimizer)
+    return save_final(model, optimizer, out, cfg.model, rt, log)
+
+
+def save_final(model, optimizer, out: Path, tokenizer_dir: str, rt: Runtime, log) -> Path:
+    """DIR/final: the trained model folder, written once (by rank 0) from the full state."""
+    state, _ = full_state_dicts(model, optimizer)
     if rt.main:
-        write_model_folder(model, out / "final", cfg.model, state_dict=final_state)
+        write_model_folder(model, out / "final", tokenizer_dir, state_dict=state)
         log(f"wrote {out / 'final'}")
     rt.barrier()
     return out / "final"

@@ -122,13 +122,22 @@ def test_gradient_raises_positive_and_lowers_negative_advantage_tokens(sign):
     assert ((after - before) * sign > 0).all()
 
 
-def test_tiny_run_with_python_reward_raises_the_reward(tmp_path):
-    tasks = [Task(name=f"t{i}", level=1 + i % 2, source=f"class Model:\n    scale = {i}\n") for i in range(8)]
+TASKS = [Task(name=f"t{i}", level=1 + i % 2, source=f"class Model:\n    scale = {i}\n") for i in range(8)]
+
+
+def rl_model_folder(folder):
+    """A from-scratch model whose tokenizer knows the (one-shot-free) kernel prompts of TASKS."""
     from dice.prompts import chat_prompt, kernel_prompt
-    texts = [chat_prompt(kernel_prompt(t.source, one_shot=None)) for t in tasks] * 3
-    folder = make_tiny_model_folder(tmp_path / "model", texts, vocab_size=400)
+    texts = [chat_prompt(kernel_prompt(t.source, one_shot=None)) for t in TASKS] * 3
+    make_tiny_model_folder(folder, texts, vocab_size=400)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "dice_one_shot": None}))
+    return folder
+
+
+def test_tiny_run_with_python_reward_raises_the_reward(tmp_path):
+    tasks = TASKS
+    folder = rl_model_folder(tmp_path / "model")
     chosen = set(range(100, 200))      # a quarter of the vocabulary: about 0.25 at the start
 
     def share_of_target(ts, completions):
@@ -143,3 +152,26 @@ def test_tiny_run_with_python_reward_raises_the_reward(tmp_path):
     assert len(rewards) == 8 and all(r["step_time_s"] > 0 for r in records)
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     assert load_model(tmp_path / "out" / "final").config.extra["dice_one_shot"] is None
+
+
+def test_two_process_gloo_rl_matches_one_process(tmp_path):
+    """Rollouts are seeded by task slot, so 1 and 2 processes see the same first step."""
+    import subprocess
+    import sys
+    model = rl_model_folder(tmp_path / "model")
+    script = Path(__file__).parent / "fixtures" / "rl_run.py"
+    root = Path(__file__).resolve().parents[1]
+    one = subprocess.run([sys.executable, str(script), str(model), str(tmp_path / "one")], capture_output=True,
+                         text=True, cwd=root, timeout=300)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          "29533", str(script), str(model), str(tmp_path / "two")], capture_output=True, text=True,
+                         cwd=root, timeout=300)
+    assert two.returncode == 0, two.stderr
+    a = [json.loads(l) for l in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(l) for l in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert len(a) == len(b) == 2
+    for key in ("reward_mean", "mean_response_len", "groups_kept_pct"):
+        assert a[0][key] == pytest.approx(b[0][key])
+    assert a[0]["loss"] == pytest.approx(b[0]["loss"], rel=1e-4, abs=1e-6)
+    load_model(tmp_path / "two" / "final")
