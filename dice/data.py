@@ -57,13 +57,15 @@ def _messages_prompt(messages: list[dict]) -> tuple[str, str]:
     return system + history + chat_prompt(turns[-1]["content"]), last["content"]
 
 
-def record_to_text(record: dict, *, one_shot: str | None = "load_inline") -> tuple[str, str]:
-    """(ChatML prompt text, response text ending with <|im_end|>) of one record."""
+def record_to_text(record: dict, *, one_shot: str | None = "load_inline", infill: bool = False) -> tuple[str, str]:
+    """(ChatML prompt text, response text ending with <|im_end|>) of one record; `infill` uses the
+    infilling prompt (the record's prefix and suffix around the gap) for a kernel record."""
     if "messages" in record:
         prompt, answer = _messages_prompt(record["messages"])
         return prompt, chat_response(answer)
     if "pytorch_code" in record and "cuda_code" in record:
-        user = kernel_prompt(record["pytorch_code"], one_shot=one_shot)
+        skeleton = {"prefix": record["prefix"], "suffix": record["suffix"]} if infill else {}
+        user = kernel_prompt(record["pytorch_code"], one_shot=one_shot, **skeleton)
         answer = f"```python\n{record['cuda_code'].strip()}\n```"
     elif "instruction" in record:
         user = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
@@ -80,21 +82,26 @@ class Example:
 
 
 def tokenize_records(records: list[dict], tokenizer, max_len: int, *, source: str = "data",
-                     one_shot: str | None = "load_inline") -> tuple[list[Example], int]:
-    """Tokenise records; responses longer than the room left are cut. Returns (examples, number
-    of records skipped because their prompt alone fills `max_len`)."""
+                     one_shot: str | None = "load_inline", infill_copies: bool = False) -> tuple[list[Example], int]:
+    """Tokenise records; responses longer than the room left are cut. With `infill_copies`, kernel
+    records that carry a prefix/middle/suffix split are also taught under the infilling prompt
+    (the prompt of BiC-RL's first phase). Returns (examples, number of examples skipped because
+    their prompt alone fills `max_len`)."""
     examples, skipped = [], 0
     for i, record in enumerate(records):
         try:
-            prompt, response = record_to_text(record, one_shot=one_shot)
+            texts = [record_to_text(record, one_shot=one_shot)]
+            if infill_copies and "prefix" in record and "cuda_code" in record:
+                texts.append(record_to_text(record, one_shot=one_shot, infill=True))
         except (KeyError, TypeError, AttributeError) as e:
             raise DataError(f"{source}: record {i} is not a prompt/response, alpaca, messages or "
                             f"pytorch_code/cuda_code record ({e!r})") from None
-        p, r = tokenizer.encode(prompt), tokenizer.encode(response)
-        if len(p) >= max_len:
-            skipped += 1
-            continue
-        examples.append(Example(p, r[:max_len - len(p)]))
+        for prompt, response in texts:
+            p, r = tokenizer.encode(prompt), tokenizer.encode(response)
+            if len(p) >= max_len:
+                skipped += 1
+                continue
+            examples.append(Example(p, r[:max_len - len(p)]))
     return examples, skipped
 
 

@@ -62,6 +62,7 @@ class TrainConfig:
     resume: bool = False
     seed: int = 0
     gradient_checkpointing: bool = False
+    sft_infill: bool = False         # also teach kernel records under the infilling prompt
     # --phase init: a from-scratch model folder (tokenizer trained on --data, config, no weights)
     vocab_size: int = 4096
     hidden_size: int = 256
@@ -285,9 +286,9 @@ def train_sft(cfg: TrainConfig) -> Path:
     bs = model.config.block_size
     row_len = cfg.max_len - cfg.max_len % bs
     examples, skipped = tokenize_records(read_records(cfg.data), tok, row_len, source=cfg.data,
-                                         one_shot=one_shot_style(model))
+                                         one_shot=one_shot_style(model), infill_copies=cfg.sft_infill)
     if skipped:
-        log(f"skipped {skipped} records whose prompt alone fills --max-len {cfg.max_len}")
+        log(f"skipped {skipped} examples whose prompt alone fills --max-len {cfg.max_len}")
     stream = RowStream(examples, row_len, bs, tok.pad_token_id, cfg.seed)
     rows_per_step = cfg.batch_size * cfg.grad_accum * rt.world
     total = cfg.steps or math.ceil(max(cfg.epochs, 1e-9) * stream.epoch_length(0) / rows_per_step)

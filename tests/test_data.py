@@ -23,6 +23,22 @@ def test_record_formats_become_chatml():
     assert "class Model: pass" in prompt and response == "```python\nclass ModelNew: pass\n```<|im_end|>"
 
 
+def test_infill_copies_teach_the_skeleton_prompt():
+    record = {"pytorch_code": "class Model: pass", "cuda_code": "import a\nMID\nclass ModelNew: pass",
+              "prefix": "import a\n", "middle": "MID", "suffix": "\nclass ModelNew: pass"}
+
+    class Chars:
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    plain, _ = tokenize_records([record], Chars(), 10_000, one_shot=None)
+    both, _ = tokenize_records([record], Chars(), 10_000, one_shot=None, infill_copies=True)
+    assert len(plain) == 1 and len(both) == 2 and both[0] == plain[0]
+    infill_prompt = "".join(map(chr, both[1].prompt_ids))
+    assert "import a" in infill_prompt and "class ModelNew: pass" in infill_prompt
+    assert both[1].response_ids == plain[0].response_ids
+
+
 def test_json_and_jsonl_and_bad_records(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps([{"prompt": "Q", "response": "A"}]))
     (tmp_path / "b.jsonl").write_text('{"prompt": "Q", "response": "A"}\n\n{"foo": 1}\n')
