@@ -251,7 +251,9 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     with empty ones (a forward and backward with no loss token)."""
     bs, mask_id, U = model.config.block_size, model.config.mask_token_id, cfg.updates_per_step
     kept = [k for k, a in enumerate(advantages) if a is not None and completions[k].tokens]
-    n_responses = max(rt.all_sum(len(kept)), 1)
+    n_responses = rt.all_sum(len(kept))
+    if n_responses == 0:   # every group had equal rewards: no signal, and Adam's momentum must not move us
+        return {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "responses_trained": 0, "rounds": 0}
     items = [(k, completions[k], rnd) for k in kept
              for rnd in trace_rounds(completions[k].step_map, len(completions[k].prompt_ids), bs)]
     plan = [_micro(items[u::U], cfg.batch_size) for u in range(U)]
@@ -288,7 +290,7 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
         optimizer.zero_grad(set_to_none=True)
     return {"loss": rt.all_sum(stats["loss"]), "kl": statistics.fmean(stats["kl"]) if stats["kl"] else 0.0,
             "clip_fraction": statistics.fmean(stats["clip_fraction"]) if stats["clip_fraction"] else 0.0,
-            "responses_trained": int(rt.all_sum(len(kept))), "rounds": len(items)}
+            "responses_trained": int(n_responses), "rounds": len(items)}
 
 
 def _micro(items: list, size: int):
