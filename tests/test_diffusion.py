@@ -70,3 +70,23 @@ def test_loss_hand_computed():
         ce = [-logp[j, batch["input_ids"][i, j]] for j in range(6) if masked[0, j]]
         expected += sum(ce) / float(p[0, 0]) / int(batch["loss_mask"][i].sum())
     torch.testing.assert_close(loss, torch.as_tensor(expected, dtype=torch.float32), rtol=1e-5, atol=1e-6)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    from pathlib import Path
+
+    from dice import load_model
+
+    tiny = Path(__file__).parent / "fixtures" / "tiny-sdar"
+    batch = {"input_ids": torch.randint(0, 300, (2, 12)), "position_ids": torch.arange(12).repeat(2, 1),
+             "sample_ids": torch.zeros(2, 12, dtype=torch.long),
+             "loss_mask": (torch.arange(12) >= 4).repeat(2, 1)}
+    grads = []
+    for checkpointing in (False, True):
+        model = load_model(tiny).train()
+        model.gradient_checkpointing = checkpointing
+        gens = [torch.Generator().manual_seed(i) for i in range(2)]
+        diffusion_loss(model, batch, gens, model.config.mask_token_id).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
