@@ -25,6 +25,7 @@ import contextlib
 import json
 import math
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -160,7 +161,11 @@ def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = 
                 continue
             pairs.append((t.source, c.code))
             index.append(i)
-        results = verifier.map(pairs, timing=timing or kind == "speedup", trials=trials, timeout_s=timeout_s)
+        opts = dict(timing=timing or kind == "speedup", trials=trials, timeout_s=timeout_s)
+        try:
+            results = verifier.map(pairs, **opts)
+        except ValueError:   # a task whose reference itself fails (TaskError): score the rest one by one
+            results = [_verify_or_none(verifier, task_src, code, opts) for task_src, code in pairs]
         by_item = dict(zip(index, results))
         reward.last_results = [by_item.get(i) for i in range(len(tasks))]
         out = []
@@ -173,6 +178,15 @@ def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = 
         return out
     reward.last_results = []
     return reward
+
+
+def _verify_or_none(verifier, task_src: str, code: str, opts: dict):
+    """One verdict, or None (reward 0) when the task itself is broken."""
+    try:
+        return verifier.verify(task_src, code, **opts)
+    except ValueError as e:
+        print(f"warning: skipping a broken task: {e}", file=sys.stderr)
+        return None
 
 
 def curriculum(tasks: list[Task]) -> list[Task]:

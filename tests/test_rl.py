@@ -175,3 +175,29 @@ def test_two_process_gloo_rl_matches_one_process(tmp_path):
         assert a[0][key] == pytest.approx(b[0][key])
     assert a[0]["loss"] == pytest.approx(b[0]["loss"], rel=1e-4, abs=1e-6)
     load_model(tmp_path / "two" / "final")
+
+
+def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():
+    from types import SimpleNamespace
+
+    from dice.rl import verifier_reward
+
+    class FakeVerifier:
+        """map fails as the real one does when one task's reference crashes."""
+
+        def map(self, pairs, **opts):
+            raise ValueError("task x: the reference failed")
+
+        def verify(self, task_src, code, **opts):
+            if task_src == "broken":
+                raise ValueError("task broken: the reference failed")
+            return SimpleNamespace(correct=code.startswith("good"), compiled=True, speedup=2.0)
+
+    tasks = [Task("a", 1, "ok", prefix="good", suffix="end"), Task("b", 1, "broken", prefix="good", suffix="end"),
+             Task("c", 1, "ok", prefix="good", suffix="end"), Task("d", 1, "ok", prefix="good", suffix="end")]
+    codes = ["good\nx\nend", "good\nx\nend", "bad\nx\nend", None]
+    comps = [Completion([1], [2], [1], "", c) for c in codes]
+    assert verifier_reward(FakeVerifier(), "e2e")(tasks, comps) == [1.0, 0.0, 0.0, 0.0]
+    assert verifier_reward(FakeVerifier(), "e2e", kind="speedup")(tasks, comps)[0] == pytest.approx(1.5)
+    comps[0] = Completion([1], [2], [1], "", "good\nx\nchanged end")
+    assert verifier_reward(FakeVerifier(), "infill")(tasks, comps)[0] == 0.0   # the suffix was not kept
