@@ -46,3 +46,25 @@ def test_bad_task_and_missing_model_are_one_line_errors(tmp_path):
 def test_evaluate_without_gpu_is_one_line(tmp_path):
     res = run("evaluate.py", "--tasks", str(EXAMPLES[0]), "--solutions", "reference")
     assert res.returncode != 0 and "needs a CUDA GPU" in res.stderr and res.stderr.strip().count("\n") == 0
+
+
+def test_evaluate_reads_solution_files_and_reference_code(tmp_path):
+    import argparse
+
+    sys.path.insert(0, str(ROOT))
+    from evaluate import read_solutions
+    from dice.tasks import Task
+
+    tasks = [Task("level1/19_ReLU", 1, "src", solution="ref"), Task("level1/20_Tanh", 1, "src"),
+             Task("level2/3_Fused", 2, "src")]
+    (tmp_path / "level1").mkdir()
+    (tmp_path / "level1" / "19_ReLU.py").write_text("one")
+    (tmp_path / "level2" / "3_Fused").mkdir(parents=True)
+    for j in range(3):
+        (tmp_path / "level2" / "3_Fused" / f"sample_{j}.py").write_text(f"s{j}")
+    got = read_solutions(argparse.Namespace(solutions=str(tmp_path)), tasks)
+    assert [(t.name, code) for t, code in got] == [("level1/19_ReLU", "one"), ("level1/20_Tanh", None),
+                                                  ("level2/3_Fused", "s0"), ("level2/3_Fused", "s1"),
+                                                  ("level2/3_Fused", "s2")]
+    ref = read_solutions(argparse.Namespace(solutions="reference"), tasks)
+    assert [code for _, code in ref] == ["ref", None, None]
