@@ -90,10 +90,6 @@ def bench_sample(args) -> None:
     print(table(rows))
 
 
-def attention_pairs(mask) -> int:
-    return int(mask.sum())
-
-
 def bench_train(args) -> None:
     """One SFT step of a random SDAR-shaped model: step time, tokens/s, peak memory, MFU.
 
@@ -133,7 +129,7 @@ def bench_train(args) -> None:
             times.append(time.perf_counter() - t0)
     t = statistics.median(times)
     layer_params = cfg_model.num_parameters(include_embedding=False)
-    visible = attention_pairs(block_diffusion_mask(torch.arange(n), cfg_model.block_size))
+    visible = int(block_diffusion_mask(torch.arange(n), cfg_model.block_size).sum())
     masked = int((n - prompt) * 0.5)  # E[p] = 1/2 of the response is masked
     flops = args.batch * (6 * layer_params * 2 * n + 6 * cfg_model.hidden_size * cfg_model.vocab_size * masked
                           + 12 * cfg_model.num_hidden_layers * cfg_model.num_attention_heads * cfg_model.head_dim * visible)

@@ -263,10 +263,6 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6 * matmul + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
 
 
-def param_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 def sdar_shape(name: str, **overrides) -> ModelConfig:
     """Configs of the public SDAR sizes (random-weight benchmarks and tests)."""
     shapes = {

@@ -106,7 +106,6 @@ class RoundBatch:
     loss_at: torch.Tensor      # [B, n] bool
     token_weight: torch.Tensor  # [N] 1 / (response length * responses) for every loss token, in loss_at order
     advantage: torch.Tensor    # [N]
-    owner: list[int]           # response index of every row
 
 
 def build_round_batch(items: list[tuple[int, Completion, Round]], block_size: int, mask_id: int, pad_id: int,
@@ -129,7 +128,7 @@ def build_round_batch(items: list[tuple[int, Completion, Round]], block_size: in
     for row, (_, _, rnd) in enumerate(items):
         noisy[row, rnd.masked] = mask_id
     return RoundBatch(noisy, clean, torch.arange(n).expand(B, n).clone(), sample, loss_at,
-                      torch.tensor(weights), torch.tensor(adv), [k for k, _, _ in items])
+                      torch.tensor(weights), torch.tensor(adv))
 
 
 def round_logprobs(model, batch: RoundBatch, use_flex: bool) -> torch.Tensor:

@@ -108,8 +108,8 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 def choose_tokens(logits: torch.Tensor, mask_token_id: int, temperature: float, top_k: int, top_p: float,
                   uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(token, confidence) per position of [B, T, V] logits; see the module docstring."""
-    mask_column = torch.tensor([mask_token_id], device=logits.device)
-    logits = logits.float().index_fill(-1, mask_column, float("-inf"))   # out of place: logits may be a graph's output
+    logits = logits.to(torch.float32, copy=True)   # a copy: the input may be a CUDA graph's output buffer
+    logits[..., mask_token_id] = float("-inf")
     if temperature == 0:
         conf, tok = logits.softmax(-1).max(-1)
         return tok, conf
