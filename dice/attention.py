@@ -100,7 +100,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
             # Uncompiled flex_attention materialises the full score matrix; compiling fuses it.
             _compiled_flex = torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention
         return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    B, H, Lq, D = q.shape
+    groups = H // k.shape[1]
+    if groups == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    # GQA without copying keys/values: the `groups` query heads that share a KV head become extra
+    # query rows of that head (heads are grouped consecutively, as in repeat_interleave)
+    q = q.reshape(B, H // groups, groups * Lq, D)
+    mask = mask.expand(*mask.shape[:-3], 1, Lq, mask.shape[-1]).unsqueeze(-3)
+    mask = mask.expand(*mask.shape[:-3], groups, Lq, mask.shape[-1]).flatten(-3, -2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, Lq, D)
 
 
 class KVCache:

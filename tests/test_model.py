@@ -32,7 +32,7 @@ def test_default_mask_is_block_causal_and_matches_golden(tiny):
     torch.testing.assert_close(logits, g["logits_block_causal"], atol=1e-4, rtol=0)
     B, L = g["input_ids"].shape
     per_row = block_causal_mask(torch.arange(L), 4).expand(B, L, L)
-    torch.testing.assert_close(model(g["input_ids"], g["position_ids"], per_row), logits, atol=1e-6, rtol=0)
+    torch.testing.assert_close(model(g["input_ids"], g["position_ids"], per_row), logits, atol=1e-5, rtol=0)
 
 
 @torch.no_grad()
