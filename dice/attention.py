@@ -112,6 +112,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, Lq, D)
 
 
+def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+             kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write new [B, Hkv, T, D] keys/values into one layer's cache buffers at `slots` [T]; return
+    the first `kv_len` slots' keys/values to attend over."""
+    k_buf.index_copy_(2, slots, k)
+    v_buf.index_copy_(2, slots, v)
+    return k_buf[:, :, :kv_len], v_buf[:, :, :kv_len]
+
+
 class KVCache:
     """Preallocated keys/values of every layer for a batch of sequences (DESIGN.md §5).
 
@@ -122,32 +131,31 @@ class KVCache:
     of batched prompts is False), so padding is never attended.
 
     Writes go through a device tensor of slot indices and attention may span a fixed `kv_len`
-    (the whole buffer), so the same code runs eagerly and inside a captured CUDA graph.
+    (the whole buffer), so the same code runs eagerly and inside a captured CUDA graph. Each layer
+    owns its own buffers, so that a `torch.compile`d step writes them in place (a write into a view
+    of one shared buffer makes the compiler copy the whole buffer back every step).
     """
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, max_len: int,
                  *, dtype: torch.dtype, device: torch.device | str):
-        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (batch, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.length = 0
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
     def check_room(self, new_tokens: int) -> None:
         if self.length + new_tokens > self.max_len:
             raise ValueError(f"KV cache overflow: {self.length} + {new_tokens} tokens > max_len "
                              f"{self.max_len}; allocate a larger cache")
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv_len: int):
-        """Write new [B, Hkv, T, D] keys/values at `slots` [T]; return the first `kv_len` slots'
-        keys/values to attend over."""
-        self.k[layer].index_copy_(2, slots, k)
-        self.v[layer].index_copy_(2, slots, v)
-        return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's key and value buffers [B, Hkv, max_len, D]."""
+        return self.k[i], self.v[i]
 
     def attention_mask(self, slots: torch.Tensor, position_ids: torch.Tensor, new_valid: torch.Tensor,
                        block_size: int, kv_len: int) -> torch.Tensor:
@@ -168,4 +176,5 @@ class KVCache:
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop finished sequences from the batch (rows: indices to keep)."""
-        self.k, self.v, self.valid = self.k[:, rows], self.v[:, rows], self.valid[rows]
+        self.k, self.v = [k[rows] for k in self.k], [v[rows] for v in self.v]
+        self.valid = self.valid[rows]

@@ -50,19 +50,23 @@ def bench_sample(args) -> None:
     weight-bandwidth roofline (weights bytes / 4.8 TB/s per forward)."""
     from .sampler import generate
     torch.manual_seed(0)
+    torch._dynamo.config.recompile_limit = 64     # one compilation per (batch, tokens, cache length)
     model = random_model(args.shape)
     roofline_fps = HBM_BYTES_PER_S / forward_weight_bytes(model)
     prompt = torch.randint(0, 150000, (args.prompt_len,)).tolist()
     rows = []
 
-    def run(label, batch, block_size, steps, graphs, remasking="low_confidence_static", m=model):
+    def run(label, batch, block_size, steps, graphs, remasking="low_confidence_static", m=model, compile=False,
+            gen=args.gen, repeats=args.repeats):
         saved = m.config.block_size
         m.config.block_size = block_size
         try:
-            kw = dict(max_new_tokens=args.gen, steps_per_block=steps, remasking=remasking, cuda_graphs=graphs)
-            generate(m, [prompt] * batch, **{**kw, "max_new_tokens": 64})   # warm-up, graph capture
+            kw = dict(max_new_tokens=gen, steps_per_block=steps, remasking=remasking, cuda_graphs=graphs,
+                      compile=compile)
+            # warm-up: graph capture; compiled steps depend on the cache length, so warm up at full length
+            generate(m, [prompt] * batch, **{**kw, "max_new_tokens": gen if compile else 64})
             times, res = [], None
-            for _ in range(args.repeats):
+            for _ in range(repeats):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 res = generate(m, [prompt] * batch, **kw)
@@ -72,19 +76,20 @@ def bench_sample(args) -> None:
             m.config.block_size = saved
         t = statistics.median(times)
         fps = res.forwards / t
-        rows.append({"decode": label, "batch": batch, "graphs": graphs, "tokens/s": round(res.num_tokens / t),
-                     "forwards": res.forwards, "ms/forward": round(1e3 / fps, 3),
-                     "% roofline fwd/s": round(100 * fps / roofline_fps, 1)})
+        rows.append({"decode": label, "batch": batch, "gen": gen, "graphs": graphs, "compile": compile,
+                     "tokens/s": round(res.num_tokens / t), "forwards": res.forwards,
+                     "ms/forward": round(1e3 / fps, 3), "% roofline fwd/s": round(100 * fps / roofline_fps, 1)})
         print(table(rows[-1:]), file=sys.stderr, flush=True)
 
-    run("diffusion B=4 S=4", 1, 4, 4, False)   # eager, once: what the graphs save
+    run("diffusion B=4 S=4", 1, 4, 4, False, gen=args.eager_gen)   # eager: what the graphs save
     for batch in args.batch:
-        run("diffusion B=4 S=4", batch, 4, 4, True)
-        run("autoregressive", batch, 1, 1, True)
+        for compile in ([False, True] if batch in args.compile_batch else [False]):
+            run("diffusion B=4 S=4", batch, 4, 4, True, compile=compile)
+            run("autoregressive", batch, 1, 1, True, compile=compile)
     peaked = random_model(args.shape, peaked=12.0)
     for remasking in ("low_confidence_static", "low_confidence_dynamic"):
         run(f"peaked {remasking.split('_')[-1]}", 1, 4, 4, True, remasking, m=peaked)
-    print(f"\nsample bench: random SDAR-{args.shape} bf16, prompt {args.prompt_len}, gen {args.gen}, "
+    print(f"\nsample bench: random SDAR-{args.shape} bf16, prompt {args.prompt_len}, "
           f"{torch.cuda.get_device_name()}; roofline {roofline_fps:.0f} forwards/s "
           f"({forward_weight_bytes(model) / 1e9:.2f} GB weights / 4.8 TB/s)")
     print(table(rows))
@@ -168,6 +173,35 @@ def bench_model(args) -> None:
                   "max abs / max|ref|": f"{float((got - ref).abs().max() / ref.abs().max()):.2e}"},
                  {"check": "flex vs dense training fwd (bf16)", "rel err (norm)": f"{rel(flex, dense):.2e}",
                   "max abs / max|ref|": f"{float((flex - dense).abs().max() / dense.abs().max()):.2e}"}]))
+    del gpu32, cpu32, gpu16
+    print(f"\ncached (CUDA graphs) vs brute-force greedy decoding, random SDAR-{args.shape}, "
+          f"3 prompts of 16/21/30 tokens, 48 new tokens each")
+    print(table(cache_divergence(args.shape)))
+
+
+def cache_divergence(shape: str) -> list[dict]:
+    """Where greedy cached decoding first departs from the no-cache brute force, per dtype and
+    remasking: bf16 rounds differently in a 4-token step than in a full recompute, so near-ties
+    can flip; float32 must agree exactly."""
+    from .sampler import generate
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 150000, (n,), generator=gen).tolist() for n in (16, 21, 30)]
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        model = random_model(shape, dtype=dtype, peaked=12.0)
+        for remasking in ("low_confidence_static", "low_confidence_dynamic"):
+            kw = dict(max_new_tokens=48, remasking=remasking)
+            cached, brute = generate(model, prompts, **kw), generate(model, prompts, use_cache=False, **kw)
+            first = [next((i for i, (a, b) in enumerate(zip(c, r)) if a != b), None)
+                     for c, r in zip(cached.tokens, brute.tokens)]
+            same = sum(a == b for c, r in zip(cached.tokens, brute.tokens) for a, b in zip(c, r))
+            rows.append({"dtype": str(dtype).replace("torch.", ""), "remasking": remasking,
+                         "tokens equal": f"{same}/{sum(map(len, brute.tokens))}",
+                         "step maps equal": cached.step_map == brute.step_map,
+                         "first divergence per prompt": str(first)})
+        del model
+        torch.cuda.empty_cache()
+    return rows
 
 
 def main(argv=None) -> None:
@@ -179,6 +213,8 @@ def main(argv=None) -> None:
     s.add_argument("--prompt-len", type=int, default=128)
     s.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--eager-gen", type=int, default=128, help="tokens for the (slow) eager batch-1 row")
+    s.add_argument("--compile-batch", type=int, nargs="*", default=[1], help="batches also run with compile=True")
     t = sub.add_parser("train", help="SFT step time, tokens/s, memory and MFU")
     t.add_argument("--shape", default="1.7b")
     t.add_argument("--seq-len", type=int, default=4096)

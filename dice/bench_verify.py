@@ -198,10 +198,14 @@ def check_reference_solutions(path: str, workers: int, timing: bool = False, lim
     tasks = [t for t in load_tasks(path) if t.solution][:limit]
     if not tasks:
         raise SystemExit(f"{path}: no records with a cuda_code reference solution")
-    start = time.perf_counter()
+    start, done = time.perf_counter(), [0]
 
-    def progress(i, result):
-        print(f"\r{i + 1}/{len(tasks)} verified", end="", file=sys.stderr, flush=True)
+    def progress(i, result):   # rejections are printed as they come, so a cut-short run still reports
+        done[0] += 1
+        if not result.correct:
+            lines = result.message.splitlines()
+            print(f"- {tasks[i].name}: {result.status}: " + "\n    ".join(lines[:8]), flush=True)
+        print(f"\r{done[0]}/{len(tasks)} verified", end="", file=sys.stderr, flush=True)
 
     with Verifier(workers=workers) as verifier:
         results = verifier.map([(t.source, t.solution) for t in tasks], timing=timing, progress=progress)
@@ -210,10 +214,6 @@ def check_reference_solutions(path: str, workers: int, timing: bool = False, lim
     correct = statuses.get("correct", 0)
     print(f"{correct}/{len(tasks)} reference solutions verified correct in {time.perf_counter() - start:.0f} s "
           f"({', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))})")
-    for task, result in zip(tasks, results):
-        if not result.correct:
-            lines = result.message.splitlines()
-            print(f"- {task.name}: {result.status}: " + "\n    ".join(lines[:8]))
 
 
 def main(argv=None) -> None:

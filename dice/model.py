@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from .attention import KVCache, attend, block_causal_mask
+from .attention import KVCache, attend, block_causal_mask, write_kv
 
 
 @dataclass
@@ -109,14 +109,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None = None, layer: int = 0, slots=None, kv_len=0):
+    def forward(self, x, cos, sin, mask, kv: tuple | None = None, slots=None, kv_len=0):
+        """kv: this layer's cache buffers (`KVCache.layer`): the new keys/values are written at
+        `slots` and attention spans the buffers' first `kv_len` slots."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.write(layer, k, v, slots, kv_len)
+        if kv is not None:
+            k, v = write_kv(*kv, k, v, slots, kv_len)
         y = attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
@@ -140,8 +142,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, mask, cache=None, layer=0, slots=None, kv_len=0):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache, layer, slots, kv_len)
+    def forward(self, h, cos, sin, mask, kv=None, slots=None, kv_len=0):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, kv, slots, kv_len)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -244,15 +246,17 @@ class SDAR(nn.Module):
         return logits
 
     def step_logits(self, input_ids, position_ids, valid, cache: KVCache, slots: torch.Tensor, kv_len: int,
-                    logits_from: int = 0) -> torch.Tensor:
+                    logits_from: int = 0, run_layer=None) -> torch.Tensor:
         """The body of `forward_cached` without the host-side commit: every shape is fixed by
         (B, T, kv_len) and the write position is the device tensor `slots`, so a CUDA graph can
-        capture it (`dice.sampler` does, with kv_len = the whole cache)."""
+        capture it (`dice.sampler` does). run_layer(layer, h, cos, sin, mask, kv, slots, kv_len)
+        replaces `layer(...)`, e.g. by one `torch.compile`d function that serves every layer."""
         mask = cache.attention_mask(slots, position_ids, valid, self.config.block_size, kv_len)
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, h.dtype)
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, mask, cache, i, slots, kv_len)
+            args = (h, cos, sin, mask, cache.layer(i), slots, kv_len)
+            h = layer(*args) if run_layer is None else run_layer(layer, *args)
         return self.lm_head(self.model.norm(h[:, logits_from:]))
 
 

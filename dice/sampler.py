@@ -139,33 +139,51 @@ class CachedForward:
     """`model.forward_cached`, or on CUDA its replay from CUDA graphs captured once per shape.
 
     A block step is a few hundred small kernels; at batch 1 launching them costs more than the
-    math, so the step is captured with the attention spanning the whole cache buffer (fixed
-    shapes) and the write position passed as a device tensor. Graphs hold the cache's memory,
-    so `reset` must follow any change of the cache's tensors (dropping finished rows).
+    math, so the step is captured with the write position passed as a device tensor and the
+    attention spanning a fixed `kv_len`: the cache's filled length rounded up to `KV_BUCKET`
+    slots (one graph per bucket, so a batch-64 step does not read the empty end of the cache).
+    `compile=True` runs every decoder layer through one `torch.compile`d function (fused norms,
+    RoPE and casts), with kv_len the whole cache so that each (batch, tokens) shape compiles once. Graphs hold the cache's memory, so
+    `reset` must follow any change of the cache's tensors (dropping finished rows).
     """
 
-    def __init__(self, model, cache, use_graphs: bool):
+    KV_BUCKET = 256
+
+    def __init__(self, model, cache, use_graphs: bool, compile: bool = False):
         self.model, self.cache, self.use_graphs = model, cache, use_graphs
+        self.run_layer = _compiled_layer() if compile else None
         self.graphs: dict[tuple, dict] = {}
 
     def reset(self) -> None:
         self.graphs.clear()
 
     def __call__(self, ids, pos, valid, commit: int, logits_from: int) -> torch.Tensor:
+        cache = self.cache
+        cache.check_room(ids.shape[1])
+        end = cache.length + ids.shape[1]
+        if self.run_layer is not None:
+            kv_len = cache.max_len          # one kv_len: each (batch, tokens) shape compiles once
+        elif self.use_graphs:
+            kv_len = min(cache.max_len, -(-end // self.KV_BUCKET) * self.KV_BUCKET)
+        else:
+            kv_len = end
         if not self.use_graphs:
-            return self.model.forward_cached(ids, pos, self.cache, commit=commit, valid=valid, logits_from=logits_from)
-        self.cache.check_room(ids.shape[1])
-        key = (*ids.shape, logits_from)
-        g = self.graphs.get(key) or self._capture(ids, pos, valid, logits_from)
+            slots = torch.arange(cache.length, end, device=ids.device)
+            logits = self.model.step_logits(ids, pos, valid, cache, slots, kv_len, logits_from, self.run_layer)
+            cache.commit(valid, commit)
+            return logits
+        key = (*ids.shape, logits_from, kv_len)
+        g = self.graphs.get(key) or self._capture(key, ids, pos, valid)
         g["ids"].copy_(ids)
         g["pos"].copy_(pos)
         g["valid"].copy_(valid)
-        g["start"].fill_(self.cache.length)
+        g["start"].fill_(cache.length)
         g["graph"].replay()
-        self.cache.commit(valid, commit)
+        cache.commit(valid, commit)
         return g["logits"]
 
-    def _capture(self, ids, pos, valid, logits_from) -> dict:
+    def _capture(self, key, ids, pos, valid) -> dict:
+        logits_from, kv_len = key[2:]
         # every tensor the graph reads must outlive it: they all live in `g`
         g = {"ids": ids.clone(), "pos": pos.clone(), "valid": valid.clone(),
              "start": torch.full((), self.cache.length, dtype=torch.long, device=ids.device),
@@ -173,31 +191,45 @@ class CachedForward:
 
         def body():
             return self.model.step_logits(g["ids"], g["pos"], g["valid"], self.cache, g["start"] + g["offsets"],
-                                          self.cache.max_len, logits_from)
+                                          kv_len, logits_from, self.run_layer)
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            body()  # warm-up outside capture (lazy init, workspace allocation); writes scratch slots only
+            body()  # warm-up outside capture (lazy init, compilation); writes scratch slots only
         torch.cuda.current_stream().wait_stream(side)
         g["graph"] = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g["graph"]):
             g["logits"] = body()
-        self.graphs[(*ids.shape, logits_from)] = g
+        self.graphs[key] = g
         return g
+
+
+_COMPILED_LAYER = None
+
+
+def _compiled_layer():
+    """One `torch.compile`d decoder-layer call: the layers differ only in their weights, which the
+    compiler takes as inputs, so a shape compiles once for all layers (and all models)."""
+    global _COMPILED_LAYER
+    if _COMPILED_LAYER is None:
+        _COMPILED_LAYER = torch.compile(lambda layer, *args: layer(*args), dynamic=False)
+    return _COMPILED_LAYER
 
 
 @torch.inference_mode()
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, steps_per_block: int = 4,
              remasking: str = "low_confidence_static", threshold: float = 0.9, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, eos_token_ids: Sequence[int] = (), use_cache: bool = True,
-             seed: int | Sequence[int] | None = None, cuda_graphs: bool = True,
+             seed: int | Sequence[int] | None = None, cuda_graphs: bool = True, compile: bool = False,
              progress: Callable[[int], None] | None = None) -> GenerationResult:
     """Generate a response for every prompt (lists of token ids); see the module docstring.
 
     use_cache=False recomputes the whole sequence at every step: the brute-force reference.
     seed: an int (row i uses seed + i) or one seed per prompt; None draws one from torch's RNG.
     cuda_graphs: replay block steps from CUDA graphs (CUDA with use_cache only; same results).
+    compile: run block steps through `torch.compile` (use_cache only; worth it for long runs at
+    fixed shapes, such as benchmarks: the first call of each shape compiles).
     progress: called after every block with the number of positions generated so far.
     """
     if remasking not in REMASKING:
@@ -241,7 +273,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
     forwards = positions_done = 0
     cache = model.new_cache(n_rows, total_len) if use_cache else None
     graphs = use_cache and cuda_graphs and device.type == "cuda"
-    step_forward = CachedForward(model, cache, graphs) if use_cache else None
+    step_forward = CachedForward(model, cache, graphs, compile) if use_cache else None
     if use_cache and F > 0:
         model.forward_cached(x[:, :F * bs], pos[:, :F * bs], cache, commit=F * bs, valid=valid[:, :F * bs],
                              logits_from=F * bs)

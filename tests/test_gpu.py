@@ -50,9 +50,9 @@ def test_graphs_cache_and_brute_force_agree_on_the_tiny_model(remasking, thresho
         model.lm_head.weight *= 8
     kw = dict(max_new_tokens=21, remasking=remasking, threshold=threshold)
     runs = [generate(model, PROMPTS, cuda_graphs=True, **kw), generate(model, PROMPTS, cuda_graphs=False, **kw),
-            generate(model, PROMPTS, use_cache=False, **kw)]
-    assert runs[0].tokens == runs[1].tokens == runs[2].tokens
-    assert runs[0].step_map == runs[1].step_map == runs[2].step_map
+            generate(model, PROMPTS, use_cache=False, **kw), generate(model, PROMPTS, compile=True, **kw)]
+    assert runs[0].tokens == runs[1].tokens == runs[2].tokens == runs[3].tokens
+    assert runs[0].step_map == runs[1].step_map == runs[2].step_map == runs[3].step_map
     for i, p in enumerate(PROMPTS):
         assert generate(model, [p], **kw).tokens[0] == runs[0].tokens[i]
 
