@@ -274,7 +274,9 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     filler = (0, completions[0], Round([], []))
     batches = [[build_round_batch(chunk or [filler], bs, mask_id, pad_id, advantages, n_responses)
                 for chunk in chunks] for chunks in plan]
-    use_flex = next(model.parameters()).device.type == "cuda"
+    # Dense masks, not FlexAttention: round batches change length and row count every micro-batch,
+    # and compiled flex_attention recompiles for each new shape (tens of seconds each).
+    use_flex = False
     old = None
     if U > 1:   # the rollout policy's log-probs, before the first update
         with torch.no_grad(), rt.autocast(cfg.dtype):
@@ -386,7 +388,9 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
             results = getattr(reward_fn, "last_results", None) or []
             advantages = group_advantages(rewards, cfg.group_size)
             model.train()
+            t_update = time.perf_counter()
             upd = policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer, tok.pad_token_id)
+            t_update = time.perf_counter() - t_update
             n = rt.all_sum(len(rewards))
             tokens = rt.all_sum(sum(len(c.tokens) for c in completions))
             verified = rt.all_sum(sum(r is not None for r in results))
@@ -399,6 +403,7 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
                       "loss": upd["loss"], "groups_kept_pct": 100 * upd["responses_trained"] / n,
                       "rollout_tokens_per_s": tokens / max(timing["generate_s"], 1e-9),
                       "kernels_verified_per_s": verified / timing["verify_s"] if timing["verify_s"] > 0 else None,
+                      "generate_s": timing["generate_s"], "verify_s": timing["verify_s"], "update_s": t_update,
                       "step_time_s": time.perf_counter() - t0}
             metrics.write(record)
             log(progress_line(step, total, started, start, {

@@ -63,6 +63,7 @@ class TrainConfig:
     seed: int = 0
     gradient_checkpointing: bool = False
     sft_infill: bool = False         # also teach kernel records under the infilling prompt
+    attention: str = "auto"          # SFT masks: flex (FlexAttention BlockMask; auto on CUDA) or dense
     # --phase init: a from-scratch model folder (tokenizer trained on --data, config, no weights)
     vocab_size: int = 4096
     hidden_size: int = 256
@@ -298,6 +299,9 @@ def train_sft(cfg: TrainConfig) -> Path:
     mask_id = model.config.mask_token_id
     log(f"SFT: {len(examples)} examples, {stream.epoch_length(0)} rows of {row_len} tokens per epoch, "
         f"{rows_per_step} rows per step, steps {start}..{total}, device {rt.device} x{rt.world}")
+    if cfg.attention not in ("auto", "flex", "dense"):
+        raise ValueError(f"--attention must be auto, flex or dense, got {cfg.attention!r}")
+    use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and rt.device.type == "cuda")
     started = time.perf_counter()
     for step in range(start, total):
         t0 = time.perf_counter()
@@ -312,7 +316,7 @@ def train_sft(cfg: TrainConfig) -> Path:
             rows = step_rows[first:first + cfg.batch_size]
             gens = [row_generator(cfg.seed, step, step * rows_per_step + first + i) for i in range(len(rows))]
             with rt.autocast(cfg.dtype):
-                loss = diffusion_loss(model, collate(rows), gens, mask_id, use_flex=rt.device.type == "cuda")
+                loss = diffusion_loss(model, collate(rows), gens, mask_id, use_flex=use_flex)
             # FSDP averages gradients over processes: scale so the step's gradient is the mean
             # over the global batch's samples
             (loss * rt.world / global_samples).backward()
