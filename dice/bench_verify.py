@@ -21,7 +21,10 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 from dice.tasks import load_tasks
 from dice.verifier import Verifier
@@ -199,16 +202,24 @@ def check_reference_solutions(path: str, workers: int, timing: bool = False, lim
     if not tasks:
         raise SystemExit(f"{path}: no records with a cuda_code reference solution")
     start, done = time.perf_counter(), [0]
+    lock = threading.Lock()
 
-    def progress(i, result):   # rejections are printed as they come, so a cut-short run still reports
-        done[0] += 1
-        if not result.correct:
-            lines = result.message.splitlines()
-            print(f"- {tasks[i].name}: {result.status}: " + "\n    ".join(lines[:8]), flush=True)
-        print(f"\r{done[0]}/{len(tasks)} verified", end="", file=sys.stderr, flush=True)
+    def check(i: int, verifier: Verifier):
+        """One verdict; a task whose own reference fails (TaskError) is reported, not fatal."""
+        try:
+            result = verifier.verify(tasks[i].source, tasks[i].solution, timing=timing)
+        except ValueError as exc:
+            result = SimpleNamespace(status="task_error", correct=False, message=str(exc))
+        with lock:   # rejections are printed as they come, so a cut-short run still reports
+            done[0] += 1
+            if not result.correct:
+                lines = result.message.splitlines()
+                print(f"- {tasks[i].name}: {result.status}: " + "\n    ".join(lines[:8]), flush=True)
+            print(f"\r{done[0]}/{len(tasks)} verified", end="", file=sys.stderr, flush=True)
+        return result
 
-    with Verifier(workers=workers) as verifier:
-        results = verifier.map([(t.source, t.solution) for t in tasks], timing=timing, progress=progress)
+    with Verifier(workers=workers) as verifier, ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(lambda i: check(i, verifier), range(len(tasks))))
     print(file=sys.stderr)
     statuses = collections.Counter(r.status for r in results)
     correct = statuses.get("correct", 0)

@@ -206,8 +206,9 @@ class Verifier:
         self.close()
 
     def close(self) -> None:
-        for worker in [self._judge, *self._workers]:
-            worker.close()
+        # in parallel: each worker's CUDA teardown takes a second or two
+        with ThreadPoolExecutor(max_workers=len(self._workers) + 1) as pool:
+            list(pool.map(lambda w: w.close(), [self._judge, *self._workers]))
         shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def verify(self, task_src: str, candidate_src: str, **options) -> VerifyResult:
