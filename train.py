@@ -14,6 +14,8 @@ def main(argv=None) -> None:
     for flag in ("data", "out") if cfg.phase == "init" else ("model", "data", "out"):
         if not getattr(cfg, flag):
             sys.exit(f"train.py: --{flag} is required (see README)")
+    if cfg.attention not in ("auto", "flex", "dense"):
+        sys.exit(f"train.py: --attention must be auto, flex or dense, not {cfg.attention!r}")
     if cfg.phase == "init":
         init_model_folder(cfg)
     elif cfg.phase == "sft":

@@ -139,8 +139,10 @@ def variants(n: int, salt: str) -> list[tuple[str, dict]]:
 
 
 def _row(label: str, n: int, seconds: float, statuses: collections.Counter) -> dict:
-    return {"mode": label, "kernels": n, "seconds": f"{seconds:.1f}", "kernels/min": f"{60 * n / seconds:.1f}",
-            "verdicts": " ".join(f"{k}={v}" for k, v in sorted(statuses.items()))}
+    row = {"mode": label, "kernels": n, "seconds": f"{seconds:.1f}", "kernels/min": f"{60 * n / seconds:.1f}",
+           "verdicts": " ".join(f"{k}={v}" for k, v in sorted(statuses.items()))}
+    print(" | ".join(str(v) for v in row.values()), file=sys.stderr, flush=True)   # a cut-short run still reports
+    return row
 
 
 def _timed_map(verifier: Verifier, pairs: list, **options) -> tuple[float, collections.Counter]:
@@ -194,7 +196,8 @@ def bench_verify(args) -> None:
     _print_table(rows)
 
 
-def check_reference_solutions(path: str, workers: int, timing: bool = False, limit: int | None = None) -> None:
+def check_reference_solutions(path: str, workers: int, timing: bool = False, limit: int | None = None,
+                              **verifier_options) -> None:
     """Verify every reference solution in a DICE JSON file; print the tally and each rejection.
 
     load_inline builds are cached (~/.cache/dice/torch_extensions), so a second run is quick."""
@@ -218,7 +221,7 @@ def check_reference_solutions(path: str, workers: int, timing: bool = False, lim
             print(f"\r{done[0]}/{len(tasks)} verified", end="", file=sys.stderr, flush=True)
         return result
 
-    with Verifier(workers=workers) as verifier, ThreadPoolExecutor(workers) as pool:
+    with Verifier(workers=workers, **verifier_options) as verifier, ThreadPoolExecutor(workers) as pool:
         results = list(pool.map(lambda i: check(i, verifier), range(len(tasks))))
     print(file=sys.stderr)
     statuses = collections.Counter(r.status for r in results)

@@ -278,6 +278,8 @@ def make_logger(rt: Runtime):
 
 def train_sft(cfg: TrainConfig) -> Path:
     """Masked block-diffusion SFT (DESIGN.md §4); returns the final model folder."""
+    if cfg.attention not in ("auto", "flex", "dense"):
+        raise ValueError(f"--attention must be auto, flex or dense, got {cfg.attention!r}")
     rt = setup_runtime()
     log = make_logger(rt)
     out = Path(cfg.out)
@@ -299,8 +301,6 @@ def train_sft(cfg: TrainConfig) -> Path:
     mask_id = model.config.mask_token_id
     log(f"SFT: {len(examples)} examples, {stream.epoch_length(0)} rows of {row_len} tokens per epoch, "
         f"{rows_per_step} rows per step, steps {start}..{total}, device {rt.device} x{rt.world}")
-    if cfg.attention not in ("auto", "flex", "dense"):
-        raise ValueError(f"--attention must be auto, flex or dense, got {cfg.attention!r}")
     use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and rt.device.type == "cuda")
     started = time.perf_counter()
     for step in range(start, total):

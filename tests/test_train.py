@@ -82,3 +82,10 @@ def test_missing_model_folder_is_one_line(tmp_path):
     res = train(tmp_path / "nope", tmp_path / "data.jsonl", tmp_path / "out", "--steps", "1")
     assert res.returncode != 0
     assert res.stderr.strip().count("\n") == 0 and "nope" in res.stderr, res.stderr
+
+
+def test_unknown_attention_is_one_line(addition_task, tmp_path):
+    model, data = addition_task
+    res = train(model, data, tmp_path / "out", "--steps", "1", "--attention", "sparse")
+    assert res.returncode != 0
+    assert res.stderr.strip().count("\n") == 0 and "--attention" in res.stderr, res.stderr

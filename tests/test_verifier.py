@@ -375,3 +375,20 @@ def test_candidates_load_inline_goes_through_the_build_cache(cpu_verifier):
     assert built.correct, built.message
     assert failed.status == "compile_error" and not failed.compiled and "retrn" in failed.message
     assert list((cpu_verifier.cache_dir / "torch_extensions").glob("dice_ext_*.so"))
+
+
+def test_reference_check_reports_a_broken_task_and_goes_on(tmp_path, capsys):
+    """`python -m dice.bench verify --check`: a task whose own reference fails is one `task_error`
+    line, and every other solution is still verified."""
+    from dice.bench_verify import check_reference_solutions
+    broken = RELU_TASK.replace("return [torch.randn(256, 1024)]", "raise RuntimeError('broken task')")
+    records = [{"pytorch_code": RELU_TASK, "cuda_code": GOOD, "level": 1},
+               {"pytorch_code": broken, "cuda_code": GOOD, "level": 1},
+               {"pytorch_code": RELU_TASK, "cuda_code": candidate("return x.clamp_min(1)"), "level": 1}]
+    path = tmp_path / "refs.json"
+    path.write_text(json.dumps(records))
+    check_reference_solutions(str(path), workers=2, device="cpu", cache_dir=tmp_path / "cache")
+    out = capsys.readouterr().out
+    assert "1/3 reference solutions verified correct" in out
+    assert "incorrect: 1" in out and "task_error: 1" in out
+    assert sum(line.startswith("- ") for line in out.splitlines()) == 2
