@@ -39,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--infill", action="store_true", help="the task file's skeleton (JSON tasks only)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step (CUDA; ~1.8x faster for a 1.7B model, compiles first)")
     return p.parse_args(argv)
 
 
@@ -67,7 +69,7 @@ def main(argv=None) -> None:
     completion = complete(model, tok, [prompt], max_new_tokens=args.max_new_tokens,
                           steps_per_block=args.steps_per_block, remasking=args.remasking,
                           threshold=args.threshold, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, progress=show)[0]
+                          top_p=args.top_p, seed=args.seed, compile=args.compile, progress=show)[0]
     print(file=sys.stderr)
     if completion.code is None:
         print(completion.text)
