@@ -55,7 +55,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -220,20 +220,25 @@ class Verifier:
         """Verify (task_src, candidate_src) pairs concurrently; results in input order.
 
         `progress(index, result)` is called as each one finishes. Raises ValueError (TaskError)
-        for a broken task, never for a broken candidate."""
+        for a broken task, never for a broken candidate. Identical pairs (an RL group often samples
+        the same program several times) are verified once and share the verdict."""
         opts = VerifyOptions(**options)
         pairs = list(pairs)
         for i, (task_src, _) in enumerate(pairs):
             check_task_source(task_src, f"task of pair {i}")
+        copies: dict[tuple[str, str], list[int]] = {}
+        for i, pair in enumerate(pairs):
+            copies.setdefault(tuple(pair), []).append(i)
         results: list[VerifyResult | None] = [None] * len(pairs)
         pool = ThreadPoolExecutor(max_workers=len(self._workers), thread_name_prefix="dice-verify")
         try:
-            futures = {pool.submit(self._verify_one, task, cand, opts): i for i, (task, cand) in enumerate(pairs)}
+            futures = {pool.submit(self._verify_one, task, cand, opts): same for (task, cand), same in copies.items()}
             for future in as_completed(futures):
-                i = futures[future]
-                results[i] = future.result()
-                if progress is not None:
-                    progress(i, results[i])
+                result = future.result()
+                for i in futures[future]:
+                    results[i] = replace(result)
+                    if progress is not None:
+                        progress(i, results[i])
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
         return results

@@ -392,3 +392,15 @@ def test_reference_check_reports_a_broken_task_and_goes_on(tmp_path, capsys):
     assert "1/3 reference solutions verified correct" in out
     assert "incorrect: 1" in out and "task_error: 1" in out
     assert sum(line.startswith("- ") for line in out.splitlines()) == 2
+
+
+def test_identical_pairs_are_verified_once(cpu_verifier):
+    wrong = candidate("return x.clamp_min(1)")
+    jobs = lambda: sum(w.jobs for w in cpu_verifier._workers)  # noqa: E731
+    before = jobs()
+    seen = []
+    results = cpu_verifier.map([(RELU_TASK, GOOD), (RELU_TASK, wrong), (RELU_TASK, GOOD), (RELU_TASK, GOOD)],
+                               timing=False, progress=lambda i, r: seen.append(i))
+    assert [r.status for r in results] == ["correct", "incorrect", "correct", "correct"]
+    assert jobs() - before == 2 and sorted(seen) == [0, 1, 2, 3]
+    assert results[0] is not results[2]
