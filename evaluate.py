@@ -35,6 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--no-timing", action="store_true", help="skip timing (no speedups, no fast_p)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds a candidate may run before it is called a timeout (a hanging kernel costs this)")
     p.add_argument("--max-new-tokens", type=int, default=2048)
     p.add_argument("--temperature", type=float, default=None, help="default 0 for one sample, else 1")
     p.add_argument("--remasking", default="low_confidence_dynamic")
@@ -112,7 +114,8 @@ def main(argv=None) -> None:
               f"({done[0] / (time.perf_counter() - started):.1f}/s)", end="", file=sys.stderr, flush=True)
 
     with Verifier(workers=args.workers) as verifier:
-        verified = iter(verifier.map(runnable, progress=show, trials=args.trials, timing=not args.no_timing))
+        verified = iter(verifier.map(runnable, progress=show, trials=args.trials, timing=not args.no_timing,
+                                     timeout_s=args.timeout))
     print(file=sys.stderr)
     no_code = VerifyResult(status="compile_error", message="no code block in the answer / no solution file")
     results = [next(verified) if code else no_code for _, code in pairs]
