@@ -131,7 +131,7 @@ class KVCache:
     of batched prompts is False), so padding is never attended.
 
     Writes go through a device tensor of slot indices and attention may span a fixed `kv_len`
-    (the whole buffer), so the same code runs eagerly and inside a captured CUDA graph. Each layer
+    (a fixed prefix of the buffer), so the same code runs eagerly and inside a captured CUDA graph. Each layer
     owns its own buffers, so that a `torch.compile`d step writes them in place (a write into a view
     of one shared buffer makes the compiler copy the whole buffer back every step).
     """

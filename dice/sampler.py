@@ -143,8 +143,9 @@ class CachedForward:
     attention spanning a fixed `kv_len`: the cache's filled length rounded up to `KV_BUCKET`
     slots (one graph per bucket, so a batch-64 step does not read the empty end of the cache).
     `compile=True` runs every decoder layer through one `torch.compile`d function (fused norms,
-    RoPE and casts), with kv_len the whole cache so that each (batch, tokens) shape compiles once. Graphs hold the cache's memory, so
-    `reset` must follow any change of the cache's tensors (dropping finished rows).
+    RoPE and casts), with kv_len the whole cache so that each (batch, tokens) shape compiles
+    once. Graphs hold the cache's memory, so `reset` must follow any change of the cache's
+    tensors (dropping finished rows).
     """
 
     KV_BUCKET = 256
