@@ -21,9 +21,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 from dice.tasks import load_tasks
@@ -205,24 +203,24 @@ def check_reference_solutions(path: str, workers: int, timing: bool = False, lim
     if not tasks:
         raise SystemExit(f"{path}: no records with a cuda_code reference solution")
     start, done = time.perf_counter(), [0]
-    lock = threading.Lock()
 
-    def check(i: int, verifier: Verifier):
-        """One verdict; a task whose own reference fails (TaskError) is reported, not fatal."""
-        try:
-            result = verifier.verify(tasks[i].source, tasks[i].solution, timing=timing)
-        except ValueError as exc:
-            result = SimpleNamespace(status="task_error", correct=False, message=str(exc))
-        with lock:   # rejections are printed as they come, so a cut-short run still reports
-            done[0] += 1
-            if not result.correct:
-                lines = result.message.splitlines()
-                print(f"- {tasks[i].name}: {result.status}: " + "\n    ".join(lines[:8]), flush=True)
-            print(f"\r{done[0]}/{len(tasks)} verified", end="", file=sys.stderr, flush=True)
-        return result
+    def report(i, result):   # rejections are printed as they come, so a cut-short run still reports
+        done[0] += 1
+        if not result.correct:
+            lines = result.message.splitlines()
+            print(f"- {tasks[i].name}: {result.status}: " + "\n    ".join(lines[:8]), flush=True)
+        print(f"\r{done[0]}/{len(tasks)} verified", end="", file=sys.stderr, flush=True)
 
-    with Verifier(workers=workers, **verifier_options) as verifier, ThreadPoolExecutor(workers) as pool:
-        results = list(pool.map(lambda i: check(i, verifier), range(len(tasks))))
+    broken = {}
+
+    def broken_task(i, error):   # the task's own reference fails: reported, not fatal
+        broken[i] = SimpleNamespace(status="task_error", correct=False, message=str(error))
+        report(i, broken[i])
+
+    with Verifier(workers=workers, **verifier_options) as verifier:
+        results = verifier.map([(t.source, t.solution) for t in tasks], timing=timing, progress=report,
+                               on_broken_task=broken_task)
+    results = [broken.get(i, r) for i, r in enumerate(results)]
     print(file=sys.stderr)
     statuses = collections.Counter(r.status for r in results)
     correct = statuses.get("correct", 0)

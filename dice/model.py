@@ -227,21 +227,23 @@ class SDAR(nn.Module):
                        dtype=p.dtype, device=p.device)
 
     def forward_cached(self, input_ids, position_ids, cache: KVCache, *, commit: int,
-                       valid: torch.Tensor | None = None, logits_from: int = 0) -> torch.Tensor:
+                       valid: torch.Tensor | None = None, logits_from: int = 0, kv_len: int | None = None,
+                       run_layer=None) -> torch.Tensor:
         """Run T new tokens against the KV cache (DESIGN.md §5).
 
         The new tokens see every committed valid key and each other under the block-causal rule
         on `position_ids`. Their keys/values are written to the cache; the first `commit` of them
         become part of it (prefill: commit=T; a denoising step: commit=0; a finished block:
         commit=block_size). valid: [B, T] False for left padding. Returns logits of new tokens
-        [logits_from:].
+        [logits_from:]. kv_len (default: the filled length) and run_layer: see `step_logits`.
         """
         B, T = input_ids.shape
         cache.check_room(T)
         if valid is None:
             valid = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
         slots = torch.arange(cache.length, cache.length + T, device=input_ids.device)
-        logits = self.step_logits(input_ids, position_ids, valid, cache, slots, cache.length + T, logits_from)
+        logits = self.step_logits(input_ids, position_ids, valid, cache, slots, kv_len or cache.length + T,
+                                  logits_from, run_layer)
         cache.commit(valid, commit)
         return logits
 

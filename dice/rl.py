@@ -131,8 +131,11 @@ def build_round_batch(items: list[tuple[int, Completion, Round]], block_size: in
                       torch.tensor(weights), torch.tensor(adv))
 
 
-def round_logprobs(model, batch: RoundBatch, use_flex: bool) -> torch.Tensor:
-    """log p(x_0 token | x_t) at every loss position, in `loss_at` order: [N]."""
+def round_logprobs(model, batch: RoundBatch, use_flex: bool = False) -> torch.Tensor:
+    """log p(x_0 token | x_t) at every loss position, in `loss_at` order: [N].
+
+    The RL update uses dense masks: round batches change length and row count every micro-batch,
+    and compiled FlexAttention recompiles for each new shape (tens of seconds each)."""
     device = next(model.parameters()).device
     to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
     pos, sample = to(batch.position_ids), to(batch.sample_ids)
@@ -160,11 +163,8 @@ def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = 
                 continue
             pairs.append((t.source, c.code))
             index.append(i)
-        opts = dict(timing=timing or kind == "speedup", trials=trials, timeout_s=timeout_s)
-        try:
-            results = verifier.map(pairs, **opts)
-        except ValueError:   # a task whose reference itself fails (TaskError): score the rest one by one
-            results = [_verify_or_none(verifier, task_src, code, opts) for task_src, code in pairs]
+        results = verifier.map(pairs, on_broken_task=_warn_broken_task, trials=trials, timeout_s=timeout_s,
+                               timing=timing or kind == "speedup")
         by_item = dict(zip(index, results))
         reward.last_results = [by_item.get(i) for i in range(len(tasks))]
         out = []
@@ -179,13 +179,9 @@ def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = 
     return reward
 
 
-def _verify_or_none(verifier, task_src: str, code: str, opts: dict):
-    """One verdict, or None (reward 0) when the task itself is broken."""
-    try:
-        return verifier.verify(task_src, code, **opts)
-    except ValueError as e:
-        print(f"warning: skipping a broken task: {e}", file=sys.stderr)
-        return None
+def _warn_broken_task(index: int, error: ValueError) -> None:
+    """A task whose own reference fails scores 0 for that sample (its result is None)."""
+    print(f"warning: skipping a broken task: {error}", file=sys.stderr)
 
 
 def curriculum(tasks: list[Task]) -> list[Task]:
@@ -274,22 +270,19 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     filler = (0, completions[0], Round([], []))
     batches = [[build_round_batch(chunk or [filler], bs, mask_id, pad_id, advantages, n_responses)
                 for chunk in chunks] for chunks in plan]
-    # Dense masks, not FlexAttention: round batches change length and row count every micro-batch,
-    # and compiled flex_attention recompiles for each new shape (tens of seconds each).
-    use_flex = False
     old = None
     if U > 1:   # the rollout policy's log-probs, before the first update
         with torch.no_grad(), rt.autocast(cfg.dtype):
-            old = [[round_logprobs(model, b, use_flex) for b in minibatch] for minibatch in batches]
+            old = [[round_logprobs(model, b) for b in minibatch] for minibatch in batches]
     stats = {"loss": 0.0, "kl": [], "clip_fraction": []}
     for u, minibatch in enumerate(batches):
         for i, batch in enumerate(minibatch):
             with rt.autocast(cfg.dtype):
-                logp = round_logprobs(model, batch, use_flex)
+                logp = round_logprobs(model, batch)
                 logp_ref = None
                 if ref_model is not None:
                     with torch.no_grad():
-                        logp_ref = round_logprobs(ref_model, batch, use_flex)
+                        logp_ref = round_logprobs(ref_model, batch)
             logp_old = old[u][i] if old else logp.detach()
             tok_loss, s = policy_loss(logp, logp_old, batch.advantage.to(logp.device),
                                       clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta, logp_ref=logp_ref)

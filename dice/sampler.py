@@ -160,19 +160,13 @@ class CachedForward:
 
     def __call__(self, ids, pos, valid, commit: int, logits_from: int) -> torch.Tensor:
         cache = self.cache
-        cache.check_room(ids.shape[1])
-        end = cache.length + ids.shape[1]
-        if self.run_layer is not None:
-            kv_len = cache.max_len          # one kv_len: each (batch, tokens) shape compiles once
-        elif self.use_graphs:
-            kv_len = min(cache.max_len, -(-end // self.KV_BUCKET) * self.KV_BUCKET)
-        else:
-            kv_len = end
+        # compiled: one kv_len, so each (batch, tokens) shape compiles once
+        kv_len = cache.max_len if self.run_layer is not None else None
         if not self.use_graphs:
-            slots = torch.arange(cache.length, end, device=ids.device)
-            logits = self.model.step_logits(ids, pos, valid, cache, slots, kv_len, logits_from, self.run_layer)
-            cache.commit(valid, commit)
-            return logits
+            return self.model.forward_cached(ids, pos, cache, commit=commit, valid=valid, logits_from=logits_from,
+                                             kv_len=kv_len, run_layer=self.run_layer)
+        cache.check_room(ids.shape[1])
+        kv_len = kv_len or min(cache.max_len, -(-(cache.length + ids.shape[1]) // self.KV_BUCKET) * self.KV_BUCKET)
         key = (*ids.shape, logits_from, kv_len)
         g = self.graphs.get(key) or self._capture(key, ids, pos, valid)
         g["ids"].copy_(ids)

@@ -216,12 +216,14 @@ class Verifier:
         return self.map([(task_src, candidate_src)], **options)[0]
 
     def map(self, pairs: Iterable[tuple[str, str]], *, progress: Callable[[int, VerifyResult], None] | None = None,
-            **options) -> list[VerifyResult]:
+            on_broken_task: Callable[[int, TaskError], None] | None = None, **options) -> list[VerifyResult | None]:
         """Verify (task_src, candidate_src) pairs concurrently; results in input order.
 
-        `progress(index, result)` is called as each one finishes. Raises ValueError (TaskError)
-        for a broken task, never for a broken candidate. Identical pairs (an RL group often samples
-        the same program several times) are verified once and share the verdict."""
+        `progress(index, result)` is called as each one finishes. A broken task (not a broken
+        candidate) raises TaskError, a ValueError; with `on_broken_task` it is reported as
+        `on_broken_task(index, error)` instead, its result is None and the others still run.
+        Identical pairs (an RL group often samples the same program several times) are verified
+        once and share the verdict."""
         opts = VerifyOptions(**options)
         pairs = list(pairs)
         for i, (task_src, _) in enumerate(pairs):
@@ -234,7 +236,14 @@ class Verifier:
         try:
             futures = {pool.submit(self._verify_one, task, cand, opts): same for (task, cand), same in copies.items()}
             for future in as_completed(futures):
-                result = future.result()
+                try:
+                    result = future.result()
+                except TaskError as exc:
+                    if on_broken_task is None:
+                        raise
+                    for i in futures[future]:
+                        on_broken_task(i, exc)
+                    continue
                 for i in futures[future]:
                     results[i] = replace(result)
                     if progress is not None:

@@ -183,15 +183,17 @@ def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():
     from dice.rl import verifier_reward
 
     class FakeVerifier:
-        """map fails as the real one does when one task's reference crashes."""
+        """map reports a task whose reference crashes as the real one does with on_broken_task."""
 
-        def map(self, pairs, **opts):
-            raise ValueError("task x: the reference failed")
-
-        def verify(self, task_src, code, **opts):
-            if task_src == "broken":
-                raise ValueError("task broken: the reference failed")
-            return SimpleNamespace(correct=code.startswith("good"), compiled=True, speedup=2.0)
+        def map(self, pairs, on_broken_task=None, **opts):
+            results = []
+            for i, (task_src, code) in enumerate(pairs):
+                if task_src == "broken":
+                    on_broken_task(i, ValueError("task broken: the reference failed"))
+                    results.append(None)
+                else:
+                    results.append(SimpleNamespace(correct=code.startswith("good"), compiled=True, speedup=2.0))
+            return results
 
     tasks = [Task("a", 1, "ok", prefix="good", suffix="end"), Task("b", 1, "broken", prefix="good", suffix="end"),
              Task("c", 1, "ok", prefix="good", suffix="end"), Task("d", 1, "ok", prefix="good", suffix="end")]

@@ -404,3 +404,12 @@ def test_identical_pairs_are_verified_once(cpu_verifier):
     assert [r.status for r in results] == ["correct", "incorrect", "correct", "correct"]
     assert jobs() - before == 2 and sorted(seen) == [0, 1, 2, 3]
     assert results[0] is not results[2]
+
+
+def test_on_broken_task_reports_the_task_and_verifies_the_rest(cpu_verifier):
+    broken = RELU_TASK.replace("return [torch.randn(256, 1024)]", "raise RuntimeError('broken task')")
+    reported = []
+    results = cpu_verifier.map([(RELU_TASK, GOOD), (broken, GOOD), (RELU_TASK, GOOD)], timing=False,
+                               on_broken_task=lambda i, e: reported.append((i, str(e))))
+    assert results[1] is None and [r.status for r in (results[0], results[2])] == ["correct", "correct"]
+    assert len(reported) == 1 and reported[0][0] == 1 and "broken task" in reported[0][1]
