@@ -5,6 +5,10 @@ A model folder holds `config.json` and either `model.safetensors` or shards list
 files. Loading builds the model on the meta device and fills it one tensor at a time straight
 into the requested dtype/device, so peak host memory is about one tensor, not a second full copy
 (an 8B bf16 model loads on a 24 GB machine). Saving writes the same layout, each file atomically.
+
+The model keeps q/k/v and gate/up each as one stacked matrix (`dice.model`); the published
+layout has them apart. `to_published` / `from_published` convert state dicts between the two;
+loading and saving go through them, so files on disk always carry the published names.
 """
 from __future__ import annotations
 
@@ -26,6 +30,44 @@ INDEX = "model.safetensors.index.json"
 
 class CheckpointError(ValueError):
     """A model folder that cannot be loaded; the message names the file and the fix."""
+
+
+# the model's stacked projections and the published tensors they stack along dim 0, in order
+FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+         "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+
+
+def published_parts(name: str, config: ModelConfig) -> list[tuple[str, int | None]]:
+    """[(published tensor name, rows)] that model tensor `name` stacks; [(name, None)] if it is
+    not a stacked projection."""
+    for fused, parts in FUSED.items():
+        if name.endswith(fused):
+            prefix = name[:-len(fused)]
+            q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+            rows = (q, kv, kv) if fused.startswith("self_attn") else (config.intermediate_size,) * 2
+            return [(prefix + part, r) for part, r in zip(parts, rows)]
+    return [(name, None)]
+
+
+def to_published(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A model state dict with the stacked projections split into their published tensors."""
+    out = {}
+    for name, tensor in tensors.items():
+        parts = published_parts(name, config)
+        pieces = tensor.split([r for _, r in parts]) if len(parts) > 1 else [tensor]
+        out.update({part: piece for (part, _), piece in zip(parts, pieces)})
+    return out
+
+
+def from_published(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Published tensors -> a model state dict (the inverse of `to_published`)."""
+    out = dict(tensors)
+    for name in list(tensors):
+        for fused, parts in FUSED.items():
+            if name.endswith(parts[0]):
+                prefix = name[:-len(parts[0])]
+                out[prefix + fused] = torch.cat([out.pop(prefix + part) for part in parts])
+    return out
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
@@ -82,30 +124,36 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
     with torch.device("meta"):
         model = SDAR(config)
     expected = dict(model.named_parameters())  # tied weights appear once, as the embedding
-    unknown = sorted(set(files) - set(expected) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
+    published = {part: (name, rows) for name in expected for part, rows in published_parts(name, config)}
+    unknown = sorted(set(files) - set(published) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
     if unknown:
         raise CheckpointError(f"{files[unknown[0]]} holds tensor {unknown[0]!r} that an SDAR model does not "
                               f"have ({len(unknown)} unknown in all); is this a different architecture?")
-    missing = sorted(set(expected) - set(files))
+    missing = sorted(set(published) - set(files))
     if missing:
         raise CheckpointError(f"{path} lacks tensor {missing[0]!r} ({len(missing)} missing in all); "
                               "the checkpoint is incomplete: re-download it")
     load_device = str(device) if str(device).startswith("cuda") else "cpu"
-    by_file: dict[Path, list[str]] = {}
+    handles = {}
+
+    def read(part: str) -> torch.Tensor:
+        file = files[part]
+        if file not in handles:
+            handles[file] = _open(file, load_device)
+        try:
+            tensor = handles[file].get_tensor(part)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{file}: tensor {part!r} cannot be read ({e}); re-download the file") from None
+        name, rows = published[part]
+        want = (rows or expected[name].shape[0], *expected[name].shape[1:])
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(f"{file}: tensor {part!r} has shape {tuple(tensor.shape)} but config.json "
+                                  f"implies {want}; config and weights do not belong together")
+        return tensor.to(device=device, dtype=dtype)
+
     for name in expected:
-        by_file.setdefault(files[name], []).append(name)
-    for file, names in by_file.items():
-        handle = _open(file, load_device)
-        for name in names:
-            try:
-                tensor = handle.get_tensor(name)
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({e}); re-download the file") from None
-            want = tuple(expected[name].shape)
-            if tuple(tensor.shape) != want:
-                raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)} but config.json "
-                                      f"implies {want}; config and weights do not belong together")
-            _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
+        parts = [read(part) for part, _ in published_parts(name, config)]
+        _set_parameter(model, name, parts[0] if len(parts) == 1 else torch.cat(parts))
     return model.tie_weights().eval()
 
 
@@ -134,7 +182,7 @@ def save_model(model: SDAR, path: str | os.PathLike, *, max_shard_bytes: int = 5
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = state_dict if state_dict is not None else model.state_dict()
+    tensors = to_published(state_dict if state_dict is not None else model.state_dict(), model.config)
     tensors = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in tensors.items()}
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)

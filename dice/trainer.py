@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint import has_weights, load_model, read_config, save_model
+from .checkpoint import from_published, has_weights, load_model, read_config, save_model
 from .data import RowStream, collate, read_records, record_to_text, tokenize_records
 from .diffusion import count_samples, diffusion_loss
 from .model import SDAR, ModelConfig
@@ -237,6 +237,7 @@ def resume(out: Path, model, optimizer, log) -> tuple[int, dict]:
     weights = {}
     for f in sorted(path.glob("*.safetensors")):
         weights.update(load_file(f))
+    weights = from_published(weights)
     if model.config.tie_word_embeddings:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=state["optimizer"],

@@ -37,6 +37,16 @@ def test_round_trip_is_bit_exact_and_keeps_config_keys(tmp_path, dtype):
     assert set(load_file(tmp_path / "model.safetensors")) == set(load_file(TINY / "model.safetensors"))
 
 
+def test_stacked_projections_hold_the_published_tensors_in_order():
+    model, stored = load_model(TINY), load_file(TINY / "model.safetensors")
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}."
+        qkv = torch.cat([stored[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        gate_up = torch.cat([stored[p + "mlp.gate_proj.weight"], stored[p + "mlp.up_proj.weight"]])
+        assert torch.equal(layer.self_attn.qkv_proj.weight, qkv)
+        assert torch.equal(layer.mlp.gate_up_proj.weight, gate_up)
+
+
 def test_tied_embeddings_save_one_tensor_and_load_tied(tmp_path):
     model = SDAR(tiny_config(tie_word_embeddings=True)).init_weights(seed=0)
     save_model(model, tmp_path)
@@ -106,6 +116,10 @@ def test_corrupt_file(folder):
 def test_shape_mismatch_names_file_and_tensor(folder):
     rewrite(folder, lambda t: t.update({"model.norm.weight": torch.ones(65)}))
     with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'model.norm.weight' has shape \(65,\)"):
+        load_model(folder)
+    rewrite(folder, lambda t: t.update({"model.norm.weight": torch.ones(64),     # a part of a stacked matrix
+                                        "model.layers.0.self_attn.k_proj.weight": torch.ones(8, 64)}))
+    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.0.self_attn.k_proj.weight' has shape \(8, 64\)"):
         load_model(folder)
 
 
