@@ -203,13 +203,16 @@ def check_reference_solutions(path: str, workers: int, timing: bool = False, lim
     if not tasks:
         raise SystemExit(f"{path}: no records with a cuda_code reference solution")
     start, done = time.perf_counter(), [0]
+    live = sys.stderr.isatty()   # a counter on a terminal; in a log it would glue onto the rejections
 
     def report(i, result):   # rejections are printed as they come, so a cut-short run still reports
         done[0] += 1
         if not result.correct:
             lines = result.message.splitlines()
-            print(f"- {tasks[i].name}: {result.status}: " + "\n    ".join(lines[:8]), flush=True)
-        print(f"\r{done[0]}/{len(tasks)} verified", end="", file=sys.stderr, flush=True)
+            print(("\r\033[K" if live else "") + f"- {tasks[i].name}: {result.status}: " + "\n    ".join(lines[:8]),
+                  flush=True)
+        if live:
+            print(f"\r{done[0]}/{len(tasks)} verified", end="", file=sys.stderr, flush=True)
 
     broken = {}
 
@@ -221,7 +224,8 @@ def check_reference_solutions(path: str, workers: int, timing: bool = False, lim
         results = verifier.map([(t.source, t.solution) for t in tasks], timing=timing, progress=report,
                                on_broken_task=broken_task)
     results = [broken.get(i, r) for i, r in enumerate(results)]
-    print(file=sys.stderr)
+    if live:
+        print(file=sys.stderr)
     statuses = collections.Counter(r.status for r in results)
     correct = statuses.get("correct", 0)
     print(f"{correct}/{len(tasks)} reference solutions verified correct in {time.perf_counter() - start:.0f} s "

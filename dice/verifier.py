@@ -359,8 +359,6 @@ class Verifier:
                     f"while {doing} (segfault, os._exit or abort in the candidate){tail}"}
         finally:
             clock.left -= time.monotonic() - start
-        if reply.get("recycle"):
-            worker.restart()
         return reply
 
     @staticmethod
@@ -379,8 +377,6 @@ class Verifier:
                 return {"status": "runtime_error", "message": f"the judge failed while comparing the outputs ({exc})"}
             raise RuntimeError(f"the reference (judge) worker failed ({exc}); the task's Model, get_inputs or "
                                "get_init_inputs may crash or hang") from None
-        if reply.get("recycle"):
-            self._judge.restart()
         if reply["status"] == "task_error":
             raise TaskError(f"task {request['task_key'][:12]}: the reference failed: {reply['message']}; "
                             "fix the task source")

@@ -107,7 +107,9 @@ class WorkerProcess:
             self._process = None
 
     def call(self, request: dict, timeout: float) -> dict:
-        """Send one request and wait at most `timeout` seconds (not counting worker start-up)."""
+        """Send one request and wait at most `timeout` seconds (not counting worker start-up).
+        A reply marked `recycle` (the worker's CUDA context or torch is no longer trustworthy)
+        replaces the process before the reply is returned."""
         with self._lock:
             if not self._ready:
                 try:
@@ -121,7 +123,11 @@ class WorkerProcess:
                 self._conn.send(request)
             except (OSError, BrokenPipeError):
                 raise self._died(log_start) from None
-            return self._receive(timeout, log_start)
+            reply = self._receive(timeout, log_start)
+            if reply.get("recycle"):   # replaced under the lock: no other caller reaches the old process
+                self._kill()
+                self._start()
+            return reply
 
     def _receive(self, timeout: float, log_start: int) -> dict:
         if not self._conn.poll(max(timeout, 0.0)):

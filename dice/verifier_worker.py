@@ -86,6 +86,19 @@ def init_device(name: str) -> torch.device:
     return device
 
 
+def cuda_context_broken(device: torch.device) -> bool:
+    """True once a kernel fault (illegal address, device-side assert) has made this process's
+    CUDA context unusable: every later CUDA call would fail, so the process must be replaced."""
+    if device.type != "cuda":
+        return False
+    try:
+        trusted.cuda_synchronize(device)
+        torch.ones(1, device=device).add_(1).item()
+        return False
+    except Exception:
+        return True
+
+
 def load_module(source: str, filename: str, module_name: str) -> types.ModuleType:
     """Execute `source` as a fresh module; tracebacks then show its lines under `filename`."""
     code = compile(source, filename, "exec")
@@ -345,19 +358,9 @@ class CandidateHandler:
         if replaced:
             return {"status": "invalid", "recycle": True, "message": f"the candidate replaced "
                     f"{', '.join(replaced)}; verification relies on these staying torch's own"}
-        if reply["status"] in ("runtime_error", "compile_error") and self._cuda_broken():
+        if reply["status"] in ("runtime_error", "compile_error") and cuda_context_broken(self.device):
             reply["recycle"] = True  # e.g. an illegal address: this CUDA context is unusable now
         return reply
-
-    def _cuda_broken(self) -> bool:
-        if not self.cuda:
-            return False
-        try:
-            trusted.cuda_synchronize(self.device)
-            torch.ones(1, device=self.device).add_(1).item()
-            return False
-        except Exception:
-            return True
 
     def _drop_candidate(self) -> None:
         self.pending, self.model, self.task = [], None, None
@@ -409,7 +412,7 @@ class JudgeHandler:
         try:
             reference = self._reference(request)
         except Exception as exc:
-            return {"status": "task_error", "message": describe_exception(exc, "task.py")}
+            return self._failed("task_error", describe_exception(exc, "task.py"))
         try:
             got = [pickle.loads(data) for data in request["outputs"]]
             second = [pickle.loads(data) for data in request["second"]] if request["second"] is not None else None
@@ -422,7 +425,7 @@ class JudgeHandler:
                 **{k: v for k, v in reference.items() if k != "outputs"},
             }
         except Exception as exc:  # e.g. outputs too large to compare in the memory left
-            return {"status": "runtime_error", "message": f"comparing the outputs failed: {describe_exception(exc)}"}
+            return self._failed("runtime_error", f"comparing the outputs failed: {describe_exception(exc)}")
         del got, second  # releases the CUDA IPC mappings of the candidate's memory
         return reply
 
@@ -431,7 +434,7 @@ class JudgeHandler:
         try:
             self._reference(request)
         except Exception as exc:
-            return {"status": "task_error", "message": describe_exception(exc, "task.py")}
+            return self._failed("task_error", describe_exception(exc, "task.py"))
         return {"status": "ok"}
 
     def baseline(self, request: dict) -> dict:
@@ -441,8 +444,13 @@ class JudgeHandler:
             sets = input_sets(make_inputs(task, request["seed"], self.device))
             stats = time_forward(model, sets, self.device, self.warmup, self.timing_trials)
         except Exception as exc:
-            return {"status": "task_error", "message": describe_exception(exc, "task.py")}
+            return self._failed("task_error", describe_exception(exc, "task.py"))
         return {"status": "ok", **stats}
+
+    def _failed(self, status: str, message: str) -> dict:
+        # a reference that hit a device-side assert leaves this context unusable: without a new
+        # judge, every later task would fail the same way
+        return {"status": status, "message": message, "recycle": cuda_context_broken(self.device)}
 
     def _task(self, key: str, source: str) -> types.ModuleType:
         if key not in self.tasks:

@@ -139,6 +139,19 @@ def test_illegal_address_costs_only_its_worker(verifier):
     assert verifier.verify(RELU_TASK, GOOD, timing=False).correct
 
 
+def test_a_reference_that_asserts_on_the_device_costs_only_its_task(verifier):
+    # an out-of-range index asserts inside PyTorch's own kernel and poisons the judge's context
+    asserting = RELU_TASK.replace("return torch.relu(x)",
+                                  "return torch.relu(x)[torch.tensor([10**6], device=x.device)]")
+    broken = []
+    results = verifier.map([(asserting, GOOD), (RELU_TASK, GOOD), (MEAN_TASK, GOOD)], timing=False,
+                           on_broken_task=lambda i, error: broken.append((i, str(error))))
+    assert [i for i, _ in broken] == [0] and "assert" in broken[0][1], broken
+    assert results[0] is None and results[1].correct, results[1].message
+    assert results[2].status == "incorrect", results[2].message     # judged by a sound judge
+    assert verifier.verify(RELU_TASK, GOOD, timing=False).correct
+
+
 def test_hanging_kernel_times_out(verifier):
     hang = cupy_candidate("flag = torch.zeros(1, dtype=torch.int32, device=x.device)\n"
                           "launch('spin_kernel', 1, flag.data_ptr(), x.data_ptr(), cp.int64(1))\n"
