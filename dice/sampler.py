@@ -135,6 +135,17 @@ def select_positions(conf: torch.Tensor, masked: torch.Tensor, n: torch.Tensor, 
     return torch.where((confident.sum(-1) >= n)[:, None], confident, top_n)
 
 
+def denoise(logits: torch.Tensor, x_block: torch.Tensor, step_map_block: torch.Tensor, masked: torch.Tensor,
+            n: torch.Tensor, steps: torch.Tensor, uniforms: torch.Tensor | None, *, mask_token_id: int,
+            temperature: float, top_k: int, top_p: float, remasking: str, threshold: float):
+    """One denoising step on a block: choose a token per position, unmask the selected ones.
+    Returns the block's new (tokens, step map, still-masked)."""
+    tok, conf = choose_tokens(logits, mask_token_id, temperature, top_k, top_p, uniforms)
+    chosen = select_positions(conf, masked, n, remasking, threshold)
+    return (torch.where(chosen, tok, x_block), torch.where(chosen, steps[:, None], step_map_block),
+            masked & ~chosen)
+
+
 class CachedForward:
     """`model.forward_cached`, or on CUDA its replay from CUDA graphs captured once per shape.
 
@@ -200,16 +211,20 @@ class CachedForward:
         return g
 
 
-_COMPILED_LAYER = None
+_COMPILED: dict[str, Callable] = {}
+
+
+def _compiled(name: str, fn: Callable) -> Callable:
+    """`torch.compile(fn)`, made once per process so that its compilations are reused."""
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(fn, dynamic=False)
+    return _COMPILED[name]
 
 
 def _compiled_layer():
-    """One `torch.compile`d decoder-layer call: the layers differ only in their weights, which the
+    """One compiled decoder-layer call: the layers differ only in their weights, which the
     compiler takes as inputs, so a shape compiles once for all layers (and all models)."""
-    global _COMPILED_LAYER
-    if _COMPILED_LAYER is None:
-        _COMPILED_LAYER = torch.compile(lambda layer, *args: layer(*args), dynamic=False)
-    return _COMPILED_LAYER
+    return _compiled("layer", lambda layer, *args: layer(*args))
 
 
 @torch.inference_mode()
@@ -223,8 +238,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
     use_cache=False recomputes the whole sequence at every step: the brute-force reference.
     seed: an int (row i uses seed + i) or one seed per prompt; None draws one from torch's RNG.
     cuda_graphs: replay block steps from CUDA graphs (CUDA with use_cache only; same results).
-    compile: run block steps through `torch.compile` (use_cache only; worth it for long runs at
-    fixed shapes, such as benchmarks: the first call of each shape compiles).
+    compile: run decoder layers and the token choice through `torch.compile` (use_cache only;
+    worth it for long runs at fixed shapes, such as benchmarks: each new shape compiles first).
     progress: called after every block with the number of positions generated so far.
     """
     if remasking not in REMASKING:
@@ -274,6 +289,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
                              logits_from=F * bs)
         forwards += 1
     pending_commit = False
+    step = _compiled("denoise", denoise) if compile else denoise
+    sampling = dict(mask_token_id=mask_id, temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking,
+                    threshold=threshold)
 
     for j in range(int(blocks_needed.max())):
         b0, b1 = (F + j) * bs, (F + j + 1) * bs
@@ -294,11 +312,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
             forwards += 1
             steps += active.long()
             u = uniform_noise(seeds, steps, pos[:, b0:b1]) if temperature > 0 else None
-            tok, conf = choose_tokens(logits, mask_id, temperature, top_k, top_p, u)
-            chosen = select_positions(conf, masked, left.clamp(max=n_s), remasking, threshold)
-            x[:, b0:b1] = torch.where(chosen, tok, x[:, b0:b1])
-            step_map[:, b0:b1] = torch.where(chosen, steps[:, None], step_map[:, b0:b1])
-            masked &= ~chosen
+            x[:, b0:b1], step_map[:, b0:b1], masked = step(logits, x[:, b0:b1], step_map[:, b0:b1], masked,
+                                                           left.clamp(max=n_s), steps, u, **sampling)
         pending_commit = True
 
         # a sequence is finished once it has generated enough or its block holds an eos id
