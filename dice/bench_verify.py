@@ -204,6 +204,7 @@ def check_reference_solutions(path: str, workers: int, timing: bool = False, lim
         raise SystemExit(f"{path}: no records with a cuda_code reference solution")
     start, done = time.perf_counter(), [0]
     live = sys.stderr.isatty()   # a counter on a terminal; in a log it would glue onto the rejections
+    every = max(1, len(tasks) // 20)
 
     def report(i, result):   # rejections are printed as they come, so a cut-short run still reports
         done[0] += 1
@@ -213,6 +214,8 @@ def check_reference_solutions(path: str, workers: int, timing: bool = False, lim
                   flush=True)
         if live:
             print(f"\r{done[0]}/{len(tasks)} verified", end="", file=sys.stderr, flush=True)
+        elif done[0] % every == 0:
+            print(f"{done[0]}/{len(tasks)} verified", flush=True)
 
     broken = {}
 

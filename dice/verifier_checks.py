@@ -190,7 +190,9 @@ def fingerprint(t: torch.Tensor) -> list:
     bits = as_bits(t.detach()).reshape(-1)
     if bits.numel() == 0:
         return [str(t.dtype), list(t.shape)]
-    index = torch.linspace(0, bits.numel() - 1, steps=min(bits.numel(), 16), device=bits.device).long()
+    n, k = bits.numel(), min(bits.numel(), 16)
+    # integer spacing: float32 positions round past the last element of a tensor above 2^24 elements
+    index = torch.arange(k, device=bits.device) * (n - 1) // max(k - 1, 1)
     return [str(t.dtype), list(t.shape), int(torch.sum(bits, dtype=torch.int64))] + bits[index].tolist()
 
 

@@ -180,6 +180,14 @@ def test_fingerprint_is_exact():
     assert fingerprint(torch.tensor([True, False])) != fingerprint(torch.tensor([False, True]))
 
 
+def test_fingerprint_samples_stay_inside_large_tensors():
+    # 16777219 is not a float32: sample positions computed in float32 ran one past the end (an
+    # index out of range; on the GPU a device-side assert that killed the judge)
+    t = torch.arange(16777220, dtype=torch.int32)
+    samples = fingerprint(t)[3:]
+    assert len(samples) == 16 and samples[0] == 0 and samples[-1] == 16777219
+
+
 def test_modified_and_aliased_detection():
     x = torch.randn(8)
     out = x[2:5]
