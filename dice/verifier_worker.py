@@ -29,6 +29,7 @@ import gc
 import linecache
 import os
 import pickle
+import random
 import statistics
 import sys
 import threading
@@ -38,6 +39,7 @@ from collections import OrderedDict
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
+import numpy
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the CUDA IPC reductions on ForkingPickler
 from torch import nn
@@ -48,6 +50,7 @@ from dice.verifier_checks import (aliased_outputs, compare_outputs, fingerprint,
 
 L2_FLUSH_BYTES = 256 * 2**20    # > L2 of any current GPU (H100 50 MB, H200 60 MB, B200 126 MB)
 TIMING_INPUT_BYTES = 2**30      # extra input copies for timing, rotated so no call sees warm buffers
+TASK_IMPORT_SEED = 0            # module-level randomness of a task is the same in every process
 
 
 def serve(conn, role: str, config: dict, log_path: str) -> None:
@@ -108,6 +111,16 @@ def load_module(source: str, filename: str, module_name: str) -> types.ModuleTyp
     sys.modules[module_name] = module  # some libraries (dataclasses, pickling) look modules up here
     exec(code, module.__dict__)
     return module
+
+
+def load_task(source: str, module_name: str) -> types.ModuleType:
+    """The task module, imported under a fixed seed. Some tasks draw their inputs at import time
+    (`x = torch.randn(...)` at module level, returned by get_inputs); unseeded, the judge and each
+    candidate worker would hold different tensors and compare outputs of different inputs."""
+    trusted.manual_seed(TASK_IMPORT_SEED)
+    random.seed(TASK_IMPORT_SEED)
+    numpy.random.seed(TASK_IMPORT_SEED)
+    return load_module(source, "task.py", module_name)
 
 
 def describe_exception(exc: BaseException, filename: str = "candidate.py") -> str:
@@ -239,7 +252,7 @@ class CandidateHandler:
     def load(self, request: dict) -> dict:
         if self.task is not None:  # the previous candidate was not unloaded (its worker kept running)
             self._drop_candidate()
-        self.task = load_module(request["task_src"], "task.py", "dice_task")
+        self.task = load_task(request["task_src"], "dice_task")
         self.builds.install()  # again: an earlier candidate may have replaced load_inline
         self.loads += 1
         try:
@@ -454,7 +467,7 @@ class JudgeHandler:
 
     def _task(self, key: str, source: str) -> types.ModuleType:
         if key not in self.tasks:
-            self.tasks[key] = load_module(source, "task.py", f"dice_task_{key[:16]}")
+            self.tasks[key] = load_task(source, f"dice_task_{key[:16]}")
         return self.tasks[key]
 
     def _model(self, task: types.ModuleType, task_key: str, init_seed: int) -> nn.Module:

@@ -402,6 +402,17 @@ def test_reference_check_reports_a_broken_task_and_goes_on(tmp_path, capsys):
     assert sum(line.startswith("- ") for line in out.splitlines()) == 2
 
 
+def test_inputs_drawn_at_task_import_are_the_same_for_reference_and_candidate(cpu_verifier):
+    # DICE reference 429 draws `x = torch.randn(...)` at module level and get_inputs returns it; the
+    # judge and the candidate worker import the task in different processes after different work
+    module_level = RELU_TASK.replace("def get_inputs():\n    return [torch.randn(256, 1024)]",
+                                     "x = torch.randn(256, 1024)\n\n\ndef get_inputs():\n    return [x]")
+    assert module_level != RELU_TASK
+    for _ in range(2):
+        cpu_verifier.verify(MEAN_TASK, candidate("return x.mean()"), timing=False)  # moves the RNG on
+        assert cpu_verifier.verify(module_level, GOOD, timing=False).correct
+
+
 def test_identical_pairs_are_verified_once(cpu_verifier):
     wrong = candidate("return x.clamp_min(1)")
     jobs = lambda: sum(w.jobs for w in cpu_verifier._workers)  # noqa: E731
