@@ -8,7 +8,8 @@ per kernel, one at a time. Every kernel is a new source (salted), so no cache he
 says so.
 
 `check_reference_solutions(path, workers)`: runs the verifier over the reference solutions
-(`cuda_code`) of a DICE JSON file and prints how many it calls correct and every rejection.
+(`cuda_code`) of a DICE JSON file and prints how many it calls correct and every rejection
+(resumable through a verdict log).
 """
 
 from __future__ import annotations
@@ -195,22 +196,34 @@ def bench_verify(args) -> None:
 
 
 def check_reference_solutions(path: str, workers: int, timing: bool = False, limit: int | None = None,
-                              **verifier_options) -> None:
+                              log: str | None = None, **verifier_options) -> None:
     """Verify every reference solution in a DICE JSON file; print the tally and each rejection.
 
-    load_inline builds are cached (~/.cache/dice/torch_extensions), so a second run is quick."""
+    log: a JSONL file that receives one verdict per solution as it arrives ({"name", "status",
+    "message"}); solutions already in it are not verified again, so a run cut short by a time
+    limit continues where it stopped and the tally covers both runs. load_inline builds are cached
+    (~/.cache/dice/torch_extensions), so a second run on the same machine is quick anyway."""
     tasks = [t for t in load_tasks(path) if t.solution][:limit]
     if not tasks:
         raise SystemExit(f"{path}: no records with a cuda_code reference solution")
-    start, done = time.perf_counter(), [0]
+    earlier = {}
+    if log and os.path.exists(log):
+        with open(log) as f:
+            earlier = {v["name"]: SimpleNamespace(**v) for v in map(json.loads, filter(str.strip, f))}
+    todo = [t for t in tasks if t.name not in earlier]
+    start, done = time.perf_counter(), [len(tasks) - len(todo)]
     live = sys.stderr.isatty()   # a counter on a terminal; in a log it would glue onto the rejections
     every = max(1, len(tasks) // 20)
+    log_file = open(log, "a") if log else None
 
     def report(i, result):   # rejections are printed as they come, so a cut-short run still reports
         done[0] += 1
+        if log_file:
+            log_file.write(json.dumps({"name": todo[i].name, "status": result.status, "message": result.message}) + "\n")
+            log_file.flush()
         if not result.correct:
             lines = result.message.splitlines()
-            print(("\r\033[K" if live else "") + f"- {tasks[i].name}: {result.status}: " + "\n    ".join(lines[:8]),
+            print(("\r\033[K" if live else "") + f"- {todo[i].name}: {result.status}: " + "\n    ".join(lines[:8]),
                   flush=True)
         if live:
             print(f"\r{done[0]}/{len(tasks)} verified", end="", file=sys.stderr, flush=True)
@@ -223,16 +236,22 @@ def check_reference_solutions(path: str, workers: int, timing: bool = False, lim
         broken[i] = SimpleNamespace(status="task_error", correct=False, message=str(error))
         report(i, broken[i])
 
-    with Verifier(workers=workers, **verifier_options) as verifier:
-        results = verifier.map([(t.source, t.solution) for t in tasks], timing=timing, progress=report,
-                               on_broken_task=broken_task)
-    results = [broken.get(i, r) for i, r in enumerate(results)]
+    try:
+        with Verifier(workers=workers, **verifier_options) as verifier:
+            results = verifier.map([(t.source, t.solution) for t in todo], timing=timing, progress=report,
+                                   on_broken_task=broken_task)
+    finally:
+        if log_file:
+            log_file.close()
+    results = [broken.get(i, r) for i, r in enumerate(results)] + [earlier[t.name] for t in tasks
+                                                                   if t.name in earlier]
     if live:
         print(file=sys.stderr)
     statuses = collections.Counter(r.status for r in results)
     correct = statuses.get("correct", 0)
+    reused = f", {len(tasks) - len(todo)} verdicts from {log}" if len(todo) < len(tasks) else ""
     print(f"{correct}/{len(tasks)} reference solutions verified correct in {time.perf_counter() - start:.0f} s "
-          f"({', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))})")
+          f"({', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))}{reused})")
 
 
 def main(argv=None) -> None:
@@ -244,9 +263,11 @@ def main(argv=None) -> None:
     parser.add_argument("--check", metavar="JSON", help="instead verify the reference solutions in a DICE JSON file")
     parser.add_argument("--timing", action="store_true", help="with --check: also time each solution")
     parser.add_argument("--limit", type=int, help="with --check: only the first N solutions")
+    parser.add_argument("--log", metavar="JSONL", help="with --check: append each verdict here; solutions "
+                        "already logged are skipped (continue a run that was cut short)")
     args = parser.parse_args(argv)
     if args.check:
-        check_reference_solutions(args.check, args.workers, timing=args.timing, limit=args.limit)
+        check_reference_solutions(args.check, args.workers, timing=args.timing, limit=args.limit, log=args.log)
     else:
         bench_verify(args)
 

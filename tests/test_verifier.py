@@ -401,6 +401,18 @@ def test_reference_check_reports_a_broken_task_and_goes_on(tmp_path, capsys):
     assert "incorrect: 1" in out and "task_error: 1" in out
     assert sum(line.startswith("- ") for line in out.splitlines()) == 2
 
+    # a run cut short (here: --limit 2) leaves its verdicts in the log; the next run does the rest
+    log = tmp_path / "verdicts.jsonl"
+    check_reference_solutions(str(path), workers=2, limit=2, log=str(log), device="cpu", cache_dir=tmp_path / "cache")
+    assert [json.loads(line)["status"] for line in log.read_text().splitlines()] in (["correct", "task_error"],
+                                                                                     ["task_error", "correct"])
+    capsys.readouterr()
+    check_reference_solutions(str(path), workers=2, log=str(log), device="cpu", cache_dir=tmp_path / "cache")
+    out = capsys.readouterr().out
+    assert [line.split(":")[1].strip() for line in out.splitlines() if line.startswith("- ")] == ["incorrect"]
+    assert "1/3 reference solutions verified correct" in out and "2 verdicts from" in out
+    assert len(log.read_text().splitlines()) == 3
+
 
 def test_inputs_drawn_at_task_import_are_the_same_for_reference_and_candidate(cpu_verifier):
     # DICE reference 429 draws `x = torch.randn(...)` at module level and get_inputs returns it; the
