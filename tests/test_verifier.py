@@ -303,6 +303,16 @@ def cpu_verifier(tmp_path_factory):
         yield verifier
 
 
+def test_a_reply_marked_recycle_replaces_the_worker_before_anyone_else_can_call_it(cpu_verifier):
+    judge = cpu_verifier._judge
+    judge.call({"op": "no_such_op"}, timeout=60)      # a worker failure outside candidate code: recycle
+    old = judge._process
+    reply = judge.call({"op": "no_such_op"}, timeout=60)
+    assert reply["recycle"] and "verifier judge worker failed" in reply["message"]
+    assert judge._process is not old and not old.is_alive()
+    assert cpu_verifier.verify(RELU_TASK, GOOD, timing=False).correct     # the new judge serves
+
+
 def test_pool_survives_hangs_crashes_and_exceptions(cpu_verifier):
     cases = {
         "correct": (GOOD, "correct", ""),
