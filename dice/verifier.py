@@ -32,11 +32,14 @@ Stages, first failure wins:
    timing runs at a time and no correctness check runs during it (`GpuLock`). Invalid when the
    host clock over the same bracket exceeds 2 x event time + 0.5 ms: for honest code the two
    agree to launch/sync latency, so a gap means work escaped the event timer.
-Crashes and CUDA faults give runtime_error, hangs timeout; only that worker is replaced. Module
+Crashes and CUDA faults give runtime_error, hangs timeout; only that worker is replaced (the judge
+too, when a task's own reference faults: its task gets a TaskError, later tasks a sound judge). Module
 loading (compilation is CPU work) is not excluded from timing; time on a quiet host for papers.
 
 Seeds: `seed=None` draws the base seed once per Verifier (unknown to candidates, shared by all
-candidates of one Verifier so reference outputs are computed once per task and seed).
+candidates of one Verifier so reference outputs are computed once per task and seed). Task
+modules are imported under a fixed seed in every process, so tensors a task draws at import time
+(`x = torch.randn(...)` returned by get_inputs) are the same for the reference and the candidate.
 """
 
 from __future__ import annotations
