@@ -5,11 +5,12 @@
                      h += down(silu(gate(g)) * up(g)),  g = rmsnorm(h)
     logits = lm_head(rmsnorm(h))                            NOT shifted: logits[i] predicts token i
 
-Tensor names equal Hugging Face Qwen3's except that q/k/v and gate/up are each one fused matrix
-(`qkv_proj`, `gate_up_proj`): at decoding batch sizes a forward is one matrix-vector product per
-weight, and fewer, larger products read the weights closer to HBM speed. `dice.checkpoint` maps
-the fused tensors to and from the published layout, so public SDAR/DICE checkpoints load as published. The mask passed to `forward` decides the attention pattern; `None` means the
-block-causal inference mask on the absolute grid.
+Tensor names equal Hugging Face Qwen3's, except that q/k/v and gate/up are each one stacked
+matrix (`qkv_proj`, `gate_up_proj`): at decoding batch sizes a forward is one matrix-vector
+product per weight, and fewer, larger products read the weights closer to HBM speed.
+`dice.checkpoint` maps the stacked tensors to and from the published layout, so public SDAR/DICE
+checkpoints load as published. The mask passed to `forward` decides the attention pattern; `None`
+means the block-causal inference mask on the absolute grid.
 """
 from __future__ import annotations
 
