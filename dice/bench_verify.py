@@ -3,9 +3,10 @@
 `bench_verify(args)`: kernels verified per minute for the same elementwise tasks written as CuPy
 (NVRTC) and as load_inline (nvcc) candidates: CuPy with a cold pool (worker start-up and NVRTC
 compiles included) and a warm one, with and without timing; load_inline with a warm pool and a
-cold then warm build cache; and load_inline evaluated KernelBench's way, one fresh Python process
-per kernel, one at a time. Every kernel is a new source (salted), so no cache helps unless the row
-says so.
+cold then warm build cache; the warm no-timing CuPy row again with two judges; and load_inline
+evaluated KernelBench's way, one fresh Python process per kernel, one at a time. Every kernel is a
+new source (salted), so no cache helps unless the row says so. "judge busy" is the fraction of the
+row's time each judge spent answering: near 100%, the judges bound the throughput.
 
 `check_reference_solutions(path, workers)`: runs the verifier over the reference solutions
 (`cuda_code`) of a DICE JSON file and prints how many it calls correct and every rejection
@@ -137,17 +138,21 @@ def variants(n: int, salt: str) -> list[tuple[str, dict]]:
     return out
 
 
-def _row(label: str, n: int, seconds: float, statuses: collections.Counter) -> dict:
+def _row(label: str, n: int, seconds: float, statuses: collections.Counter, judge_busy: float | None = None) -> dict:
     row = {"mode": label, "kernels": n, "seconds": f"{seconds:.1f}", "kernels/min": f"{60 * n / seconds:.1f}",
+           "judge busy": "-" if judge_busy is None else f"{100 * judge_busy:.0f}%",
            "verdicts": " ".join(f"{k}={v}" for k, v in sorted(statuses.items()))}
     print(" | ".join(str(v) for v in row.values()), file=sys.stderr, flush=True)   # a cut-short run still reports
     return row
 
 
-def _timed_map(verifier: Verifier, pairs: list, **options) -> tuple[float, collections.Counter]:
-    start = time.perf_counter()
+def _timed_map(verifier: Verifier, pairs: list, **options) -> tuple[float, collections.Counter, float]:
+    """(seconds, verdict counts, fraction of the time each judge was busy answering)."""
+    start, busy = time.perf_counter(), verifier.judge_busy_s
     results = verifier.map(pairs, **options)
-    return time.perf_counter() - start, collections.Counter(r.status for r in results)
+    seconds = time.perf_counter() - start
+    return seconds, collections.Counter(r.status for r in results), \
+        (verifier.judge_busy_s - busy) / seconds / verifier.judges
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -166,22 +171,24 @@ def bench_verify(args) -> None:
     cupy_a = [(task, CUPY_CANDIDATE.format(**f)) for task, f in variants(n_cupy, salt + "a")]
     cupy_b = [(task, CUPY_CANDIDATE.format(**f)) for task, f in variants(n_cupy, salt + "b")]
     cupy_c = [(task, CUPY_CANDIDATE.format(**f)) for task, f in variants(n_cupy, salt + "c")]
+    cupy_d = [(task, CUPY_CANDIDATE.format(**f)) for task, f in variants(n_cupy, salt + "d")]
     inline = [(task, INLINE_CANDIDATE.format(**f)) for task, f in variants(n_inline, salt + "i")]
     rows = []
     start = time.perf_counter()
-    with Verifier(workers=workers, cache_dir=os.path.join(scratch, "cache")) as verifier:
-        _, statuses = _timed_map(verifier, cupy_a)
-        rows.append(_row(f"cupy, cold pool ({workers} workers), timing", n_cupy,
-                         time.perf_counter() - start, statuses))
-        seconds, statuses = _timed_map(verifier, cupy_b)
-        rows.append(_row("cupy, warm pool, timing", n_cupy, seconds, statuses))
-        seconds, statuses = _timed_map(verifier, cupy_c, timing=False)
-        rows.append(_row("cupy, warm pool, no timing (RL reward)", n_cupy, seconds, statuses))
+    with Verifier(workers=workers, judges=1, cache_dir=os.path.join(scratch, "cache")) as verifier:
+        _, statuses, busy = _timed_map(verifier, cupy_a)
+        rows.append(_row(f"cupy, cold pool ({workers} workers, 1 judge), timing", n_cupy,
+                         time.perf_counter() - start, statuses, busy))
+        rows.append(_row("cupy, warm pool, timing", n_cupy, *_timed_map(verifier, cupy_b)))
+        rows.append(_row("cupy, warm pool, no timing (RL reward)", n_cupy, *_timed_map(verifier, cupy_c, timing=False)))
         if n_inline:
-            seconds, statuses = _timed_map(verifier, inline)
-            rows.append(_row("load_inline, warm pool, cold build cache, timing", n_inline, seconds, statuses))
-            seconds, statuses = _timed_map(verifier, inline)
-            rows.append(_row("load_inline, warm pool, warm build cache, timing", n_inline, seconds, statuses))
+            rows.append(_row("load_inline, warm pool, cold build cache, timing", n_inline,
+                             *_timed_map(verifier, inline)))
+            rows.append(_row("load_inline, warm pool, warm build cache, timing", n_inline,
+                             *_timed_map(verifier, inline)))
+    with Verifier(workers=workers, judges=2, cache_dir=os.path.join(scratch, "cache")) as verifier:
+        _timed_map(verifier, cupy_a, timing=False)   # warm: start-up, and NVRTC from CuPy's disk cache
+        rows.append(_row("cupy, warm pool, no timing, 2 judges", n_cupy, *_timed_map(verifier, cupy_d, timing=False)))
     if n_inline and not args.skip_one_process:
         one_process = [(task, INLINE_CANDIDATE.format(**f)) for task, f in variants(n_inline, salt + "k")]
         start, statuses = time.perf_counter(), collections.Counter()

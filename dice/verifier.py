@@ -177,22 +177,30 @@ class _Clock:
 
 
 class Verifier:
-    """A pool of warm candidate workers plus one judge; verifies candidates concurrently."""
+    """A pool of warm candidate workers plus judges; verifies candidates concurrently.
+
+    Every trial of every candidate passes through a judge (reference outputs, comparison), one
+    request at a time per judge, so a large pool gets several: `judges` (default one per 8
+    workers), each task always served by the same judge so that its reference outputs are cached
+    once. `judge_busy_s` is the judges' summed time answering requests: near `judges` x the wall
+    time means the judges, not the workers, bound the throughput."""
 
     def __init__(self, workers: int = 4, *, device: str = "cuda", cache_dir: str | Path | None = None,
                  recycle_after: int = 50, warmup: int = 5, timing_trials: int = 100,
-                 reference_cache_gb: float = 4.0):
+                 reference_cache_gb: float = 4.0, judges: int | None = None):
         self.cuda = torch.device(device).type == "cuda"
         if self.cuda and not torch.cuda.is_available():
             raise RuntimeError(NO_GPU)
-        if workers < 1:
-            raise ValueError(f"Verifier(workers={workers}): need at least one worker")
+        judges = max(1, workers // 8) if judges is None else judges
+        if workers < 1 or judges < 1:
+            raise ValueError(f"Verifier(workers={workers}, judges={judges}): need at least one of each")
         self.cache_dir = Path(cache_dir or os.environ.get("DICE_CACHE_DIR") or Path.home() / ".cache" / "dice")
         self.recycle_after = recycle_after
         self._log_dir = Path(tempfile.mkdtemp(prefix="dice-verifier-"))
         config = {"device": device, "cache_dir": str(self.cache_dir), "warmup": warmup,
                   "timing_trials": timing_trials, "reference_cache_gb": reference_cache_gb}
-        self._judge = WorkerProcess("judge", config, self._log_dir / "judge.log")
+        self.judges = judges
+        self._judges = [WorkerProcess("judge", config, self._log_dir / f"judge-{i}.log") for i in range(judges)]
         self._workers = [WorkerProcess("candidate", config, self._log_dir / f"candidate-{i}.log")
                          for i in range(workers)]
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
@@ -210,8 +218,8 @@ class Verifier:
 
     def close(self) -> None:
         # in parallel: each worker's CUDA teardown takes a second or two
-        with ThreadPoolExecutor(max_workers=len(self._workers) + 1) as pool:
-            list(pool.map(lambda w: w.close(), [self._judge, *self._workers]))
+        with ThreadPoolExecutor(max_workers=len(self._workers) + len(self._judges)) as pool:
+            list(pool.map(lambda w: w.close(), [*self._judges, *self._workers]))
         shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def verify(self, task_src: str, candidate_src: str, **options) -> VerifyResult:
@@ -374,7 +382,7 @@ class Verifier:
         """A judge request. Failures are the task's (raised) unless they came from handling a
         candidate's outputs (`candidate_outputs`: returned as a runtime_error reply)."""
         try:
-            reply = self._judge.call(request, timeout=JUDGE_TIMEOUT_S)
+            reply = self._judge_of(request["task_key"]).call(request, timeout=JUDGE_TIMEOUT_S)
         except (WorkerTimeout, WorkerDied) as exc:
             if candidate_outputs:
                 return {"status": "runtime_error", "message": f"the judge failed while comparing the outputs ({exc})"}
@@ -387,8 +395,15 @@ class Verifier:
             raise RuntimeError(reply["message"])
         return reply
 
+    def _judge_of(self, task_key: str) -> WorkerProcess:
+        return self._judges[int(task_key[:8], 16) % len(self._judges)]
+
+    @property
+    def judge_busy_s(self) -> float:
+        return sum(judge.busy_s for judge in self._judges)
+
     def _baseline_ms(self, task: dict, init_seed: int, seed: int) -> float:
-        key = f"{task['task_key']}|{self._judge.info.get('device')}|torch {torch.__version__}"
+        key = f"{task['task_key']}|{self._judge_of(task['task_key']).info.get('device')}|torch {torch.__version__}"
         cached = self._baselines.get(key)
         if cached is None:
             cached = self._judge_call({"op": "baseline", **task, "init_seed": init_seed, "seed": seed})["runtime_ms"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -61,6 +62,7 @@ class WorkerProcess:
         self.log_path = Path(log_path)
         self.info: dict = {}  # what the worker reported when it became ready (e.g. GPU name)
         self.jobs = 0         # candidates handled since the last (re)start; the Verifier counts them
+        self.busy_s = 0.0     # seconds spent answering requests (start-up excluded), over all restarts
         self._lock = threading.Lock()
         self._process = None
         self._conn = None
@@ -118,12 +120,15 @@ class WorkerProcess:
                     raise RuntimeError(f"the verifier's {self.role} worker failed to start ({exc}); "
                                        f"its full log is {self.log_path}") from None
                 self._ready = True
-            log_start = self._log_size()
+            log_start, start = self._log_size(), time.monotonic()
             try:
-                self._conn.send(request)
-            except (OSError, BrokenPipeError):
-                raise self._died(log_start) from None
-            reply = self._receive(timeout, log_start)
+                try:
+                    self._conn.send(request)
+                except (OSError, BrokenPipeError):
+                    raise self._died(log_start) from None
+                reply = self._receive(timeout, log_start)
+            finally:
+                self.busy_s += time.monotonic() - start
             if reply.get("recycle"):   # replaced under the lock: no other caller reaches the old process
                 self._kill()
                 self._start()

@@ -304,13 +304,23 @@ def cpu_verifier(tmp_path_factory):
 
 
 def test_a_reply_marked_recycle_replaces_the_worker_before_anyone_else_can_call_it(cpu_verifier):
-    judge = cpu_verifier._judge
+    judge = cpu_verifier._judges[0]
     judge.call({"op": "no_such_op"}, timeout=60)      # a worker failure outside candidate code: recycle
     old = judge._process
     reply = judge.call({"op": "no_such_op"}, timeout=60)
     assert reply["recycle"] and "verifier judge worker failed" in reply["message"]
     assert judge._process is not old and not old.is_alive()
     assert cpu_verifier.verify(RELU_TASK, GOOD, timing=False).correct     # the new judge serves
+
+
+def test_several_judges_share_the_tasks_and_agree(tmp_path):
+    tasks = [RELU_TASK.replace("torch.randn(256, 1024)", f"torch.randn(256, {n})") for n in (256, 384, 512, 640)]
+    with Verifier(workers=2, judges=2, device="cpu", cache_dir=tmp_path, timing_trials=5, warmup=1) as verifier:
+        results = verifier.map([(t, c) for t in tasks for c in (GOOD, candidate("return x.clamp_min(1)"))],
+                               timing=False)
+        assert [r.status for r in results] == ["correct", "incorrect"] * len(tasks)
+        assert all(judge.busy_s > 0 for judge in verifier._judges)      # both served tasks
+        assert verifier.judge_busy_s == sum(judge.busy_s for judge in verifier._judges)
 
 
 def test_pool_survives_hangs_crashes_and_exceptions(cpu_verifier):
