@@ -334,7 +334,7 @@ def test_pool_survives_hangs_crashes_and_exceptions(cpu_verifier):
         "correct again": (GOOD, "correct", ""),
     }
     seen = []
-    results = cpu_verifier.map([(RELU_TASK, src) for src, _, _ in cases.values()], timing=False, timeout_s=3,
+    results = cpu_verifier.map([(RELU_TASK, src) for src, _, _ in cases.values()], timing=False, timeout_s=8,
                                progress=lambda i, r: seen.append(i))
     for (name, (_, status, text)), result in zip(cases.items(), results):
         assert result.status == status, (name, result)
