@@ -271,7 +271,7 @@ def main(argv=None) -> None:
     parser.add_argument("--timing", action="store_true", help="with --check: also time each solution")
     parser.add_argument("--limit", type=int, help="with --check: only the first N solutions")
     parser.add_argument("--log", metavar="JSONL", help="with --check: append each verdict here; solutions "
-                        "already logged are skipped (continue a run that was cut short)")
+                        "already logged are skipped (continue a run that was cut short; delete the file to start over)")
     args = parser.parse_args(argv)
     if args.check:
         check_reference_solutions(args.check, args.workers, timing=args.timing, limit=args.limit, log=args.log)
