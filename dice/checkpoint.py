@@ -124,7 +124,8 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
     with torch.device("meta"):
         model = SDAR(config)
     expected = dict(model.named_parameters())  # tied weights appear once, as the embedding
-    published = {part: (name, rows) for name in expected for part, rows in published_parts(name, config)}
+    parts_of = {name: published_parts(name, config) for name in expected}
+    published = {part: (name, rows) for name, parts in parts_of.items() for part, rows in parts}
     unknown = sorted(set(files) - set(published) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
     if unknown:
         raise CheckpointError(f"{files[unknown[0]]} holds tensor {unknown[0]!r} that an SDAR model does not "
@@ -152,7 +153,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
         return tensor.to(device=device, dtype=dtype)
 
     for name in expected:
-        parts = [read(part) for part, _ in published_parts(name, config)]
+        parts = [read(part) for part, _ in parts_of[name]]
         _set_parameter(model, name, parts[0] if len(parts) == 1 else torch.cat(parts))
     return model.tie_weights().eval()
 

@@ -199,7 +199,6 @@ class Verifier:
         self._log_dir = Path(tempfile.mkdtemp(prefix="dice-verifier-"))
         config = {"device": device, "cache_dir": str(self.cache_dir), "warmup": warmup,
                   "timing_trials": timing_trials, "reference_cache_gb": reference_cache_gb}
-        self.judges = judges
         self._judges = [WorkerProcess("judge", config, self._log_dir / f"judge-{i}.log") for i in range(judges)]
         self._workers = [WorkerProcess("candidate", config, self._log_dir / f"candidate-{i}.log")
                          for i in range(workers)]
@@ -397,6 +396,10 @@ class Verifier:
 
     def _judge_of(self, task_key: str) -> WorkerProcess:
         return self._judges[int(task_key[:8], 16) % len(self._judges)]
+
+    @property
+    def judges(self) -> int:
+        return len(self._judges)
 
     @property
     def judge_busy_s(self) -> float:
