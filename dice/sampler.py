@@ -268,14 +268,18 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
     pos = (idx[None] - pad[:, None]).clamp(min=0)
     valid = idx[None] >= pad[:, None]
     gen_start = F * bs + rem                          # index of each row's first generated position
-    x, pos, valid, gen_start = x.to(device), pos.to(device), valid.to(device), gen_start.to(device)
-    generated = idx.to(device)[None] >= gen_start[:, None]
+    generated = (idx[None] >= gen_start[:, None]).to(device)
+    x, pos, valid = x.to(device), pos.to(device), valid.to(device)
     step_map = torch.zeros(n_rows, total_len, dtype=torch.long, device=device)
     steps = torch.zeros(n_rows, dtype=torch.long, device=device)
     seeds = torch.tensor(_row_seeds(seed, n_rows), dtype=torch.long, device=device)
     eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
 
-    live = torch.arange(n_rows, device=device)       # original row of each batch row
+    # Host-side row state: which original row each batch row is, its prompt remainder, its first
+    # generated index, whether it is done. With it, a static block's step count and every row's
+    # finish by length are known without reading the GPU, so the host enqueues steps ahead of it.
+    rows, row_rem, row_g0 = list(range(n_rows)), rem.tolist(), gen_start.tolist()
+    row_done = [False] * n_rows
     done = torch.zeros(n_rows, dtype=torch.bool, device=device)
     out_tokens: list[list[int]] = [[] for _ in range(n_rows)]
     out_steps: list[list[int]] = [[] for _ in range(n_rows)]
@@ -290,18 +294,23 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
         forwards += 1
     pending_commit = False
     step = _compiled("denoise", denoise) if compile else denoise
+    static = remasking == "low_confidence_static"
     sampling = dict(mask_token_id=mask_id, temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking,
                     threshold=threshold)
 
     for j in range(int(blocks_needed.max())):
         b0, b1 = (F + j) * bs, (F + j + 1) * bs
         masked = generated[:, b0:b1].clone()
-        positions_done += int(masked.sum())
-        for n_s in schedule:
+        masks = [0 if d else bs - (r if j == 0 else 0) for d, r in zip(row_done, row_rem)]
+        positions_done += sum(masks)
+        for s, n_s in enumerate(schedule):
+            # static: a row with m masks is complete once the schedule has unmasked m; dynamic
+            # unmasks a data-dependent number, so it asks the GPU (one sync a step)
+            complete = sum(schedule[:s]) >= max(masks) if static else not masked.any()
+            if complete:
+                break
             left = masked.sum(-1)
             active = left > 0
-            if not active.any():
-                break
             if use_cache:
                 c0 = b0 - bs if pending_commit else b0
                 logits = step_forward(x[:, c0:b1], pos[:, c0:b1], valid[:, c0:b1], b0 - c0, b0 - c0)
@@ -316,24 +325,33 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
                                                            left.clamp(max=n_s), steps, u, **sampling)
         pending_commit = True
 
-        # a sequence is finished once it has generated enough or its block holds an eos id
-        has_eos = (torch.isin(x[:, b0:b1], eos) & generated[:, b0:b1]).any(-1)
-        finished = ((b1 - gen_start >= max_new_tokens) | has_eos) & ~done
-        for r in finished.nonzero().flatten().tolist():
-            row, g0 = int(live[r]), int(gen_start[r])
+        # a sequence is finished once it has generated enough or its block holds an eos id; only
+        # the eos check reads the GPU (once a block), and only when there are eos ids
+        finished = [not d and b1 - g0 >= max_new_tokens for d, g0 in zip(row_done, row_g0)]
+        if eos_token_ids:
+            has_eos = (torch.isin(x[:, b0:b1], eos) & generated[:, b0:b1]).any(-1) & ~done
+            finished = [f or e for f, e in zip(finished, has_eos.tolist())]
+        newly = [r for r, f in enumerate(finished) if f]
+        for r in newly:
+            g0 = row_g0[r]
             toks, smap = x[r, g0:b1].tolist(), step_map[r, g0:b1].tolist()
             cut = min(max_new_tokens, next((k + 1 for k, t in enumerate(toks) if t in eos_token_ids), len(toks)))
-            out_tokens[row], out_steps[row], out_n_steps[row] = toks[:cut], smap[:cut], int(steps[r])
+            out_tokens[rows[r]], out_steps[rows[r]], out_n_steps[rows[r]] = toks[:cut], smap[:cut], int(steps[r])
+            row_done[r] = True
         if progress is not None:
             progress(positions_done)
-        done |= finished
-        if done.all():
+        if all(row_done):
             break
+        if not newly:
+            continue
+        done[newly] = True
         # drop finished rows; with graphs only once half the batch is done (each drop re-captures)
-        if finished.any() and (not graphs or 2 * int(done.sum()) >= len(done)):
-            keep = (~done).nonzero().flatten()
-            x, pos, valid, gen_start, generated, step_map, steps, seeds, live, done = (
-                t[keep] for t in (x, pos, valid, gen_start, generated, step_map, steps, seeds, live, done))
+        if not graphs or 2 * sum(row_done) >= len(row_done):
+            keep_rows = [r for r, d in enumerate(row_done) if not d]
+            keep = torch.tensor(keep_rows, device=device)
+            x, pos, valid, generated, step_map, steps, seeds, done = (
+                t[keep] for t in (x, pos, valid, generated, step_map, steps, seeds, done))
+            rows, row_rem, row_g0, row_done = ([v[r] for r in keep_rows] for v in (rows, row_rem, row_g0, row_done))
             if cache is not None:
                 cache.keep_rows(keep)
                 step_forward.reset()

@@ -78,3 +78,24 @@ def test_cached_equals_brute_force_on_a_random_1p7b_shape_in_fp32(remasking):
     kw = dict(max_new_tokens=24, remasking=remasking)
     cached, brute = generate(model, prompts, **kw), generate(model, prompts, use_cache=False, **kw)
     assert cached.tokens == brute.tokens and cached.step_map == brute.step_map
+
+
+def test_static_decoding_does_not_wait_on_the_gpu_per_step():
+    """Without eos ids, static steps and finishes by length are known on the host, so the number of
+    host-GPU synchronisations must not grow with the generation length (the earlier loop
+    synchronised several times a block)."""
+    import warnings
+    model = load_model(TINY, device="cuda")
+
+    def syncs(max_new_tokens):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                generate(model, PROMPTS[:2], max_new_tokens=max_new_tokens, remasking="low_confidence_static")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    generate(model, PROMPTS[:2], max_new_tokens=8)   # lazy initialisation outside the count
+    assert syncs(32) == syncs(64) > 0
