@@ -90,7 +90,8 @@ _compiled_flex = None
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + mask) v with GQA. q [B, H, Lq, D], k/v [B, Hkv, Lk, D].
 
-    `mask` is a bool tensor broadcastable to [B, 1, Lq, Lk] or a FlexAttention BlockMask.
+    `mask` is a bool tensor broadcastable to [B, 1, Lq, Lk], a FlexAttention BlockMask, or an
+    additive float bias from `folded_attention_bias` (decoding: built once per forward, not per layer).
     """
     global _compiled_flex
     # under autocast q/k leave RMSNorm and RoPE in float32 while v leaves its Linear in bf16
@@ -107,9 +108,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
     # GQA without copying keys/values: the `groups` query heads that share a KV head become extra
     # query rows of that head (heads are grouped consecutively, as in repeat_interleave)
     q = q.reshape(B, H // groups, groups * Lq, D)
-    mask = mask.expand(*mask.shape[:-3], 1, Lq, mask.shape[-1]).unsqueeze(-3)
-    mask = mask.expand(*mask.shape[:-3], groups, Lq, mask.shape[-1]).flatten(-3, -2)
+    if mask.dtype == torch.bool:
+        mask = mask.expand(*mask.shape[:-3], 1, Lq, mask.shape[-1]).unsqueeze(-3)
+        mask = mask.expand(*mask.shape[:-3], groups, Lq, mask.shape[-1]).flatten(-3, -2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, Lq, D)
+
+
+def folded_attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """A bool [B, 1, Lq, Lk] mask as the additive bias (0 / -inf) that `attend` uses for GQA with
+    `groups` query heads per KV head: [B, 1, groups * Lq, Lk], row g * Lq + t for query t of group g,
+    as the folded query rows are laid out. Every row must keep a visible key (else NaN)."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias.repeat(1, 1, groups, 1)
 
 
 def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from .attention import KVCache, attend, block_causal_mask, write_kv
+from .attention import KVCache, attend, block_causal_mask, folded_attention_bias, write_kv
 
 
 @dataclass
@@ -256,9 +256,12 @@ class SDAR(nn.Module):
         (B, T, kv_len) and the write position is the device tensor `slots`, so a CUDA graph can
         capture it (`dice.sampler` does). run_layer(layer, h, cos, sin, mask, kv, slots, kv_len)
         replaces `layer(...)`, e.g. by one `torch.compile`d function that serves every layer."""
-        mask = cache.attention_mask(slots, position_ids, valid, self.config.block_size, kv_len)
         h = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, h.dtype)
+        c = self.config
+        mask = cache.attention_mask(slots, position_ids, valid, c.block_size, kv_len)
+        # once per forward, not in each of the layers: the layout SDPA takes for folded GQA rows
+        mask = folded_attention_bias(mask, c.num_attention_heads // c.num_key_value_heads, h.dtype)
+        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, h.dtype)
         for i, layer in enumerate(self.model.layers):
             args = (h, cos, sin, mask, cache.layer(i), slots, kv_len)
             h = layer(*args) if run_layer is None else run_layer(layer, *args)

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from dice import load_model
-from dice.attention import block_causal_mask, block_diffusion_mask
+from dice.attention import attend, block_causal_mask, block_diffusion_mask, folded_attention_bias
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
 
@@ -104,3 +104,17 @@ def test_bad_mask_shape_is_a_clear_error(tiny):
     model, g = tiny
     with pytest.raises(ValueError, match=r"attention_mask must be a bool tensor of shape \[L, L\]"):
         model(g["input_ids"], attention_mask=torch.ones(3, 3, dtype=torch.bool))
+
+
+def test_folded_bias_attends_like_the_bool_mask_and_like_repeated_keys():
+    """GQA (8 query heads on 2 KV heads) with a once-per-forward bias equals the bool mask and the
+    textbook form: keys/values repeated per query head, softmax over masked scores."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, t, 16, generator=gen, dtype=torch.float64) for h, t in ((8, 5), (2, 9), (2, 9)))
+    mask = torch.rand(2, 1, 5, 9, generator=gen) > 0.4
+    mask[..., 0] = True                                              # every row keeps a key
+    k_rep, v_rep = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
+    scores = (q @ k_rep.transpose(-1, -2) / 4.0).masked_fill(~mask, float("-inf"))
+    textbook = scores.softmax(-1) @ v_rep
+    torch.testing.assert_close(attend(q, k, v, mask), textbook)
+    torch.testing.assert_close(attend(q, k, v, folded_attention_bias(mask, 4, torch.float64)), textbook)
