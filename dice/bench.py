@@ -1,4 +1,4 @@
-"""Benchmarks on random SDAR-shaped models (GPU): `python -m dice.bench sample|train|verify|model`.
+"""Benchmarks on random SDAR-shaped models (GPU): `python -m dice.bench sample|profile|train|verify|model`.
 
 Every number is a median over repeated runs after warm-up; each table names the roofline it is
 compared with. H200 ceilings used (measured on this project's machine kind, see README):
@@ -92,6 +92,68 @@ def bench_sample(args) -> None:
     print(f"\nsample bench: random SDAR-{args.shape} bf16, prompt {args.prompt_len}, "
           f"{torch.cuda.get_device_name()}; roofline {roofline_fps:.0f} forwards/s "
           f"({forward_weight_bytes(model) / 1e9:.2f} GB weights / 4.8 TB/s)")
+    print(table(rows))
+
+
+def kernel_group(name: str) -> str:
+    """matmul / attention / fused (Triton, from torch.compile) / other, from a CUDA kernel's name."""
+    name = name.lower()
+    if name.startswith("triton"):
+        return "fused (triton)"
+    if any(k in name for k in ("sdpa", "flash", "fmha")):
+        return "attention"
+    if any(k in name for k in ("gemm", "nvjet", "splitk", "xmma", "cutlass", "gemv")):
+        return "matmul"
+    return "other"
+
+
+def bench_profile(args) -> None:
+    """Where one batch-1 decode forward spends its time: CUDA-graph replays of the block step
+    (4 new tokens against a cache of `--cache-len`, compiled layers unless --no-compile) timed
+    with CUDA events, then profiled; kernels are grouped into matmul / attention / other, and
+    replay time minus kernel time is the gaps between the ~400 kernels of a forward."""
+    from .sampler import CachedForward
+    torch.manual_seed(0)
+    model = random_model(args.shape)
+    n, T = args.cache_len, 4
+    cache = model.new_cache(1, n + 2 * T)
+    step = CachedForward(model, cache, use_graphs=True, compile=not args.no_compile)
+    ids = torch.randint(0, 150000, (1, n + T), device="cuda")
+    pos = torch.arange(n + T, device="cuda")[None]
+    valid = torch.ones(1, n + T, dtype=torch.bool, device="cuda")
+    with torch.inference_mode():
+        model.forward_cached(ids[:, :n], pos[:, :n], cache, commit=n, valid=valid[:, :n], logits_from=n)
+        step(ids[:, n:], pos[:, n:], valid[:, n:], 0, 0)        # captures the graph
+        graph = next(iter(step.graphs.values()))["graph"]
+        times = []
+        for _ in range(args.repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.repeats):
+                graph.replay()
+            torch.cuda.synchronize()
+    replay_ms = statistics.median(times)
+    busy, calls = {}, 0
+    for event in prof.key_averages():
+        if event.self_device_time_total <= 0:
+            continue
+        group = kernel_group(event.key)
+        busy[group] = busy.get(group, 0.0) + event.self_device_time_total / 1e3 / args.repeats
+        calls += event.count
+    rows = [{"part": g, "ms / forward": round(ms, 3), "% of replay": round(100 * ms / replay_ms, 1)}
+            for g, ms in sorted(busy.items(), key=lambda kv: -kv[1])]
+    gaps = replay_ms - sum(busy.values())
+    rows.append({"part": "gaps between kernels", "ms / forward": round(gaps, 3),
+                 "% of replay": round(100 * gaps / replay_ms, 1)})
+    roofline_ms = forward_weight_bytes(model) / HBM_BYTES_PER_S * 1e3
+    print(f"\nprofile: random SDAR-{args.shape} bf16, batch 1, {T} new tokens against {n} cached, "
+          f"compile {not args.no_compile}, {torch.cuda.get_device_name()}; replay {replay_ms:.3f} ms "
+          f"(median of {args.repeats}), roofline {roofline_ms:.3f} ms, {calls // args.repeats} kernels per forward")
     print(table(rows))
 
 
@@ -215,6 +277,11 @@ def main(argv=None) -> None:
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--eager-gen", type=int, default=128, help="tokens for the (slow) eager batch-1 row")
     s.add_argument("--compile-batch", type=int, nargs="*", default=[1], help="batches also run with compile=True")
+    pr = sub.add_parser("profile", help="where a batch-1 decode forward spends its time")
+    pr.add_argument("--shape", default="1.7b")
+    pr.add_argument("--cache-len", type=int, default=1024)
+    pr.add_argument("--repeats", type=int, default=50)
+    pr.add_argument("--no-compile", action="store_true")
     t = sub.add_parser("train", help="SFT step time, tokens/s, memory and MFU")
     t.add_argument("--shape", default="1.7b")
     t.add_argument("--seq-len", type=int, default=4096)
@@ -233,7 +300,7 @@ def main(argv=None) -> None:
         from .bench_verify import main as verify_main
         verify_main(rest + ["--workers", str(args.workers)])
         return
-    {"sample": bench_sample, "train": bench_train, "model": bench_model}[args.what](args)
+    {"sample": bench_sample, "profile": bench_profile, "train": bench_train, "model": bench_model}[args.what](args)
 
 
 if __name__ == "__main__":
