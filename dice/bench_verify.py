@@ -246,8 +246,11 @@ def check_reference_solutions(path: str, workers: int, timing: bool = False, lim
 
     try:
         with Verifier(workers=workers, **verifier_options) as verifier:
+            map_start = time.perf_counter()
             results = verifier.map([(t.source, t.solution) for t in todo], timing=timing, progress=report,
                                    on_broken_task=broken_task)
+            # every solution here is a new task, so each judge computes a reference per solution
+            judges, busy = verifier.judges, verifier.judge_busy_s / max(time.perf_counter() - map_start, 1e-9)
     finally:
         if log_file:
             log_file.close()
@@ -259,7 +262,8 @@ def check_reference_solutions(path: str, workers: int, timing: bool = False, lim
     correct = statuses.get("correct", 0)
     reused = f", {len(tasks) - len(todo)} verdicts from {log}" if len(todo) < len(tasks) else ""
     print(f"{correct}/{len(tasks)} reference solutions verified correct in {time.perf_counter() - start:.0f} s "
-          f"({', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))}{reused})")
+          f"({', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))}{reused}); "
+          f"{judges} judge{'s' * (judges > 1)} busy {100 * busy / judges:.0f}% of the time")
 
 
 def main(argv=None) -> None:
@@ -271,11 +275,13 @@ def main(argv=None) -> None:
     parser.add_argument("--check", metavar="JSON", help="instead verify the reference solutions in a DICE JSON file")
     parser.add_argument("--timing", action="store_true", help="with --check: also time each solution")
     parser.add_argument("--limit", type=int, help="with --check: only the first N solutions")
+    parser.add_argument("--judges", type=int, help="with --check: reference processes (default: one per 8 workers)")
     parser.add_argument("--log", metavar="JSONL", help="with --check: append each verdict here; solutions "
                         "already logged are skipped (continue a run that was cut short; delete the file to start over)")
     args = parser.parse_args(argv)
     if args.check:
-        check_reference_solutions(args.check, args.workers, timing=args.timing, limit=args.limit, log=args.log)
+        check_reference_solutions(args.check, args.workers, timing=args.timing, limit=args.limit, log=args.log,
+                                  judges=args.judges)
     else:
         bench_verify(args)
 

@@ -427,10 +427,12 @@ def test_reference_check_reports_a_broken_task_and_goes_on(tmp_path, capsys):
     assert [json.loads(line)["status"] for line in log.read_text().splitlines()] in (["correct", "task_error"],
                                                                                      ["task_error", "correct"])
     capsys.readouterr()
-    check_reference_solutions(str(path), workers=2, log=str(log), device="cpu", cache_dir=tmp_path / "cache")
+    check_reference_solutions(str(path), workers=2, log=str(log), device="cpu", cache_dir=tmp_path / "cache",
+                              judges=2)
     out = capsys.readouterr().out
     assert [line.split(":")[1].strip() for line in out.splitlines() if line.startswith("- ")] == ["incorrect"]
     assert "1/3 reference solutions verified correct" in out and "2 verdicts from" in out
+    assert "2 judges busy" in out
     assert len(log.read_text().splitlines()) == 3
 
 
