@@ -110,7 +110,7 @@ def kernel_group(name: str) -> str:
 def bench_profile(args) -> None:
     """Where one batch-1 decode forward spends its time: CUDA-graph replays of the block step
     (4 new tokens against a cache of `--cache-len`, compiled layers unless --no-compile) timed
-    with CUDA events, then profiled; kernels are grouped into matmul / attention / other, and
+    with CUDA events, then profiled; kernels are grouped by `kernel_group`, and
     replay time minus kernel time is the gaps between the ~400 kernels of a forward."""
     from .sampler import CachedForward
     torch.manual_seed(0)

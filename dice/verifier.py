@@ -182,8 +182,9 @@ class Verifier:
     Every trial of every candidate passes through a judge (reference outputs, comparison), one
     request at a time per judge, so a large pool gets several: `judges` (default one per 8
     workers), each task always served by the same judge so that its reference outputs are cached
-    once (each judge keeps up to `reference_cache_gb` of them on the GPU). `judge_busy_s` is the judges' summed time answering requests: near `judges` x the wall
-    time means the judges, not the workers, bound the throughput."""
+    once (each judge keeps up to `reference_cache_gb` of them on the GPU). `judge_busy_s` is the
+    judges' summed time answering requests: near `judges` x the wall time means the judges, not
+    the workers, bound the throughput."""
 
     def __init__(self, workers: int = 4, *, device: str = "cuda", cache_dir: str | Path | None = None,
                  recycle_after: int = 50, warmup: int = 5, timing_trials: int = 100,
