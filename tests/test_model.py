@@ -106,12 +106,14 @@ def test_bad_mask_shape_is_a_clear_error(tiny):
         model(g["input_ids"], attention_mask=torch.ones(3, 3, dtype=torch.bool))
 
 
-def test_folded_bias_attends_like_the_bool_mask_and_like_repeated_keys():
+@pytest.mark.parametrize("lq", [5, 40])
+def test_folded_bias_attends_like_the_bool_mask_and_like_repeated_keys(lq):
     """GQA (8 query heads on 2 KV heads) with a once-per-forward bias equals the bool mask and the
-    textbook form: keys/values repeated per query head, softmax over masked scores."""
+    textbook form: keys/values repeated per query head, softmax over masked scores. 5 queries (20
+    folded rows) take the decoding path of explicit products, 40 (160 rows) take SDPA."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, h, t, 16, generator=gen, dtype=torch.float64) for h, t in ((8, 5), (2, 9), (2, 9)))
-    mask = torch.rand(2, 1, 5, 9, generator=gen) > 0.4
+    q, k, v = (torch.randn(2, h, t, 16, generator=gen, dtype=torch.float64) for h, t in ((8, lq), (2, 9), (2, 9)))
+    mask = torch.rand(2, 1, lq, 9, generator=gen) > 0.4
     mask[..., 0] = True                                              # every row keeps a key
     k_rep, v_rep = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
     scores = (q @ k_rep.transpose(-1, -2) / 4.0).masked_fill(~mask, float("-inf"))
