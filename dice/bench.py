@@ -155,6 +155,51 @@ def bench_profile(args) -> None:
           f"compile {not args.no_compile}, {torch.cuda.get_device_name()}; replay {replay_ms:.3f} ms "
           f"(median of {args.repeats}), roofline {roofline_ms:.3f} ms, {calls // args.repeats} kernels per forward")
     print(table(rows))
+    print(f"\ndecode attention per layer, {T} queries x {n + 2 * T} keys, {model.config.num_hidden_layers} "
+          f"layers' K/V in one compiled CUDA graph:")
+    print(table(decode_attention_rows(model.config, n + 2 * T, T)))
+
+
+def decode_attention_rows(cfg, kv_len: int, T: int) -> list[dict]:
+    """`attend` (explicit products for a decoding step) vs SDPA given the same folded bias, each
+    compiled and replayed as one CUDA graph over every layer's own K/V (so L2 holds none of it)."""
+    import torch.nn.functional as F
+    from .attention import attend, folded_attention_bias
+    H, Hkv, D, L = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+    g = H // Hkv
+    q = torch.randn(1, H, T, D, device="cuda", dtype=torch.bfloat16)
+    kv = [torch.randn(2, 1, Hkv, kv_len, D, device="cuda", dtype=torch.bfloat16) for _ in range(L)]
+    mask = torch.ones(1, 1, T, kv_len, dtype=torch.bool, device="cuda")
+    mask[..., kv_len - 2 * T:kv_len - T] = False                  # unfilled slots, as in the sampler
+    bias = folded_attention_bias(mask, g, torch.bfloat16)
+
+    def sdpa(q, k, v, bias):
+        out = F.scaled_dot_product_attention(q.reshape(1, Hkv, g * T, D), k, v, attn_mask=bias)
+        return out.reshape(1, H, T, D)
+    rows = []
+    for name, fn in (("attend (explicit products)", attend), ("SDPA, same folded bias", sdpa)):
+        f = torch.compile(fn, dynamic=False)
+        with torch.inference_mode():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for k, v in kv:
+                    f(q, k, v, bias)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for k, v in kv:
+                    f(q, k, v, bias)
+            times = []
+            for _ in range(50):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+        rows.append({"attention": name, "us / layer": round(statistics.median(times) * 1e3 / L, 2)})
+    return rows
 
 
 def bench_train(args) -> None:
@@ -277,7 +322,7 @@ def main(argv=None) -> None:
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--eager-gen", type=int, default=128, help="tokens for the (slow) eager batch-1 row")
     s.add_argument("--compile-batch", type=int, nargs="*", default=[1], help="batches also run with compile=True")
-    pr = sub.add_parser("profile", help="where a batch-1 decode forward spends its time")
+    pr = sub.add_parser("profile", help="where a batch-1 decode forward spends its time; decode attention vs SDPA")
     pr.add_argument("--shape", default="1.7b")
     pr.add_argument("--cache-len", type=int, default=1024)
     pr.add_argument("--repeats", type=int, default=50)
