@@ -113,6 +113,12 @@ def bench_profile(args) -> None:
     with CUDA events, then profiled; kernels are grouped by `kernel_group`, and
     replay time minus kernel time is the gaps between the ~400 kernels of a forward."""
     from .sampler import CachedForward
+    if args.max_autotune:
+        # Inductor times its Triton matmul templates against cuBLAS for each product shape and
+        # keeps the faster: a test of whether cuBLAS's 4-row products leave bandwidth unused
+        import torch._inductor.config
+        torch._inductor.config.max_autotune_gemm = True
+        torch._inductor.config.max_autotune_gemm_backends = "ATEN,TRITON"
     torch.manual_seed(0)
     model = random_model(args.shape)
     n, T = args.cache_len, 4
@@ -152,7 +158,7 @@ def bench_profile(args) -> None:
                  "% of replay": round(100 * gaps / replay_ms, 1)})
     roofline_ms = forward_weight_bytes(model) / HBM_BYTES_PER_S * 1e3
     print(f"\nprofile: random SDAR-{args.shape} bf16, batch 1, {T} new tokens against {n} cached, "
-          f"compile {not args.no_compile}, {torch.cuda.get_device_name()}; replay {replay_ms:.3f} ms "
+          f"compile {not args.no_compile}, max-autotune {args.max_autotune}, {torch.cuda.get_device_name()}; replay {replay_ms:.3f} ms "
           f"(median of {args.repeats}), roofline {roofline_ms:.3f} ms, {calls // args.repeats} kernels per forward")
     print(table(rows))
     print(f"\ndecode attention per layer, {T} queries x {n + 2 * T} keys, {model.config.num_hidden_layers} "
@@ -327,6 +333,7 @@ def main(argv=None) -> None:
     pr.add_argument("--cache-len", type=int, default=1024)
     pr.add_argument("--repeats", type=int, default=50)
     pr.add_argument("--no-compile", action="store_true")
+    pr.add_argument("--max-autotune", action="store_true", help="let Inductor pick Triton or cuBLAS per product shape")
     t = sub.add_parser("train", help="SFT step time, tokens/s, memory and MFU")
     t.add_argument("--shape", default="1.7b")
     t.add_argument("--seq-len", type=int, default=4096)
