@@ -85,7 +85,11 @@ def flex_block_diffusion_mask(position_ids: torch.Tensor, block_size: int,
 
 
 _compiled_flex = None
-DECODE_ROWS = 64       # folded query rows up to which a float-bias (decoding) call uses explicit products
+# A float-bias (decoding) call uses explicit products when it has at most DECODE_ROWS folded query
+# rows and fewer than DECODE_PAIRS (batch row, KV head) pairs: SDPA spreads its work over those
+# pairs and query tiles, so with few of them most of the GPU's 132 SMs idle (H200).
+DECODE_ROWS = 64
+DECODE_PAIRS = 128
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
@@ -107,10 +111,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
     # GQA without copying keys/values: the `groups` query heads that share a KV head become extra
     # query rows of that head (heads are grouped consecutively, as in repeat_interleave)
     q = q.reshape(B, H // groups, groups * Lq, D)
-    if mask.dtype != torch.bool and groups * Lq <= DECODE_ROWS:
-        # A decoding step: a few query rows against the whole cache. Here SDPA with an additive mask
-        # measured 29.8 us per layer and these explicit products 11.1 us (H200, compiled, batch 1,
-        # 4 queries x 1032 keys). Scores are [B, Hkv, rows, Lk] in float32: small for few rows.
+    if mask.dtype != torch.bool and groups * Lq <= DECODE_ROWS and B * k.shape[1] < DECODE_PAIRS:
+        # A small decoding step: few query rows and pairs against the whole cache. Here SDPA with an
+        # additive mask measured 29.8 us per layer and these explicit products 11.1 us (H200,
+        # compiled, batch 1, 4 queries x 1032 keys). Scores [B, Hkv, rows, Lk] are small here.
         scores = torch.matmul(q, k.transpose(-1, -2))
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * D ** -0.5 + mask
         return torch.matmul(scores.softmax(-1).to(v.dtype), v).reshape(B, H, Lq, D)

@@ -106,17 +106,24 @@ def test_bad_mask_shape_is_a_clear_error(tiny):
         model(g["input_ids"], attention_mask=torch.ones(3, 3, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("lq", [5, 40])
-def test_folded_bias_attends_like_the_bool_mask_and_like_repeated_keys(lq):
+@pytest.mark.parametrize("batch, lq", [(2, 5), (2, 40), (70, 5)])
+def test_folded_bias_attends_like_the_bool_mask_and_like_repeated_keys(batch, lq, monkeypatch):
     """GQA (8 query heads on 2 KV heads) with a once-per-forward bias equals the bool mask and the
-    textbook form: keys/values repeated per query head, softmax over masked scores. 5 queries (20
-    folded rows) take the decoding path of explicit products, 40 (160 rows) take SDPA."""
+    textbook form: keys/values repeated per query head, softmax over masked scores. Batch 2 with 5
+    queries (20 folded rows, 4 batch-head pairs) takes the decoding path of explicit products; 40
+    queries (160 rows) and batch 70 (140 pairs) take SDPA."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, h, t, 16, generator=gen, dtype=torch.float64) for h, t in ((8, lq), (2, 9), (2, 9)))
-    mask = torch.rand(2, 1, lq, 9, generator=gen) > 0.4
+    q, k, v = (torch.randn(batch, h, t, 16, generator=gen, dtype=torch.float64)
+               for h, t in ((8, lq), (2, 9), (2, 9)))
+    mask = torch.rand(batch, 1, lq, 9, generator=gen) > 0.4
     mask[..., 0] = True                                              # every row keeps a key
     k_rep, v_rep = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
     scores = (q @ k_rep.transpose(-1, -2) / 4.0).masked_fill(~mask, float("-inf"))
     textbook = scores.softmax(-1) @ v_rep
     torch.testing.assert_close(attend(q, k, v, mask), textbook)
+    sdpa_calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: sdpa_calls.append(1) or sdpa(*a, **kw))
     torch.testing.assert_close(attend(q, k, v, folded_attention_bias(mask, 4, torch.float64)), textbook)
+    assert len(sdpa_calls) == (0 if (batch, lq) == (2, 5) else 1)
