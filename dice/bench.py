@@ -208,58 +208,78 @@ def decode_attention_rows(cfg, kv_len: int, T: int) -> list[dict]:
     return rows
 
 
+def model_config(shape: str):
+    """A public SDAR shape ("1.7b", "4b", "8b") or the config.json of a model folder."""
+    from pathlib import Path
+    from .checkpoint import read_config
+    return read_config(shape) if Path(shape).is_dir() else sdar_shape(shape)
+
+
 def bench_train(args) -> None:
-    """One SFT step of a random SDAR-shaped model: step time, tokens/s, peak memory, MFU.
+    """SFT steps of a random SDAR-shaped model: step time, tokens/s, peak memory, MFU; under
+    `torchrun --nproc_per_node N` sharded with FSDP2 (as `train.py`), `--batch` rows per process.
 
     FLOPs per step = 6 * (layer matmul params) * 2n  (forward + backward, every token of [x_t ; x_0])
                    + 6 * d * V * masked              (lm_head on masked positions only)
                    + 12 * layers * heads * head_dim * visible (q, k) pairs of the block-diffusion mask
-    MFU = FLOPs / step time / 790 TFLOP/s (bf16 matmul rate measured on the H200).
+    per row, over all processes' rows. MFU = FLOPs / step time / (N x 790 TFLOP/s, the bf16 matmul
+    rate measured on the H200). The step time is the slowest process's; tokens/s per process at N
+    processes over that at 1 is the scaling efficiency.
     """
     from .attention import block_diffusion_mask
     from .diffusion import diffusion_loss
-    from .trainer import TrainConfig, make_optimizer
+    from .trainer import TrainConfig, make_optimizer, setup_runtime, shard
+    rt = setup_runtime()
+    cuda = rt.device.type == "cuda"
     torch.manual_seed(0)
-    cfg_model = sdar_shape(args.shape)
+    cfg_model = model_config(args.shape)
     n = args.seq_len
     with torch.device("meta"):
         model = SDAR(cfg_model)
-    model = model.to_empty(device="cuda").tie_weights().init_weights(seed=0).train()
+    model = model.to_empty(device=rt.device).tie_weights().init_weights(seed=0).train()
     model.gradient_checkpointing = args.grad_ckpt
+    if rt.world > 1:
+        shard(model)
     opt = make_optimizer(model, TrainConfig(lr=1e-5))
     prompt = n // 8
-    row = {"input_ids": torch.randint(0, 150000, (1, n)), "position_ids": torch.arange(n)[None],
+    row = {"input_ids": torch.randint(0, cfg_model.vocab_size - 1, (1, n)), "position_ids": torch.arange(n)[None],
            "sample_ids": torch.zeros(1, n, dtype=torch.long), "loss_mask": (torch.arange(n) >= prompt)[None]}
     batch = {k: v.repeat(args.batch, 1) for k, v in row.items()}
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = []
     for i in range(args.warmup + args.steps):
-        gens = [torch.Generator().manual_seed(i * 100 + j) for j in range(args.batch)]
-        torch.cuda.synchronize()
+        gens = [torch.Generator().manual_seed((i * rt.world + rt.rank) * 100 + j) for j in range(args.batch)]
+        sync()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = diffusion_loss(model, batch, gens, cfg_model.mask_token_id, use_flex=True)
+        with torch.autocast(rt.device.type, dtype=torch.bfloat16):
+            loss = diffusion_loss(model, batch, gens, cfg_model.mask_token_id, use_flex=cuda)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        sync()
         if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(rt.all_max(time.perf_counter() - t0))
     t = statistics.median(times)
+    rows = rt.world * args.batch
     layer_params = cfg_model.num_parameters(include_embedding=False)
     visible = int(block_diffusion_mask(torch.arange(n), cfg_model.block_size).sum())
     masked = int((n - prompt) * 0.5)  # E[p] = 1/2 of the response is masked
-    flops = args.batch * (6 * layer_params * 2 * n + 6 * cfg_model.hidden_size * cfg_model.vocab_size * masked
-                          + 12 * cfg_model.num_hidden_layers * cfg_model.num_attention_heads * cfg_model.head_dim * visible)
-    dense_6nd = args.batch * 2 * n * flops_per_token(cfg_model, 2 * n)
-    print(f"\ntrain bench: random SDAR-{args.shape}, bf16 autocast + fp32 master weights, AdamW, FlexAttention, "
-          f"batch {args.batch} x {n} tokens ({2 * n} doubled), grad ckpt {args.grad_ckpt}, "
-          f"{torch.cuda.get_device_name()}")
-    print(table([{"step ms": round(t * 1e3, 1), "tokens/s": round(args.batch * n / t),
-                  "doubled tokens/s": round(args.batch * 2 * n / t),
-                  "peak GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1),
-                  "TFLOP/step": round(flops / 1e12, 1), "MFU %": round(100 * flops / t / BF16_FLOPS, 1),
-                  "MFU % (dense 6ND+attn)": round(100 * dense_6nd / t / BF16_FLOPS, 1)}]))
+    flops = rows * (6 * layer_params * 2 * n + 6 * cfg_model.hidden_size * cfg_model.vocab_size * masked
+                    + 12 * cfg_model.num_hidden_layers * cfg_model.num_attention_heads * cfg_model.head_dim * visible)
+    dense_6nd = rows * 2 * n * flops_per_token(cfg_model, 2 * n)
+    peak = rt.all_max(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
+    if rt.rank != 0:
+        return
+    where = torch.cuda.get_device_name() if cuda else "CPU (MFU is against the H200's rate: not meaningful here)"
+    print(f"\ntrain bench: random SDAR-{args.shape}, bf16 autocast + fp32 master weights, AdamW, "
+          f"{'FlexAttention' if cuda else 'dense masks'}, {rt.world} process(es) x batch {args.batch} x {n} tokens "
+          f"({2 * n} doubled){', FSDP2' if rt.world > 1 else ''}, grad ckpt {args.grad_ckpt}, {where}")
+    print(table([{"processes": rt.world, "step ms": round(t * 1e3, 1), "tokens/s": round(rows * n / t),
+                  "tokens/s per process": round(args.batch * n / t), "doubled tokens/s": round(rows * 2 * n / t),
+                  "peak GiB (max rank)": round(peak, 1), "TFLOP/step": round(flops / 1e12, 1),
+                  "MFU %": round(100 * flops / t / (rt.world * BF16_FLOPS), 1),
+                  "MFU % (dense 6ND+attn)": round(100 * dense_6nd / t / (rt.world * BF16_FLOPS), 1)}]))
 
 
 def bench_model(args) -> None:
@@ -334,8 +354,8 @@ def main(argv=None) -> None:
     pr.add_argument("--repeats", type=int, default=50)
     pr.add_argument("--no-compile", action="store_true")
     pr.add_argument("--max-autotune", action="store_true", help="let Inductor pick Triton or cuBLAS per product shape")
-    t = sub.add_parser("train", help="SFT step time, tokens/s, memory and MFU")
-    t.add_argument("--shape", default="1.7b")
+    t = sub.add_parser("train", help="SFT step time, tokens/s, memory and MFU (torchrun: FSDP2 over N GPUs)")
+    t.add_argument("--shape", default="1.7b", help="1.7b, 4b, 8b, or a model folder whose config.json to use")
     t.add_argument("--seq-len", type=int, default=4096)
     t.add_argument("--batch", type=int, default=1)
     t.add_argument("--steps", type=int, default=5)
@@ -346,7 +366,7 @@ def main(argv=None) -> None:
     v = sub.add_parser("verify", help="kernels verified per minute (CuPy vs load_inline)")
     v.add_argument("--workers", type=int, default=8)
     args, rest = parser.parse_known_args(argv)
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and args.what != "train":
         sys.exit("python -m dice.bench needs a CUDA GPU; this machine has none")
     if args.what == "verify":
         from .bench_verify import main as verify_main

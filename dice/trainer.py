@@ -166,11 +166,17 @@ def build_model(cfg: TrainConfig, rt: Runtime, log) -> SDAR:
         model = SDAR(read_config(cfg.model)).init_weights(seed=cfg.seed).to(rt.device)
     model.gradient_checkpointing = cfg.gradient_checkpointing
     if rt.world > 1:
-        from torch.distributed.fsdp import fully_shard
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+        shard(model)
     return model.train()
+
+
+def shard(model: SDAR) -> SDAR:
+    """FSDP2 over the process group: every decoder layer is one unit (its parameters are gathered
+    just before it runs and freed after), the embedding, final norm and lm_head the root unit."""
+    from torch.distributed.fsdp import fully_shard
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
 
 
 def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:

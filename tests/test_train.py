@@ -1,6 +1,7 @@
 """`python train.py --phase sft` end to end on a tiny from-scratch model (CPU)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,3 +90,18 @@ def test_unknown_attention_is_one_line(addition_task, tmp_path):
     res = train(model, data, tmp_path / "out", "--steps", "1", "--attention", "sparse")
     assert res.returncode != 0
     assert res.stderr.strip().count("\n") == 0 and "--attention" in res.stderr, res.stderr
+
+
+def test_train_bench_runs_sharded_under_torchrun():
+    """`torchrun --nproc_per_node 2 -m dice.bench train`: FSDP2 over two gloo processes (the code path
+    of a multi-GPU benchmark), one table from rank 0 counting both processes' rows."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"]
+    res = subprocess.run([*torchrun, "-m", "dice.bench", "train", "--shape", str(ROOT / "tests/fixtures/tiny-sdar"),
+                          "--seq-len", "64", "--batch", "1", "--steps", "1", "--warmup", "1"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("train bench:") == 1 and "2 process(es) x batch 1 x 64 tokens" in res.stdout
+    header, values = (re.split(r"\s{2,}", line.strip()) for line in res.stdout.strip().splitlines()[-2:])
+    row = dict(zip(header, values))
+    assert row["processes"] == "2"
+    assert abs(int(row["tokens/s"]) - 2 * int(row["tokens/s per process"])) <= 2   # both ranks' rows count
