@@ -107,6 +107,19 @@ def kernel_group(name: str) -> str:
     return "other"
 
 
+def median_replay_ms(graph, repeats: int) -> float:
+    """Median milliseconds of `repeats` replays of a CUDA graph, each bracketed by CUDA events."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def bench_profile(args) -> None:
     """Where one batch-1 decode forward spends its time: CUDA-graph replays of the block step
     (4 new tokens against a cache of `--cache-len`, compiled layers unless --no-compile) timed
@@ -131,19 +144,11 @@ def bench_profile(args) -> None:
         model.forward_cached(ids[:, :n], pos[:, :n], cache, commit=n, valid=valid[:, :n], logits_from=n)
         step(ids[:, n:], pos[:, n:], valid[:, n:], 0, 0)        # captures the graph
         graph = next(iter(step.graphs.values()))["graph"]
-        times = []
-        for _ in range(args.repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+        replay_ms = median_replay_ms(graph, args.repeats)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(args.repeats):
                 graph.replay()
             torch.cuda.synchronize()
-    replay_ms = statistics.median(times)
     busy, calls = {}, 0
     for event in prof.key_averages():
         if event.self_device_time_total <= 0:
@@ -196,15 +201,7 @@ def decode_attention_rows(cfg, kv_len: int, T: int) -> list[dict]:
             with torch.cuda.graph(graph):
                 for k, v in kv:
                     f(q, k, v, bias)
-            times = []
-            for _ in range(50):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-        rows.append({"attention": name, "us / layer": round(statistics.median(times) * 1e3 / L, 2)})
+        rows.append({"attention": name, "us / layer": round(median_replay_ms(graph, 50) * 1e3 / L, 2)})
     return rows
 
 

@@ -280,7 +280,6 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
     # finish by length are known without reading the GPU, so the host enqueues steps ahead of it.
     rows, row_rem, row_g0 = list(range(n_rows)), rem.tolist(), gen_start.tolist()
     row_done = [False] * n_rows
-    done = torch.zeros(n_rows, dtype=torch.bool, device=device)
     out_tokens: list[list[int]] = [[] for _ in range(n_rows)]
     out_steps: list[list[int]] = [[] for _ in range(n_rows)]
     out_n_steps = [0] * n_rows
@@ -329,8 +328,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
         # the eos check reads the GPU (once a block), and only when there are eos ids
         finished = [not d and b1 - g0 >= max_new_tokens for d, g0 in zip(row_done, row_g0)]
         if eos_token_ids:
-            has_eos = (torch.isin(x[:, b0:b1], eos) & generated[:, b0:b1]).any(-1) & ~done
-            finished = [f or e for f, e in zip(finished, has_eos.tolist())]
+            has_eos = (torch.isin(x[:, b0:b1], eos) & generated[:, b0:b1]).any(-1)
+            finished = [f or (e and not d) for f, e, d in zip(finished, has_eos.tolist(), row_done)]
         newly = [r for r, f in enumerate(finished) if f]
         for r in newly:
             g0 = row_g0[r]
@@ -344,17 +343,16 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
             break
         if not newly:
             continue
-        done[newly] = True
+        generated[newly] = False    # a finished row still in the batch is never sampled again
         # drop finished rows; with graphs only once half the batch is done (each drop re-captures)
         if not graphs or 2 * sum(row_done) >= len(row_done):
             keep_rows = [r for r, d in enumerate(row_done) if not d]
             keep = torch.tensor(keep_rows, device=device)
-            x, pos, valid, generated, step_map, steps, seeds, done = (
-                t[keep] for t in (x, pos, valid, generated, step_map, steps, seeds, done))
+            x, pos, valid, generated, step_map, steps, seeds = (
+                t[keep] for t in (x, pos, valid, generated, step_map, steps, seeds))
             rows, row_rem, row_g0, row_done = ([v[r] for r in keep_rows] for v in (rows, row_rem, row_g0, row_done))
             if cache is not None:
                 cache.keep_rows(keep)
                 step_forward.reset()
-        generated &= ~done[:, None]
 
     return GenerationResult(out_tokens, out_steps, forwards, time.perf_counter() - start, out_n_steps)
