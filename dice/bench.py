@@ -129,9 +129,9 @@ def bench_profile(args) -> None:
     if args.max_autotune:
         # Inductor times its Triton matmul templates against cuBLAS for each product shape and
         # keeps the faster: a test of whether cuBLAS's 4-row products leave bandwidth unused
-        import torch._inductor.config
-        torch._inductor.config.max_autotune_gemm = True
-        torch._inductor.config.max_autotune_gemm_backends = "ATEN,TRITON"
+        from torch._inductor import config as inductor_config
+        inductor_config.max_autotune_gemm = True
+        inductor_config.max_autotune_gemm_backends = "ATEN,TRITON"
     torch.manual_seed(0)
     model = random_model(args.shape)
     n, T = args.cache_len, 4
