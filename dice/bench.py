@@ -169,6 +169,8 @@ def bench_profile(args) -> None:
     print(f"\ndecode attention per layer, {T} queries x {n + 2 * T} keys, {model.config.num_hidden_layers} "
           f"layers' K/V in one compiled CUDA graph:")
     print(table(decode_attention_rows(model.config, n + 2 * T, T)))
+    print(f"\ndecode matrix products, {T} rows, each shape one CUDA graph over every layer's own weight:")
+    print(table(decode_product_rows(model, T)))
 
 
 def decode_attention_rows(cfg, kv_len: int, T: int) -> list[dict]:
@@ -202,6 +204,42 @@ def decode_attention_rows(cfg, kv_len: int, T: int) -> list[dict]:
                 for k, v in kv:
                     f(q, k, v, bias)
         rows.append({"attention": name, "us / layer": round(median_replay_ms(graph, 50) * 1e3 / L, 2)})
+    return rows
+
+
+def decode_product_rows(model, T: int) -> list[dict]:
+    """Each matrix product of a decode forward on its own: `T` rows times every layer's weight of
+    one shape, replayed as one CUDA graph (distinct weights, so each streams from HBM; the lm_head,
+    far larger than L2, repeats its one weight). The sum is the forward's product time with no
+    attention, norms or gaps; against the weight roofline it bounds what any schedule of these
+    kernels can reach."""
+    import torch.nn.functional as F
+    layers = model.model.layers
+    shapes = {"qkv_proj": [l.self_attn.qkv_proj.weight for l in layers],
+              "o_proj": [l.self_attn.o_proj.weight for l in layers],
+              "gate_up_proj": [l.mlp.gate_up_proj.weight for l in layers],
+              "down_proj": [l.mlp.down_proj.weight for l in layers],
+              "lm_head": [model.lm_head.weight] * len(layers)}
+    rows, total_us, total_bytes = [], 0.0, 0
+    for name, weights in shapes.items():
+        xs = [torch.randn(T, w.shape[1], device="cuda", dtype=w.dtype) for w in weights]
+        with torch.inference_mode():
+            for x, w in zip(xs, weights):
+                F.linear(x, w)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for x, w in zip(xs, weights):
+                    F.linear(x, w)
+        us = median_replay_ms(graph, 30) * 1e3 / len(weights)
+        per_forward = us * (1 if name == "lm_head" else len(layers))
+        nbytes = weights[0].numel() * weights[0].element_size()
+        total_us += per_forward
+        total_bytes += nbytes * (1 if name == "lm_head" else len(layers))
+        rows.append({"product": name, "weight MB": round(nbytes / 1e6, 1), "us / call": round(us, 2),
+                     "TB/s": round(nbytes / us / 1e6, 2), "ms / forward": round(per_forward / 1e3, 3)})
+    rows.append({"product": "all", "weight MB": round(total_bytes / 1e6, 1), "us / call": "",
+                 "TB/s": round(total_bytes / total_us / 1e6, 2), "ms / forward": round(total_us / 1e3, 3)})
     return rows
 
 
