@@ -112,11 +112,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
     # query rows of that head (heads are grouped consecutively, as in repeat_interleave)
     q = q.reshape(B, H // groups, groups * Lq, D)
     if mask.dtype != torch.bool and groups * Lq <= DECODE_ROWS and B * k.shape[1] < DECODE_PAIRS:
-        # A small decoding step: few query rows and pairs against the whole cache. Here SDPA with an
-        # additive mask takes 30.0 us per layer and these explicit products 11.7 us (H200, compiled,
-        # batch 1, 4 queries x 1032 keys; `python -m dice.bench profile`). Scores are small here.
-        scores = torch.matmul(q, k.transpose(-1, -2))
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * D ** -0.5 + mask
+        # A small decoding step: few query rows and pairs against the whole cache, where SDPA with
+        # an additive mask leaves most SMs idle (`python -m dice.bench profile` times both). The
+        # scores [B, Hkv, rows, Lk] are small, so they are made in float32 as SDPA keeps them: a
+        # bf16 product would round each score before the softmax.
+        acc = torch.promote_types(q.dtype, torch.float32)
+        scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * D ** -0.5 + mask
         return torch.matmul(scores.softmax(-1).to(v.dtype), v).reshape(B, H, Lq, D)
     if mask.dtype == torch.bool and groups > 1:
         mask = mask.expand(*mask.shape[:-3], 1, Lq, mask.shape[-1]).unsqueeze(-3)

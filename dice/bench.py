@@ -124,7 +124,7 @@ def bench_profile(args) -> None:
     """Where one batch-1 decode forward spends its time: CUDA-graph replays of the block step
     (4 new tokens against a cache of `--cache-len`, compiled layers unless --no-compile) timed
     with CUDA events, then profiled; kernels are grouped by `kernel_group`, and
-    replay time minus kernel time is the gaps between the ~400 kernels of a forward."""
+    replay time minus kernel time is the gaps between the ~500 kernels of a forward."""
     from .sampler import CachedForward
     if args.max_autotune:
         # Inductor times its Triton matmul templates against cuBLAS for each product shape and
@@ -183,7 +183,7 @@ def decode_attention_rows(cfg, kv_len: int, T: int) -> list[dict]:
     q = torch.randn(1, H, T, D, device="cuda", dtype=torch.bfloat16)
     kv = [torch.randn(2, 1, Hkv, kv_len, D, device="cuda", dtype=torch.bfloat16) for _ in range(L)]
     mask = torch.ones(1, 1, T, kv_len, dtype=torch.bool, device="cuda")
-    mask[..., kv_len - 2 * T:kv_len - T] = False                  # unfilled slots, as in the sampler
+    mask[..., kv_len - T:] = False              # the step writes slots [kv_len-2T, kv_len-T); the rest are unfilled
     bias = folded_attention_bias(mask, g, torch.bfloat16)
 
     def sdpa(q, k, v, bias):
@@ -257,7 +257,8 @@ def bench_train(args) -> None:
     FLOPs per step = 6 * (layer matmul params) * 2n  (forward + backward, every token of [x_t ; x_0])
                    + 6 * d * V * masked              (lm_head on masked positions only)
                    + 12 * layers * heads * head_dim * visible (q, k) pairs of the block-diffusion mask
-    per row, over all processes' rows. MFU = FLOPs / step time / (N x 790 TFLOP/s, the bf16 matmul
+    per row, over all processes' rows; with --grad-ckpt the layers' forward runs twice, adding a third
+    of the layer and attention terms. MFU = FLOPs / step time / (N x 790 TFLOP/s, the bf16 matmul
     rate measured on the H200). The step time is the slowest process's; tokens/s per process at N
     processes over that at 1 is the scaling efficiency.
     """
@@ -277,13 +278,15 @@ def bench_train(args) -> None:
         shard(model)
     opt = make_optimizer(model, TrainConfig(lr=1e-5))
     prompt = n // 8
-    row = {"input_ids": torch.randint(0, cfg_model.vocab_size - 1, (1, n)), "position_ids": torch.arange(n)[None],
+    ids = torch.randint(0, cfg_model.vocab_size - 1, (1, n))
+    ids += (ids >= cfg_model.mask_token_id).long()              # every id but the mask token
+    row = {"input_ids": ids, "position_ids": torch.arange(n)[None],
            "sample_ids": torch.zeros(1, n, dtype=torch.long), "loss_mask": (torch.arange(n) >= prompt)[None]}
     batch = {k: v.repeat(args.batch, 1) for k, v in row.items()}
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = []
     for i in range(args.warmup + args.steps):
-        gens = [torch.Generator().manual_seed((i * rt.world + rt.rank) * 100 + j) for j in range(args.batch)]
+        gens = [torch.Generator().manual_seed((i * rt.world + rt.rank) * args.batch + j) for j in range(args.batch)]
         sync()
         t0 = time.perf_counter()
         with torch.autocast(rt.device.type, dtype=torch.bfloat16):
@@ -300,8 +303,11 @@ def bench_train(args) -> None:
     layer_params = cfg_model.num_parameters(include_embedding=False)
     visible = int(block_diffusion_mask(torch.arange(n), cfg_model.block_size).sum())
     masked = int((n - prompt) * 0.5)  # E[p] = 1/2 of the response is masked
-    flops = rows * (6 * layer_params * 2 * n + 6 * cfg_model.hidden_size * cfg_model.vocab_size * masked
-                    + 12 * cfg_model.num_hidden_layers * cfg_model.num_attention_heads * cfg_model.head_dim * visible)
+    layer_flops = 6 * layer_params * 2 * n + 12 * cfg_model.num_hidden_layers * cfg_model.num_attention_heads \
+        * cfg_model.head_dim * visible
+    if args.grad_ckpt:
+        layer_flops = layer_flops * 4 // 3                    # each layer's forward is recomputed in backward
+    flops = rows * (layer_flops + 6 * cfg_model.hidden_size * cfg_model.vocab_size * masked)
     dense_6nd = rows * 2 * n * flops_per_token(cfg_model, 2 * n)
     peak = rt.all_max(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
     if rt.rank != 0:

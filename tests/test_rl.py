@@ -164,8 +164,8 @@ def test_two_process_gloo_rl_matches_one_process(tmp_path):
     one = subprocess.run([sys.executable, str(script), str(model), str(tmp_path / "one")], capture_output=True,
                          text=True, cwd=root, timeout=300)
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          "29533", str(script), str(model), str(tmp_path / "two")], capture_output=True, text=True,
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(script), str(model), str(tmp_path / "two")], capture_output=True, text=True,
                          cwd=root, timeout=300)
     assert two.returncode == 0, two.stderr
     a = [json.loads(l) for l in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]

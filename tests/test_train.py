@@ -70,7 +70,7 @@ def test_two_process_gloo_matches_one_process(addition_task, tmp_path):
     model, data = addition_task
     one = train(model, data, tmp_path / "one", "--steps", "4", "--batch-size", "4")
     assert one.returncode == 0, one.stderr
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     two = train(model, data, tmp_path / "two", "--steps", "4", "--batch-size", "2", launcher=torchrun)
     assert two.returncode == 0, two.stderr
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
@@ -95,13 +95,12 @@ def test_unknown_attention_is_one_line(addition_task, tmp_path):
 def test_train_bench_runs_sharded_under_torchrun():
     """`torchrun --nproc_per_node 2 -m dice.bench train`: FSDP2 over two gloo processes (the code path
     of a multi-GPU benchmark), one table from rank 0 counting both processes' rows."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     res = subprocess.run([*torchrun, "-m", "dice.bench", "train", "--shape", str(ROOT / "tests/fixtures/tiny-sdar"),
                           "--seq-len", "64", "--batch", "1", "--steps", "1", "--warmup", "1"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.count("train bench:") == 1 and "2 process(es) x batch 1 x 64 tokens" in res.stdout
+    assert res.stdout.count("train bench:") == 1
+    assert "2 process(es) x batch 1 x 64 tokens (128 doubled), FSDP2" in res.stdout
     header, values = (re.split(r"\s{2,}", line.strip()) for line in res.stdout.strip().splitlines()[-2:])
-    row = dict(zip(header, values))
-    assert row["processes"] == "2"
-    assert abs(int(row["tokens/s"]) - 2 * int(row["tokens/s per process"])) <= 2   # both ranks' rows count
+    assert dict(zip(header, values))["processes"] == "2"
