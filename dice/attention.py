@@ -114,10 +114,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
     if mask.dtype != torch.bool and groups * Lq <= DECODE_ROWS and B * k.shape[1] < DECODE_PAIRS:
         # A small decoding step: few query rows and pairs against the whole cache, where SDPA with
         # an additive mask leaves most SMs idle (`python -m dice.bench profile` times both). The
-        # scores [B, Hkv, rows, Lk] are small, so they are made in float32 as SDPA keeps them: a
-        # bf16 product would round each score before the softmax.
-        acc = torch.promote_types(q.dtype, torch.float32)
-        scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * D ** -0.5 + mask
+        # scores [B, Hkv, rows, Lk] are small, so they are kept in float32 as SDPA keeps them: a
+        # bf16 product would round each score before the softmax. On CUDA, cuBLAS writes a half
+        # product's float32 accumulator directly, which spares a float32 copy of the keys.
+        if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+            scores = torch.bmm(q.flatten(0, 1), k.flatten(0, 1).transpose(-1, -2), out_dtype=torch.float32)
+            scores = scores.unflatten(0, (B, -1))
+        else:
+            acc = torch.promote_types(q.dtype, torch.float32)
+            scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2))
+        scores = scores * D ** -0.5 + mask
         return torch.matmul(scores.softmax(-1).to(v.dtype), v).reshape(B, H, Lq, D)
     if mask.dtype == torch.bool and groups > 1:
         mask = mask.expand(*mask.shape[:-3], 1, Lq, mask.shape[-1]).unsqueeze(-3)
