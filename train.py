@@ -16,6 +16,12 @@ def main(argv=None) -> None:
             sys.exit(f"train.py: --{flag} is required (see README)")
     if cfg.attention not in ("auto", "flex", "dense"):
         sys.exit(f"train.py: --attention must be auto, flex or dense, not {cfg.attention!r}")
+    if cfg.dtype not in ("auto", "bf16", "fp32"):
+        sys.exit(f"train.py: --dtype must be auto, bf16 or fp32, not {cfg.dtype!r}")
+    if cfg.phase == "sft" and not (cfg.steps or cfg.epochs):
+        sys.exit("train.py: --phase sft needs --steps N or --epochs E")
+    if cfg.phase in ("infill", "e2e") and not cfg.steps:
+        sys.exit(f"train.py: --phase {cfg.phase} needs --steps N (RL steps to run)")
     if cfg.phase == "init":
         init_model_folder(cfg)
     elif cfg.phase == "sft":

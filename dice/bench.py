@@ -404,15 +404,17 @@ def main(argv=None) -> None:
     t.add_argument("--grad-ckpt", action="store_true")
     m = sub.add_parser("model", help="bf16 vs fp32 logits, flex vs dense attention")
     m.add_argument("--shape", default="1.7b")
-    v = sub.add_parser("verify", help="kernels verified per minute (CuPy vs load_inline)")
-    v.add_argument("--workers", type=int, default=8)
+    # verify's flags live in bench_verify, which parses (and lists with --help) everything after "verify"
+    sub.add_parser("verify", add_help=False, help="kernels verified per minute (CuPy vs load_inline), or --check")
     args, rest = parser.parse_known_args(argv)
-    if not torch.cuda.is_available() and args.what != "train":
-        sys.exit("python -m dice.bench needs a CUDA GPU; this machine has none")
     if args.what == "verify":
         from .bench_verify import main as verify_main
-        verify_main(rest + ["--workers", str(args.workers)])
+        verify_main(rest)
         return
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if not torch.cuda.is_available() and args.what != "train":
+        sys.exit("python -m dice.bench needs a CUDA GPU; this machine has none")
     {"sample": bench_sample, "profile": bench_profile, "train": bench_train, "model": bench_model}[args.what](args)
 
 

@@ -26,6 +26,8 @@ import tempfile
 import time
 from types import SimpleNamespace
 
+import torch
+
 from dice.tasks import load_tasks
 from dice.verifier import Verifier
 
@@ -279,6 +281,8 @@ def main(argv=None) -> None:
     parser.add_argument("--log", metavar="JSONL", help="with --check: append each verdict here; solutions "
                         "already logged are skipped (continue a run that was cut short; delete the file to start over)")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("python -m dice.bench verify needs a CUDA GPU; this machine has none")
     if args.check:
         check_reference_solutions(args.check, args.workers, timing=args.timing, limit=args.limit, log=args.log,
                                   judges=args.judges)

@@ -52,7 +52,7 @@ class TrainConfig:
     epochs: float = 0.0
     batch_size: int = 8
     grad_accum: int = 1
-    lr: float = 1e-5
+    lr: float = 0.0                  # 0: the phase's default, 1e-5 for SFT and 1e-6 for RL (DESIGN.md §7)
     min_lr_ratio: float = 0.1
     warmup: int = 0
     weight_decay: float = 0.0
@@ -92,6 +92,10 @@ class TrainConfig:
     eval_data: str = ""
     verifier_workers: int = 8
     verify_timeout: float = 15.0     # a hanging sampled kernel costs its worker this long
+
+    def __post_init__(self):
+        if not self.lr:
+            self.lr = 1e-6 if self.phase in ("infill", "e2e") else 1e-5
 
 
 # ---------------------------------------------------------------- devices and processes

@@ -68,3 +68,24 @@ def test_evaluate_reads_solution_files_and_reference_code(tmp_path):
                                                   ("level2/3_Fused", "s2")]
     ref = read_solutions(argparse.Namespace(solutions="reference"), tasks)
     assert [code for _, code in ref] == ["ref", None, None]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--phase", "e2e"], "--phase e2e needs --steps N"),
+    (["--phase", "sft"], "--phase sft needs --steps N or --epochs E"),
+    (["--phase", "sft", "--steps", "1", "--dtype", "fp16"], "--dtype must be auto, bf16 or fp32"),
+])
+def test_train_flags_that_would_silently_do_nothing_are_one_line_errors(tmp_path, args, message):
+    """RL without --steps ran no step and wrote an untrained final/; SFT without --steps/--epochs ran
+    one step; an unknown --dtype meant fp32."""
+    res = run("train.py", *args, "--model", str(tmp_path), "--data", str(tmp_path / "d.json"), "--out", str(tmp_path / "o"))
+    assert res.returncode != 0 and message in res.stderr and res.stderr.strip().count("\n") == 0
+    assert not (tmp_path / "o").exists()
+
+
+def test_learning_rate_defaults_follow_the_phase():
+    """DESIGN.md §7: BiC-RL uses AdamW lr 1e-6; SFT keeps 1e-5; an explicit --lr wins."""
+    from dice.trainer import TrainConfig, config_from_args
+    assert TrainConfig(phase="infill").lr == TrainConfig(phase="e2e").lr == 1e-6
+    assert TrainConfig(phase="sft").lr == 1e-5
+    assert config_from_args(["--phase", "e2e", "--lr", "3e-4"]).lr == 3e-4
