@@ -113,13 +113,21 @@ def main(argv=None) -> None:
         print(f"\rverifying [{bar:<{width}}] {done[0]}/{len(runnable)} "
               f"({done[0] / (time.perf_counter() - started):.1f}/s)", end="", file=sys.stderr, flush=True)
 
+    broken = {}   # task source -> why its reference fails
     with Verifier(workers=args.workers) as verifier:
         verified = iter(verifier.map(runnable, progress=show, trials=args.trials, timing=not args.no_timing,
-                                     timeout_s=args.timeout))
+                                     timeout_s=args.timeout,
+                                     on_broken_task=lambda i, e: broken.setdefault(runnable[i][0], e)))
     print(file=sys.stderr)
     no_code = VerifyResult(status="compile_error", message="no code block in the answer / no solution file")
     results = [next(verified) if code else no_code for _, code in pairs]
-    summary = summarize([(t.name, t.level, r) for (t, _), r in zip(pairs, results)], ks=(1, 5, 10))
+    # a task whose own reference fails is left out of every rate: no candidate could pass it
+    for t in {t.name: t for t, _ in pairs if t.source in broken}.values():
+        print(f"warning: task {t.name} is left out of the rates: {broken[t.source]}", file=sys.stderr)
+    kept = [(p, r) for p, r in zip(pairs, results) if p[0].source not in broken]
+    pairs, results = [p for p, _ in kept], [r for _, r in kept]
+    summary = summarize([(t.name, t.level, r) for (t, _), r in zip(pairs, results)], ks=(1, 5, 10),
+                        timed=not args.no_timing)
     print(format_summary(summary))
     if args.out:
         records = [{"task": t.name, "level": t.level, **asdict(r)} for (t, _), r in zip(pairs, results)]

@@ -4,7 +4,8 @@ All rates are fractions of *all* samples (a sample = one generated kernel for on
 
 - compiled: the candidate built and loaded;
 - correct: it matched the reference on every trial and broke no rule;
-- fast_p: correct AND speedup > p (fast_0 needs a measured speedup, so verify with timing);
+- fast_p: correct AND speedup > p (fast_0 needs a measured speedup, so verify with timing;
+  without timing, `timed=False`, fast_p is None: unknown, not zero);
 - geomean_speedup: exp(mean(log speedup)) over the correct samples that were timed;
 - pass@k: per task with n samples of which c are correct, the unbiased estimator of
   Chen et al. 2021, pass@k = 1 - C(n-c, k) / C(n, k), averaged over tasks with n >= k.
@@ -26,9 +27,9 @@ class Summary:
     samples: int
     compiled: float
     correct: float
-    fast_0: float
-    fast_1: float
-    fast_2: float
+    fast_0: float | None
+    fast_1: float | None
+    fast_2: float | None
     geomean_speedup: float | None
     pass_at_k: dict[int, float] = field(default_factory=dict)
 
@@ -59,8 +60,8 @@ def geometric_mean_speedup(results: list) -> float | None:
     return math.exp(sum(math.log(s) for s in speedups) / len(speedups))
 
 
-def summarize_group(rows: list[tuple[str, object]], ks: Iterable[int] = (1, 5, 10)) -> Summary:
-    """Metrics for one group of (task name, result) rows."""
+def summarize_group(rows: list[tuple[str, object]], ks: Iterable[int] = (1, 5, 10), timed: bool = True) -> Summary:
+    """Metrics for one group of (task name, result) rows; `timed`: whether the results were timed."""
     results = [r for _, r in rows]
     n = len(results)
     per_task = defaultdict(list)
@@ -76,15 +77,16 @@ def summarize_group(rows: list[tuple[str, object]], ks: Iterable[int] = (1, 5, 1
         samples=n,
         compiled=sum(bool(r.compiled) for r in results) / n if n else 0.0,
         correct=sum(bool(r.correct) for r in results) / n if n else 0.0,
-        fast_0=fast_p(results, 0.0),
-        fast_1=fast_p(results, 1.0),
-        fast_2=fast_p(results, 2.0),
+        fast_0=fast_p(results, 0.0) if timed else None,
+        fast_1=fast_p(results, 1.0) if timed else None,
+        fast_2=fast_p(results, 2.0) if timed else None,
         geomean_speedup=geometric_mean_speedup(results),
         pass_at_k=passes,
     )
 
 
-def summarize(rows: Iterable[tuple[str, int | None, object]], ks: Iterable[int] = (1, 5, 10)) -> dict[str, Summary]:
+def summarize(rows: Iterable[tuple[str, int | None, object]], ks: Iterable[int] = (1, 5, 10),
+              timed: bool = True) -> dict[str, Summary]:
     """Per-level metrics from (task name, level, result) rows.
 
     Keys are "level1", "level2", ... ("level?" for tasks without a level) and "all"."""
@@ -93,8 +95,8 @@ def summarize(rows: Iterable[tuple[str, int | None, object]], ks: Iterable[int] 
     groups = defaultdict(list)
     for name, level, result in rows:
         groups["level?" if level is None else f"level{level}"].append((name, result))
-    summary = {key: summarize_group(groups[key], ks) for key in sorted(groups)}
-    summary["all"] = summarize_group([(name, r) for name, _, r in rows], ks)
+    summary = {key: summarize_group(groups[key], ks, timed) for key in sorted(groups)}
+    summary["all"] = summarize_group([(name, r) for name, _, r in rows], ks, timed)
     return summary
 
 
@@ -113,5 +115,5 @@ def format_summary(summary: dict[str, Summary]) -> str:
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in lines)
 
 
-def _pct(fraction: float) -> str:
-    return f"{100 * fraction:.1f}%"
+def _pct(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f}%"

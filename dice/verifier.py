@@ -26,8 +26,9 @@ Stages, first failure wins:
    results), verifier functions replaced. Incorrect: not torch.allclose(atol, rtol) to the
    reference (NaN/Inf only where the reference has them, same shapes/dtypes/device), on any trial
    or on the repeated call;
-4. timing (if `timing`): median over timing_trials calls with L2 flushed and input buffers
-   rotated, CUDA events bracketing a device-wide synchronize; the eager reference is timed the same
+4. timing (if `timing`): median over timing_trials calls with L2 flushed, each call on inputs
+   from a fresh seed (no trial's; rotated only when memory runs out, see `input_sets`), CUDA
+   events bracketing a device-wide synchronize; the eager reference is timed the same
    way (cached per task, GPU and torch version). speedup = baseline_ms / runtime_ms. Only one
    timing runs at a time and no correctness check runs during it (`GpuLock`). Invalid when the
    host clock over the same bracket exceeds 2 x event time + 0.5 ms: for honest code the two
@@ -108,6 +109,10 @@ class VerifyOptions:
     atol: float = 1e-2
     rtol: float = 1e-2
 
+    def __post_init__(self):
+        if self.trials < 1:
+            raise ValueError(f"trials={self.trials}: verification needs at least one correctness trial")
+
 
 # ---------------------------------------------------------------------------------------------
 # Static checks on the candidate source.
@@ -118,6 +123,9 @@ def static_check(source: str, need_kernel: bool) -> VerifyResult | None:
         tree = ast.parse(source)
     except SyntaxError as exc:
         return VerifyResult("compile_error", message=f"candidate.py line {exc.lineno}: SyntaxError: {exc.msg}")
+    except (ValueError, RecursionError, MemoryError) as exc:  # null bytes; nesting too deep for the parser
+        return VerifyResult("compile_error", message=f"candidate.py does not parse: {type(exc).__name__}: "
+                            f"{str(exc)[:200]}")
     defined = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
     defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
     if "ModelNew" not in defined:
@@ -132,17 +140,28 @@ def static_check(source: str, need_kernel: bool) -> VerifyResult | None:
     return None
 
 
-def trial_seeds(base: int, trials: int) -> tuple[int, list[int]]:
-    """(weight-init seed, one seed per trial), all derived from `base`."""
+def trial_seeds(base: int, trials: int) -> tuple[int, list[int], int]:
+    """(weight-init seed, one seed per trial, timing seed), all derived from `base`. Timed calls
+    use inputs from seeds timing_seed, timing_seed + 1, ..., none of them a trial's, so outputs
+    a candidate remembered from the correctness trials cannot serve them."""
     rng = random.Random(base)
-    return rng.randrange(2**31), [rng.randrange(2**31) for _ in range(trials)]
+    init_seed, seeds = rng.randrange(2**31), [rng.randrange(2**31) for _ in range(trials)]
+    timing_seed = rng.randrange(2**31)
+    while any(0 <= timing_seed - s < 2**16 for s in seeds):
+        timing_seed = rng.randrange(2**31)
+    return init_seed, seeds, timing_seed
 
 
 # ---------------------------------------------------------------------------------------------
 # The pool.
 
 class BaselineCache:
-    """Eager baseline times in memory and in a JSON file (merged and replaced atomically on write)."""
+    """Eager baseline times in memory and in a JSON file (merged and replaced atomically on write).
+
+    The file is read once, when the Verifier starts, and only positive finite times are kept;
+    within a run the times in memory rule. Candidate workers run as the same user and could
+    rewrite the file for a later run: delete it (or use a fresh `cache_dir`) before runs whose
+    speedups you publish."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -151,9 +170,12 @@ class BaselineCache:
 
     def _read(self) -> dict:
         try:
-            return json.loads(self.path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+            stored = json.loads(self.path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
             return {}
+        if not isinstance(stored, dict):
+            return {}
+        return {k: v for k, v in stored.items() if type(v) is float and 0 < v < float("inf")}
 
     def get(self, key: str) -> float | None:
         with self._lock:
@@ -278,7 +300,7 @@ class Verifier:
     def _run_candidate(self, worker: WorkerProcess, task_src: str, candidate_src: str,
                        opts: VerifyOptions) -> VerifyResult:
         task = {"task_src": task_src, "task_key": hashlib.sha256(task_src.encode()).hexdigest()}
-        init_seed, seeds = trial_seeds(self._seed_base if opts.seed is None else opts.seed, opts.trials)
+        init_seed, seeds, timing_seed = trial_seeds(self._seed_base if opts.seed is None else opts.seed, opts.trials)
         with self._gpu.shared():  # a broken task fails here, blamed on the task, before any compiling
             self._judge_call({"op": "reference", **task, "init_seed": init_seed, "seed": seeds[0]})
         reply = self._ask(worker, {"op": "load", **task, "candidate_src": candidate_src, "init_seed": init_seed},
@@ -307,10 +329,10 @@ class Verifier:
         if not opts.timing:
             return VerifyResult("correct", compiled=True, message=f"correct on {len(seeds)} trials")
         with self._gpu.exclusive():
-            timed = self._ask(worker, {"op": "time", "seed": seeds[0]}, clock, "timing forward")
+            timed = self._ask(worker, {"op": "time", "seed": timing_seed}, clock, "timing forward")
             if timed["status"] != "ok":
                 return self._failed(timed, compiled=True)
-            baseline_ms = self._baseline_ms(task, init_seed, seeds[0])
+            baseline_ms = self._baseline_ms(task, init_seed, timing_seed)
         runtime_ms, wall_ms = timed["runtime_ms"], timed["wall_ms"]
         if wall_ms > 2 * runtime_ms + WALL_SLACK_MS:
             return VerifyResult("invalid", compiled=True, runtime_ms=runtime_ms, message=(
@@ -386,8 +408,8 @@ class Verifier:
         except (WorkerTimeout, WorkerDied) as exc:
             if candidate_outputs:
                 return {"status": "runtime_error", "message": f"the judge failed while comparing the outputs ({exc})"}
-            raise RuntimeError(f"the reference (judge) worker failed ({exc}); the task's Model, get_inputs or "
-                               "get_init_inputs may crash or hang") from None
+            raise TaskError(f"task {request['task_key'][:12]}: the reference (judge) worker failed ({exc}); the "
+                            "task's Model, get_inputs or get_init_inputs crashes or hangs; fix the task source") from None
         if reply["status"] == "task_error":
             raise TaskError(f"task {request['task_key'][:12]}: the reference failed: {reply['message']}; "
                             "fix the task source")

@@ -2,9 +2,10 @@
 
 A `WorkerProcess` is one fresh interpreter (multiprocessing "spawn": never a fork of a process
 that may hold a CUDA context) running `dice.verifier_worker.serve`. The parent talks to it over a
-pipe, one request dict -> one reply dict at a time. When a request overruns its deadline the
-process is killed (SIGKILL); when the process dies (segfault, os._exit, CUDA abort) the pipe
-reports EOF. Either way the caller gets `WorkerTimeout` / `WorkerDied` and the handle has already
+pipe, one request dict -> one reply dict at a time; replies are decoded with `plain_loads`
+(built-in types only), so a tampered worker cannot run code in the parent. When a request overruns
+its deadline the worker's process group is killed (SIGKILL: the worker and whatever it started);
+when the process dies (segfault, os._exit, CUDA abort) the pipe reports EOF. Either way the caller gets `WorkerTimeout` / `WorkerDied` and the handle has already
 started a replacement, so a bad candidate costs one process, never the pool.
 
 Worker stdout/stderr (including C-level output: nvcc logs, CUDA asserts, faulthandler tracebacks)
@@ -17,16 +18,19 @@ exclusive, so no other work of this pool runs on the GPU while a kernel is being
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from dice.verifier_worker import serve
+from dice.verifier_worker import plain_loads, serve
 
 STARTUP_TIMEOUT_S = 300.0  # importing torch + cupy and creating a CUDA context on a busy host
 LOG_TAIL_LINES = 40
+LOG_TAIL_BYTES = 64 * 2**10    # of a dead worker's log, read back into the parent
+REPLY_MAX_BYTES = 2**30        # a longer reply is treated as the worker's death
 
 
 class WorkerTimeout(Exception):
@@ -80,6 +84,11 @@ class WorkerProcess:
         self.jobs = 0
 
     def _kill(self) -> None:
+        if self._process is not None and self._process.pid is not None:
+            try:  # the worker leads its own process group (verifier_worker.serve)
+                os.killpg(self._process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         if self._process is not None and self._process.is_alive():
             self._process.kill()
         if self._process is not None:
@@ -140,9 +149,19 @@ class WorkerProcess:
             self._start()
             raise WorkerTimeout(f"no answer within {timeout:.0f} s")
         try:
-            return self._conn.recv()
+            data = self._conn.recv_bytes(REPLY_MAX_BYTES)
         except (EOFError, OSError):
             raise self._died(log_start) from None
+        try:
+            reply = plain_loads(data)
+        except Exception as exc:
+            reply = exc
+        if not isinstance(reply, dict):
+            self._kill()
+            self._start()
+            return {"status": "invalid", "message": f"the {self.role} worker sent a reply that is not plain data "
+                    f"({str(reply)[:200]}); the candidate tampered with the verifier"}
+        return reply
 
     def _died(self, log_start: int) -> WorkerDied:
         self._process.join(timeout=30)
@@ -160,8 +179,8 @@ class WorkerProcess:
     def _log_tail(self, start: int) -> str:
         try:
             with open(self.log_path, "rb") as f:
-                f.seek(start)
-                text = f.read().decode(errors="replace")
+                f.seek(max(start, self.log_path.stat().st_size - LOG_TAIL_BYTES))
+                text = f.read(LOG_TAIL_BYTES).decode(errors="replace")
         except FileNotFoundError:
             return ""
         return "\n".join(text.strip().splitlines()[-LOG_TAIL_LINES:])

@@ -13,23 +13,34 @@ Two roles, each one process (see `dice.verifier_pool`):
   reach the reference outputs or the comparison.
 
 Tensor transport: CUDA outputs travel as CUDA IPC handles (torch.multiprocessing's pickler; no
-copy), CPU outputs by value. The candidate worker keeps shipped outputs alive until its next
-request, as CUDA IPC requires.
+copy), CPU outputs as raw bytes. The candidate worker keeps shipped outputs alive until its next
+request, as CUDA IPC requires. Whatever a candidate worker sends is decoded strictly: replies to
+the parent by `plain_loads` (built-in types only, no class or function is ever looked up, so a
+reply cannot run code in the trainer), outputs in the judge by `import_tensor` (only torch's
+CUDA-IPC tensor rebuild), so a candidate can neither run code in the trainer nor reach the
+judge's reference outputs.
 
 Trust: the harness calls torch through `verifier_checks.trusted` (captured before any candidate
-code runs) and the candidate worker reports `invalid` (and is recycled) when a candidate replaced
-one of `verifier_checks.WATCHED`. Workers are a boundary against crashes, hangs and reward hacks,
-not a security sandbox: a candidate that deliberately forges pipe messages is out of scope.
+code runs). The candidate worker reports `invalid` (and is recycled) when a candidate replaced one
+of `verifier_checks.WATCHED` or any function of the harness itself (`HarnessSnapshot`), or left
+threads running. Each worker leads its own process group, so a kill also ends what a candidate
+started (compilers, subprocesses). Workers are a boundary against crashes, hangs and reward hacks,
+not a security sandbox: a candidate in the same interpreter can still rewrite the harness more
+deeply (e.g. a function's code object) and make its own worker report a false time or verdict; it
+cannot make the judge accept outputs it did not produce.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import gc
+import io
 import linecache
+import multiprocessing.connection
 import os
 import pickle
 import random
+import resource
 import statistics
 import sys
 import threading
@@ -45,23 +56,29 @@ import torch.multiprocessing  # noqa: F401 - registers the CUDA IPC reductions o
 from torch import nn
 
 from dice.verifier_build import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
+from dice import verifier_build, verifier_checks
 from dice.verifier_checks import (aliased_outputs, compare_outputs, fingerprint, flatten, modified_inputs,
                                   replaced_functions, same_bits, trusted)
 
 L2_FLUSH_BYTES = 256 * 2**20    # > L2 of any current GPU (H100 50 MB, H200 60 MB, B200 126 MB)
-TIMING_INPUT_BYTES = 2**30      # extra input copies for timing, rotated so no call sees warm buffers
+TIMING_INPUT_BYTES = 2**30      # input sets for timing, each drawn from its own seed (see input_sets)
 TASK_IMPORT_SEED = 0            # module-level randomness of a task is the same in every process
+WORKER_FILE_BYTES = 2**30       # largest file a worker may write (its log, a build): stops output floods
 
 
 def serve(conn, role: str, config: dict, log_path: str) -> None:
     """Worker main loop: one request dict in, one reply dict out, until None or EOF."""
+    os.setsid()  # its own process group: the parent's kill reaches everything a candidate started
+    resource.setrlimit(resource.RLIMIT_FSIZE, (WORKER_FILE_BYTES, WORKER_FILE_BYTES))
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
     sys.stdout.reconfigure(line_buffering=True)
     faulthandler.enable()  # a segfault leaves a Python traceback in the log for the parent to quote
     handler = CandidateHandler(config) if role == "candidate" else JudgeHandler(config)
-    conn.send(handler.info)
+    harness = HarnessSnapshot() if role == "candidate" else None
+    send = multiprocessing.connection.Connection.send
+    send(conn, handler.info)
     while True:
         try:
             request = conn.recv()
@@ -74,7 +91,47 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
         except Exception as exc:  # a failure outside the candidate's code paths; keep serving
             reply = {"status": "runtime_error", "recycle": True,
                      "message": f"verifier {role} worker failed: {describe_exception(exc)}"}
-        conn.send(reply)
+        changed = harness.changed() if harness is not None else []
+        if changed:
+            reply = {"status": "invalid", "recycle": True, "message": f"the candidate replaced "
+                     f"{', '.join(changed[:5])} in the verifier's worker; candidates must not modify the harness"}
+        send(conn, reply)
+
+
+class HarnessSnapshot:
+    """What a candidate worker's replies and later candidates depend on, captured before any
+    candidate code runs: every name in the harness modules, the handler class, `trusted`, the
+    pipe and the pickler, and the functions of torch's main namespaces (a candidate that patched
+    torch.Tensor.clamp_min would change the next candidate's results). `changed()` names those a
+    candidate has since replaced or deleted."""
+
+    def __init__(self):
+        harness = {"dice.verifier_worker": sys.modules[__name__], "dice.verifier_checks": verifier_checks,
+                   "dice.verifier_build": verifier_build, "CandidateHandler": CandidateHandler,
+                   "verifier_checks.trusted": trusted, "statistics": statistics,
+                   "Connection": multiprocessing.connection.Connection, "ForkingPickler": ForkingPickler,
+                   "pickle": pickle}
+        torch_spaces = {"torch": torch, "torch.Tensor": torch.Tensor, "torch.nn.functional": torch.nn.functional,
+                        "torch.nn.Module": nn.Module}
+        self.harness, self.torch_spaces = harness, torch_spaces
+        self.objects = {(label, name): value for label, space in harness.items() for name, value in vars(space).items()}
+        for label, space in torch_spaces.items():   # dir(): methods a class inherits (Tensor's live in C)
+            for name in dir(space):
+                value = getattr(space, name, None)
+                if callable(value):
+                    self.objects[label, name] = value
+
+    def changed(self) -> list[str]:
+        missing = object()
+        changed = []
+        for (label, name), value in self.objects.items():
+            if label in self.harness:
+                now = vars(self.harness[label]).get(name, missing)
+            else:
+                now = getattr(self.torch_spaces[label], name, missing)
+            if now is not value and now != value:   # `!=`: a classmethod is a new bound method each time
+                changed.append(f"{label}.{name}")
+        return changed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,10 +209,11 @@ def make_inputs(task: types.ModuleType, seed: int, device: torch.device) -> list
 
 
 def export_tensor(t: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-    """(bytes the judge can unpickle, tensor to keep alive meanwhile)."""
+    """(bytes for `import_tensor` in the judge, tensor to keep alive meanwhile)."""
     t = t.detach()
     if not t.is_cuda:
-        return pickle.dumps(t), t
+        raw = trusted.clone(t.reshape(-1)).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        return pickle.dumps(("cpu", str(t.dtype), list(t.shape), raw.numpy().tobytes())), t
     try:
         return bytes(ForkingPickler.dumps(t)), t
     except Exception:
@@ -164,15 +222,58 @@ def export_tensor(t: torch.Tensor) -> tuple[bytes, torch.Tensor]:
         return bytes(ForkingPickler.dumps(t)), t
 
 
+class _StrictUnpickler(pickle.Unpickler):
+    """Looks up only the globals in `allowed`: unpickling then cannot call anything else."""
+
+    def __init__(self, data: bytes, allowed: frozenset):
+        super().__init__(io.BytesIO(data))
+        self.allowed = allowed
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed here")
+        return super().find_class(module, name)
+
+
+_DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+_CUDA_TENSOR_GLOBALS = frozenset(
+    {("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), ("torch", "Tensor"), ("torch", "Size"),
+     ("torch", "device"), ("torch.storage", "TypedStorage")} | {("torch", str(d)[6:]) for d in _DTYPES.values()})
+
+
+def plain_loads(data: bytes):
+    """Unpickle built-in data (dict, list, tuple, str, bytes, numbers, bool, None) and nothing else."""
+    return _StrictUnpickler(data, frozenset()).load()
+
+
+def import_tensor(data: bytes) -> torch.Tensor:
+    """The judge's side of `export_tensor`: a CUDA tensor through torch's IPC rebuild, or a CPU
+    tensor from its raw bytes; anything else raises."""
+    value = _StrictUnpickler(data, _CUDA_TENSOR_GLOBALS).load()
+    if isinstance(value, tuple) and len(value) == 4 and value[0] == "cpu":
+        _, dtype, shape, raw = value
+        if dtype not in _DTYPES or not isinstance(raw, bytes) or not all(type(n) is int for n in shape):
+            raise ValueError("malformed CPU tensor from the candidate worker")
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        value = flat.view(_DTYPES[dtype]).reshape(shape)
+    if type(value) is not torch.Tensor:
+        raise ValueError(f"the candidate worker sent a {type(value).__name__}, not a tensor")
+    return value
+
+
 def _nbytes(values: list) -> int:
     return sum(x.numel() * x.element_size() for x in values if isinstance(x, torch.Tensor))
 
 
-def input_sets(inputs: list) -> list[list]:
-    """The inputs plus up to 3 copies in fresh buffers (as memory allows), rotated while timing."""
-    copies = min(3, TIMING_INPUT_BYTES // max(_nbytes(inputs), 1))
-    fresh = lambda: [trusted.clone(x) if isinstance(x, torch.Tensor) else x for x in inputs]  # noqa: E731
-    return [inputs] + [fresh() for _ in range(copies)]
+def input_sets(task: types.ModuleType, seed: int, calls: int, device: torch.device) -> list[list]:
+    """Inputs for the timed calls: set i from `make_inputs(task, seed + i)`, one per call while
+    TIMING_INPUT_BYTES allow (then rotated). Fresh values on every call keep a forward that
+    caches results keyed on its inputs from beating the clock; where inputs are too large for
+    that, sets repeat and such a cache would hit."""
+    sets = [make_inputs(task, seed, device)]
+    count = max(1, min(calls, TIMING_INPUT_BYTES // max(_nbytes(sets[0]), 1)))
+    sets += [make_inputs(task, seed + i, device) for i in range(1, count)]
+    return sets
 
 
 def time_forward(model: nn.Module, sets: list[list], device: torch.device, warmup: int, trials: int) -> dict:
@@ -248,6 +349,7 @@ class CandidateHandler:
         self.info = {"device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
                      "profiler_works": profiler_works}
         self.flags = _global_flags()
+        self.threads = set(threading.enumerate())  # the harness's own; any other is a candidate's
 
     def load(self, request: dict) -> dict:
         if self.task is not None:  # the previous candidate was not unloaded (its worker kept running)
@@ -270,7 +372,8 @@ class CandidateHandler:
             self.model = build_model(self.task, cls, request["init_seed"], self.device)
         except Exception as exc:
             return self._finish(self._run_error(exc, "ModelNew(*get_init_inputs())"))
-        return self._finish({"status": "ok"})
+        return self._finish(self._threads_left("loading the module or ModelNew(*get_init_inputs())")
+                            or {"status": "ok"})
 
     def run(self, request: dict) -> dict:
         """One correctness trial: forward on inputs from `seed` (twice if `repeat`), checks, export."""
@@ -278,7 +381,6 @@ class CandidateHandler:
         seed = request["seed"]
         inputs = make_inputs(self.task, seed, self.device)
         originals = [trusted.clone(x) if isinstance(x, torch.Tensor) else None for x in inputs]
-        threads = set(threading.enumerate())
         kernels, second = None, None
         try:
             if request["profile"] and self.cuda:
@@ -294,10 +396,9 @@ class CandidateHandler:
             if type(t) is not torch.Tensor:
                 return self._finish({"status": "invalid", "message": f"output {i % len(outputs)} is a "
                                      f"{type(t).__name__}; forward must return torch.Tensor outputs"})
-        started = [t.name for t in threading.enumerate() if t not in threads and t.is_alive()]
-        if started:
-            return self._finish({"status": "invalid", "message": f"forward left background threads running "
-                                 f"({', '.join(started)}); all work must finish inside forward"})
+        left = self._threads_left("forward")
+        if left:
+            return self._finish(left)
         if not_ready:
             return self._finish({"status": "invalid", "message": f"output {not_ready[0]} was still being "
                                  "written after torch's current stream finished: forward launched work on "
@@ -317,7 +418,7 @@ class CandidateHandler:
     def time(self, request: dict) -> dict:
         self.pending = []
         try:
-            sets = input_sets(make_inputs(self.task, request["seed"], self.device))
+            sets = input_sets(self.task, request["seed"], self.warmup + self.timing_trials, self.device)
             stats = time_forward(self.model, sets, self.device, self.warmup, self.timing_trials)
         except Exception as exc:
             return self._finish(self._run_error(exc, "forward (while timing)"))
@@ -349,6 +450,15 @@ class CandidateHandler:
                 return flatten(self.model(*inputs))
         outputs, kernels = launched_kernels(forward, self.device)
         return outputs, [], kernels
+
+    def _threads_left(self, where: str) -> dict | None:
+        """The verdict when candidate code left threads running (they outlive the candidate, so
+        the worker is replaced), else None."""
+        started = [t.name for t in threading.enumerate() if t not in self.threads and t.is_alive()]
+        if not started:
+            return None
+        return {"status": "invalid", "recycle": True, "message": f"{where} left background threads running "
+                f"({', '.join(started[:5])}); all work must finish inside forward"}
 
     def _load_error(self, exc: Exception) -> dict:
         if isinstance(exc, SyntaxError):
@@ -427,8 +537,8 @@ class JudgeHandler:
         except Exception as exc:
             return self._failed("task_error", describe_exception(exc, "task.py"))
         try:
-            got = [pickle.loads(data) for data in request["outputs"]]
-            second = [pickle.loads(data) for data in request["second"]] if request["second"] is not None else None
+            got = [import_tensor(data) for data in request["outputs"]]
+            second = [import_tensor(data) for data in request["second"]] if request["second"] is not None else None
             expected, atol, rtol = reference["outputs"], request["atol"], request["rtol"]
             reply = {
                 "status": "ok",
@@ -454,7 +564,7 @@ class JudgeHandler:
         try:
             task = self._task(request["task_key"], request["task_src"])
             model = self._model(task, request["task_key"], request["init_seed"])
-            sets = input_sets(make_inputs(task, request["seed"], self.device))
+            sets = input_sets(task, request["seed"], self.warmup + self.timing_trials, self.device)
             stats = time_forward(model, sets, self.device, self.warmup, self.timing_trials)
         except Exception as exc:
             return self._failed("task_error", describe_exception(exc, "task.py"))

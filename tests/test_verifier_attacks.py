@@ -1,0 +1,183 @@
+"""CPU tests of the verifier against hostile candidates: code meant to run in the trainer, to reach
+the judge's reference outputs, to beat the clock with cached results, or to outlive its worker.
+
+Each attack here succeeded against an earlier version of the verifier (a review's reproductions)."""
+
+import os
+import pickle
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dice.metrics import format_summary, summarize
+from dice.verifier import TaskError, Verifier, VerifyOptions, VerifyResult, static_check
+from dice.verifier_worker import export_tensor, import_tensor, plain_loads
+
+FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
+RELU_TASK = (FIXTURES / "relu_task.py").read_text()
+GOOD = ("import torch\nimport torch.nn as nn\n\nclass ModelNew(nn.Module):\n"
+        "    def forward(self, x):\n        return x.clamp_min(0)\n")
+MATMUL_TASK = """import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def forward(self, a, b):
+        return a @ b
+
+def get_inputs():
+    return [torch.randn(256, 256), torch.randn(256, 256)]
+
+def get_init_inputs():
+    return []
+"""
+
+
+class RunsCode:
+    """Unpickling this calls `open(path, "w")`: proof that a loader ran code it was sent."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory):
+    with Verifier(workers=1, device="cpu", cache_dir=tmp_path_factory.mktemp("cache"), timing_trials=10,
+                  warmup=1) as v:
+        yield v
+
+
+def test_loaders_refuse_anything_but_plain_data_and_tensors(tmp_path):
+    marker = tmp_path / "ran"
+    for load in (plain_loads, import_tensor):
+        with pytest.raises(pickle.UnpicklingError):
+            load(pickle.dumps(RunsCode(str(marker))))
+    with pytest.raises(pickle.UnpicklingError):
+        import_tensor(pickle.dumps(torch.ones(3)))          # torch's own pickle goes through torch.load
+    assert not marker.exists()
+    reply = {"status": "ok", "kernels": ["k"], "aliased": [[0, 1]], "runtime_ms": 1.5, "second": None}
+    assert plain_loads(pickle.dumps(reply)) == reply
+    for t in (torch.randn(3, 4), torch.arange(6, dtype=torch.int16).reshape(2, 3)[:, 1:], torch.ones(()),
+              torch.empty(0, 5), torch.randn(4, dtype=torch.bfloat16), torch.tensor([True, False])):
+        data, _ = export_tensor(t)
+        back = import_tensor(data)
+        assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+def test_a_reply_that_would_run_code_in_the_trainer_is_refused(verifier, tmp_path):
+    # reply["mutated"] pickles an object whose unpickling calls open(): the trainer must not run it
+    marker = tmp_path / "ran-in-trainer"
+    source = GOOD + (f"\nclass RunsCode:\n    def __reduce__(self):\n"
+                     f"        return (open, ({str(marker)!r}, 'w'))\n"
+                     "import dice.verifier_checks as c\n"
+                     "c.RunsCode = RunsCode\n"
+                     "def evil(originals, inputs):\n    return [RunsCode()]\n"
+                     # a new code object in the same function object: the harness snapshot cannot see it
+                     "c.modified_inputs.__code__ = evil.__code__\n")
+    result = verifier.verify(RELU_TASK, source, timing=False)
+    assert result.status == "invalid" and "not plain data" in result.message, result
+    assert not marker.exists()
+    assert verifier.verify(RELU_TASK, GOOD, timing=False).correct        # a fresh worker serves
+
+
+@pytest.mark.parametrize("patch, name", [
+    ("import dice.verifier_worker as w\nw.export_tensor = lambda t: (b'', t)", "export_tensor"),
+    ("import statistics\nstatistics.median = lambda values: 1e-6", "statistics.median"),
+    ("torch.Tensor.clamp_min = lambda self, m: self.abs()", "torch.Tensor.clamp_min"),   # would skew the next
+    ("import dice.verifier_worker as w\nw.CandidateHandler.time = lambda self, r: "
+     "{'status': 'ok', 'runtime_ms': 1e-6, 'wall_ms': 1e-6, 'trials': 1}", "CandidateHandler.time"),
+])
+def test_replacing_the_harness_is_invalid(verifier, patch, name):
+    result = verifier.verify(RELU_TASK, GOOD + "\n" + patch + "\n")
+    assert result.status == "invalid" and name in result.message, result
+    assert verifier.verify(RELU_TASK, GOOD, timing=False).correct
+
+
+def test_results_cached_on_input_values_do_not_beat_the_clock(verifier):
+    # computes on the first call per distinct input and replays it after: every timed call sees
+    # fresh inputs, so it must compute every time (an earlier verifier timed repeats: 9,000x)
+    memo = ("import torch\nimport torch.nn as nn\n\nclass ModelNew(nn.Module):\n"
+            "    def __init__(self):\n        super().__init__()\n        self.memo = {}\n\n"
+            "    def forward(self, a, b):\n"
+            "        key = tuple(a[0, :4].tolist()) + tuple(b[0, :4].tolist())\n"
+            "        if key not in self.memo:\n            self.memo[key] = a @ b\n"
+            "        return self.memo[key]\n")
+    result = verifier.verify(MATMUL_TASK, memo, seed=3)
+    assert result.correct and result.speedup < 3, result
+
+
+def test_a_timeout_kills_what_the_candidate_started(verifier, tmp_path):
+    pid_file = tmp_path / "child.pid"
+    hang = GOOD.replace("        return x.clamp_min(0)\n",
+                        "        import subprocess, time\n"
+                        "        child = subprocess.Popen(['sleep', '300'])\n"
+                        f"        open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+                        "        time.sleep(300)\n")
+    result = verifier.verify(RELU_TASK, hang, timing=False, timeout_s=5)
+    assert result.status == "timeout"
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "the candidate's subprocess outlived its worker"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"          # a killed child not yet reaped by init is a zombie: dead
+
+
+def test_threads_started_at_load_are_caught_and_the_worker_replaced(verifier):
+    source = GOOD.replace("class ModelNew(nn.Module):\n",
+                          "import threading, time\n\nclass ModelNew(nn.Module):\n"
+                          "    def __init__(self):\n        super().__init__()\n"
+                          "        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n\n")
+    result = verifier.verify(RELU_TASK, source, timing=False)
+    assert result.status == "invalid" and "background threads" in result.message, result
+    assert verifier.verify(RELU_TASK, GOOD, timing=False).correct   # not blamed on the next candidate
+
+
+def test_a_flood_of_output_reaches_the_trainer_only_as_a_short_tail(verifier):
+    flood = GOOD.replace("        return x.clamp_min(0)\n",
+                         "        import os, sys\n        sys.stdout.write(('x' * 1000 + '\\n') * 20000)\n"
+                         "        sys.stdout.flush()\n        os._exit(3)\n")
+    result = verifier.verify(RELU_TASK, flood, timing=False)
+    assert result.status == "runtime_error" and "exited with code 3" in result.message
+    assert len(result.message) < 20_000
+
+
+def test_sources_the_parser_cannot_take_are_compile_errors():
+    deep = "x = " + "-" * 100_000 + "1\n"
+    for source in (deep, "class ModelNew:\n    pass\n\x00"):
+        result = static_check(source, need_kernel=False)
+        assert result is not None and result.status == "compile_error", source[:20]
+
+
+def test_a_reference_that_kills_its_judge_is_a_task_error(tmp_path):
+    crash = RELU_TASK.replace("return [torch.randn(256, 1024)]", "import os\n    os._exit(4)")
+    assert crash != RELU_TASK
+    with Verifier(workers=1, device="cpu", cache_dir=tmp_path) as v:
+        reported = []
+        results = v.map([(crash, GOOD), (RELU_TASK, GOOD)], timing=False,
+                        on_broken_task=lambda i, e: reported.append((i, e)))
+        assert results[0] is None and results[1].correct
+        assert [i for i, _ in reported] == [0] and isinstance(reported[0][1], TaskError)
+    with pytest.raises(ValueError, match="at least one"):
+        VerifyOptions(trials=0)
+
+
+def test_without_timing_fast_p_is_unknown_not_zero():
+    results = [("a", 1, VerifyResult("correct", compiled=True)), ("b", 1, VerifyResult("incorrect", compiled=True))]
+    untimed = summarize(results, ks=(1,), timed=False)["all"]
+    assert untimed.correct == 0.5 and untimed.fast_0 is None and untimed.fast_1 is None
+    table = format_summary({"all": untimed})
+    assert table.splitlines()[1].split()[5:8] == ["-", "-", "-"]
+    assert summarize(results, ks=(1,))["all"].fast_1 == 0.0
