@@ -26,9 +26,10 @@ Stages, first failure wins:
    results), verifier functions replaced. Incorrect: not torch.allclose(atol, rtol) to the
    reference (NaN/Inf only where the reference has them, same shapes/dtypes/device), on any trial
    or on the repeated call;
-4. timing (if `timing`): median over timing_trials calls with L2 flushed, each call on inputs
-   from a fresh seed (no trial's; rotated only when memory runs out, see `input_sets`), CUDA
-   events bracketing a device-wide synchronize; the eager reference is timed the same
+4. timing (if `timing`): median over timing_trials calls with L2 flushed, on inputs from fresh
+   seeds with new values every call (`TimedInputs`), CUDA events bracketing a device-wide
+   synchronize, then one more trial on new values written into the timed buffers (outputs
+   cached by input value or by buffer address fail); the eager reference is timed the same
    way (cached per task, GPU and torch version). speedup = baseline_ms / runtime_ms. Only one
    timing runs at a time and no correctness check runs during it (`GpuLock`). Invalid when the
    host clock over the same bracket exceeds 2 x event time + 0.5 ms: for honest code the two
@@ -142,12 +143,12 @@ def static_check(source: str, need_kernel: bool) -> VerifyResult | None:
 
 def trial_seeds(base: int, trials: int) -> tuple[int, list[int], int]:
     """(weight-init seed, one seed per trial, timing seed), all derived from `base`. Timed calls
-    use inputs from seeds timing_seed, timing_seed + 1, ..., none of them a trial's, so outputs
-    a candidate remembered from the correctness trials cannot serve them."""
+    use inputs from seeds timing_seed, timing_seed + 1, ... and the trial after timing
+    timing_seed - 1, none of them a correctness trial's."""
     rng = random.Random(base)
     init_seed, seeds = rng.randrange(2**31), [rng.randrange(2**31) for _ in range(trials)]
     timing_seed = rng.randrange(2**31)
-    while any(0 <= timing_seed - s < 2**16 for s in seeds):
+    while any(-1 <= timing_seed - s < 2**16 for s in seeds):
         timing_seed = rng.randrange(2**31)
     return init_seed, seeds, timing_seed
 
@@ -308,22 +309,14 @@ class Verifier:
         if reply["status"] != "ok":  # the module imported if the failure came after that
             return self._failed(reply, compiled=reply["status"] in ("invalid", "runtime_error"))
         clock, history = _Clock(opts.timeout_s), []
+
+        def trial(where: str, seed: int, **run) -> VerifyResult | None:
+            return self._trial(worker, task, init_seed, seed, where, clock, history, candidate_src, opts, **run)
+
         for i, seed in enumerate(seeds):
-            where = f"trial {i + 1} of {len(seeds)} (seed {seed})"
-            with self._gpu.shared():
-                # Profiling only the last trial keeps a crashing kernel away from the profiler.
-                ran = self._ask(worker, {"op": "run", "seed": seed, "profile": i == len(seeds) - 1,
-                                         "repeat": i == 0}, clock, "running forward")
-                if ran["status"] != "ok":
-                    return self._failed(ran, compiled=True, where=where)
-                judged = self._judge_call({"op": "compare", **task, "init_seed": init_seed, "seed": seed,
-                                           "outputs": ran["outputs"], "second": ran["second"],
-                                           "atol": opts.atol, "rtol": opts.rtol}, candidate_outputs=True)
-            if judged["status"] != "ok":
-                return self._failed(judged, compiled=True, where=where)
-            if ran["kernels"] is not None and not worker.info.get("profiler_works"):
-                raise RuntimeError(PROFILER_BROKEN)
-            verdict = self._trial_verdict(where, candidate_src, ran, judged, history)
+            # Profiling only the last trial keeps a crashing kernel away from the profiler.
+            verdict = trial(f"trial {i + 1} of {len(seeds)} (seed {seed})", seed, profile=i == len(seeds) - 1,
+                            repeat=i == 0)
             if verdict is not None:
                 return verdict
         if not opts.timing:
@@ -333,6 +326,11 @@ class Verifier:
             if timed["status"] != "ok":
                 return self._failed(timed, compiled=True)
             baseline_ms = self._baseline_ms(task, init_seed, timing_seed)
+        # new values in the very buffers just timed: catches outputs cached by buffer address
+        verdict = trial("the trial after timing (new values in the timed input buffers)", timing_seed - 1,
+                        profile=False, repeat=False, timed_buffers=True)
+        if verdict is not None:
+            return verdict
         runtime_ms, wall_ms = timed["runtime_ms"], timed["wall_ms"]
         if wall_ms > 2 * runtime_ms + WALL_SLACK_MS:
             return VerifyResult("invalid", compiled=True, runtime_ms=runtime_ms, message=(
@@ -343,6 +341,23 @@ class Verifier:
                             runtime_ms=runtime_ms, baseline_ms=baseline_ms,
                             message=f"correct on {len(seeds)} trials; {runtime_ms:.4g} ms vs eager "
                                     f"{baseline_ms:.4g} ms")
+
+    def _trial(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, where: str, clock: _Clock,
+               history: list, candidate_src: str, opts: VerifyOptions, **run) -> VerifyResult | None:
+        """One correctness trial (forward in the worker, comparison in the judge): its verdict
+        when it fails, else None. `run`: the worker's run flags (profile, repeat, timed_buffers)."""
+        with self._gpu.shared():
+            ran = self._ask(worker, {"op": "run", "seed": seed, **run}, clock, "running forward")
+            if ran["status"] != "ok":
+                return self._failed(ran, compiled=True, where=where)
+            judged = self._judge_call({"op": "compare", **task, "init_seed": init_seed, "seed": seed,
+                                       "outputs": ran["outputs"], "second": ran["second"],
+                                       "atol": opts.atol, "rtol": opts.rtol}, candidate_outputs=True)
+        if judged["status"] != "ok":
+            return self._failed(judged, compiled=True, where=where)
+        if ran["kernels"] is not None and not worker.info.get("profiler_works"):
+            raise RuntimeError(PROFILER_BROKEN)
+        return self._trial_verdict(where, candidate_src, ran, judged, history)
 
     def _trial_verdict(self, where: str, candidate_src: str, ran: dict, judged: dict,
                        history: list) -> VerifyResult | None:

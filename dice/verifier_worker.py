@@ -61,7 +61,8 @@ from dice.verifier_checks import (aliased_outputs, compare_outputs, fingerprint,
                                   replaced_functions, same_bits, trusted)
 
 L2_FLUSH_BYTES = 256 * 2**20    # > L2 of any current GPU (H100 50 MB, H200 60 MB, B200 126 MB)
-TIMING_INPUT_BYTES = 2**30      # input sets for timing, each drawn from its own seed (see input_sets)
+TIMING_INPUT_BYTES = 2**30      # input sets for timing (see TimedInputs)
+PERTURBATION = 2**-6            # relative noise on float inputs per timed call (bf16 resolves 2^-8)
 TASK_IMPORT_SEED = 0            # module-level randomness of a task is the same in every process
 WORKER_FILE_BYTES = 2**30       # largest file a worker may write (its log, a build): stops output floods
 
@@ -261,25 +262,50 @@ def import_tensor(data: bytes) -> torch.Tensor:
     return value
 
 
+def _same_layout(a: list, b: list) -> bool:
+    """Whether two input lists hold tensors of the same shapes and dtypes at the same places."""
+    return len(a) == len(b) and all(
+        (x.shape, x.dtype, x.device) == (y.shape, y.dtype, y.device) if isinstance(x, torch.Tensor) else
+        not isinstance(y, torch.Tensor) for x, y in zip(a, b))
+
+
 def _nbytes(values: list) -> int:
     return sum(x.numel() * x.element_size() for x in values if isinstance(x, torch.Tensor))
 
 
-def input_sets(task: types.ModuleType, seed: int, calls: int, device: torch.device) -> list[list]:
-    """Inputs for the timed calls: set i from `make_inputs(task, seed + i)`, one per call while
-    TIMING_INPUT_BYTES allow (then rotated). Fresh values on every call keep a forward that
-    caches results keyed on its inputs from beating the clock; where inputs are too large for
-    that, sets repeat and such a cache would hit."""
-    sets = [make_inputs(task, seed, device)]
-    count = max(1, min(calls, TIMING_INPUT_BYTES // max(_nbytes(sets[0]), 1)))
-    sets += [make_inputs(task, seed + i, device) for i in range(1, count)]
-    return sets
+class TimedInputs:
+    """Inputs for timed calls: up to 4 sets from fresh seeds (seed, seed + 1, ...) as
+    TIMING_INPUT_BYTES allow, rotated. Before every call, outside the timed bracket, each floating
+    input of the set is rewritten as its pristine value x (1 + PERTURBATION u), u uniform in
+    [-1, 1) and new per call, so no timed call repeats the values of another or of a correctness
+    trial: a forward that caches outputs keyed on input values cannot beat the clock. One keyed on
+    buffer addresses is caught by the trial after timing, on new values written into `buffers`."""
+
+    def __init__(self, task: types.ModuleType, seed: int, device: torch.device):
+        first = make_inputs(task, seed, device)
+        count = max(1, min(4, TIMING_INPUT_BYTES // max(2 * _nbytes(first), 1)))
+        self.pristine = [first] + [make_inputs(task, seed + i, device) for i in range(1, count)]
+        self.sets = [[trusted.clone(x) if isinstance(x, torch.Tensor) else x for x in s] for s in self.pristine]
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.calls = 0
+
+    @property
+    def buffers(self) -> list:
+        return self.sets[0]
+
+    def next(self) -> list:
+        i, self.calls = self.calls % len(self.sets), self.calls + 1
+        for x, pristine in zip(self.sets[i], self.pristine[i]):
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                u = torch.rand(x.shape, generator=self.generator, device=x.device)
+                x.copy_(pristine * (1 + PERTURBATION * (2 * u - 1)))
+        return self.sets[i]
 
 
-def time_forward(model: nn.Module, sets: list[list], device: torch.device, warmup: int, trials: int) -> dict:
+def time_forward(model: nn.Module, inputs: TimedInputs, device: torch.device, warmup: int, trials: int) -> dict:
     """Median forward time over `trials` calls, with two clocks over the same window.
 
-    Per trial: flush L2 (write L2_FLUSH_BYTES), synchronize, then [record start event, forward,
+    Per trial: next inputs, flush L2 (write L2_FLUSH_BYTES), synchronize, then [record start event, forward,
     device-wide synchronize (so work on any stream counts), record end event]. `wall_ms` is the
     host perf_counter over that bracket; for honest code it exceeds the event time only by launch
     and sync latency (tens of µs). On CPU both clocks are the host clock."""
@@ -292,10 +318,11 @@ def time_forward(model: nn.Module, sets: list[list], device: torch.device, warmu
 
     events, wall = [], []
     with trusted.no_grad():
-        for i in range(warmup):
-            model(*sets[i % len(sets)])
+        for _ in range(warmup):
+            model(*inputs.next())
         sync()
-        for i in range(trials):
+        for _ in range(trials):
+            args = inputs.next()
             if cuda:
                 flush.zero_()
                 start, end = trusted.Event(enable_timing=True), trusted.Event(enable_timing=True)
@@ -303,7 +330,7 @@ def time_forward(model: nn.Module, sets: list[list], device: torch.device, warmu
             t0 = trusted.perf_counter()
             if cuda:
                 trusted.event_record(start)
-            model(*sets[i % len(sets)])
+            model(*args)
             sync()
             if cuda:
                 trusted.event_record(end)
@@ -336,6 +363,7 @@ class CandidateHandler:
         self.builds.install()
         self.warmup, self.timing_trials = config["warmup"], config["timing_trials"]
         self.task = self.model = None
+        self.timed: TimedInputs | None = None   # the last timing's inputs, for the trial after it
         self.pending: list[torch.Tensor] = []  # shipped to the judge; alive until the next request
         self.loads = 0
         if self.cuda:
@@ -376,10 +404,13 @@ class CandidateHandler:
                             or {"status": "ok"})
 
     def run(self, request: dict) -> dict:
-        """One correctness trial: forward on inputs from `seed` (twice if `repeat`), checks, export."""
+        """One correctness trial: forward on inputs from `seed` (twice if `repeat`), checks, export.
+        With `timed_buffers` the inputs are written into the buffers the last timing used."""
         self.pending = []
         seed = request["seed"]
         inputs = make_inputs(self.task, seed, self.device)
+        if request.get("timed_buffers") and self.timed is not None and _same_layout(self.timed.buffers, inputs):
+            inputs = [b.copy_(x) if isinstance(x, torch.Tensor) else x for b, x in zip(self.timed.buffers, inputs)]
         originals = [trusted.clone(x) if isinstance(x, torch.Tensor) else None for x in inputs]
         kernels, second = None, None
         try:
@@ -418,8 +449,8 @@ class CandidateHandler:
     def time(self, request: dict) -> dict:
         self.pending = []
         try:
-            sets = input_sets(self.task, request["seed"], self.warmup + self.timing_trials, self.device)
-            stats = time_forward(self.model, sets, self.device, self.warmup, self.timing_trials)
+            self.timed = TimedInputs(self.task, request["seed"], self.device)
+            stats = time_forward(self.model, self.timed, self.device, self.warmup, self.timing_trials)
         except Exception as exc:
             return self._finish(self._run_error(exc, "forward (while timing)"))
         return self._finish({"status": "ok", **stats})
@@ -486,7 +517,7 @@ class CandidateHandler:
         return reply
 
     def _drop_candidate(self) -> None:
-        self.pending, self.model, self.task = [], None, None
+        self.pending, self.model, self.task, self.timed = [], None, None, None
         for name in [m for m in sys.modules if m.startswith("dice_candidate_") or m == "dice_task"]:
             del sys.modules[name]
         _restore_global_flags(self.flags)
@@ -564,8 +595,8 @@ class JudgeHandler:
         try:
             task = self._task(request["task_key"], request["task_src"])
             model = self._model(task, request["task_key"], request["init_seed"])
-            sets = input_sets(task, request["seed"], self.warmup + self.timing_trials, self.device)
-            stats = time_forward(model, sets, self.device, self.warmup, self.timing_trials)
+            stats = time_forward(model, TimedInputs(task, request["seed"], self.device), self.device, self.warmup,
+                                 self.timing_trials)
         except Exception as exc:
             return self._failed("task_error", describe_exception(exc, "task.py"))
         return {"status": "ok", **stats}

@@ -99,8 +99,8 @@ def test_replacing_the_harness_is_invalid(verifier, patch, name):
 
 
 def test_results_cached_on_input_values_do_not_beat_the_clock(verifier):
-    # computes on the first call per distinct input and replays it after: every timed call sees
-    # fresh inputs, so it must compute every time (an earlier verifier timed repeats: 9,000x)
+    # computes on the first call per distinct input and replays it after: no timed call repeats
+    # values, so it must compute every time (an earlier verifier timed repeats: 9,000x)
     memo = ("import torch\nimport torch.nn as nn\n\nclass ModelNew(nn.Module):\n"
             "    def __init__(self):\n        super().__init__()\n        self.memo = {}\n\n"
             "    def forward(self, a, b):\n"
@@ -109,6 +109,19 @@ def test_results_cached_on_input_values_do_not_beat_the_clock(verifier):
             "        return self.memo[key]\n")
     result = verifier.verify(MATMUL_TASK, memo, seed=3)
     assert result.correct and result.speedup < 3, result
+
+
+def test_results_cached_on_buffer_addresses_fail_the_trial_after_timing(verifier):
+    # honest through the correctness trials (6 calls), then replays outputs by input address
+    by_address = ("import torch\nimport torch.nn as nn\n\nclass ModelNew(nn.Module):\n"
+                  "    def __init__(self):\n        super().__init__()\n        self.memo, self.calls = {}, 0\n\n"
+                  "    def forward(self, a, b):\n        self.calls += 1\n"
+                  "        if self.calls <= 6:\n            return a @ b\n"
+                  "        key = (a.data_ptr(), b.data_ptr())\n"
+                  "        if key not in self.memo:\n            self.memo[key] = a @ b\n"
+                  "        return self.memo[key]\n")
+    result = verifier.verify(MATMUL_TASK, by_address, seed=4)
+    assert result.status == "incorrect" and "after timing" in result.message, result
 
 
 def test_a_timeout_kills_what_the_candidate_started(verifier, tmp_path):
