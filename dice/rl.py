@@ -12,6 +12,10 @@ step values s_1 < s_2 < ... are its rounds; round r replays the state the sample
 block's r-th step: tokens unmasked at step >= s_r are MASK, earlier ones clean, and the loss
 counts the tokens unmasked at s_r. Blocks never see each other's noisy halves, so round r of
 every block shares one doubled sequence [x_t ; x_0]: a response costs max_b(#rounds) forwards.
+The sampler denoises whole blocks and then cuts the response, so the last block's positions after
+the cut (the completion's tail) were context at each of that block's steps: they join the replay
+in the same MASK-or-clean state, but never the loss, and a step that unmasked only tail positions
+is not a round.
 
 Objective per loss token (ids kept from generation, never re-tokenised):
     rho = exp(logp_new - logp_old)
@@ -52,19 +56,23 @@ class Round:
     loss: list[int]        # positions whose loss counts (unmasked at this round's step)
 
 
-def trace_rounds(step_map: Sequence[int], prompt_len: int, block_size: int) -> list[Round]:
-    """Training rounds of one rollout (module docstring); positions index prompt + response."""
-    blocks: dict[int, list[tuple[int, int]]] = {}
-    for i, step in enumerate(step_map):
+def trace_rounds(step_map: Sequence[int], prompt_len: int, block_size: int,
+                 tail_step_map: Sequence[int] = ()) -> list[Round]:
+    """Training rounds of one rollout (module docstring); positions index prompt + response + tail.
+
+    A block's rounds are the distinct steps s_r of its response tokens; round r masks the block's
+    positions, tail included, with step >= s_r and counts the response tokens with step == s_r."""
+    blocks: dict[int, list[tuple[int, int, bool]]] = {}
+    for i, step in enumerate([*step_map, *tail_step_map]):
         pos = prompt_len + i
-        blocks.setdefault(pos // block_size, []).append((pos, step))
+        blocks.setdefault(pos // block_size, []).append((pos, step, i < len(step_map)))
     rounds: list[Round] = []
     for tokens in blocks.values():
-        for r, s in enumerate(sorted({step for _, step in tokens})):
+        for r, s in enumerate(sorted({step for _, step, in_response in tokens if in_response})):
             if r == len(rounds):
                 rounds.append(Round([], []))
-            rounds[r].masked += [p for p, step in tokens if step >= s]
-            rounds[r].loss += [p for p, step in tokens if step == s]
+            rounds[r].masked += [p for p, step, _ in tokens if step >= s]
+            rounds[r].loss += [p for p, step, in_response in tokens if step == s and in_response]
     for rnd in rounds:
         rnd.masked.sort()
         rnd.loss.sort()
@@ -102,7 +110,7 @@ class RoundBatch:
     noisy: torch.Tensor        # [B, n]
     clean: torch.Tensor        # [B, n]
     position_ids: torch.Tensor
-    sample_ids: torch.Tensor   # 0 for tokens, -1 for padding (never attended)
+    sample_ids: torch.Tensor   # 0 for prompt, response and tail, -1 for padding (never attended)
     loss_at: torch.Tensor      # [B, n] bool
     token_weight: torch.Tensor  # [N] 1 / (response length * responses) for every loss token, in loss_at order
     advantage: torch.Tensor    # [N]
@@ -110,7 +118,10 @@ class RoundBatch:
 
 def build_round_batch(items: list[tuple[int, Completion, Round]], block_size: int, mask_id: int, pad_id: int,
                       advantages: Sequence[float], n_responses: int) -> RoundBatch:
-    n = max(len(c.prompt_ids) + len(c.tokens) for _, c, _ in items)
+    """One row per (response k, completion, round): prompt + response + tail, MASK at the round's
+    masked positions in the noisy half. The tail is context of its own sample, as it was to the
+    sampler, but it is not part of the response: no loss, and no weight in the response length."""
+    n = max(len(c.prompt_ids) + len(c.tokens) + len(c.tail_tokens) for _, c, _ in items)
     n = -(-n // block_size) * block_size
     B = len(items)
     clean = torch.full((B, n), pad_id, dtype=torch.long)
@@ -118,7 +129,7 @@ def build_round_batch(items: list[tuple[int, Completion, Round]], block_size: in
     loss_at = torch.zeros(B, n, dtype=torch.bool)
     weights, adv = [], []
     for row, (k, c, rnd) in enumerate(items):
-        seq = c.prompt_ids + c.tokens
+        seq = c.prompt_ids + c.tokens + c.tail_tokens
         clean[row, :len(seq)] = torch.tensor(seq)
         sample[row, :len(seq)] = 0
         loss_at[row, rnd.loss] = True
@@ -264,7 +275,8 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     if n_responses == 0:   # every group had equal rewards: no signal, and Adam's momentum must not move us
         return {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "responses_trained": 0, "rounds": 0}
     items = [(k, completions[k], rnd) for k in kept
-             for rnd in trace_rounds(completions[k].step_map, len(completions[k].prompt_ids), bs)]
+             for rnd in trace_rounds(completions[k].step_map, len(completions[k].prompt_ids), bs,
+                                     completions[k].tail_step_map)]
     plan = [_micro(items[u::U], cfg.batch_size) for u in range(U)]
     plan = [chunks + [[]] * (int(rt.all_max(len(chunks))) - len(chunks)) for chunks in plan]
     filler = (0, completions[0], Round([], []))

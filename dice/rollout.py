@@ -4,11 +4,12 @@ One path used by `sample.py`, `evaluate.py` and BiC-RL rollouts (DESIGN.md §5, 
 comes from `dice.prompts` (the one-shot example style a model was trained with is recorded in its
 config.json as `dice_one_shot`; DICE/SDAR folders lack the key and get KernelBench's load_inline
 example), the token ids and step maps come straight from the sampler and are kept, never
-re-tokenised.
+re-tokenised, together with the sampler's last-block tail after the cut that the TraceRL replay
+needs (DESIGN.md §7).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .prompts import chat_prompt, extract_code, kernel_prompt
@@ -36,6 +37,10 @@ class Completion:
     step_map: list[int]         # denoising step at which each token was unmasked
     text: str                   # decoded response without the eos token
     code: str | None            # the first fenced code block, if any
+    # the last block's positions after the cut: never part of the response, but the sampler saw
+    # them while it denoised that block (GenerationResult.tail_tokens)
+    tail_tokens: list[int] = field(default_factory=list)
+    tail_step_map: list[int] = field(default_factory=list)
 
 
 def complete(model, tokenizer, prompts: Sequence[Sequence[int]], *, batch_size: int = 64,
@@ -53,9 +58,10 @@ def complete(model, tokenizer, prompts: Sequence[Sequence[int]], *, batch_size: 
         report = None if progress is None else (lambda n, base=done: progress(base + n))
         result = generate(model, [prompts[i] for i in chunk], eos_token_ids=tokenizer.eos_token_ids,
                           seed=[seeds[i] for i in chunk], progress=report, **generate_kwargs)
-        for i, tokens, step_map in zip(chunk, result.tokens, result.step_map):
+        for i, tokens, step_map, tail, tail_steps in zip(chunk, result.tokens, result.step_map, result.tail_tokens,
+                                                         result.tail_step_map):
             body = tokens[:-1] if tokens and tokens[-1] in tokenizer.eos_token_ids else tokens
             text = tokenizer.decode(body)
-            out[i] = Completion(list(prompts[i]), tokens, step_map, text, extract_code(text))
+            out[i] = Completion(list(prompts[i]), tokens, step_map, text, extract_code(text), tail, tail_steps)
             done += len(tokens)
     return out

@@ -18,6 +18,10 @@ A finished block's keys/values are committed in the same forward as the next blo
 Generation stops per sequence after the block holding an eos id, or once `max_new_tokens`
 positions were generated; tokens are cut after the first eos (kept) or at `max_new_tokens`.
 `step_map[i]` is the sequence's own denoising-forward count (from 1) when token i was unmasked.
+The cut falls inside the last block, whose positions after it were denoised like the others and
+were context for every step of that block; they are returned as the tail (`tail_tokens`,
+`tail_step_map`, empty when the cut is at the block's end) so that TraceRL can replay those
+steps exactly (DESIGN.md §7).
 
 Sequences of different lengths are batched by left padding each prompt by whole blocks so that
 every sequence's first generated block has the same index; padding is never attended, position
@@ -44,6 +48,9 @@ class GenerationResult:
     forwards: int = 0                     # model forwards run (prefill, steps; fused commits count once)
     seconds: float = 0.0
     denoising_steps: list[int] = field(default_factory=list)   # per sequence
+    # per sequence, the last block's positions after the cut, and the steps that unmasked them
+    tail_tokens: list[list[int]] = field(default_factory=list)
+    tail_step_map: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -283,6 +290,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
     out_tokens: list[list[int]] = [[] for _ in range(n_rows)]
     out_steps: list[list[int]] = [[] for _ in range(n_rows)]
     out_n_steps = [0] * n_rows
+    out_tail_tokens: list[list[int]] = [[] for _ in range(n_rows)]
+    out_tail_steps: list[list[int]] = [[] for _ in range(n_rows)]
     forwards = positions_done = 0
     cache = model.new_cache(n_rows, total_len) if use_cache else None
     graphs = use_cache and cuda_graphs and device.type == "cuda"
@@ -336,6 +345,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
             toks, smap = x[r, g0:b1].tolist(), step_map[r, g0:b1].tolist()
             cut = min(max_new_tokens, next((k + 1 for k, t in enumerate(toks) if t in eos_token_ids), len(toks)))
             out_tokens[rows[r]], out_steps[rows[r]], out_n_steps[rows[r]] = toks[:cut], smap[:cut], int(steps[r])
+            out_tail_tokens[rows[r]], out_tail_steps[rows[r]] = toks[cut:], smap[cut:]
             row_done[r] = True
         if progress is not None:
             progress(positions_done)
@@ -355,4 +365,5 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
                 cache.keep_rows(keep)
                 step_forward.reset()
 
-    return GenerationResult(out_tokens, out_steps, forwards, time.perf_counter() - start, out_n_steps)
+    return GenerationResult(out_tokens, out_steps, forwards, time.perf_counter() - start, out_n_steps,
+                            out_tail_tokens, out_tail_steps)

@@ -40,46 +40,68 @@ def test_trace_rounds_dynamic_off_grid():
     # the blocks [4, 8) and [8, 12)
 
 
+def test_trace_rounds_tail_is_context_not_loss():
+    # prompt of 6; response positions 6..9 (9 holds the eos, step 5); the sampler's last block
+    # [8, 12) goes on with the tail 10 (step 4) and 11 (step 3)
+    rounds = trace_rounds([1, 2, 3, 5], prompt_len=6, block_size=4, tail_step_map=[4, 3])
+    # step 4 unmasked only the tail: no round; at step 5 the tail is already clean
+    assert as_lists(rounds) == [([6, 7, 8, 9, 10, 11], [6, 8]), ([7, 9], [7, 9])]
+
+
 class Recorder(torch.nn.Module):
-    """Wraps a model and records the ids of every uncached sampler forward."""
+    """Wraps a model and records the ids and logits of every uncached sampler forward."""
 
     def __init__(self, model):
         super().__init__()
         self.inner, self.config, self.calls = model, model.config, []
 
     def forward(self, ids, pos, mask):
-        self.calls.append(ids.clone())
-        return self.inner(ids, pos, mask)
+        logits = self.inner(ids, pos, mask)
+        self.calls.append((ids.clone(), logits.float()))
+        return logits
 
 
-@pytest.mark.parametrize("remasking,threshold,prompt_len", [("low_confidence_static", 0.9, 7),
-                                                            ("low_confidence_dynamic", 0.5, 9),
-                                                            ("low_confidence_dynamic", 0.5, 12)])
-def test_rounds_replay_exactly_what_the_sampler_saw(remasking, threshold, prompt_len):
+@pytest.mark.parametrize("remasking,threshold,prompt_len,eos_cut,tail_len", [
+    ("low_confidence_static", 0.9, 7, False, 3),     # cut by max_new_tokens inside the last block
+    ("low_confidence_dynamic", 0.5, 9, False, 1),
+    ("low_confidence_dynamic", 0.5, 12, False, 2),
+    ("low_confidence_static", 0.9, 10, False, 0),    # cut at the last block's end: no tail
+    ("low_confidence_dynamic", 0.5, 7, True, 3),     # cut after an eos at a block's first position
+])
+def test_rounds_replay_exactly_what_the_sampler_saw(remasking, threshold, prompt_len, eos_cut, tail_len):
     model = load_model(TINY)
     with torch.no_grad():
         model.lm_head.weight *= 8
-    rec = Recorder(model)
     prompt = list(range(1, prompt_len + 1))
-    out = generate(rec, [prompt], max_new_tokens=14, use_cache=False, remasking=remasking, threshold=threshold)
+    kw = dict(max_new_tokens=14, use_cache=False, remasking=remasking, threshold=threshold)
+    eos = ()
+    if eos_cut:   # the first token whose first occurrence starts a block
+        free = generate(model, [prompt], **kw).tokens[0]
+        eos = (next(t for i, t in enumerate(free) if (prompt_len + i) % 4 == 0 and t not in free[:i]),)
+    rec = Recorder(model)
+    out = generate(rec, [prompt], eos_token_ids=eos, **kw)
     tokens, step_map = out.tokens[0], out.step_map[0]
-    full = torch.tensor(prompt + tokens)
-    mask_id = model.config.mask_token_id
-    rounds = trace_rounds(step_map, prompt_len, 4)
-    # the sampler's forward number k (1-based) is denoising step k; its current block is the one
-    # holding the tokens unmasked at step k
-    for step, ids in enumerate(rec.calls, start=1):
-        positions = [prompt_len + i for i, s in enumerate(step_map) if s == step]
-        if not positions:
-            continue          # a step whose tokens were all cut after max_new_tokens
-        b0 = positions[0] // 4 * 4
-        r = sorted({s for i, s in enumerate(step_map) if (prompt_len + i) // 4 * 4 == b0}).index(step)
-        noisy = full.clone()
-        noisy[rounds[r].masked] = mask_id
-        seen = ids[0, b0:b0 + 4]
-        upto = min(b0 + 4, len(full)) - b0
-        assert torch.equal(seen[:upto], noisy[b0:b0 + upto])
-        assert [p for p in rounds[r].loss if b0 <= p < b0 + 4] == positions
+    assert len(out.tail_tokens[0]) == len(out.tail_step_map[0]) == tail_len
+    assert (prompt_len + len(tokens) + tail_len) % 4 == 0          # the tail ends the sampler's last block
+    assert not eos_cut or (len(tokens) < 14 and tokens[-1] in eos)
+    comp = Completion(prompt, tokens, step_map, "", None, out.tail_tokens[0], out.tail_step_map[0])
+    rounds = trace_rounds(step_map, prompt_len, 4, comp.tail_step_map)
+    batch = build_round_batch([(0, comp, r) for r in rounds], 4, model.config.mask_token_id, 0, [1.0], 1)
+    # the sampler's forward k (1-based) is denoising step k, over the clean past and the current
+    # block; a round must show the model exactly that: its clean half before the block, its noisy
+    # half in the block, tail positions included
+    expected = []
+    for row, rnd in enumerate(rounds):
+        for p in rnd.loss:
+            ids, logits = rec.calls[step_map[p - prompt_len] - 1]
+            b0 = p // 4 * 4
+            assert torch.equal(batch.clean[row, :b0], ids[0, :b0])
+            assert torch.equal(batch.noisy[row, b0:b0 + 4], ids[0, b0:b0 + 4])
+            expected.append(logits[0, p].log_softmax(-1)[tokens[p - prompt_len]])
+    with torch.no_grad():
+        replayed = round_logprobs(model, batch)
+    assert len(replayed) == len(tokens)
+    torch.testing.assert_close(replayed, torch.stack(expected), rtol=0, atol=1e-4)
 
 
 def test_group_advantages():

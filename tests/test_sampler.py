@@ -39,6 +39,7 @@ def test_cached_equals_brute_force_and_batch_invariant(peaked, remasking, thresh
     kw = dict(remasking=remasking, threshold=threshold)
     cached, brute = run(model, **kw), run(model, use_cache=False, **kw)
     assert cached.tokens == brute.tokens and cached.step_map == brute.step_map
+    assert cached.tail_tokens == brute.tail_tokens and cached.tail_step_map == brute.tail_step_map
     for i, p in enumerate(PROMPTS):
         alone = run(model, [p], **kw)
         assert alone.tokens[0] == cached.tokens[i] and alone.step_map[0] == cached.step_map[i]
@@ -61,12 +62,14 @@ def test_tokens_per_step_from_block_size():
 
 def test_static_with_steps_equal_block_unmasks_one_token_per_step(model):
     out = run(model, max_new_tokens=30)
-    for prompt, toks, smap, n_steps in zip(PROMPTS, out.tokens, out.step_map, out.denoising_steps):
+    for prompt, toks, smap, n_steps, tail_smap in zip(PROMPTS, out.tokens, out.step_map, out.denoising_steps,
+                                                      out.tail_step_map):
         assert len(toks) == 30
-        assert len(set(smap)) == len(smap)                    # never two tokens in one step
+        assert len(set(smap + tail_smap)) == len(smap + tail_smap)   # never two tokens in one step
         first_block = 4 - len(prompt) % 4
         positions = first_block + 4 * -(-(30 - first_block) // 4)   # whole blocks are generated
-        assert n_steps == positions and max(smap) <= n_steps   # and no step without a token
+        assert len(tail_smap) == positions - 30                       # and the ones past the cut returned
+        assert n_steps == positions and sorted(smap + tail_smap) == list(range(1, n_steps + 1))
 
 
 def test_dynamic_never_takes_more_steps_than_static(peaked):
@@ -87,6 +90,10 @@ def test_eos_cuts_after_first_eos_and_keeps_it(model):
     cut = run(model, max_new_tokens=40, eos_token_ids=(eos,))
     assert cut.tokens[0] == toks[:first + 1]
     assert cut.step_map[0] == free.step_map[0][:first + 1]
+    block_end = -(-(len(PROMPTS[0]) + first + 1) // 4) * 4 - len(PROMPTS[0])   # in response positions
+    assert first + 1 < block_end          # the eos is not the block's last position: there is a tail
+    assert cut.tail_tokens[0] == toks[first + 1:block_end]
+    assert cut.tail_step_map[0] == free.step_map[0][first + 1:block_end]
 
 
 def test_mask_token_is_never_sampled(model):
