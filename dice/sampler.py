@@ -25,8 +25,10 @@ steps exactly (DESIGN.md §7).
 
 Sequences of different lengths are batched by left padding each prompt by whole blocks so that
 every sequence's first generated block has the same index; padding is never attended, position
-ids start at 0 at each sequence's first real token, and sampling noise is a hash of (seed, step,
-position), so a batch never changes a sequence's result.
+ids start at 0 at each sequence's first real token, and sampling noise is a hash of (row seed,
+step, position), so a batch does not change a sequence's result: exactly in float32; in bf16 a
+different batch shape rounds differently and may flip near-ties. An int seed gives row i the seed
+seed + i; pass one seed per prompt for results independent of the row.
 """
 from __future__ import annotations
 
@@ -123,8 +125,12 @@ def choose_tokens(logits: torch.Tensor, mask_token_id: int, temperature: float, 
     scaled = logits / temperature
     probs = scaled.softmax(-1)
     cdf = filter_logits(scaled, top_k, top_p).softmax(-1).cumsum(-1)
-    target = (uniforms * cdf[..., -1].double()).float().unsqueeze(-1)
-    tok = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+    total = cdf[..., -1:]
+    # strictly below the total: a target rounded up to it would select past the last kept token
+    # (clamped to the last id, which can be the mask or a filtered-out token)
+    below_total = torch.nextafter(total, torch.zeros_like(total))
+    target = torch.minimum((uniforms.unsqueeze(-1) * total.double()).float(), below_total)
+    tok = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     return tok, probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 
 
@@ -255,7 +261,13 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
         raise ValueError("every prompt needs at least one token")
     if max_new_tokens < 1 or steps_per_block < 1:
         raise ValueError("max_new_tokens and steps_per_block must be >= 1")
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or not 0 <= threshold <= 1:
+        raise ValueError(f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1 and 0 <= threshold <= 1; got "
+                         f"{temperature}, {top_k}, {top_p}, {threshold}")
     cfg = model.config
+    bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the model's vocabulary [0, {cfg.vocab_size})")
     bs, mask_id, device = cfg.block_size, cfg.mask_token_id, next(model.parameters()).device
     schedule = tokens_per_step(bs, steps_per_block)
     n_rows = len(prompts)

@@ -105,6 +105,44 @@ def test_mask_token_is_never_sampled(model):
         assert all(boosted.config.mask_token_id not in t for t in out.tokens)
 
 
+def test_a_draw_at_the_top_of_the_cdf_stays_inside_the_kept_tokens():
+    # u just below 1 made u * total round up to the total, and searchsorted then picked the last id
+    # (here the mask token) whatever the filter kept
+    logits = torch.tensor([[[3.0, 2.0, 1.0, 0.5, 0.0]]])
+    top = torch.tensor([[1 - 2.0**-53]], dtype=torch.float64)
+    for top_k, top_p, kept in ((0, 1.0, {0, 1, 2, 3}), (2, 1.0, {0, 1}), (0, 0.5, {0})):
+        tok, conf = choose_tokens(logits.clone(), mask_token_id=4, temperature=1.0, top_k=top_k, top_p=top_p,
+                                  uniforms=top)
+        assert tok.item() in kept and conf.item() > 0, (top_k, top_p, tok.item())
+
+
+def test_confidence_is_the_temperature_softmax_probability():
+    logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0]]])
+    for temperature in (0.5, 2.0):
+        tok, conf = choose_tokens(logits.clone(), mask_token_id=3, temperature=temperature, top_k=0, top_p=1.0,
+                                  uniforms=torch.tensor([[0.01]], dtype=torch.float64))
+        expected = (torch.tensor([2.0, 1.0, 0.0]) / temperature).softmax(0)[tok.item()]
+        assert tok.item() == 0 and conf.item() == pytest.approx(expected.item(), abs=1e-6)
+
+
+def test_bad_sampling_arguments_are_one_line_errors(model):
+    for kw, text in ((dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+                     (dict(top_k=-1), "top_k"), (dict(threshold=1.5), "threshold")):
+        with pytest.raises(ValueError, match=text):
+            run(model, **kw)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        run(model, [[1, model.config.vocab_size]])
+
+
+def test_eos_stops_only_its_own_sequence(model):
+    free = run(model, max_new_tokens=40)
+    eos = free.tokens[0][10]
+    cut = run(model, max_new_tokens=40, eos_token_ids=(eos,))
+    for toks, got in zip(free.tokens, cut.tokens):
+        expected = toks[:toks.index(eos) + 1] if eos in toks else toks
+        assert got == expected
+
+
 def test_confidence_is_taken_before_top_k():
     logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0]]])
     tok, conf = choose_tokens(logits.clone(), mask_token_id=3, temperature=1.0, top_k=1, top_p=1.0,
@@ -134,3 +172,5 @@ def test_select_positions_static_and_dynamic():
     dyn = select_positions(conf, masked, n, "low_confidence_dynamic", 0.4)
     # row 0: 0.95 and 0.5 pass the threshold (0.97 is not masked); row 1: none does -> top 2
     assert dyn.tolist() == [[True, False, False, True], [True, True, False, False]]
+    at = select_positions(conf, masked, torch.tensor([1, 1]), "low_confidence_dynamic", 0.5)
+    assert at.tolist()[0] == [True, False, False, False]      # c > threshold: 0.5 itself does not pass
