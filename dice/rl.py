@@ -155,7 +155,8 @@ def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = 
                     timeout_s: float = 60.0) -> Callable:
     """Reward through the kernel verifier: 1 if compiled and correct (infill: and the program
     keeps the task's prefix and suffix), else 0; kind "speedup" adds 0.5 * clamp(log2 speedup,
-    0, 2). Returns a function that also leaves the VerifyResults on `fn.last_results`."""
+    0, 2). Returns a function that also leaves each call's VerifyResults (None for an item not
+    verified) on `fn.last_results`, where `scored` reads them."""
     def reward(tasks: list[Task], completions: list[Completion]) -> list[float]:
         pairs, index = [], []
         for i, (t, c) in enumerate(zip(tasks, completions)):
@@ -177,6 +178,15 @@ def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = 
         return out
     reward.last_results = []
     return reward
+
+
+def scored(reward_fn: RewardFn, tasks: list[Task], completions: list[Completion]) -> tuple[list[float], list]:
+    """(rewards, verifier results) of one reward call. The results are read from
+    `reward_fn.last_results` right after the call, before the next call replaces them; a reward
+    without them (a Python reward) gives None for every item."""
+    rewards = reward_fn(tasks, completions)
+    results = getattr(reward_fn, "last_results", None)
+    return rewards, list(results) if results is not None else [None] * len(rewards)
 
 
 def _warn_broken_task(index: int, error: ValueError) -> None:
@@ -220,7 +230,8 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
     """Generate `group_size` responses per task in batches, rewarding each batch on a background
     thread while the next one generates. Sample j of the task in slot k of the step uses seed
     seed + k * group_size + j, so rollouts do not depend on how tasks are spread over processes.
-    Returns (completions, rewards, timings)."""
+    Returns (completions, rewards, results, timings): `results` are the verifier results of every
+    batch, in order (None where the reward leaves none, see `scored`)."""
     prompts, owners, seeds = [], [], []
     style = one_shot_style(model)
     for t, k in zip(tasks, slots):
@@ -234,7 +245,7 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
 
     def score(ts, cs):
         t0 = time.perf_counter()
-        out = reward_fn(ts, cs)
+        out = scored(reward_fn, ts, cs)
         verify_seconds[0] += time.perf_counter() - t0
         return out
 
@@ -248,8 +259,10 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
             gen_seconds += time.perf_counter() - t0
             completions += chunk
             futures.append(pool.submit(score, owners[start:start + len(chunk)], chunk))
-        rewards = [r for f in futures for r in f.result()]
-    return completions, rewards, {"generate_s": gen_seconds, "verify_s": verify_seconds[0]}
+        batches = [f.result() for f in futures]
+    rewards = [r for batch_rewards, _ in batches for r in batch_rewards]
+    results = [r for _, batch_results in batches for r in batch_results]
+    return completions, rewards, results, {"generate_s": gen_seconds, "verify_s": verify_seconds[0]}
 
 
 def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer, pad_id: int) -> dict:
@@ -376,9 +389,9 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
             step_set = step_tasks(ordered, step, cfg.tasks_per_step)
             model.eval()
             with torch.no_grad(), (gather or contextlib.nullcontext()):
-                completions, rewards, timing = rollout(model, tok, [step_set[k] for k in slots], slots, cfg, reward_fn,
-                                                       seed=(cfg.seed * 100_003 + step) * 10_007, infill=infill)
-            results = getattr(reward_fn, "last_results", None) or []
+                completions, rewards, results, timing = rollout(
+                    model, tok, [step_set[k] for k in slots], slots, cfg, reward_fn,
+                    seed=(cfg.seed * 100_003 + step) * 10_007, infill=infill)
             advantages = group_advantages(rewards, cfg.group_size)
             model.train()
             t_update = time.perf_counter()

@@ -154,6 +154,34 @@ def test_tiny_run_with_python_reward_raises_the_reward(tmp_path):
     assert load_model(tmp_path / "out" / "final").config.extra["dice_one_shot"] is None
 
 
+def test_step_metrics_count_the_results_of_every_rollout_batch(tmp_path, monkeypatch):
+    """2 tasks x 4 samples in rollout batches of 4: the reward runs once per batch, and every sample
+    is compiled, correct and 2x faster, so each rate is 100% (counting only the last batch gave 50%)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import dice.rl
+    from dice.rl import verifier_reward
+
+    class AllCorrect:
+        calls = 0
+
+        def map(self, pairs, **opts):
+            AllCorrect.calls += 1
+            return [SimpleNamespace(compiled=True, correct=True, speedup=2.0) for _ in pairs]
+
+    generate_completions = dice.rl.complete
+    monkeypatch.setattr(dice.rl, "complete", lambda *a, **k: [dataclasses.replace(c, code="code")   # any code block
+                                                              for c in generate_completions(*a, **k)])
+    cfg = TrainConfig(phase="e2e", model=str(rl_model_folder(tmp_path / "model")), out=str(tmp_path / "out"),
+                      steps=1, tasks_per_step=2, group_size=4, rollout_batch=4, max_new_tokens=8, reward="speedup")
+    train_rl(cfg, reward_fn=verifier_reward(AllCorrect(), "e2e", kind="speedup"), tasks=TASKS[:2])
+    record = json.loads((tmp_path / "out" / "metrics.jsonl").read_text())
+    assert AllCorrect.calls == 2
+    assert record["compiled_pct"] == record["correct_pct"] == record["fast_1_pct"] == 100
+    assert record["reward_mean"] == pytest.approx(1.5)
+
+
 def test_two_process_gloo_rl_matches_one_process(tmp_path):
     """Rollouts are seeded by task slot, so 1 and 2 processes see the same first step."""
     import subprocess
