@@ -30,7 +30,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable, Sequence
 
 import torch
@@ -320,22 +319,27 @@ def _micro(items: list, size: int):
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-NOT_RUN = SimpleNamespace(compiled=False, correct=False, speedup=None)   # no code block / skeleton broken
+def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, infill: bool, rt) -> dict:
+    """Greedy generation on held-out tasks: the mean reward and, with the verifier, KernelBench's
+    compiled / correct / fast_1 rates (dice.metrics) as fractions of all tasks.
 
-
-def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, infill: bool) -> dict:
-    """Greedy generation on held-out tasks; the mean reward and, with the verifier, KernelBench rates."""
-    from .metrics import summarize_group
-    completions = complete(model, tok, [task_prompt_ids(tok, t, infill=infill, one_shot=one_shot_style(model))
-                                        for t in tasks], batch_size=cfg.rollout_batch,
-                           max_new_tokens=cfg.max_new_tokens, steps_per_block=cfg.steps_per_block,
-                           remasking=cfg.remasking, threshold=cfg.threshold, temperature=0.0)
-    rewards = reward_fn(tasks, completions)
-    out = {"eval_reward": statistics.fmean(rewards) if rewards else 0.0}
-    results = getattr(reward_fn, "last_results", None)
-    if results:
-        s = summarize_group([(t.name, r or NOT_RUN) for t, r in zip(tasks, results)], ks=(1,))
-        out.update({"eval_compiled": s.compiled, "eval_correct": s.correct, "eval_fast_1": s.fast_1})
+    Process r generates tasks r, r + world, ... (task i with seed i, so the split changes no
+    result) and the counts are summed over processes: every process must call this, inside the
+    full-parameter context under FSDP, since generation gathers no parameters itself."""
+    mine = list(range(rt.rank, len(tasks), rt.world))
+    style = one_shot_style(model)
+    completions = complete(model, tok, [task_prompt_ids(tok, tasks[i], infill=infill, one_shot=style) for i in mine],
+                           batch_size=cfg.rollout_batch, seed=mine, max_new_tokens=cfg.max_new_tokens,
+                           steps_per_block=cfg.steps_per_block, remasking=cfg.remasking, threshold=cfg.threshold,
+                           temperature=0.0)
+    rewards, results = scored(reward_fn, [tasks[i] for i in mine], completions) if mine else ([], [])
+    out = {"eval_reward": rt.all_sum(sum(rewards)) / len(tasks)}
+    if hasattr(reward_fn, "last_results"):   # the verifier's reward, on every process alike
+        # a result is None where no kernel ran (no code block, broken skeleton, broken task)
+        counts = {"eval_compiled": sum(bool(r and r.compiled) for r in results),
+                  "eval_correct": sum(bool(r and r.correct) for r in results),
+                  "eval_fast_1": sum(bool(r and r.correct and (r.speedup or 0) > 1) for r in results)}
+        out.update({key: rt.all_sum(count) / len(tasks) for key, count in counts.items()})
     return out
 
 
@@ -373,18 +377,22 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
         eval_reward = verifier_reward(verifier, "e2e", "correct", timing=True, timeout_s=cfg.verify_timeout)
     total = cfg.steps
     gather = _FullParameters(model) if rt.world > 1 else None
+
+    def evaluate(at_step: int, label: str) -> None:
+        model.eval()
+        with torch.no_grad(), (gather or contextlib.nullcontext()):
+            ev = evaluate_policy(model, tok, eval_tasks, cfg, eval_reward, infill=False, rt=rt)
+        metrics.write({"step": at_step, **ev})
+        log(f"{label}: " + json.dumps(ev))
+
     log(f"BiC-RL {cfg.phase}: {len(ordered)} tasks (levels {sorted({t.level for t in ordered}, key=str)}), "
         f"{cfg.tasks_per_step} tasks x {cfg.group_size} samples per step, steps {start}..{total}")
     started = time.perf_counter()
     try:
         for step in range(start, total):
             t0 = time.perf_counter()
-            if cfg.eval_every and eval_tasks and rt.main and step % cfg.eval_every == 0:
-                with torch.no_grad():
-                    model.eval()
-                    ev = evaluate_policy(model, tok, eval_tasks, cfg, eval_reward, infill=False)
-                metrics.write({"step": step, **ev})
-                log(f"eval before step {step + 1}: " + json.dumps(ev))
+            if cfg.eval_every and eval_tasks and step % cfg.eval_every == 0:
+                evaluate(step, f"eval before step {step + 1}")
             slots = list(range(cfg.tasks_per_step))[rt.rank::rt.world]
             step_set = step_tasks(ordered, step, cfg.tasks_per_step)
             model.eval()
@@ -417,12 +425,8 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
                 "len": round(record["mean_response_len"]), "tok/s": round(record["rollout_tokens_per_s"])}))
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < total:
                 save_checkpoint(out, step + 1, model, optimizer, cfg.model, rt, cfg.keep_checkpoints)
-        if cfg.eval_every and eval_tasks and rt.main:
-            model.eval()
-            with torch.no_grad():
-                ev = evaluate_policy(model, tok, eval_tasks, cfg, eval_reward, infill=False)
-            metrics.write({"step": total, **ev})
-            log("eval after training: " + json.dumps(ev))
+        if cfg.eval_every and eval_tasks:
+            evaluate(total, "eval after training")
         save_final(model, optimizer, out, cfg.model, rt, log)
     finally:
         if verifier is not None:
