@@ -41,8 +41,8 @@ from .rollout import Completion, complete, one_shot_style, task_prompt_ids
 from .checkpoint import load_model
 from .tasks import Task, load_tasks
 from .tokenizer import load_tokenizer
-from .trainer import (MetricsLog, build_model, make_logger, make_optimizer, progress_line, resume, save_checkpoint,
-                      save_final, setup_runtime)
+from .trainer import (MetricsLog, build_model, make_logger, make_optimizer, progress_line, refuse_to_mix_runs, resume,
+                      save_checkpoint, save_final, setup_runtime)
 
 
 @dataclass
@@ -350,6 +350,7 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
     rt = setup_runtime()
     log = make_logger(rt)
     out = Path(cfg.out)
+    refuse_to_mix_runs(out, cfg.resume)
     out.mkdir(parents=True, exist_ok=True)
     infill = cfg.phase == "infill"
     if cfg.tasks_per_step < rt.world:
