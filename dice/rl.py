@@ -39,6 +39,7 @@ from .attention import block_diffusion_mask, flex_block_diffusion_mask
 from .prompts import keeps_skeleton
 from .rollout import Completion, complete, one_shot_style, task_prompt_ids
 from .checkpoint import load_model
+from .data import DataError
 from .tasks import Task, load_tasks
 from .tokenizer import load_tokenizer
 from .trainer import (MetricsLog, build_model, make_logger, make_optimizer, progress_line, refuse_to_mix_runs, resume,
@@ -354,13 +355,14 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
     out.mkdir(parents=True, exist_ok=True)
     infill = cfg.phase == "infill"
     if cfg.tasks_per_step < rt.world:
-        raise ValueError(f"--tasks-per-step {cfg.tasks_per_step} is below the {rt.world} processes: every "
-                         "process needs at least one task per step")
+        raise DataError(f"--tasks-per-step {cfg.tasks_per_step} is below the {rt.world} processes; pass "
+                        f"--tasks-per-step {rt.world} or more (every process needs a task per step)")
     ordered = curriculum(tasks if tasks is not None else load_tasks(cfg.data))
     if infill:
         ordered = [t for t in ordered if t.prefix is not None]
         if not ordered:
-            raise ValueError(f"{cfg.data}: no task has a prefix/middle/suffix split, which the infill phase needs")
+            raise DataError(f"{cfg.data}: no task has the prefix/middle/suffix split the infill phase needs; pass "
+                            "a DICE JSON file whose records have prefix, middle and suffix, or use --phase e2e")
     if eval_tasks is None and cfg.eval_every:
         eval_tasks = load_tasks(cfg.eval_data)
     tok = load_tokenizer(cfg.model)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import CheckpointError, from_published, has_weights, load_model, read_config, save_model
-from .data import RowStream, collate, read_records, record_to_text, tokenize_records
+from .data import RowStream, collate, read_records, record_texts, tokenize_records
 from .diffusion import count_samples, diffusion_loss
 from .model import SDAR, ModelConfig
 from .rollout import one_shot_style
@@ -411,7 +411,8 @@ def init_model_folder(cfg: TrainConfig) -> Path:
     carry no one-shot example (`dice_one_shot: null`), which keeps them short for small models."""
     from .tokenizer import train_tokenizer
     out = Path(cfg.out)
-    texts = ["".join(record_to_text(r, one_shot=None)) for r in read_records(cfg.data)]
+    texts = ["".join(record_texts(r, f"{cfg.data}: record {i}", one_shot=None)[0])
+             for i, r in enumerate(read_records(cfg.data))]
     tok = train_tokenizer(texts, cfg.vocab_size, out)
     config = ModelConfig(
         vocab_size=tok.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
