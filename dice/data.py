@@ -28,7 +28,8 @@ from .prompts import chat_prompt, chat_response, kernel_prompt
 
 
 class DataError(ValueError):
-    """A data file or record that cannot be used; the message names the file, record and fix."""
+    """A data or task file, a record, or a flag that does not fit them, that cannot be used; the
+    message names the file, record or flag and the fix."""
 
 
 def read_records(path: str | Path) -> list[dict]:
@@ -48,9 +49,10 @@ def read_records(path: str | Path) -> list[dict]:
 
 
 def _messages_prompt(messages: list[dict]) -> tuple[str, str]:
-    *context, last = messages
-    if last.get("role") != "assistant" or not context:
+    roles = [m.get("role") for m in messages]
+    if len(roles) < 2 or roles[-1] != "assistant" or "user" not in roles[:-1]:
         raise KeyError("messages must end with an assistant turn after at least one user turn")
+    *context, last = messages
     system = "".join(f"<|im_start|>system\n{m['content']}<|im_end|>\n" for m in context if m["role"] == "system")
     turns = [m for m in context if m["role"] != "system"]
     history = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in turns[:-1])
@@ -75,6 +77,20 @@ def record_to_text(record: dict, *, one_shot: str | None = "load_inline", infill
     return chat_prompt(user), chat_response(answer)
 
 
+def record_texts(record: dict, where: str, *, one_shot: str | None = "load_inline",
+                 infill_copies: bool = False) -> list[tuple[str, str]]:
+    """`record_to_text` of a record, plus its infilling copy with `infill_copies` (see
+    `tokenize_records`); a record of no known format is a DataError naming `where`."""
+    try:
+        texts = [record_to_text(record, one_shot=one_shot)]
+        if infill_copies and "prefix" in record and "cuda_code" in record:
+            texts.append(record_to_text(record, one_shot=one_shot, infill=True))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise DataError(f"{where} is not a prompt/response, alpaca, messages or pytorch_code/cuda_code "
+                        f"record ({e!r})") from None
+    return texts
+
+
 @dataclass
 class Example:
     prompt_ids: list[int]
@@ -89,14 +105,8 @@ def tokenize_records(records: list[dict], tokenizer, max_len: int, *, source: st
     their prompt alone fills `max_len`)."""
     examples, skipped = [], 0
     for i, record in enumerate(records):
-        try:
-            texts = [record_to_text(record, one_shot=one_shot)]
-            if infill_copies and "prefix" in record and "cuda_code" in record:
-                texts.append(record_to_text(record, one_shot=one_shot, infill=True))
-        except (KeyError, TypeError, AttributeError) as e:
-            raise DataError(f"{source}: record {i} is not a prompt/response, alpaca, messages or "
-                            f"pytorch_code/cuda_code record ({e!r})") from None
-        for prompt, response in texts:
+        for prompt, response in record_texts(record, f"{source}: record {i}", one_shot=one_shot,
+                                             infill_copies=infill_copies):
             p, r = tokenizer.encode(prompt), tokenizer.encode(response)
             if len(p) >= max_len:
                 skipped += 1

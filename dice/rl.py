@@ -34,7 +34,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable, Sequence
 
 import torch
@@ -44,10 +43,11 @@ from .attention import block_diffusion_mask, flex_block_diffusion_mask
 from .prompts import keeps_skeleton
 from .rollout import Completion, complete, one_shot_style, task_prompt_ids
 from .checkpoint import load_model
+from .data import DataError
 from .tasks import Task, load_tasks
 from .tokenizer import load_tokenizer
-from .trainer import (MetricsLog, build_model, make_logger, make_optimizer, progress_line, resume, save_checkpoint,
-                      save_final, setup_runtime)
+from .trainer import (MetricsLog, build_model, make_logger, make_optimizer, progress_line, refuse_to_mix_runs, resume,
+                      save_checkpoint, save_final, setup_runtime)
 
 
 @dataclass
@@ -166,7 +166,8 @@ def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = 
                     timeout_s: float = 60.0) -> Callable:
     """Reward through the kernel verifier: 1 if compiled and correct (infill: and the program
     keeps the task's prefix and suffix), else 0; kind "speedup" adds 0.5 * clamp(log2 speedup,
-    0, 2). Returns a function that also leaves the VerifyResults on `fn.last_results`."""
+    0, 2). Returns a function that also leaves each call's VerifyResults (None for an item not
+    verified) on `fn.last_results`, where `scored` reads them."""
     def reward(tasks: list[Task], completions: list[Completion]) -> list[float]:
         pairs, index = [], []
         for i, (t, c) in enumerate(zip(tasks, completions)):
@@ -188,6 +189,15 @@ def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = 
         return out
     reward.last_results = []
     return reward
+
+
+def scored(reward_fn: RewardFn, tasks: list[Task], completions: list[Completion]) -> tuple[list[float], list]:
+    """(rewards, verifier results) of one reward call. The results are read from
+    `reward_fn.last_results` right after the call, before the next call replaces them; a reward
+    without them (a Python reward) gives None for every item."""
+    rewards = reward_fn(tasks, completions)
+    results = getattr(reward_fn, "last_results", None)
+    return rewards, list(results) if results is not None else [None] * len(rewards)
 
 
 def _warn_broken_task(index: int, error: ValueError) -> None:
@@ -231,7 +241,8 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
     """Generate `group_size` responses per task in batches, rewarding each batch on a background
     thread while the next one generates. Sample j of the task in slot k of the step uses seed
     seed + k * group_size + j, so rollouts do not depend on how tasks are spread over processes.
-    Returns (completions, rewards, timings)."""
+    Returns (completions, rewards, results, timings): `results` are the verifier results of every
+    batch, in order (None where the reward leaves none, see `scored`)."""
     prompts, owners, seeds = [], [], []
     style = one_shot_style(model)
     for t, k in zip(tasks, slots):
@@ -245,7 +256,7 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
 
     def score(ts, cs):
         t0 = time.perf_counter()
-        out = reward_fn(ts, cs)
+        out = scored(reward_fn, ts, cs)
         verify_seconds[0] += time.perf_counter() - t0
         return out
 
@@ -259,8 +270,10 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
             gen_seconds += time.perf_counter() - t0
             completions += chunk
             futures.append(pool.submit(score, owners[start:start + len(chunk)], chunk))
-        rewards = [r for f in futures for r in f.result()]
-    return completions, rewards, {"generate_s": gen_seconds, "verify_s": verify_seconds[0]}
+        batches = [f.result() for f in futures]
+    rewards = [r for batch_rewards, _ in batches for r in batch_rewards]
+    results = [r for _, batch_results in batches for r in batch_results]
+    return completions, rewards, results, {"generate_s": gen_seconds, "verify_s": verify_seconds[0]}
 
 
 def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer, pad_id: int) -> dict:
@@ -319,22 +332,27 @@ def _micro(items: list, size: int):
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-NOT_RUN = SimpleNamespace(compiled=False, correct=False, speedup=None)   # no code block / skeleton broken
+def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, infill: bool, rt) -> dict:
+    """Greedy generation on held-out tasks: the mean reward and, with the verifier, KernelBench's
+    compiled / correct / fast_1 rates (dice.metrics) as fractions of all tasks.
 
-
-def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, infill: bool) -> dict:
-    """Greedy generation on held-out tasks; the mean reward and, with the verifier, KernelBench rates."""
-    from .metrics import summarize_group
-    completions = complete(model, tok, [task_prompt_ids(tok, t, infill=infill, one_shot=one_shot_style(model))
-                                        for t in tasks], batch_size=cfg.rollout_batch,
-                           max_new_tokens=cfg.max_new_tokens, steps_per_block=cfg.steps_per_block,
-                           remasking=cfg.remasking, threshold=cfg.threshold, temperature=0.0)
-    rewards = reward_fn(tasks, completions)
-    out = {"eval_reward": statistics.fmean(rewards) if rewards else 0.0}
-    results = getattr(reward_fn, "last_results", None)
-    if results:
-        s = summarize_group([(t.name, r or NOT_RUN) for t, r in zip(tasks, results)], ks=(1,))
-        out.update({"eval_compiled": s.compiled, "eval_correct": s.correct, "eval_fast_1": s.fast_1})
+    Process r generates tasks r, r + world, ... (task i with seed i, so the split changes no
+    result) and the counts are summed over processes: every process must call this, inside the
+    full-parameter context under FSDP, since generation gathers no parameters itself."""
+    mine = list(range(rt.rank, len(tasks), rt.world))
+    style = one_shot_style(model)
+    completions = complete(model, tok, [task_prompt_ids(tok, tasks[i], infill=infill, one_shot=style) for i in mine],
+                           batch_size=cfg.rollout_batch, seed=mine, max_new_tokens=cfg.max_new_tokens,
+                           steps_per_block=cfg.steps_per_block, remasking=cfg.remasking, threshold=cfg.threshold,
+                           temperature=0.0)
+    rewards, results = scored(reward_fn, [tasks[i] for i in mine], completions) if mine else ([], [])
+    out = {"eval_reward": rt.all_sum(sum(rewards)) / len(tasks)}
+    if hasattr(reward_fn, "last_results"):   # the verifier's reward, on every process alike
+        # a result is None where no kernel ran (no code block, broken skeleton, broken task)
+        counts = {"eval_compiled": sum(bool(r and r.compiled) for r in results),
+                  "eval_correct": sum(bool(r and r.correct) for r in results),
+                  "eval_fast_1": sum(bool(r and r.correct and (r.speedup or 0) > 1) for r in results)}
+        out.update({key: rt.all_sum(count) / len(tasks) for key, count in counts.items()})
     return out
 
 
@@ -345,16 +363,18 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
     rt = setup_runtime()
     log = make_logger(rt)
     out = Path(cfg.out)
+    refuse_to_mix_runs(out, cfg.resume)
     out.mkdir(parents=True, exist_ok=True)
     infill = cfg.phase == "infill"
     if cfg.tasks_per_step < rt.world:
-        raise ValueError(f"--tasks-per-step {cfg.tasks_per_step} is below the {rt.world} processes: every "
-                         "process needs at least one task per step")
+        raise DataError(f"--tasks-per-step {cfg.tasks_per_step} is below the {rt.world} processes; pass "
+                        f"--tasks-per-step {rt.world} or more (every process needs a task per step)")
     ordered = curriculum(tasks if tasks is not None else load_tasks(cfg.data))
     if infill:
         ordered = [t for t in ordered if t.prefix is not None]
         if not ordered:
-            raise ValueError(f"{cfg.data}: no task has a prefix/middle/suffix split, which the infill phase needs")
+            raise DataError(f"{cfg.data}: no task has the prefix/middle/suffix split the infill phase needs; pass "
+                            "a DICE JSON file whose records have prefix, middle and suffix, or use --phase e2e")
     if eval_tasks is None and cfg.eval_every:
         eval_tasks = load_tasks(cfg.eval_data)
     tok = load_tokenizer(cfg.model)
@@ -372,25 +392,29 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
         eval_reward = verifier_reward(verifier, "e2e", "correct", timing=True, timeout_s=cfg.verify_timeout)
     total = cfg.steps
     gather = _FullParameters(model) if rt.world > 1 else None
+
+    def evaluate(at_step: int, label: str) -> None:
+        model.eval()
+        with torch.no_grad(), (gather or contextlib.nullcontext()):
+            ev = evaluate_policy(model, tok, eval_tasks, cfg, eval_reward, infill=False, rt=rt)
+        metrics.write({"step": at_step, **ev})
+        log(f"{label}: " + json.dumps(ev))
+
     log(f"BiC-RL {cfg.phase}: {len(ordered)} tasks (levels {sorted({t.level for t in ordered}, key=str)}), "
         f"{cfg.tasks_per_step} tasks x {cfg.group_size} samples per step, steps {start}..{total}")
     started = time.perf_counter()
     try:
         for step in range(start, total):
             t0 = time.perf_counter()
-            if cfg.eval_every and eval_tasks and rt.main and step % cfg.eval_every == 0:
-                with torch.no_grad():
-                    model.eval()
-                    ev = evaluate_policy(model, tok, eval_tasks, cfg, eval_reward, infill=False)
-                metrics.write({"step": step, **ev})
-                log(f"eval before step {step + 1}: " + json.dumps(ev))
+            if cfg.eval_every and eval_tasks and step % cfg.eval_every == 0:
+                evaluate(step, f"eval before step {step + 1}")
             slots = list(range(cfg.tasks_per_step))[rt.rank::rt.world]
             step_set = step_tasks(ordered, step, cfg.tasks_per_step)
             model.eval()
             with torch.no_grad(), (gather or contextlib.nullcontext()):
-                completions, rewards, timing = rollout(model, tok, [step_set[k] for k in slots], slots, cfg, reward_fn,
-                                                       seed=(cfg.seed * 100_003 + step) * 10_007, infill=infill)
-            results = getattr(reward_fn, "last_results", None) or []
+                completions, rewards, results, timing = rollout(
+                    model, tok, [step_set[k] for k in slots], slots, cfg, reward_fn,
+                    seed=(cfg.seed * 100_003 + step) * 10_007, infill=infill)
             advantages = group_advantages(rewards, cfg.group_size)
             model.train()
             t_update = time.perf_counter()
@@ -416,12 +440,8 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
                 "len": round(record["mean_response_len"]), "tok/s": round(record["rollout_tokens_per_s"])}))
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < total:
                 save_checkpoint(out, step + 1, model, optimizer, cfg.model, rt, cfg.keep_checkpoints)
-        if cfg.eval_every and eval_tasks and rt.main:
-            model.eval()
-            with torch.no_grad():
-                ev = evaluate_policy(model, tok, eval_tasks, cfg, eval_reward, infill=False)
-            metrics.write({"step": total, **ev})
-            log("eval after training: " + json.dumps(ev))
+        if cfg.eval_every and eval_tasks:
+            evaluate(total, "eval after training")
         save_final(model, optimizer, out, cfg.model, rt, log)
     finally:
         if verifier is not None:

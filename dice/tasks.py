@@ -22,6 +22,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .data import DataError
+
 REQUIRED_NAMES = ("Model", "get_inputs", "get_init_inputs")
 
 
@@ -52,14 +54,14 @@ def missing_task_names(source: str) -> list[str]:
 
 
 def check_task_source(source: str, where: str) -> None:
-    """Raise ValueError naming `where` unless `source` is a usable KernelBench task."""
+    """Raise DataError naming `where` unless `source` is a usable KernelBench task."""
     try:
         missing = missing_task_names(source)
     except SyntaxError as exc:
-        raise ValueError(f"{where}: task source does not parse (line {exc.lineno}: {exc.msg}); "
+        raise DataError(f"{where}: task source does not parse (line {exc.lineno}: {exc.msg}); "
                          "fix the Python syntax of the task") from None
     if missing:
-        raise ValueError(f"{where}: task source defines no {', '.join(missing)}; a KernelBench task "
+        raise DataError(f"{where}: task source defines no {', '.join(missing)}; a KernelBench task "
                          "needs class Model(nn.Module), get_inputs() and get_init_inputs()")
 
 
@@ -80,7 +82,7 @@ def load_tasks(path: str | Path) -> list[Task]:
         tasks = [_load_py(f, _level_of(d.name)) for d in folders for f in _sorted_py_files(d)]
         if tasks:
             return tasks
-    raise ValueError(f"{path}: found no tasks; expected level*/NN_Name.py files, NN_Name.py files, "
+    raise DataError(f"{path}: found no tasks; expected level*/NN_Name.py files, NN_Name.py files, "
                      "or a .json list of records with pytorch_code")
 
 
@@ -108,20 +110,20 @@ def _load_json(path: Path) -> list[Task]:
     try:
         records = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+        raise DataError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
     if not isinstance(records, list):
-        raise ValueError(f"{path}: expected a JSON list of task records, got a {type(records).__name__}")
+        raise DataError(f"{path}: expected a JSON list of task records, got a {type(records).__name__}")
     file_level = _level_of(re.sub(r".*(level_?\d+).*", r"\1", path.stem))
     tasks = []
     for i, record in enumerate(records):
         where = f"{path} record {i}"
         if not isinstance(record, dict) or not isinstance(record.get("pytorch_code"), str):
-            raise ValueError(f"{where}: no 'pytorch_code' string; DICE task files are lists of "
+            raise DataError(f"{where}: no 'pytorch_code' string; DICE task files are lists of "
                              "objects with a pytorch_code field")
         check_task_source(record["pytorch_code"], where)
         split = [record.get(k) for k in ("prefix", "middle", "suffix")]
         if any(s is not None for s in split) and not all(isinstance(s, str) for s in split):
-            raise ValueError(f"{where}: has only part of prefix/middle/suffix; give all three strings or none")
+            raise DataError(f"{where}: has only part of prefix/middle/suffix; give all three strings or none")
         ident = record.get("id", record.get("idx", i))
         level = record.get("level")
         tasks.append(Task(

@@ -10,6 +10,7 @@ Run directory layout (`--out DIR`):
                                       a half-written checkpoint
     DIR/checkpoints/latest            the name of the newest complete checkpoint
     DIR/final/                        the model folder after the last step
+A run without --resume refuses an --out that already holds checkpoints.
 Randomness is a function of (seed, step, global row), never of a running generator, so a run
 resumed from step k continues exactly as the unbroken run would, on any number of processes.
 """
@@ -21,6 +22,7 @@ import gc
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -30,8 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint import from_published, has_weights, load_model, read_config, save_model
-from .data import RowStream, collate, read_records, record_to_text, tokenize_records
+from .checkpoint import CheckpointError, from_published, has_weights, load_model, read_config, save_model
+from .data import RowStream, collate, read_records, record_texts, tokenize_records
 from .diffusion import count_samples, diffusion_loss
 from .model import SDAR, ModelConfig
 from .rollout import one_shot_style
@@ -214,21 +216,46 @@ def full_state_dicts(model, optimizer):
 
 def save_checkpoint(out: Path, step: int, model, optimizer, tokenizer_dir: str, rt: Runtime,
                     keep: int, extra: dict | None = None) -> None:
-    """checkpoints/step_N written as a temporary folder, then renamed; then `latest` updated."""
+    """checkpoints/step_N written as a temporary folder, then renamed; then `latest` updated and
+    all but the `keep` newest checkpoints (by step number, never step_N itself) deleted. An
+    existing step_N (left by a run killed before `latest` named it) is moved aside, not deleted,
+    until the new one is in place."""
     model_state, optim_state = full_state_dicts(model, optimizer)
     if rt.main:
         ckpts = out / "checkpoints"
-        final, tmp = ckpts / f"step_{step:06d}", ckpts / f".step_{step:06d}.tmp"
+        final, tmp, aside = (ckpts / name for name in (f"step_{step:06d}", f".step_{step:06d}.tmp",
+                                                       f".step_{step:06d}.old"))
         shutil.rmtree(tmp, ignore_errors=True)
         write_model_folder(model, tmp, tokenizer_dir, state_dict=model_state)
         torch.save({"step": step, "optimizer": optim_state, **(extra or {})}, tmp / "trainer_state.pt")
-        shutil.rmtree(final, ignore_errors=True)
+        shutil.rmtree(aside, ignore_errors=True)
+        if final.exists():
+            os.replace(final, aside)
         os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
         (ckpts / ".latest.tmp").write_text(final.name)
         os.replace(ckpts / ".latest.tmp", ckpts / "latest")
-        for old in sorted(ckpts.glob("step_*"))[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        if keep > 0:
+            older = [path for _, path in checkpoint_folders(ckpts) if path != final]
+            for path in older[:max(len(older) - (keep - 1), 0)]:
+                shutil.rmtree(path, ignore_errors=True)
     rt.barrier()
+
+
+def checkpoint_folders(ckpts: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every checkpoints/step_N folder, in ascending step order."""
+    found = [(int(match.group(1)), path) for path in ckpts.glob("step_*")
+             if (match := re.fullmatch(r"step_(\d+)", path.name))]
+    return sorted(found)
+
+
+def refuse_to_mix_runs(out: Path, resuming: bool) -> None:
+    """A run without --resume must not start in an --out holding checkpoints: its own would be
+    pruned and named by `latest` among the earlier run's, and a later --resume could pick either."""
+    ckpts = out / "checkpoints"
+    if not resuming and ((ckpts / "latest").exists() or checkpoint_folders(ckpts)):
+        raise CheckpointError(f"{ckpts} holds checkpoints of an earlier run; pass --resume to continue it "
+                              "or choose another --out")
 
 
 def write_model_folder(model, path: Path, tokenizer_dir: str, state_dict: dict | None = None) -> None:
@@ -240,11 +267,17 @@ def write_model_folder(model, path: Path, tokenizer_dir: str, state_dict: dict |
 
 
 def latest_checkpoint(out: Path) -> Path | None:
+    """The checkpoint `latest` names; None without `latest`. One it names that is missing or
+    incomplete is an error, not a silent restart at step 0."""
     pointer = out / "checkpoints" / "latest"
     if not pointer.is_file():
         return None
-    path = out / "checkpoints" / pointer.read_text().strip()
-    return path if (path / "trainer_state.pt").is_file() else None
+    name = pointer.read_text().strip()
+    path = out / "checkpoints" / name
+    if not (path / "trainer_state.pt").is_file():
+        raise CheckpointError(f"{pointer} names {name}, which is missing or incomplete; write the name of a "
+                              "complete step_* folder there to resume from it, or choose another --out")
+    return path
 
 
 def resume(out: Path, model, optimizer, log) -> tuple[int, dict]:
@@ -306,6 +339,7 @@ def train_sft(cfg: TrainConfig) -> Path:
     rt = setup_runtime()
     log = make_logger(rt)
     out = Path(cfg.out)
+    refuse_to_mix_runs(out, cfg.resume)
     out.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(cfg.model)
     model = build_model(cfg, rt, log)
@@ -377,7 +411,8 @@ def init_model_folder(cfg: TrainConfig) -> Path:
     carry no one-shot example (`dice_one_shot: null`), which keeps them short for small models."""
     from .tokenizer import train_tokenizer
     out = Path(cfg.out)
-    texts = ["".join(record_to_text(r, one_shot=None)) for r in read_records(cfg.data)]
+    texts = ["".join(record_texts(r, f"{cfg.data}: record {i}", one_shot=None)[0])
+             for i, r in enumerate(read_records(cfg.data))]
     tok = train_tokenizer(texts, cfg.vocab_size, out)
     config = ModelConfig(
         vocab_size=tok.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,

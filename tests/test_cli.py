@@ -83,6 +83,40 @@ def test_train_flags_that_would_silently_do_nothing_are_one_line_errors(tmp_path
     assert not (tmp_path / "o").exists()
 
 
+SYSTEM_AND_ASSISTANT = {"messages": [{"role": "system", "content": "S"}, {"role": "assistant", "content": "A"}]}
+
+
+@pytest.mark.parametrize("phase, data, message", [
+    ("e2e", {"pytorch_code": "class Model: pass"}, "expected a JSON list of task records, got a dict"),
+    ("infill", EXAMPLES[0], "no task has the prefix/middle/suffix split the infill phase needs"),
+    ("init", [SYSTEM_AND_ASSISTANT], "record 0 is not a prompt/response"),
+    ("sft", [SYSTEM_AND_ASSISTANT], "record 0 is not a prompt/response"),
+])
+def test_train_bad_data_is_a_one_line_error(tmp_path, phase, data, message):
+    """A task file that is a dict, tasks without the infill split, and a chat record without a user
+    turn each ended in a traceback."""
+    import json
+    if not isinstance(data, Path):
+        data, records = tmp_path / "data.json", data
+        data.write_text(json.dumps(records))
+    model = ROOT / "dice" / "assets" / "dice-tiny"
+    res = run("train.py", "--phase", phase, "--model", str(model), "--data", str(data), "--out", str(tmp_path / "o"),
+              "--steps", "1")
+    assert res.returncode != 0 and message in res.stderr and res.stderr.strip().count("\n") == 0, res.stderr
+
+
+def test_rl_with_fewer_tasks_per_step_than_processes_is_a_data_error(tmp_path, monkeypatch):
+    from dice.cli import USER_ERRORS
+    from dice.data import DataError
+    from dice.rl import train_rl
+    from dice.trainer import Runtime, TrainConfig
+    monkeypatch.setattr("dice.rl.setup_runtime", lambda: Runtime(torch.device("cpu"), rank=0, world=2))
+    cfg = TrainConfig(phase="e2e", model="unused", data="unused", out=str(tmp_path / "o"), steps=1, tasks_per_step=1)
+    with pytest.raises(DataError, match="pass --tasks-per-step 2 or more") as caught:
+        train_rl(cfg)
+    assert isinstance(caught.value, USER_ERRORS)
+
+
 def test_learning_rate_defaults_follow_the_phase():
     """DESIGN.md §7: BiC-RL uses AdamW lr 1e-6; SFT keeps 1e-5; an explicit --lr wins."""
     from dice.trainer import TrainConfig, config_from_args

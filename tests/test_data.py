@@ -58,6 +58,20 @@ def test_json_and_jsonl_and_bad_records(tmp_path):
         read_records(tmp_path / "nope.json")
 
 
+@pytest.mark.parametrize("messages", [
+    [{"role": "system", "content": "S"}, {"role": "assistant", "content": "A"}],   # no user turn
+    [{"role": "assistant", "content": "A"}],
+    [],
+])
+def test_messages_without_a_user_turn_are_a_data_error(messages):
+    class Chars:
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    with pytest.raises(DataError, match=r"d.jsonl: record 0 is not .* after at least one user turn"):
+        tokenize_records([{"messages": messages}], Chars(), 100, source="d.jsonl")
+
+
 def test_packing_restarts_positions_and_pads_blocks():
     examples = [Example([1, 2], [3, 4, 5]), Example([6], [7, 8]), Example([9, 9, 9], [10] * 6)]
     rows = pack_rows(examples, row_len=12, block_size=4, pad_id=0)

@@ -72,6 +72,43 @@ def test_loss_hand_computed():
     torch.testing.assert_close(loss, torch.as_tensor(expected, dtype=torch.float32), rtol=1e-5, atol=1e-6)
 
 
+class InputRecorder(torch.nn.Module):
+    """Records the ids and logits_at of every forward; its logits ignore the inputs."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(vocab))
+        self.config = type("C", (), {"block_size": 2})()
+        self.calls = []
+
+    def forward(self, ids, pos, mask, logits_at):
+        self.calls.append((ids.clone(), logits_at.clone()))
+        return self.bias.expand(int(logits_at.sum()), -1)
+
+
+def test_loss_feeds_x_t_then_x_0_and_reads_logits_where_x_t_is_masked():
+    """The doubled input is [x_t ; x_0]: MASK exactly at the noised response tokens in the first
+    half, the clean ids in the second, logits read at the MASK positions of the first half only."""
+    mask_id = 6
+    ids = torch.tensor([[1, 2, 3, 4, 5, 0, 1, 2], [3, 3, 4, 4, 5, 5, 0, 0]])
+    batch = {"input_ids": ids, "position_ids": torch.arange(8).repeat(2, 1),
+             "sample_ids": torch.tensor([[0] * 8, [0] * 4 + [1] * 4]),
+             "loss_mask": torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0, 1, 1]], dtype=torch.bool)}
+    model = InputRecorder(7)
+    diffusion_loss(model, batch, [torch.Generator().manual_seed(s) for s in (3, 4)], mask_id)
+    (seen, logits_at), = model.calls
+    noisy, clean = seen[:, :8], seen[:, 8:]
+    assert torch.equal(clean, ids)
+    masked = noisy == mask_id
+    assert masked.any(1).all() and not (masked & ~batch["loss_mask"]).any()
+    assert torch.equal(noisy[~masked], ids[~masked])
+    assert torch.equal(logits_at, torch.cat([masked, torch.zeros_like(masked)], 1))
+    for i, s in enumerate((3, 4)):    # the noise of row i comes from its own generator
+        _, expect, _ = add_noise(ids[i:i + 1], batch["loss_mask"][i:i + 1], batch["sample_ids"][i:i + 1], mask_id,
+                                 torch.Generator().manual_seed(s))
+        assert torch.equal(masked[i:i + 1], expect)
+
+
 def test_activation_checkpointing_gives_the_same_gradients():
     from pathlib import Path
 

@@ -1,5 +1,7 @@
 """BiC-RL pieces: trace replay, advantages, the clipped objective, and a tiny end-to-end run."""
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from dice.trainer import TrainConfig
 from conftest import make_tiny_model_folder
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def as_lists(rounds):
@@ -176,26 +179,76 @@ def test_tiny_run_with_python_reward_raises_the_reward(tmp_path):
     assert load_model(tmp_path / "out" / "final").config.extra["dice_one_shot"] is None
 
 
+def test_step_metrics_count_the_results_of_every_rollout_batch(tmp_path, monkeypatch):
+    """2 tasks x 4 samples in rollout batches of 4: the reward runs once per batch, and every sample
+    is compiled, correct and 2x faster, so each rate is 100% (counting only the last batch gave 50%)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import dice.rl
+    from dice.rl import verifier_reward
+
+    class AllCorrect:
+        calls = 0
+
+        def map(self, pairs, **opts):
+            AllCorrect.calls += 1
+            return [SimpleNamespace(compiled=True, correct=True, speedup=2.0) for _ in pairs]
+
+    generate_completions = dice.rl.complete
+    monkeypatch.setattr(dice.rl, "complete", lambda *a, **k: [dataclasses.replace(c, code="code")   # any code block
+                                                              for c in generate_completions(*a, **k)])
+    cfg = TrainConfig(phase="e2e", model=str(rl_model_folder(tmp_path / "model")), out=str(tmp_path / "out"),
+                      steps=1, tasks_per_step=2, group_size=4, rollout_batch=4, max_new_tokens=8, reward="speedup")
+    train_rl(cfg, reward_fn=verifier_reward(AllCorrect(), "e2e", kind="speedup"), tasks=TASKS[:2])
+    record = json.loads((tmp_path / "out" / "metrics.jsonl").read_text())
+    assert AllCorrect.calls == 2
+    assert record["compiled_pct"] == record["correct_pct"] == record["fast_1_pct"] == 100
+    assert record["reward_mean"] == pytest.approx(1.5)
+
+
+def run_bounded(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run `cmd`; past `timeout` fail the test instead of blocking it. A deadlocked torchrun is
+    stopped with SIGTERM, which it passes on to its workers (they run in sessions of their own,
+    so killing torchrun alone would leave them holding the output pipes open)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            stderr = proc.communicate(timeout=60)[1][-3000:]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stderr = "(no output: it did not stop on SIGTERM either)"
+        pytest.fail(f"{' '.join(cmd)} still running after {timeout} s (deadlocked?):\n{stderr}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def test_two_process_gloo_rl_matches_one_process(tmp_path):
-    """Rollouts are seeded by task slot, so 1 and 2 processes see the same first step."""
-    import subprocess
-    import sys
+    """Rollouts are seeded by task slot and eval task i by i, so 1 and 2 processes see the same
+    first step and the same evaluations; under FSDP every process joins the evaluation (rank 0
+    alone deadlocked in the parameter all-gathers)."""
     model = rl_model_folder(tmp_path / "model")
-    script = Path(__file__).parent / "fixtures" / "rl_run.py"
-    root = Path(__file__).resolve().parents[1]
-    one = subprocess.run([sys.executable, str(script), str(model), str(tmp_path / "one")], capture_output=True,
-                         text=True, cwd=root, timeout=300)
+    script = str(Path(__file__).parent / "fixtures" / "rl_run.py")
+    one = run_bounded([sys.executable, script, str(model), str(tmp_path / "one")], timeout=300)
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(script), str(model), str(tmp_path / "two")], capture_output=True, text=True,
-                         cwd=root, timeout=300)
+    two = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                       script, str(model), str(tmp_path / "two")], timeout=300)
     assert two.returncode == 0, two.stderr
     a = [json.loads(l) for l in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(l) for l in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    assert len(a) == len(b) == 2
-    for key in ("reward_mean", "mean_response_len", "groups_kept_pct"):
-        assert a[0][key] == pytest.approx(b[0][key])
-    assert a[0]["loss"] == pytest.approx(b[0]["loss"], rel=1e-4, abs=1e-6)
+    steps_a, steps_b = ([r for r in x if "reward_mean" in r] for x in (a, b))
+    evals_a, evals_b = ([r for r in x if "eval_reward" in r] for x in (a, b))
+    assert len(steps_a) == len(steps_b) == 2
+    for key in ("reward_mean", "mean_response_len", "groups_kept_pct", "compiled_pct", "correct_pct"):
+        assert steps_a[0][key] == pytest.approx(steps_b[0][key])
+    assert steps_a[0]["loss"] == pytest.approx(steps_b[0]["loss"], rel=1e-4, abs=1e-6)
+    assert [e["step"] for e in evals_a] == [e["step"] for e in evals_b] == [0, 1, 2]
+    for ea, eb in zip(evals_a, evals_b):
+        assert ea.keys() == eb.keys() == {"step", "eval_reward", "eval_compiled", "eval_correct", "eval_fast_1"}
+        assert ea == pytest.approx(eb)
+        assert eb["eval_compiled"] == 1.0   # every sample compiles: the 3 tasks of both processes are counted
     load_model(tmp_path / "two" / "final")
 
 

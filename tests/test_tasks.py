@@ -1,10 +1,12 @@
-"""Task loading from KernelBench folders and DICE JSON files (dice/tasks.py)."""
+"""Task loading from KernelBench folders and DICE JSON files (dice/tasks.py); bad files raise
+DataError, which the commands print as one line."""
 
 import json
 from pathlib import Path
 
 import pytest
 
+from dice.data import DataError
 from dice.tasks import Task, check_task_source, load_tasks, missing_task_names
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
@@ -58,27 +60,27 @@ def test_missing_names_are_reported_with_the_file(tmp_path):
     bad = tmp_path / "level1" / "1_Bad.py"
     bad.parent.mkdir()
     bad.write_text("import torch\nclass Model: pass\n")
-    with pytest.raises(ValueError, match=r"1_Bad.py: task source defines no get_inputs, get_init_inputs"):
+    with pytest.raises(DataError, match=r"1_Bad.py: task source defines no get_inputs, get_init_inputs"):
         load_tasks(tmp_path)
-    with pytest.raises(ValueError, match="record 0: task source does not parse"):
+    with pytest.raises(DataError, match="record 0: task source does not parse"):
         check_task_source("def (", "x.json record 0")
 
 
 def test_bad_json_records(tmp_path):
     path = tmp_path / "tasks.json"
     path.write_text(json.dumps([{"code": TASK}]))
-    with pytest.raises(ValueError, match="record 0: no 'pytorch_code'"):
+    with pytest.raises(DataError, match="record 0: no 'pytorch_code'"):
         load_tasks(path)
     path.write_text(json.dumps([{"pytorch_code": TASK, "prefix": "a", "middle": "b"}]))
-    with pytest.raises(ValueError, match="only part of prefix/middle/suffix"):
+    with pytest.raises(DataError, match="only part of prefix/middle/suffix"):
         load_tasks(path)
     path.write_text(json.dumps({"pytorch_code": TASK}))
-    with pytest.raises(ValueError, match="expected a JSON list"):
+    with pytest.raises(DataError, match="expected a JSON list"):
         load_tasks(path)
 
 
 def test_missing_path_and_empty_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such task file"):
         load_tasks(tmp_path / "nope")
-    with pytest.raises(ValueError, match="found no tasks"):
+    with pytest.raises(DataError, match="found no tasks"):
         load_tasks(tmp_path)

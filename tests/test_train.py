@@ -104,3 +104,65 @@ def test_train_bench_runs_sharded_under_torchrun():
     assert "2 process(es) x batch 1 x 64 tokens (128 doubled), FSDP2" in res.stdout
     header, values = (re.split(r"\s{2,}", line.strip()) for line in res.stdout.strip().splitlines()[-2:])
     assert dict(zip(header, values))["processes"] == "2"
+
+
+TINY = ROOT / "tests" / "fixtures" / "tiny-sdar"
+
+
+def saver(tmp_path):
+    """save(step, keep) writes checkpoint `step` of a tiny model into tmp_path/out, as one process."""
+    from dice.trainer import Runtime, TrainConfig, make_optimizer, save_checkpoint
+    model = load_model(TINY)
+    optimizer = make_optimizer(model, TrainConfig(lr=1e-5))
+    out = tmp_path / "out"
+    return out, model, optimizer, lambda step, keep=2: save_checkpoint(out, step, model, optimizer, str(TINY),
+                                                                       Runtime(torch.device("cpu")), keep)
+
+
+def step_folders(out):
+    return sorted(p.name for p in (out / "checkpoints").iterdir())
+
+
+def test_pruning_goes_by_step_number_and_keeps_the_checkpoint_just_written(tmp_path):
+    from dice.trainer import resume
+    out, model, optimizer, save = saver(tmp_path)
+    save(999_999)
+    save(1_000_000, keep=1)      # sorts before step_999999 by name
+    assert step_folders(out) == ["latest", "step_1000000"]
+    save(8)
+    save(12)
+    save(4)                      # an older step than the folders already there
+    assert step_folders(out) == ["latest", "step_000004", "step_1000000"]
+    assert (out / "checkpoints" / "latest").read_text() == "step_000004"
+    assert resume(out, model, optimizer, print)[0] == 4
+
+
+def test_an_existing_step_folder_is_replaced_by_the_new_checkpoint(tmp_path):
+    from safetensors.torch import load_file
+    out, model, _, save = saver(tmp_path)
+    save(4)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(3.0)
+    save(4)
+    assert step_folders(out) == ["latest", "step_000004"]     # no .tmp or .old folder left
+    assert (load_file(out / "checkpoints" / "step_000004" / "model.safetensors")["model.norm.weight"] == 3.0).all()
+
+
+def test_resume_with_latest_naming_a_missing_checkpoint_is_an_error(tmp_path):
+    from dice.checkpoint import CheckpointError
+    from dice.trainer import resume
+    out, model, optimizer, save = saver(tmp_path)
+    save(4)
+    (out / "checkpoints" / "latest").write_text("step_000008")
+    with pytest.raises(CheckpointError, match=r"latest names step_000008, which is missing or incomplete"):
+        resume(out, model, optimizer, print)
+
+
+def test_a_new_run_in_an_out_with_checkpoints_is_a_one_line_error(addition_task, tmp_path):
+    model, data = addition_task
+    out = tmp_path / "out"
+    (out / "checkpoints" / "step_000004").mkdir(parents=True)
+    res = train(model, data, out, "--steps", "1")
+    assert res.returncode != 0 and res.stderr.strip().count("\n") == 0, res.stderr
+    assert "holds checkpoints of an earlier run; pass --resume" in res.stderr
+    assert not (out / "metrics.jsonl").exists()
