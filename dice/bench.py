@@ -266,10 +266,11 @@ def bench_train(args) -> None:
     FLOPs per step = 6 * (layer matmul params) * 2n  (forward + backward, every token of [x_t ; x_0])
                    + 6 * d * V * masked              (lm_head on masked positions only)
                    + 12 * layers * heads * head_dim * visible (q, k) pairs of the block-diffusion mask
-    per row, over all processes' rows; with --grad-ckpt the layers' forward runs twice, adding a third
-    of the layer and attention terms. MFU = FLOPs / step time / (N x 790 TFLOP/s, the bf16 matmul
-    rate measured on the H200). The step time is the slowest process's; tokens/s per process at N
-    processes over that at 1 is the scaling efficiency.
+    per row, over all processes' rows. MFU = FLOPs / step time / (N x 790 TFLOP/s, the bf16 matmul
+    rate measured on the H200). With --grad-ckpt the layers' forward runs twice; HFU (hardware FLOPs
+    utilisation) also counts that recompute, a third of the layer and attention terms. The step time
+    is the slowest process's; tokens/s per process at N processes over that at 1 is the scaling
+    efficiency.
     """
     from .attention import block_diffusion_mask
     from .diffusion import diffusion_loss
@@ -314,9 +315,8 @@ def bench_train(args) -> None:
     masked = int((n - prompt) * 0.5)  # E[p] = 1/2 of the response is masked
     layer_flops = 6 * layer_params * 2 * n + 12 * cfg_model.num_hidden_layers * cfg_model.num_attention_heads \
         * cfg_model.head_dim * visible
-    if args.grad_ckpt:
-        layer_flops = layer_flops * 4 // 3                    # each layer's forward is recomputed in backward
     flops = rows * (layer_flops + 6 * cfg_model.hidden_size * cfg_model.vocab_size * masked)
+    recompute = rows * layer_flops // 3 if args.grad_ckpt else 0   # each layer's forward again in backward
     dense_6nd = rows * 2 * n * flops_per_token(cfg_model, 2 * n)
     peak = rt.all_max(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
     if rt.rank != 0:
@@ -325,11 +325,14 @@ def bench_train(args) -> None:
     print(f"\ntrain bench: random SDAR-{args.shape}, bf16 autocast + fp32 master weights, AdamW, "
           f"{'FlexAttention' if cuda else 'dense masks'}, {rt.world} process(es) x batch {args.batch} x {n} tokens "
           f"({2 * n} doubled){', FSDP2' if rt.world > 1 else ''}, grad ckpt {args.grad_ckpt}, {where}")
-    print(table([{"processes": rt.world, "step ms": round(t * 1e3, 1), "tokens/s": round(rows * n / t),
-                  "tokens/s per process": round(args.batch * n / t), "doubled tokens/s": round(rows * 2 * n / t),
-                  "peak GiB (max rank)": round(peak, 1), "TFLOP/step": round(flops / 1e12, 1),
-                  "MFU %": round(100 * flops / t / (rt.world * BF16_FLOPS), 1),
-                  "MFU % (dense 6ND+attn)": round(100 * dense_6nd / t / (rt.world * BF16_FLOPS), 1)}]))
+    row = {"processes": rt.world, "step ms": round(t * 1e3, 1), "tokens/s": round(rows * n / t),
+           "tokens/s per process": round(args.batch * n / t), "doubled tokens/s": round(rows * 2 * n / t),
+           "peak GiB (max rank)": round(peak, 1), "TFLOP/step": round(flops / 1e12, 1),
+           "MFU %": round(100 * flops / t / (rt.world * BF16_FLOPS), 1),
+           "MFU % (dense 6ND+attn)": round(100 * dense_6nd / t / (rt.world * BF16_FLOPS), 1)}
+    if args.grad_ckpt:
+        row["HFU % (with recompute)"] = round(100 * (flops + recompute) / t / (rt.world * BF16_FLOPS), 1)
+    print(table([row]))
 
 
 def bench_model(args) -> None:
@@ -411,7 +414,8 @@ def main(argv=None) -> None:
     t.add_argument("--batch", type=int, default=1, help="rows per process")
     t.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     t.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    t.add_argument("--grad-ckpt", action="store_true", help="recompute each layer's forward in the backward pass")
+    t.add_argument("--grad-ckpt", action="store_true",
+                   help="recompute each layer's forward in the backward pass (adds an HFU column)")
     m = sub.add_parser("model", help="bf16 vs fp32 logits, flex vs dense attention")
     m.add_argument("--shape", type=str.lower, choices=SDAR_SHAPES, default="1.7b", help="public SDAR shape")
     # verify's flags live in bench_verify, which parses (and lists with --help) everything after "verify"
