@@ -9,7 +9,6 @@ Tasks: a KernelBench folder (level*/NN_Name.py), one task .py, or a DICE JSON fi
 `--solutions reference` takes the JSON records' own `cuda_code`. Prints and writes per-level
 compiled %, correct %, fast_0/1/2, geometric-mean speedup and pass@k.
 """
-import argparse
 import json
 import sys
 import time
@@ -18,31 +17,35 @@ from pathlib import Path
 
 import torch
 
-from dice.cli import fail_cleanly
+from dice.cli import ArgumentParser, at_least, fail_cleanly
+from dice.data import DataError
 from dice.metrics import format_summary, summarize
+from dice.sampler import REMASKING
 from dice.tasks import load_tasks
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--tasks", required=True)
-    p.add_argument("--level", type=int, nargs="+", default=None)
+    p = ArgumentParser(prog="evaluate.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tasks", required=True, help="a KernelBench folder, a task .py file or a DICE .json file")
+    p.add_argument("--level", type=int, nargs="+", default=None, help="only these levels (default: all)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="generate solutions with this model folder")
     source.add_argument("--solutions", help="a folder of solutions, or 'reference' for the tasks' cuda_code")
-    p.add_argument("--samples", type=int, default=1)
-    p.add_argument("--out", default=None)
-    p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--samples", type=at_least(1), default=1, help="solutions generated per task (pass@k)")
+    p.add_argument("--out", default=None, help="write the summary and every verdict here (JSON)")
+    p.add_argument("--workers", type=at_least(1), default=8, help="verifier worker processes")
+    p.add_argument("--trials", type=at_least(1), default=5, help="correctness trials per kernel, each on new inputs")
     p.add_argument("--no-timing", action="store_true", help="skip timing (no speedups, no fast_p)")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a candidate may run before it is called a timeout (a hanging kernel costs this)")
-    p.add_argument("--max-new-tokens", type=int, default=2048)
-    p.add_argument("--temperature", type=float, default=None, help="default 0 for one sample, else 1")
-    p.add_argument("--remasking", default="low_confidence_dynamic")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N tasks")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=2048, help="with --model: tokens per solution")
+    p.add_argument("--temperature", type=at_least(0.0, float), default=None,
+                   help="with --model: sampling temperature (default: 0 for one sample, else 1)")
+    p.add_argument("--remasking", choices=REMASKING, default="low_confidence_dynamic",
+                   help="with --model: the sampler's remasking rule")
+    p.add_argument("--batch-size", type=at_least(1), default=64, help="with --model: sequences generated per batch")
+    p.add_argument("--seed", type=int, default=0, help="with --model: sampling seed")
+    p.add_argument("--limit", type=at_least(1), default=None, help="evaluate only the first N tasks")
     return p.parse_args(argv)
 
 
@@ -50,6 +53,9 @@ def read_solutions(args, tasks) -> list[tuple[object, str | None]]:
     """(task, source or None) pairs from --solutions."""
     pairs = []
     if args.solutions == "reference":
+        if all(t.solution is None for t in tasks):
+            raise DataError(f"--solutions reference takes the tasks' cuda_code and no task in {args.tasks} has one; "
+                            "use a DICE .json file with cuda_code, or pass --solutions DIR or --model DIR")
         for t in tasks:
             pairs.append((t, t.solution))
         return pairs
@@ -100,7 +106,7 @@ def main(argv=None) -> None:
         tasks = [t for t in tasks if t.level in args.level]
     tasks = tasks[:args.limit] if args.limit else tasks
     if not tasks:
-        sys.exit(f"error: no tasks in {args.tasks} at level(s) {args.level}")
+        sys.exit(f"error: no tasks in {args.tasks}" + (f" at level(s) {args.level}" if args.level else ""))
     pairs = read_solutions(args, tasks) if args.solutions else generate_solutions(args, tasks)
     from dice.verifier import Verifier, VerifyResult
     runnable = [(t.source, code) for t, code in pairs if code]

@@ -6,7 +6,7 @@
 Without --model the small model shipped inside the package is used. The extracted `ModelNew`
 source is printed (and written to --out); --verify runs the kernel verifier on it (needs a GPU).
 """
-import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -15,7 +15,7 @@ import torch
 
 import dice
 from dice import load_model, load_tokenizer
-from dice.cli import fail_cleanly
+from dice.cli import ArgumentParser, at_least, fail_cleanly
 from dice.rollout import complete, one_shot_style, task_prompt_ids
 from dice.sampler import REMASKING
 from dice.tasks import load_tasks
@@ -24,24 +24,34 @@ EMBEDDED_MODEL = Path(dice.__file__).resolve().parent / "assets" / "dice-tiny"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="sample.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompt", required=True, help="a KernelBench-format task .py file")
+    p = ArgumentParser(prog="sample.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompt", required=True,
+                   help="a KernelBench-format task .py file, or a DICE .json file (its first task)")
     p.add_argument("--model", default=None, help="model folder (default: the embedded dice-tiny)")
     p.add_argument("--out", default=None, help="write the generated ModelNew source here")
     p.add_argument("--verify", action="store_true", help="verify the kernel (needs a CUDA GPU)")
-    p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--steps-per-block", type=int, default=4)
-    p.add_argument("--remasking", choices=REMASKING, default="low_confidence_dynamic")
-    p.add_argument("--threshold", type=float, default=0.9)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--infill", action="store_true", help="the task file's skeleton (JSON tasks only)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=1024, help="tokens generated at most")
+    p.add_argument("--steps-per-block", type=at_least(1), default=4, help="denoising steps per block")
+    p.add_argument("--remasking", choices=REMASKING, default="low_confidence_dynamic",
+                   help="which masked positions a denoising step unmasks")
+    p.add_argument("--threshold", type=float, default=0.9, help="confidence threshold of low_confidence_dynamic")
+    p.add_argument("--temperature", type=at_least(0.0, float), default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--infill", action="store_true",
+                   help="fill in the task's skeleton (DICE .json tasks with a prefix/middle/suffix)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step (CUDA; ~1.8x faster for a 1.7B model, compiles first)")
-    return p.parse_args(argv)
+                   help="torch.compile the decode step (CUDA; ~2.1x faster for a 1.7B model, compiles first)")
+    args = p.parse_args(argv)
+    if not 0 < args.top_p <= 1:
+        p.error(f"argument --top-p: must be in (0, 1], got {args.top_p}")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        p.error(f"argument --device: use cpu, cuda or cuda:N, not {args.device!r}")
+    if args.device != "cpu" and int(args.device.partition(":")[2] or 0) >= torch.cuda.device_count():
+        p.error(f"argument --device: this machine has no {args.device} GPU; use --device cpu")
+    return args
 
 
 def main(argv=None) -> None:
@@ -54,7 +64,12 @@ def main(argv=None) -> None:
         tasks = load_tasks(args.prompt)
     except ValueError as e:
         sys.exit(f"error: {e}")
+    if not tasks:
+        sys.exit(f"error: {args.prompt} holds no task; give --prompt a task .py file or a non-empty DICE .json file")
     task = tasks[0]
+    if args.infill and task.prefix is None:
+        sys.exit(f"error: --infill needs a task with a prefix/middle/suffix split and {task.name} has none; "
+                 "drop --infill or use a DICE .json task that has the split")
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = load_model(model_dir, device=args.device, dtype=dtype)
     tok = load_tokenizer(model_dir)

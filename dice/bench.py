@@ -10,10 +10,12 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from .model import SDAR, flops_per_token, sdar_shape
+from .cli import ArgumentParser
+from .model import SDAR, SDAR_SHAPES, flops_per_token, sdar_shape
 
 HBM_BYTES_PER_S = 4.8e12
 BF16_FLOPS = 790e12
@@ -243,9 +245,16 @@ def decode_product_rows(model, T: int) -> list[dict]:
     return rows
 
 
+def train_shape(text: str) -> str:
+    """`bench train --shape`: a public SDAR shape or a model folder with a config.json."""
+    if text.lower() in SDAR_SHAPES or (Path(text) / "config.json").is_file():
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a shape ({', '.join(SDAR_SHAPES)}) nor a model folder "
+                                     "with a config.json")
+
+
 def model_config(shape: str):
     """A public SDAR shape ("1.7b", "4b", "8b") or the config.json of a model folder."""
-    from pathlib import Path
     from .checkpoint import read_config
     return read_config(shape) if Path(shape).is_dir() else sdar_shape(shape)
 
@@ -257,10 +266,11 @@ def bench_train(args) -> None:
     FLOPs per step = 6 * (layer matmul params) * 2n  (forward + backward, every token of [x_t ; x_0])
                    + 6 * d * V * masked              (lm_head on masked positions only)
                    + 12 * layers * heads * head_dim * visible (q, k) pairs of the block-diffusion mask
-    per row, over all processes' rows; with --grad-ckpt the layers' forward runs twice, adding a third
-    of the layer and attention terms. MFU = FLOPs / step time / (N x 790 TFLOP/s, the bf16 matmul
-    rate measured on the H200). The step time is the slowest process's; tokens/s per process at N
-    processes over that at 1 is the scaling efficiency.
+    per row, over all processes' rows. MFU = FLOPs / step time / (N x 790 TFLOP/s, the bf16 matmul
+    rate measured on the H200). With --grad-ckpt the layers' forward runs twice; HFU (hardware FLOPs
+    utilisation) also counts that recompute, a third of the layer and attention terms. The step time
+    is the slowest process's; tokens/s per process at N processes over that at 1 is the scaling
+    efficiency.
     """
     from .attention import block_diffusion_mask
     from .diffusion import diffusion_loss
@@ -305,9 +315,8 @@ def bench_train(args) -> None:
     masked = int((n - prompt) * 0.5)  # E[p] = 1/2 of the response is masked
     layer_flops = 6 * layer_params * 2 * n + 12 * cfg_model.num_hidden_layers * cfg_model.num_attention_heads \
         * cfg_model.head_dim * visible
-    if args.grad_ckpt:
-        layer_flops = layer_flops * 4 // 3                    # each layer's forward is recomputed in backward
     flops = rows * (layer_flops + 6 * cfg_model.hidden_size * cfg_model.vocab_size * masked)
+    recompute = rows * layer_flops // 3 if args.grad_ckpt else 0   # each layer's forward again in backward
     dense_6nd = rows * 2 * n * flops_per_token(cfg_model, 2 * n)
     peak = rt.all_max(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
     if rt.rank != 0:
@@ -316,11 +325,14 @@ def bench_train(args) -> None:
     print(f"\ntrain bench: random SDAR-{args.shape}, bf16 autocast + fp32 master weights, AdamW, "
           f"{'FlexAttention' if cuda else 'dense masks'}, {rt.world} process(es) x batch {args.batch} x {n} tokens "
           f"({2 * n} doubled){', FSDP2' if rt.world > 1 else ''}, grad ckpt {args.grad_ckpt}, {where}")
-    print(table([{"processes": rt.world, "step ms": round(t * 1e3, 1), "tokens/s": round(rows * n / t),
-                  "tokens/s per process": round(args.batch * n / t), "doubled tokens/s": round(rows * 2 * n / t),
-                  "peak GiB (max rank)": round(peak, 1), "TFLOP/step": round(flops / 1e12, 1),
-                  "MFU %": round(100 * flops / t / (rt.world * BF16_FLOPS), 1),
-                  "MFU % (dense 6ND+attn)": round(100 * dense_6nd / t / (rt.world * BF16_FLOPS), 1)}]))
+    row = {"processes": rt.world, "step ms": round(t * 1e3, 1), "tokens/s": round(rows * n / t),
+           "tokens/s per process": round(args.batch * n / t), "doubled tokens/s": round(rows * 2 * n / t),
+           "peak GiB (max rank)": round(peak, 1), "TFLOP/step": round(flops / 1e12, 1),
+           "MFU %": round(100 * flops / t / (rt.world * BF16_FLOPS), 1),
+           "MFU % (dense 6ND+attn)": round(100 * dense_6nd / t / (rt.world * BF16_FLOPS), 1)}
+    if args.grad_ckpt:
+        row["HFU % (with recompute)"] = round(100 * (flops + recompute) / t / (rt.world * BF16_FLOPS), 1)
+    print(table([row]))
 
 
 def bench_model(args) -> None:
@@ -379,31 +391,33 @@ def cache_divergence(shape: str) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dice.bench", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m dice.bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     s = sub.add_parser("sample", help="decoding tokens/s vs autoregressive and the roofline")
-    s.add_argument("--shape", default="1.7b")
-    s.add_argument("--gen", type=int, default=1024)
-    s.add_argument("--prompt-len", type=int, default=128)
-    s.add_argument("--batch", type=int, nargs="+", default=[1, 64])
-    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--shape", type=str.lower, choices=SDAR_SHAPES, default="1.7b", help="public SDAR shape")
+    s.add_argument("--gen", type=int, default=1024, help="new tokens per sequence")
+    s.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
+    s.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="batch sizes to run")
+    s.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
     s.add_argument("--eager-gen", type=int, default=128, help="tokens for the (slow) eager batch-1 row")
     s.add_argument("--compile-batch", type=int, nargs="*", default=[1], help="batches also run with compile=True")
     pr = sub.add_parser("profile", help="where a batch-1 decode forward spends its time; decode attention vs SDPA")
-    pr.add_argument("--shape", default="1.7b")
-    pr.add_argument("--cache-len", type=int, default=1024)
-    pr.add_argument("--repeats", type=int, default=50)
-    pr.add_argument("--no-compile", action="store_true")
+    pr.add_argument("--shape", type=str.lower, choices=SDAR_SHAPES, default="1.7b", help="public SDAR shape")
+    pr.add_argument("--cache-len", type=int, default=1024, help="cached tokens the decode step attends to")
+    pr.add_argument("--repeats", type=int, default=50, help="timed CUDA-graph replays (median)")
+    pr.add_argument("--no-compile", action="store_true", help="eager decoder layers")
     pr.add_argument("--max-autotune", action="store_true", help="let Inductor pick Triton or cuBLAS per product shape")
     t = sub.add_parser("train", help="SFT step time, tokens/s, memory and MFU (torchrun: FSDP2 over N GPUs)")
-    t.add_argument("--shape", default="1.7b", help="1.7b, 4b, 8b, or a model folder whose config.json to use")
-    t.add_argument("--seq-len", type=int, default=4096)
-    t.add_argument("--batch", type=int, default=1)
-    t.add_argument("--steps", type=int, default=5)
-    t.add_argument("--warmup", type=int, default=2)
-    t.add_argument("--grad-ckpt", action="store_true")
+    t.add_argument("--shape", type=train_shape, default="1.7b",
+                   help="1.7b, 4b, 8b, or a model folder whose config.json to use")
+    t.add_argument("--seq-len", type=int, default=4096, help="tokens per row (doubled to [x_t ; x_0])")
+    t.add_argument("--batch", type=int, default=1, help="rows per process")
+    t.add_argument("--steps", type=int, default=5, help="timed steps (median)")
+    t.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    t.add_argument("--grad-ckpt", action="store_true",
+                   help="recompute each layer's forward in the backward pass (adds an HFU column)")
     m = sub.add_parser("model", help="bf16 vs fp32 logits, flex vs dense attention")
-    m.add_argument("--shape", default="1.7b")
+    m.add_argument("--shape", type=str.lower, choices=SDAR_SHAPES, default="1.7b", help="public SDAR shape")
     # verify's flags live in bench_verify, which parses (and lists with --help) everything after "verify"
     sub.add_parser("verify", add_help=False, help="kernels verified per minute (CuPy vs load_inline), or --check")
     args, rest = parser.parse_known_args(argv)
@@ -415,6 +429,9 @@ def main(argv=None) -> None:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if not torch.cuda.is_available() and args.what != "train":
         sys.exit("python -m dice.bench needs a CUDA GPU; this machine has none")
+    if not torch.cuda.is_available():
+        print("note: dice.bench train is meant for a CUDA GPU; this machine has none, so it runs on the CPU "
+              "(slow for the SDAR shapes)", file=sys.stderr)
     {"sample": bench_sample, "profile": bench_profile, "train": bench_train, "model": bench_model}[args.what](args)
 
 

@@ -15,7 +15,6 @@ row's time each judge spent answering: near 100%, the judges bound the throughpu
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -28,6 +27,7 @@ from types import SimpleNamespace
 
 import torch
 
+from dice.cli import ArgumentParser
 from dice.tasks import load_tasks
 from dice.verifier import Verifier
 
@@ -269,8 +269,8 @@ def check_reference_solutions(path: str, workers: int, timing: bool = False, lim
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dice.bench verify", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=8)
+    parser = ArgumentParser(prog="python -m dice.bench verify", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=8, help="verifier worker processes")
     parser.add_argument("--kernels", type=int, default=32, help="CuPy kernels per CuPy row")
     parser.add_argument("--inline-kernels", type=int, default=4, help="load_inline kernels per load_inline row")
     parser.add_argument("--skip-one-process", action="store_true", help="skip the KernelBench-way row")

@@ -275,17 +275,18 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6 * matmul + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
 
 
+SDAR_SHAPES = {
+    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, tie_word_embeddings=True),
+    "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, tie_word_embeddings=False),
+    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, tie_word_embeddings=False),
+}
+
+
 def sdar_shape(name: str, **overrides) -> ModelConfig:
     """Configs of the public SDAR sizes (random-weight benchmarks and tests)."""
-    shapes = {
-        "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                     num_key_value_heads=8, tie_word_embeddings=True),
-        "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                   num_key_value_heads=8, tie_word_embeddings=False),
-        "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                   num_key_value_heads=8, tie_word_embeddings=False),
-    }
     base = dict(vocab_size=151936, head_dim=128, mask_token_id=151669, block_size=4, rms_norm_eps=1e-6,
                 rope_theta=1e6, max_position_embeddings=32768)
-    return ModelConfig(**{**base, **shapes[name.lower()], **overrides})
-
+    return ModelConfig(**{**base, **SDAR_SHAPES[name.lower()], **overrides})

@@ -33,10 +33,12 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import CheckpointError, from_published, has_weights, load_model, read_config, save_model
+from .cli import ArgumentParser
 from .data import RowStream, collate, read_records, record_texts, tokenize_records
 from .diffusion import count_samples, diffusion_loss
 from .model import SDAR, ModelConfig
 from .rollout import one_shot_style
+from .sampler import REMASKING
 from .tokenizer import load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "added_tokens.json",
@@ -45,7 +47,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 
 @dataclass
 class TrainConfig:
-    """Flags of `python train.py` (every field is a `--flag`; see README)."""
+    """Flags of `python train.py`: every field is a `--flag`; CHOICES and AT_LEAST below bound their
+    values, HELP is their --help text (see also README)."""
     phase: str = "sft"
     model: str = ""
     data: str = ""
@@ -54,7 +57,7 @@ class TrainConfig:
     epochs: float = 0.0
     batch_size: int = 8
     grad_accum: int = 1
-    lr: float = 0.0                  # 0: the phase's default, 1e-5 for SFT and 1e-6 for RL (DESIGN.md §7)
+    lr: float = 0.0
     min_lr_ratio: float = 0.1
     warmup: int = 0
     weight_decay: float = 0.0
@@ -66,8 +69,8 @@ class TrainConfig:
     resume: bool = False
     seed: int = 0
     gradient_checkpointing: bool = False
-    sft_infill: bool = False         # also teach kernel records under the infilling prompt
-    attention: str = "auto"          # SFT masks: flex (FlexAttention BlockMask; auto on CUDA) or dense
+    sft_infill: bool = False
+    attention: str = "auto"
     # --phase init: a from-scratch model folder (tokenizer trained on --data, config, no weights)
     vocab_size: int = 4096
     hidden_size: int = 256
@@ -93,11 +96,72 @@ class TrainConfig:
     eval_every: int = 0
     eval_data: str = ""
     verifier_workers: int = 8
-    verify_timeout: float = 15.0     # a hanging sampled kernel costs its worker this long
+    verify_timeout: float = 15.0
 
     def __post_init__(self):
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
+                                 f"not {getattr(self, name)!r}")
+        for name, low in AT_LEAST.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
         if not self.lr:
             self.lr = 1e-6 if self.phase in ("infill", "e2e") else 1e-5
+
+
+CHOICES = {"phase": ("init", "sft", "infill", "e2e"), "dtype": ("auto", "bf16", "fp32"),
+           "attention": ("auto", "flex", "dense"), "remasking": REMASKING, "reward": ("correct", "speedup")}
+AT_LEAST = {"steps": 0, "epochs": 0, "batch_size": 1, "grad_accum": 1, "tasks_per_step": 1, "group_size": 1,
+            "max_new_tokens": 1, "temperature": 0, "steps_per_block": 1, "rollout_batch": 1, "updates_per_step": 1}
+HELP = {
+    "phase": "init: a from-scratch model folder; sft: masked-diffusion SFT; infill, e2e: the BiC-RL phases",
+    "model": "the model folder to train (not for --phase init)",
+    "data": "SFT records (.json/.jsonl), RL tasks (DICE .json or a KernelBench folder), or init's corpus",
+    "out": "run folder (metrics.jsonl, checkpoints/, final/); for --phase init the new model folder",
+    "steps": "optimiser steps (SFT: this or --epochs; RL: required)",
+    "epochs": "SFT passes over the data, when --steps is 0",
+    "batch_size": "rows per process per micro-batch (RL: trace rounds per micro-batch)",
+    "grad_accum": "SFT micro-batches per optimiser step",
+    "lr": "peak learning rate; 0 = 1e-5 for SFT / 1e-6 for RL (DESIGN.md §7)",
+    "min_lr_ratio": "the cosine schedule decays to this fraction of --lr",
+    "warmup": "linear warm-up steps",
+    "weight_decay": "AdamW weight decay of the matrices",
+    "grad_clip": "gradient-norm clipping",
+    "max_len": "SFT row length in tokens (rounded down to the block size)",
+    "dtype": "auto: bf16 autocast on CUDA, fp32 on CPU",
+    "save_every": "write a checkpoint every N steps (0: only final/)",
+    "keep_checkpoints": "checkpoints kept, newest first (0: all)",
+    "resume": "continue from the newest checkpoint in --out",
+    "seed": "seed of the initialisation, data order and noise",
+    "gradient_checkpointing": "recompute each layer's forward in the backward pass (less memory)",
+    "sft_infill": "also teach kernel records under the infilling prompt",
+    "attention": "SFT masks: flex (FlexAttention, CUDA only) or dense; auto: flex on CUDA",
+    "vocab_size": "--phase init: BPE vocabulary size",
+    "hidden_size": "--phase init: hidden size",
+    "num_layers": "--phase init: decoder layers",
+    "num_heads": "--phase init: attention heads",
+    "num_kv_heads": "--phase init: key/value heads",
+    "intermediate_size": "--phase init: MLP width",
+    "block_size": "--phase init: diffusion block size",
+    "tasks_per_step": "RL: tasks per step, in curriculum order",
+    "group_size": "RL: samples per task (one advantage group)",
+    "max_new_tokens": "RL: tokens generated per sample",
+    "temperature": "RL: sampling temperature",
+    "remasking": "RL: the sampler's remasking rule",
+    "threshold": "RL: confidence threshold of low_confidence_dynamic",
+    "steps_per_block": "RL: denoising steps per block",
+    "rollout_batch": "RL: sequences generated per batch",
+    "updates_per_step": "RL: optimiser steps per RL step",
+    "clip_eps": "RL: PPO clip range",
+    "kl_beta": "RL: weight of the k3 KL term",
+    "reference_model": "RL: KL against a frozen copy of --model instead of the rollout policy",
+    "reward": "RL: correct (1 for a correct kernel, else 0) or speedup (adds 0.5 * clamp(log2 speedup, 0, 2))",
+    "eval_every": "RL: greedy evaluation on --eval-data every N steps (0: never)",
+    "eval_data": "RL: held-out tasks for --eval-every",
+    "verifier_workers": "RL: kernel verifier worker processes",
+    "verify_timeout": "RL: seconds a sampled kernel may run before it is a timeout",
+}
 
 
 # ---------------------------------------------------------------- devices and processes
@@ -334,8 +398,6 @@ def make_logger(rt: Runtime):
 
 def train_sft(cfg: TrainConfig) -> Path:
     """Masked block-diffusion SFT (DESIGN.md §4); returns the final model folder."""
-    if cfg.attention not in ("auto", "flex", "dense"):
-        raise ValueError(f"--attention must be auto, flex or dense, got {cfg.attention!r}")
     rt = setup_runtime()
     log = make_logger(rt)
     out = Path(cfg.out)
@@ -428,13 +490,15 @@ def init_model_folder(cfg: TrainConfig) -> Path:
 
 def config_from_args(argv: list[str] | None = None) -> TrainConfig:
     """argparse over the TrainConfig fields: `--batch-size 8`, `--resume`, ..."""
-    import argparse
-    parser = argparse.ArgumentParser(prog="train.py", description="SFT and BiC-RL training (see README)")
+    parser = ArgumentParser(prog="train.py", description="SFT and BiC-RL training (see README)")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", default=f.default)
+            parser.add_argument(flag, action="store_true", default=f.default, help=HELP[f.name])
         else:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            parser.add_argument(flag, type=kind, default=f.default)
-    return TrainConfig(**vars(parser.parse_args(argv)))
+            parser.add_argument(flag, type=kind, default=f.default, choices=CHOICES.get(f.name), help=HELP[f.name])
+    try:
+        return TrainConfig(**vars(parser.parse_args(argv)))
+    except ValueError as e:
+        parser.error(str(e))

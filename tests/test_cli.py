@@ -73,11 +73,14 @@ def test_evaluate_reads_solution_files_and_reference_code(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--phase", "e2e"], "--phase e2e needs --steps N"),
     (["--phase", "sft"], "--phase sft needs --steps N or --epochs E"),
-    (["--phase", "sft", "--steps", "1", "--dtype", "fp16"], "--dtype must be auto, bf16 or fp32"),
+    (["--phase", "sft", "--steps", "1", "--dtype", "fp16"], "--dtype: invalid choice: 'fp16'"),
+    (["--phase", "sft", "--steps", "-1"], "--steps must be >= 0, got -1"),
+    (["--phase", "e2e", "--steps", "1", "--reward", "foo"], "--reward: invalid choice: 'foo'"),
 ])
 def test_train_flags_that_would_silently_do_nothing_are_one_line_errors(tmp_path, args, message):
     """RL without --steps ran no step and wrote an untrained final/; SFT without --steps/--epochs ran
-    one step; an unknown --dtype meant fp32."""
+    one step; an unknown --dtype meant fp32; --steps -1 wrote an untrained final/; an unknown
+    --reward meant correct."""
     res = run("train.py", *args, "--model", str(tmp_path), "--data", str(tmp_path / "d.json"), "--out", str(tmp_path / "o"))
     assert res.returncode != 0 and message in res.stderr and res.stderr.strip().count("\n") == 0
     assert not (tmp_path / "o").exists()
@@ -123,3 +126,146 @@ def test_learning_rate_defaults_follow_the_phase():
     assert TrainConfig(phase="infill").lr == TrainConfig(phase="e2e").lr == 1e-6
     assert TrainConfig(phase="sft").lr == 1e-5
     assert config_from_args(["--phase", "e2e", "--lr", "3e-4"]).lr == 3e-4
+
+
+def one_line_error(main, argv, capsys) -> str:
+    """Run a command's main(argv) as its __main__ does; assert it fails with one line and return it."""
+    from dice.cli import fail_cleanly
+    with pytest.raises(SystemExit) as stop:
+        fail_cleanly(lambda: main(argv))
+    code = stop.value.code
+    err = capsys.readouterr().err + (code if isinstance(code, str) else "")
+    assert code not in (0, None) and err.strip() and err.strip().count("\n") == 0, err
+    return err
+
+
+def command(name):
+    """The module of a top-level command (sample, train, evaluate)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return __import__(name)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
+    (["--steps-per-block", "0"], "--steps-per-block: must be >= 1, got 0"),
+    (["--temperature", "-1"], "--temperature: must be >= 0.0, got -1"),
+    (["--top-p", "0"], "--top-p: must be in (0, 1]"),
+    (["--top-p", "1.5"], "--top-p: must be in (0, 1]"),
+    (["--device", "foo"], "--device: use cpu, cuda or cuda:N, not 'foo'"),
+    (["--remasking", "foo"], "--remasking: invalid choice: 'foo'"),
+    (["--infill"], "--infill needs a task with a prefix/middle/suffix split and level1_elu has none"),
+])
+def test_sample_flag_errors_are_one_line_before_the_model_loads(capsys, args, message):
+    """These were tracebacks from the sampler, rollout or torch, after loading the model."""
+    err = one_line_error(command("sample").main, ["--prompt", str(EXAMPLES[0]), *args], capsys)
+    assert message in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_sample_on_cuda_without_a_gpu_is_one_line(capsys):
+    err = one_line_error(command("sample").main, ["--prompt", str(EXAMPLES[0]), "--device", "cuda"], capsys)
+    assert "this machine has no cuda GPU; use --device cpu" in err
+
+
+def test_empty_task_file_is_one_line(tmp_path, capsys):
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    err = one_line_error(command("sample").main, ["--prompt", str(empty)], capsys)
+    assert f"{empty} holds no task" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--phase", "sft", "--steps", "1", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--phase", "sft", "--epochs", "-1"], "--epochs must be >= 0, got -1.0"),
+    (["--phase", "e2e", "--steps", "1", "--remasking", "foo"], "--remasking: invalid choice: 'foo'"),
+    (["--phase", "e2e", "--steps", "1", "--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
+    (["--phase", "sft", "--steps", "1", "--model", "/nonexistent"], "model folder /nonexistent does not exist"),
+])
+def test_train_flag_errors_are_one_line(tmp_path, capsys, args, message):
+    argv = ["--model", str(tmp_path), "--data", str(tmp_path / "d.json"), "--out", str(tmp_path / "o"), *args]
+    assert message in one_line_error(command("train").main, argv, capsys)
+    assert not (tmp_path / "o").exists()
+
+
+def test_train_config_rejects_unknown_reward_and_remasking():
+    """dice.rl only tests reward == "speedup": any other word silently meant "correct"."""
+    from dice.trainer import TrainConfig
+    with pytest.raises(ValueError, match="--reward must be one of correct, speedup"):
+        TrainConfig(phase="e2e", reward="foo")
+    with pytest.raises(ValueError, match="--remasking must be one of"):
+        TrainConfig(remasking="low_confidence")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+@pytest.mark.parametrize("args, message", [
+    (["--phase", "e2e", "--steps", "1"], "--phase e2e rewards kernels with the verifier, which needs a CUDA GPU"),
+    (["--phase", "sft", "--steps", "1", "--attention", "flex"], "--attention flex needs a CUDA GPU"),
+])
+def test_train_needing_a_gpu_fails_before_loading_the_model(tmp_path, capsys, args, message):
+    argv = ["--model", str(tmp_path / "nope"), "--data", str(EXAMPLES[0]), "--out", str(tmp_path / "o"), *args]
+    assert message in one_line_error(command("train").main, argv, capsys)
+
+
+def test_init_with_an_unknown_record_is_a_one_line_data_error(tmp_path):
+    """It was a KeyError traceback; fail_cleanly's errors exit with status 1, as its docstring says."""
+    data = tmp_path / "rec.json"
+    data.write_text('[{"prompt": "p", "response": "r"}, {"foo": 1}]')
+    res = run("train.py", "--phase", "init", "--data", str(data), "--out", str(tmp_path / "o"))
+    assert res.returncode == 1 and res.stderr.strip().count("\n") == 0, res.stderr
+    assert f"{data}: record 1 is not a prompt/response, alpaca, messages or pytorch_code/cuda_code record" in res.stderr
+
+
+def test_evaluate_flag_errors_are_one_line(capsys):
+    argv = ["--tasks", str(EXAMPLES[0]), "--solutions", "reference", "--remasking", "foo"]
+    assert "--remasking: invalid choice: 'foo'" in one_line_error(command("evaluate").main, argv, capsys)
+
+
+def test_evaluate_reference_without_reference_solutions_is_one_line(tmp_path, capsys, monkeypatch):
+    """A task .py has no cuda_code: every task was silently scored compile_error."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # the checks come after the GPU check
+    err = one_line_error(command("evaluate").main, ["--tasks", str(EXAMPLES[0]), "--solutions", "reference"], capsys)
+    assert "--solutions reference takes the tasks' cuda_code and no task in" in err
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    err = one_line_error(command("evaluate").main, ["--tasks", str(empty), "--solutions", "reference"], capsys)
+    assert err.strip() == f"error: no tasks in {empty}"
+    err = one_line_error(command("evaluate").main, ["--tasks", str(empty), "--level", "2", "--solutions", "x"], capsys)
+    assert err.strip() == f"error: no tasks in {empty} at level(s) [2]"
+
+
+@pytest.mark.parametrize("shape", ["foo", "/nonexistent"])
+def test_bench_unknown_shape_is_one_line(capsys, shape):
+    from dice.bench import main
+    err = one_line_error(main, ["train", "--shape", shape], capsys)
+    assert f"--shape: {shape!r} is neither a shape (1.7b, 4b, 8b) nor a model folder with a config.json" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_bench_train_on_cpu_says_it_is_meant_for_a_gpu(capsys):
+    from dice.bench import main
+    main(["train", "--shape", str(ROOT / "tests/fixtures/tiny-sdar"), "--seq-len", "32", "--steps", "1",
+          "--warmup", "0", "--grad-ckpt"])
+    out, err = capsys.readouterr()
+    assert "dice.bench train is meant for a CUDA GPU" in err and "HFU % (with recompute)" in out
+
+
+@pytest.mark.parametrize("name, argv, shown", [
+    ("sample", ["--help"], ["(default: 1024)", "(default: low_confidence_dynamic)", "~2.1x faster"]),
+    ("train", ["--help"], ["--lr LR", "0 = 1e-5 for SFT / 1e-6 for RL", "(default: 8)", "{correct,speedup}"]),
+    ("evaluate", ["--help"], ["(default: 120.0)", "(default: 0 for one sample, else 1)"]),
+    ("bench", ["train", "--help"], ["(default: 4096)"]),
+])
+def test_help_shows_defaults(capsys, monkeypatch, name, argv, shown):
+    monkeypatch.setenv("COLUMNS", "200")
+    if name == "bench":
+        from dice.bench import main
+    elif name == "train":
+        from dice.trainer import config_from_args as main
+    else:
+        main = command(name).parse_args
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    text = capsys.readouterr().out
+    assert stop.value.code == 0 and all(s in text for s in shown), text
+    assert "(default: None)" not in text and "(default: False)" not in text and "(default: )" not in text

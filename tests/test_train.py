@@ -82,7 +82,7 @@ def test_two_process_gloo_matches_one_process(addition_task, tmp_path):
 def test_missing_model_folder_is_one_line(tmp_path):
     res = train(tmp_path / "nope", tmp_path / "data.jsonl", tmp_path / "out", "--steps", "1")
     assert res.returncode != 0
-    assert res.stderr.strip().count("\n") == 0 and "nope" in res.stderr, res.stderr
+    assert res.stderr.strip().count("\n") == 0 and "nope does not exist" in res.stderr, res.stderr
 
 
 def test_unknown_attention_is_one_line(addition_task, tmp_path):

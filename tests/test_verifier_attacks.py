@@ -3,9 +3,7 @@ the judge's reference outputs, to beat the clock with cached results, or to outl
 
 Each attack here succeeded against an earlier version of the verifier (a review's reproductions)."""
 
-import os
 import pickle
-import tempfile
 import time
 from pathlib import Path
 
