@@ -92,12 +92,30 @@ SYSTEM_AND_ASSISTANT = {"messages": [{"role": "system", "content": "S"}, {"role"
 @pytest.mark.parametrize("phase, data, message", [
     ("e2e", {"pytorch_code": "class Model: pass"}, "expected a JSON list of task records, got a dict"),
     ("infill", EXAMPLES[0], "no task has the prefix/middle/suffix split the infill phase needs"),
+])
+def test_rl_bad_data_is_a_data_error(tmp_path, phase, data, message):
+    """A task file that is a dict and tasks without the infill split ended in tracebacks. (train.py
+    on a machine without a GPU stops earlier, at its GPU check, so this runs the RL entry with a
+    Python reward.)"""
+    import json
+    from dice.data import DataError
+    from dice.rl import train_rl
+    from dice.trainer import TrainConfig
+    if not isinstance(data, Path):
+        data, records = tmp_path / "data.json", data
+        data.write_text(json.dumps(records))
+    cfg = TrainConfig(phase=phase, model=str(ROOT / "dice" / "assets" / "dice-tiny"), data=str(data),
+                      out=str(tmp_path / "o"), steps=1, tasks_per_step=1)
+    with pytest.raises(DataError, match=message):
+        train_rl(cfg, reward_fn=lambda tasks, completions: [0.0] * len(completions))
+
+
+@pytest.mark.parametrize("phase, data, message", [
     ("init", [SYSTEM_AND_ASSISTANT], "record 0 is not a prompt/response"),
     ("sft", [SYSTEM_AND_ASSISTANT], "record 0 is not a prompt/response"),
 ])
 def test_train_bad_data_is_a_one_line_error(tmp_path, phase, data, message):
-    """A task file that is a dict, tasks without the infill split, and a chat record without a user
-    turn each ended in a traceback."""
+    """A chat record without a user turn ended in a traceback."""
     import json
     if not isinstance(data, Path):
         data, records = tmp_path / "data.json", data
