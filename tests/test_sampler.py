@@ -174,3 +174,79 @@ def test_select_positions_static_and_dynamic():
     assert dyn.tolist() == [[True, False, False, True], [True, True, False, False]]
     at = select_positions(conf, masked, torch.tensor([1, 1]), "low_confidence_dynamic", 0.5)
     assert at.tolist()[0] == [True, False, False, False]      # c > threshold: 0.5 itself does not pass
+
+
+def reference_generate(model, prompt, max_new_tokens, steps, remasking, threshold, temperature, top_k, top_p,
+                       eos, seed):
+    """DESIGN.md §5 for one sequence in plain Python: no padding, no cache, the whole sequence
+    recomputed every step, each rule written out per position. Independent of `generate` except
+    for the noise hash (`uniform_noise`) and the 32-bit seed fold."""
+    from dice.sampler import _row_seeds, uniform_noise
+    B, mask = model.config.block_size, model.config.mask_token_id
+    schedule = [B // steps + (s < B % steps) for s in range(steps)]
+    x, g0, step, unmasked_at = list(prompt), len(prompt), 0, {}
+    row_seed = torch.tensor(_row_seeds([seed], 1))
+    while True:
+        b0 = len(x) // B * B
+        x += [mask] * (b0 + B - len(x))
+        masked = list(range(max(b0, g0), b0 + B))
+        for n_s in schedule:
+            if not masked:
+                break
+            pos = torch.arange(len(x))
+            with torch.no_grad():
+                logits = model(torch.tensor([x]), pos[None], (pos // B)[None, :] <= (pos // B)[:, None])[0].double()
+            step += 1
+            u = uniform_noise(row_seed, torch.tensor([step]), torch.arange(b0, b0 + B)[None])[0]
+            token, conf = {}, {}
+            for p in masked:
+                logit = logits[p].clone()
+                logit[mask] = float("-inf")
+                if temperature == 0:
+                    conf[p], token[p] = (v.item() for v in logit.softmax(-1).max(-1))
+                    continue
+                probs = (logit / temperature).softmax(-1)
+                kept = logit / temperature
+                if 0 < top_k < len(kept):
+                    kept[kept < kept.topk(top_k).values[-1]] = float("-inf")
+                if top_p < 1:
+                    ordered, order = kept.sort(descending=True)
+                    q = ordered.softmax(-1)
+                    kept[order[q.cumsum(0) - q > top_p]] = float("-inf")
+                cdf = kept.softmax(-1).cumsum(0)
+                token[p] = int((cdf <= u[p - b0].item() * cdf[-1].item()).sum())   # first index with cdf > target
+                conf[p] = probs[token[p]].item()
+            ranked = sorted(masked, key=lambda p: (-conf[p], p))
+            n = min(n_s, len(masked))
+            confident = [p for p in masked if conf[p] > threshold]
+            pick = confident if remasking == "low_confidence_dynamic" and len(confident) >= n else ranked[:n]
+            for p in pick:
+                x[p], unmasked_at[p] = token[p], step
+            masked = [p for p in masked if p not in pick]
+        out = x[g0:b0 + B]
+        if any(t in eos for t in x[max(b0, g0):b0 + B]) or b0 + B - g0 >= max_new_tokens:
+            cut = min(max_new_tokens, next((i + 1 for i, t in enumerate(out) if t in eos), len(out)))
+            return out[:cut], [unmasked_at[p] for p in range(g0, g0 + cut)], step
+
+
+@pytest.mark.parametrize("block_size", [4, 3])
+def test_generate_equals_a_plain_per_sequence_reference(peaked, block_size):
+    rng = torch.Generator().manual_seed(block_size)
+    saved = peaked.config.block_size
+    peaked.config.block_size = block_size
+    try:
+        for case in range(12):
+            pick = lambda options: options[int(torch.randint(len(options), (), generator=rng))]  # noqa: E731
+            kw = dict(max_new_tokens=pick([5, 9, 14]), steps=pick([1, 2, 3, 4, 6]),
+                      remasking=pick(["low_confidence_static", "low_confidence_dynamic"]),
+                      threshold=pick([0.5, 0.9]), temperature=pick([0.0, 0.0, 0.7, 1.0]), top_k=pick([0, 0, 5]),
+                      top_p=pick([1.0, 1.0, 0.8]), eos=pick([(), (7, 11)]), seed=case)
+            got = generate(peaked, PROMPTS, steps_per_block=kw["steps"], eos_token_ids=kw["eos"],
+                           seed=[kw["seed"]] * len(PROMPTS),
+                           **{k: kw[k] for k in ("max_new_tokens", "remasking", "threshold", "temperature",
+                                                 "top_k", "top_p")})
+            for i, prompt in enumerate(PROMPTS):
+                tokens, step_map, steps = reference_generate(peaked, prompt, **kw)
+                assert (got.tokens[i], got.step_map[i], got.denoising_steps[i]) == (tokens, step_map, steps), (kw, i)
+    finally:
+        peaked.config.block_size = saved
