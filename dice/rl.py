@@ -438,7 +438,7 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
             log(progress_line(step, total, started, start, {
                 "reward": record["reward_mean"], "correct%": record["correct_pct"], "kl": record["kl"],
                 "len": round(record["mean_response_len"]), "tok/s": round(record["rollout_tokens_per_s"])}))
-            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < total:
+            if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == total):
                 save_checkpoint(out, step + 1, model, optimizer, cfg.model, rt, cfg.keep_checkpoints)
         if cfg.eval_every and eval_tasks:
             evaluate(total, "eval after training")

@@ -452,7 +452,7 @@ def train_sft(cfg: TrainConfig) -> Path:
         metrics.write(record)
         log(progress_line(step, total, started, start, {"loss": loss_value, "lr": lr,
                                                         "tok/s": round(tokens / dt)}))
-        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < total:
+        if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == total):
             save_checkpoint(out, step + 1, model, optimizer, cfg.model, rt, cfg.keep_checkpoints)
     return save_final(model, optimizer, out, cfg.model, rt, log)
 

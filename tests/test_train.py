@@ -66,6 +66,16 @@ def test_resume_after_kill_continues_the_same_curve(addition_task, tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
+def test_a_finished_run_extends_from_its_last_step(addition_task, tmp_path):
+    model, data = addition_task
+    assert train(model, data, tmp_path, "--steps", "6", "--save-every", "4").returncode == 0
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000006"   # not only step 4
+    res = train(model, data, tmp_path, "--steps", "8", "--save-every", "4", "--resume")
+    assert res.returncode == 0, res.stderr
+    assert "resumed from" in res.stderr and "step 6" in res.stderr.split("resumed from")[1].splitlines()[0]
+    assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == list(range(1, 9))
+
+
 def test_two_process_gloo_matches_one_process(addition_task, tmp_path):
     model, data = addition_task
     one = train(model, data, tmp_path / "one", "--steps", "4", "--batch-size", "4")
