@@ -75,11 +75,17 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     if not file.is_file():
         raise CheckpointError(f"{file} not found: point --model at a folder with an SDAR/DICE config.json")
     try:
-        return ModelConfig.from_dict(json.loads(file.read_text()))
+        config = ModelConfig.from_dict(json.loads(file.read_text()))
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{file} is not valid JSON ({e}); re-download or fix it") from None
     except KeyError as e:
         raise CheckpointError(f"{file} lacks required key(s) {e}; is this an SDAR/DICE config?") from None
+    # SDAR configs carry these as null/false; this model implements neither, so it would give wrong logits
+    unsupported = [k for k in ("rope_scaling", "use_sliding_window") if config.extra.get(k)]
+    if unsupported:
+        raise CheckpointError(f"{file} sets {', '.join(unsupported)}, which this implementation does not support "
+                              "(SDAR and DICE checkpoints leave them null/false)")
+    return config
 
 
 def weight_files(path: str | os.PathLike) -> dict[str, Path]:

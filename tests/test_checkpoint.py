@@ -89,6 +89,13 @@ def test_missing_folder(tmp_path):
 
 
 def test_missing_or_bad_config(folder):
+    config = json.loads((folder / "config.json").read_text())
+    for key, value in (("rope_scaling", {"type": "yarn", "factor": 4.0}), ("use_sliding_window", True)):
+        (folder / "config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(CheckpointError, match=f"sets {key}"):
+            load_model(folder)
+    (folder / "config.json").write_text(json.dumps({**config, "rope_scaling": None, "use_sliding_window": False}))
+    load_model(folder)
     (folder / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"config.json is not valid JSON"):
         load_model(folder)
