@@ -36,7 +36,7 @@ def parse_args(argv=None):
                    help="which masked positions a denoising step unmasks")
     p.add_argument("--threshold", type=float, default=0.9, help="confidence threshold of low_confidence_dynamic")
     p.add_argument("--temperature", type=at_least(0.0, float), default=0.0, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--top-k", type=at_least(0), default=0, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--infill", action="store_true",
@@ -47,6 +47,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not 0 < args.top_p <= 1:
         p.error(f"argument --top-p: must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.threshold <= 1:
+        p.error(f"argument --threshold: must be in [0, 1], got {args.threshold}")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         p.error(f"argument --device: use cpu, cuda or cuda:N, not {args.device!r}")
     if args.device != "cpu" and int(args.device.partition(":")[2] or 0) >= torch.cuda.device_count():

@@ -170,6 +170,8 @@ def command(name):
     (["--temperature", "-1"], "--temperature: must be >= 0.0, got -1"),
     (["--top-p", "0"], "--top-p: must be in (0, 1]"),
     (["--top-p", "1.5"], "--top-p: must be in (0, 1]"),
+    (["--threshold", "1.5"], "--threshold: must be in [0, 1]"),
+    (["--top-k", "-1"], "--top-k: must be >= 0"),
     (["--device", "foo"], "--device: use cpu, cuda or cuda:N, not 'foo'"),
     (["--remasking", "foo"], "--remasking: invalid choice: 'foo'"),
     (["--infill"], "--infill needs a task with a prefix/middle/suffix split and level1_elu has none"),
