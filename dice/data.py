@@ -50,8 +50,9 @@ def read_records(path: str | Path) -> list[dict]:
 
 def _messages_prompt(messages: list[dict]) -> tuple[str, str]:
     roles = [m.get("role") for m in messages]
-    if len(roles) < 2 or roles[-1] != "assistant" or "user" not in roles[:-1]:
-        raise KeyError("messages must end with an assistant turn after at least one user turn")
+    asked = [r for r in roles[:-1] if r != "system"]
+    if len(roles) < 2 or roles[-1] != "assistant" or not asked or asked[-1] != "user":
+        raise KeyError("messages must end with a user turn answered by an assistant turn")
     *context, last = messages
     system = "".join(f"<|im_start|>system\n{m['content']}<|im_end|>\n" for m in context if m["role"] == "system")
     turns = [m for m in context if m["role"] != "system"]
@@ -66,6 +67,8 @@ def record_to_text(record: dict, *, one_shot: str | None = "load_inline", infill
         prompt, answer = _messages_prompt(record["messages"])
         return prompt, chat_response(answer)
     if "pytorch_code" in record and "cuda_code" in record:
+        if not record["cuda_code"].strip():   # DICE's end-to-end RL file: tasks without solutions
+            raise ValueError("its cuda_code is empty: a task for RL (--phase e2e), not an SFT example")
         skeleton = {"prefix": record["prefix"], "suffix": record["suffix"]} if infill else {}
         user = kernel_prompt(record["pytorch_code"], one_shot=one_shot, **skeleton)
         answer = f"```python\n{record['cuda_code'].strip()}\n```"
@@ -74,6 +77,8 @@ def record_to_text(record: dict, *, one_shot: str | None = "load_inline", infill
         answer = record["output"]
     else:
         user, answer = record["prompt"], record["response"]
+    if not isinstance(user, str) or not isinstance(answer, str):
+        raise TypeError("its prompt and response must be strings")
     return chat_prompt(user), chat_response(answer)
 
 
@@ -85,7 +90,7 @@ def record_texts(record: dict, where: str, *, one_shot: str | None = "load_inlin
         texts = [record_to_text(record, one_shot=one_shot)]
         if infill_copies and "prefix" in record and "cuda_code" in record:
             texts.append(record_to_text(record, one_shot=one_shot, infill=True))
-    except (KeyError, TypeError, AttributeError) as e:
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise DataError(f"{where} is not a prompt/response, alpaca, messages or pytorch_code/cuda_code "
                         f"record ({e!r})") from None
     return texts
@@ -99,19 +104,19 @@ class Example:
 
 def tokenize_records(records: list[dict], tokenizer, max_len: int, *, source: str = "data",
                      one_shot: str | None = "load_inline", infill_copies: bool = False) -> tuple[list[Example], int]:
-    """Tokenise records; responses longer than the room left are cut. With `infill_copies`, kernel
-    records that carry a prefix/middle/suffix split are also taught under the infilling prompt
-    (the prompt of BiC-RL's first phase). Returns (examples, number of examples skipped because
-    their prompt alone fills `max_len`)."""
+    """Tokenise records. With `infill_copies`, kernel records that carry a prefix/middle/suffix
+    split are also taught under the infilling prompt (the prompt of BiC-RL's first phase).
+    Returns (examples, number of examples skipped because prompt + response exceed `max_len`:
+    a cut response would teach a program without its end and without <|im_end|>)."""
     examples, skipped = [], 0
     for i, record in enumerate(records):
         for prompt, response in record_texts(record, f"{source}: record {i}", one_shot=one_shot,
                                              infill_copies=infill_copies):
             p, r = tokenizer.encode(prompt), tokenizer.encode(response)
-            if len(p) >= max_len:
+            if len(p) + len(r) > max_len:
                 skipped += 1
                 continue
-            examples.append(Example(p, r[:max_len - len(p)]))
+            examples.append(Example(p, r))
     return examples, skipped
 
 

@@ -208,8 +208,9 @@ def _fenced(code: str) -> str:
 
 
 # An opening fence with any info string (```python, ```cpp, ```cuda, ``` ...), then the code up
-# to a line that starts a closing fence, or up to the end of a generation cut at max tokens.
-_CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)(?:^[ \t]*```|\Z)", re.DOTALL | re.MULTILINE)
+# to a closing fence that starts a line or ends one (glued to the code: "    return y```"), or up
+# to the end of a generation cut at max tokens.
+_CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)(?:^[ \t]*```|```[ \t]*$|\Z)", re.DOTALL | re.MULTILINE)
 
 
 def extract_code(response: str) -> str | None:

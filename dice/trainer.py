@@ -410,7 +410,7 @@ def train_sft(cfg: TrainConfig) -> Path:
     examples, skipped = tokenize_records(read_records(cfg.data), tok, row_len, source=cfg.data,
                                          one_shot=one_shot_style(model), infill_copies=cfg.sft_infill)
     if skipped:
-        log(f"skipped {skipped} examples whose prompt alone fills --max-len {cfg.max_len}")
+        log(f"skipped {skipped} examples longer than --max-len {cfg.max_len} (prompt + response)")
     stream = RowStream(examples, row_len, bs, tok.pad_token_id, cfg.seed)
     rows_per_step = cfg.batch_size * cfg.grad_accum * rt.world
     total = cfg.steps or math.ceil(max(cfg.epochs, 1e-9) * stream.epoch_length(0) / rows_per_step)

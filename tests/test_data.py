@@ -58,18 +58,40 @@ def test_json_and_jsonl_and_bad_records(tmp_path):
         read_records(tmp_path / "nope.json")
 
 
+class Chars:
+    """A tokenizer with one id per character."""
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
 @pytest.mark.parametrize("messages", [
     [{"role": "system", "content": "S"}, {"role": "assistant", "content": "A"}],   # no user turn
     [{"role": "assistant", "content": "A"}],
+    [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A1"},
+     {"role": "assistant", "content": "A2"}],       # A1 would be rendered as the user's turn
     [],
 ])
-def test_messages_without_a_user_turn_are_a_data_error(messages):
-    class Chars:
-        def encode(self, text):
-            return [ord(c) for c in text]
-
-    with pytest.raises(DataError, match=r"d.jsonl: record 0 is not .* after at least one user turn"):
+def test_messages_without_a_last_user_turn_are_a_data_error(messages):
+    with pytest.raises(DataError, match=r"d.jsonl: record 0 is not .* must end with a user turn answered"):
         tokenize_records([{"messages": messages}], Chars(), 100, source="d.jsonl")
+
+
+@pytest.mark.parametrize("record, text", [
+    ({"pytorch_code": "class Model: pass", "cuda_code": "  \n"}, "cuda_code is empty"),   # DICE's e2e RL file
+    ({"prompt": None, "response": None}, "must be strings"),
+])
+def test_records_without_a_real_answer_are_a_data_error(record, text):
+    with pytest.raises(DataError, match=text):
+        tokenize_records([record], Chars(), 10_000, source="d.json")
+
+
+def test_examples_longer_than_max_len_are_skipped_not_cut():
+    records = [{"prompt": "p", "response": "r" * 10}, {"prompt": "p", "response": "r" * 200}]
+    examples, skipped = tokenize_records(records, Chars(), 100)
+    assert skipped == 1 and len(examples) == 1
+    ex = examples[0]
+    assert len(ex.prompt_ids) + len(ex.response_ids) <= 100 and ex.response_ids[-1:] == Chars().encode(">")
 
 
 def test_packing_restarts_positions_and_pads_blocks():

@@ -84,6 +84,7 @@ def test_infilling_prompt_shows_the_skeleton():
     ("```python\nfirst = 1\n```\ntext\n```python\nsecond = 2\n```", "first = 1"),
     ("```python\nclass ModelNew:\n    pass\n", "class ModelNew:\n    pass"),  # cut at max tokens
     ("```python\n```", ""),
+    ("```python\nclass ModelNew:\n    pass```\nHope this helps!", "class ModelNew:\n    pass"),  # glued fence
     ("No code here, only `inline` words.", None),
 ])
 def test_extract_code(response, code):
