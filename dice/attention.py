@@ -102,10 +102,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
     # under autocast q/k leave RMSNorm and RoPE in float32 while v leaves its Linear in bf16
     q, k = q.to(v.dtype), k.to(v.dtype)
     if BlockMask is not None and isinstance(mask, BlockMask):
-        if _compiled_flex is None:
+        if q.is_cuda and _compiled_flex is None:
             # Uncompiled flex_attention materialises the full score matrix; compiling fuses it.
-            _compiled_flex = torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention
-        return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        flex = _compiled_flex if q.is_cuda else flex_attention
+        return flex(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     B, H, Lq, D = q.shape
     groups = H // k.shape[1]
     # GQA without copying keys/values: the `groups` query heads that share a KV head become extra
