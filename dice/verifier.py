@@ -39,7 +39,10 @@ too, when a task's own reference faults: its task gets a TaskError, later tasks 
 loading (compilation is CPU work) is not excluded from timing; time on a quiet host for papers.
 
 Seeds: `seed=None` draws the base seed once per Verifier (unknown to candidates, shared by all
-candidates of one Verifier so reference outputs are computed once per task and seed). Task
+candidates of one Verifier so reference outputs are computed once per task and seed), except for
+the last trial, the timing inputs and the trial after timing, drawn fresh for every candidate: a
+candidate that remembered another candidate's outputs (the same program in an RL group, run twice)
+cannot answer them. Task
 modules are imported under a fixed seed in every process, so tensors a task draws at import time
 (`x = torch.randn(...)` returned by get_inputs) are the same for the reference and the candidate.
 """
@@ -50,6 +53,7 @@ import ast
 import atexit
 import hashlib
 import json
+import math
 import os
 import queue
 import random
@@ -78,6 +82,7 @@ PROFILER_BROKEN = ("the CUDA profiler in the verifier's worker records no kernel
 JUDGE_TIMEOUT_S = 900.0       # reference forward + comparison of the largest KernelBench tasks
 UNLOAD_TIMEOUT_S = 60.0
 WALL_SLACK_MS = 0.5           # see the timing rule in the module docstring
+MESSAGE_CHARS = 4000          # of a worker's message kept in a verdict (a candidate controls its text)
 
 
 @dataclass
@@ -302,6 +307,8 @@ class Verifier:
                        opts: VerifyOptions) -> VerifyResult:
         task = {"task_src": task_src, "task_key": hashlib.sha256(task_src.encode()).hexdigest()}
         init_seed, seeds, timing_seed = trial_seeds(self._seed_base if opts.seed is None else opts.seed, opts.trials)
+        if opts.seed is None:   # per candidate: outputs another candidate saw cannot answer these
+            seeds[-1], timing_seed = secrets.randbelow(2**31), 1 + secrets.randbelow(2**31 - 1)
         with self._gpu.shared():  # a broken task fails here, blamed on the task, before any compiling
             self._judge_call({"op": "reference", **task, "init_seed": init_seed, "seed": seeds[0]})
         reply = self._ask(worker, {"op": "load", **task, "candidate_src": candidate_src, "init_seed": init_seed},
@@ -394,10 +401,17 @@ class Verifier:
     # -- talking to workers -------------------------------------------------------------------
 
     def _ask(self, worker: WorkerProcess, request: dict, clock: _Clock, doing: str) -> dict:
-        """A candidate-worker request; a hang or crash becomes a reply with status timeout/runtime_error."""
+        """A candidate-worker request; a hang or crash becomes a reply with status timeout/runtime_error,
+        a reply that breaks its op's schema (`malformed_reply`) an `invalid` one (the worker is replaced)."""
         start, limit = time.monotonic(), max(clock.left, 0.0)
         try:
             reply = worker.call(request, timeout=limit)
+            problem = malformed_reply(request["op"], reply)
+            if problem:
+                worker.restart()
+                return {"status": "invalid", "message": f"the worker's reply to {request['op']!r} {problem}: "
+                        "the candidate tampered with the verifier"}
+            reply["message"] = reply.get("message", "")[:MESSAGE_CHARS]
         except WorkerTimeout:
             return {"status": "timeout", "message": f"the candidate did not finish {doing} in the {limit:.0f} s "
                     "left of its time limit (hang, deadlock or very slow kernel); its worker was killed"}
@@ -461,6 +475,33 @@ class Verifier:
             except (WorkerTimeout, WorkerDied):
                 pass  # the worker has already been replaced
         self._idle.put(worker)
+
+
+def malformed_reply(op: str, reply: dict) -> str | None:
+    """Why a candidate worker's reply does not fit its op's schema, or None. The parent reads
+    nothing else from a reply, so a tampered worker can lie within these types (a false time)
+    but cannot crash the caller or hand it a NaN."""
+    def ints(x, n=None):
+        return isinstance(x, list) and all(type(i) is int for i in x) and (n is None or len(x) == n)
+
+    status, message = reply.get("status"), reply.get("message", "")
+    if status not in (*STATUSES, "ok") or not isinstance(message, str):
+        return f"has status {str(status)[:40]!r}"
+    if status != "ok" or op in ("load", "unload"):
+        return None
+    if op == "run":
+        outputs, second, kernels = reply.get("outputs"), reply.get("second"), reply.get("kernels")
+        if not (isinstance(outputs, list) and all(isinstance(o, bytes) for o in outputs)
+                and (second is None or isinstance(second, list) and all(isinstance(o, bytes) for o in second))
+                and (kernels is None or isinstance(kernels, list) and all(isinstance(k, str) for k in kernels))
+                and ints(reply.get("mutated")) and isinstance(reply.get("aliased"), list)
+                and all(ints(pair, 2) for pair in reply["aliased"])):
+            return "has fields of the wrong types"
+    if op == "time":
+        times = [reply.get("runtime_ms"), reply.get("wall_ms")]
+        if not all(type(t) is float and math.isfinite(t) and t > 0 for t in times):
+            return f"has times {times!r:.80}"
+    return None
 
 
 def _log_summary(log_tail: str, max_lines: int = 8) -> str:

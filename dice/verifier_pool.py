@@ -20,6 +20,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import stat
 import threading
 import time
 from contextlib import contextmanager
@@ -74,6 +75,11 @@ class WorkerProcess:
         self._start()
 
     def _start(self) -> None:
+        try:   # a dead worker may have left a FIFO or a link in its log's place: the next would block on it
+            if not stat.S_ISREG(os.lstat(self.log_path).st_mode):
+                os.unlink(self.log_path)
+        except FileNotFoundError:
+            pass
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._process = ctx.Process(target=serve, args=(child_conn, self.role, self.config, str(self.log_path)),
@@ -177,12 +183,17 @@ class WorkerProcess:
             return 0
 
     def _log_tail(self, start: int) -> str:
+        # the worker can replace its log (with a FIFO, a link): open without blocking or following
         try:
-            with open(self.log_path, "rb") as f:
-                f.seek(max(start, self.log_path.stat().st_size - LOG_TAIL_BYTES))
-                text = f.read(LOG_TAIL_BYTES).decode(errors="replace")
-        except FileNotFoundError:
+            fd = os.open(self.log_path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except OSError:
             return ""
+        with open(fd, "rb") as f:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                return f"(its log {self.log_path} is no longer a regular file)"
+            f.seek(max(start, info.st_size - LOG_TAIL_BYTES))
+            text = f.read(LOG_TAIL_BYTES).decode(errors="replace")
         return "\n".join(text.strip().splitlines()[-LOG_TAIL_LINES:])
 
 

@@ -25,9 +25,10 @@ code runs). The candidate worker reports `invalid` (and is recycled) when a cand
 of `verifier_checks.WATCHED` or any function of the harness itself (`HarnessSnapshot`), or left
 threads running. Each worker leads its own process group, so a kill also ends what a candidate
 started (compilers, subprocesses). Workers are a boundary against crashes, hangs and reward hacks,
-not a security sandbox: a candidate in the same interpreter can still rewrite the harness more
-deeply (e.g. a function's code object) and make its own worker report a false time or verdict; it
-cannot make the judge accept outputs it did not produce.
+not an OS sandbox: they run as the caller's user (files, signals, new sessions are all within a
+candidate's reach; see README's limits), and a candidate in the same interpreter can rewrite the
+harness more deeply (e.g. a function's code object) and make its own worker report a false time.
+It cannot make the judge accept outputs it did not produce.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
     sys.stdout.reconfigure(line_buffering=True)
     faulthandler.enable()  # a segfault leaves a Python traceback in the log for the parent to quote
     handler = CandidateHandler(config) if role == "candidate" else JudgeHandler(config)
-    harness = HarnessSnapshot() if role == "candidate" else None
+    # bound now: a candidate that later replaces HarnessSnapshot.changed does not reach this call
+    harness_changed = HarnessSnapshot(handler).changed if role == "candidate" else list
     send = multiprocessing.connection.Connection.send
     send(conn, handler.info)
     while True:
@@ -92,7 +94,7 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
         except Exception as exc:  # a failure outside the candidate's code paths; keep serving
             reply = {"status": "runtime_error", "recycle": True,
                      "message": f"verifier {role} worker failed: {describe_exception(exc)}"}
-        changed = harness.changed() if harness is not None else []
+        changed = harness_changed()
         if changed:
             reply = {"status": "invalid", "recycle": True, "message": f"the candidate replaced "
                      f"{', '.join(changed[:5])} in the verifier's worker; candidates must not modify the harness"}
@@ -101,12 +103,13 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
 
 class HarnessSnapshot:
     """What a candidate worker's replies and later candidates depend on, captured before any
-    candidate code runs: every name in the harness modules, the handler class, `trusted`, the
-    pipe and the pickler, and the functions of torch's main namespaces (a candidate that patched
-    torch.Tensor.clamp_min would change the next candidate's results). `changed()` names those a
-    candidate has since replaced or deleted."""
+    candidate code runs: every name in the harness modules, the handler class (and no instance
+    attribute shadowing its methods), `trusted`, the pipe and the pickler, and the functions of
+    torch's main namespaces (a candidate that patched torch.Tensor.clamp_min would change the next
+    candidate's results). `changed()` names those a candidate has since replaced or deleted."""
 
-    def __init__(self):
+    def __init__(self, handler: object):
+        self.handler = handler   # an instance attribute named like a method would shadow it
         harness = {"dice.verifier_worker": sys.modules[__name__], "dice.verifier_checks": verifier_checks,
                    "dice.verifier_build": verifier_build, "CandidateHandler": CandidateHandler,
                    "verifier_checks.trusted": trusted, "statistics": statistics,
@@ -132,6 +135,8 @@ class HarnessSnapshot:
                 now = getattr(self.torch_spaces[label], name, missing)
             if now is not value and now != value:   # `!=`: a classmethod is a new bound method each time
                 changed.append(f"{label}.{name}")
+        methods = vars(type(self.handler))
+        changed += [f"the handler's {name}" for name in vars(self.handler) if name in methods]
         return changed
 
 

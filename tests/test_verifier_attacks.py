@@ -192,3 +192,68 @@ def test_without_timing_fast_p_is_unknown_not_zero():
     table = format_summary({"all": untimed})
     assert table.splitlines()[1].split()[5:8] == ["-", "-", "-"]
     assert summarize(results, ks=(1,))["all"].fast_1 == 0.0
+
+
+FIND_HANDLER = """
+import sys
+frame = sys._getframe()
+while type(frame.f_locals.get("self")).__name__ != "CandidateHandler":
+    frame = frame.f_back
+handler = frame.f_locals["self"]
+"""
+GARBAGE = GOOD.replace("return x.clamp_min(0)", "return torch.zeros_like(x)")
+
+
+def test_an_instance_attribute_over_a_handler_method_is_caught(verifier):
+    # would make every later candidate of this worker run the reference Model
+    poisoner = GOOD + FIND_HANDLER + "handler.load = lambda request: {'status': 'ok'}\n"
+    result = verifier.verify(RELU_TASK, poisoner, timing=False)
+    assert result.status == "invalid" and "handler's load" in result.message, result
+    assert verifier.verify(RELU_TASK, GARBAGE, timing=False).status == "incorrect"
+
+
+@pytest.mark.parametrize("forged, text", [
+    ("handler.time = lambda request: {'status': 'ok', 'runtime_ms': float('nan'), 'wall_ms': 1.0}", "times"),
+    ("handler.time = lambda request: {'status': 'ok', 'runtime_ms': '1', 'wall_ms': 1.0}", "times"),
+    ("handler.run = lambda request: {'status': 'pwned', 'message': 'x'}", "status 'pwned'"),
+])
+def test_malformed_replies_are_invalid_and_never_crash_the_caller(verifier, forged, text):
+    # the harness snapshot would catch these: switch it off (below the names it checks) to test
+    # the parent's own check of what it reads
+    candidate = (GOOD + FIND_HANDLER + "snapshot = type(handler).__init__.__globals__['HarnessSnapshot']\n"
+                 "snapshot.changed.__code__ = (lambda self: []).__code__\n" + forged + "\n")
+    results = verifier.map([(RELU_TASK, candidate), (RELU_TASK, GOOD)])
+    assert results[0].status == "invalid" and text in results[0].message, results[0]
+    assert results[1].correct
+
+
+def test_a_log_replaced_by_a_fifo_does_not_hang_the_caller(verifier):
+    fifo = ("import os\nlog = os.readlink('/proc/self/fd/2')\nos.unlink(log)\nos.mkfifo(log)\nos._exit(3)\n")
+    result = verifier.verify(RELU_TASK, GOOD + fifo, timing=False, timeout_s=20)
+    assert result.status == "runtime_error" and "exited with code 3" in result.message, result
+    assert verifier.verify(RELU_TASK, GOOD, timing=False).correct   # its replacement starts
+
+
+def test_a_huge_message_is_cut_before_it_reaches_the_caller(verifier):
+    result = verifier.verify(RELU_TASK, GOOD.replace("return x.clamp_min(0)", "raise RuntimeError('A' * 5_000_000)"),
+                             timing=False)
+    assert result.status == "runtime_error" and len(result.message) < 10_000
+
+
+def test_outputs_recorded_by_one_candidate_do_not_answer_another(verifier, tmp_path):
+    # a recorder stores outputs by input sample; a lookup computes nothing: with seeds shared by
+    # all candidates of a Verifier the lookup was judged correct (33x)
+    store = tmp_path / "store"
+    key = "__import__('hashlib').sha1(str(x.reshape(-1)[:8].tolist()).encode()).hexdigest()"
+    recorder = GOOD.replace("        return x.clamp_min(0)\n",
+                            f"        import os, torch\n        os.makedirs({str(store)!r}, exist_ok=True)\n"
+                            f"        out = x.clamp_min(0)\n"
+                            f"        torch.save(out, os.path.join({str(store)!r}, {key} + '.pt'))\n"
+                            "        return out\n")
+    lookup = GOOD.replace("        return x.clamp_min(0)\n",
+                          f"        import os, torch\n"
+                          f"        path = os.path.join({str(store)!r}, {key} + '.pt')\n"
+                          "        return torch.load(path) if os.path.exists(path) else torch.zeros_like(x)\n")
+    assert verifier.verify(RELU_TASK, recorder).correct
+    result = verifier.verify(RELU_TASK, lookup)
+    assert result.status in ("incorrect", "invalid"), result
