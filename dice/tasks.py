@@ -59,10 +59,10 @@ def check_task_source(source: str, where: str) -> None:
         missing = missing_task_names(source)
     except SyntaxError as exc:
         raise DataError(f"{where}: task source does not parse (line {exc.lineno}: {exc.msg}); "
-                         "fix the Python syntax of the task") from None
+                        "fix the Python syntax of the task") from None
     if missing:
         raise DataError(f"{where}: task source defines no {', '.join(missing)}; a KernelBench task "
-                         "needs class Model(nn.Module), get_inputs() and get_init_inputs()")
+                        "needs class Model(nn.Module), get_inputs() and get_init_inputs()")
 
 
 def load_tasks(path: str | Path) -> list[Task]:
@@ -83,7 +83,7 @@ def load_tasks(path: str | Path) -> list[Task]:
         if tasks:
             return tasks
     raise DataError(f"{path}: found no tasks; expected level*/NN_Name.py files, NN_Name.py files, "
-                     "or a .json list of records with pytorch_code")
+                    "or a .json list of records with pytorch_code")
 
 
 def _level_of(name: str) -> int | None:
@@ -119,7 +119,7 @@ def _load_json(path: Path) -> list[Task]:
         where = f"{path} record {i}"
         if not isinstance(record, dict) or not isinstance(record.get("pytorch_code"), str):
             raise DataError(f"{where}: no 'pytorch_code' string; DICE task files are lists of "
-                             "objects with a pytorch_code field")
+                            "objects with a pytorch_code field")
         check_task_source(record["pytorch_code"], where)
         split = [record.get(k) for k in ("prefix", "middle", "suffix")]
         if any(s is not None for s in split) and not all(isinstance(s, str) for s in split):

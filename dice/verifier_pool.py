@@ -5,8 +5,9 @@ that may hold a CUDA context) running `dice.verifier_worker.serve`. The parent t
 pipe, one request dict -> one reply dict at a time; replies are decoded with `plain_loads`
 (built-in types only), so a tampered worker cannot run code in the parent. When a request overruns
 its deadline the worker's process group is killed (SIGKILL: the worker and whatever it started);
-when the process dies (segfault, os._exit, CUDA abort) the pipe reports EOF. Either way the caller gets `WorkerTimeout` / `WorkerDied` and the handle has already
-started a replacement, so a bad candidate costs one process, never the pool.
+when the process dies (segfault, os._exit, CUDA abort) the pipe reports EOF. Either way the
+caller gets `WorkerTimeout` / `WorkerDied` and the handle has already started a replacement, so a
+bad candidate costs one process, never the pool.
 
 Worker stdout/stderr (including C-level output: nvcc logs, CUDA asserts, faulthandler tracebacks)
 go to a per-worker log file; `WorkerDied` carries the tail written during the failed request.

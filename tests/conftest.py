@@ -43,3 +43,12 @@ def addition_task(tmp_path_factory):
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     model = make_tiny_model_folder(root / "model", [r["prompt"] + " " + r["response"] for r in records] * 3)
     return model, data
+
+
+@pytest.fixture(scope="module")
+def cpu_verifier(tmp_path_factory):
+    """A Verifier in CPU mode (pure-PyTorch candidates), shared by a test module."""
+    from dice.verifier import Verifier
+    with Verifier(workers=2, device="cpu", cache_dir=tmp_path_factory.mktemp("cache"), timing_trials=10,
+                  warmup=1) as verifier:
+        yield verifier

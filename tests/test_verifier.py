@@ -299,13 +299,6 @@ def test_without_gpu_verify_says_so():
         verify(RELU_TASK, GOOD)
 
 
-@pytest.fixture(scope="module")
-def cpu_verifier(tmp_path_factory):
-    with Verifier(workers=2, device="cpu", cache_dir=tmp_path_factory.mktemp("cache"), timing_trials=10,
-                  warmup=1) as verifier:
-        yield verifier
-
-
 def test_a_reply_marked_recycle_replaces_the_worker_before_anyone_else_can_call_it(cpu_verifier):
     judge = cpu_verifier._judges[0]
     judge.call({"op": "no_such_op"}, timeout=60)      # a worker failure outside candidate code: recycle

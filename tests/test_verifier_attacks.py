@@ -43,13 +43,6 @@ class RunsCode:
         return (open, (self.path, "w"))
 
 
-@pytest.fixture(scope="module")
-def verifier(tmp_path_factory):
-    with Verifier(workers=1, device="cpu", cache_dir=tmp_path_factory.mktemp("cache"), timing_trials=10,
-                  warmup=1) as v:
-        yield v
-
-
 def test_loaders_refuse_anything_but_plain_data_and_tensors(tmp_path):
     marker = tmp_path / "ran"
     for load in (plain_loads, import_tensor):
@@ -67,7 +60,7 @@ def test_loaders_refuse_anything_but_plain_data_and_tensors(tmp_path):
         assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
 
 
-def test_a_reply_that_would_run_code_in_the_trainer_is_refused(verifier, tmp_path):
+def test_a_reply_that_would_run_code_in_the_trainer_is_refused(cpu_verifier, tmp_path):
     # reply["mutated"] pickles an object whose unpickling calls open(): the trainer must not run it
     marker = tmp_path / "ran-in-trainer"
     source = GOOD + (f"\nclass RunsCode:\n    def __reduce__(self):\n"
@@ -77,10 +70,10 @@ def test_a_reply_that_would_run_code_in_the_trainer_is_refused(verifier, tmp_pat
                      "def evil(originals, inputs):\n    return [RunsCode()]\n"
                      # a new code object in the same function object: the harness snapshot cannot see it
                      "c.modified_inputs.__code__ = evil.__code__\n")
-    result = verifier.verify(RELU_TASK, source, timing=False)
+    result = cpu_verifier.verify(RELU_TASK, source, timing=False)
     assert result.status == "invalid" and "not plain data" in result.message, result
     assert not marker.exists()
-    assert verifier.verify(RELU_TASK, GOOD, timing=False).correct        # a fresh worker serves
+    assert cpu_verifier.verify(RELU_TASK, GOOD, timing=False).correct        # a fresh worker serves
 
 
 @pytest.mark.parametrize("patch, name", [
@@ -90,13 +83,13 @@ def test_a_reply_that_would_run_code_in_the_trainer_is_refused(verifier, tmp_pat
     ("import dice.verifier_worker as w\nw.CandidateHandler.time = lambda self, r: "
      "{'status': 'ok', 'runtime_ms': 1e-6, 'wall_ms': 1e-6, 'trials': 1}", "CandidateHandler.time"),
 ])
-def test_replacing_the_harness_is_invalid(verifier, patch, name):
-    result = verifier.verify(RELU_TASK, GOOD + "\n" + patch + "\n")
+def test_replacing_the_harness_is_invalid(cpu_verifier, patch, name):
+    result = cpu_verifier.verify(RELU_TASK, GOOD + "\n" + patch + "\n")
     assert result.status == "invalid" and name in result.message, result
-    assert verifier.verify(RELU_TASK, GOOD, timing=False).correct
+    assert cpu_verifier.verify(RELU_TASK, GOOD, timing=False).correct
 
 
-def test_results_cached_on_input_values_do_not_beat_the_clock(verifier):
+def test_results_cached_on_input_values_do_not_beat_the_clock(cpu_verifier):
     # computes on the first call per distinct input and replays it after: no timed call repeats
     # values, so it must compute every time (an earlier verifier timed repeats: 9,000x)
     memo = ("import torch\nimport torch.nn as nn\n\nclass ModelNew(nn.Module):\n"
@@ -105,11 +98,11 @@ def test_results_cached_on_input_values_do_not_beat_the_clock(verifier):
             "        key = tuple(a[0, :4].tolist()) + tuple(b[0, :4].tolist())\n"
             "        if key not in self.memo:\n            self.memo[key] = a @ b\n"
             "        return self.memo[key]\n")
-    result = verifier.verify(MATMUL_TASK, memo, seed=3)
+    result = cpu_verifier.verify(MATMUL_TASK, memo, seed=3)
     assert result.correct and result.speedup < 3, result
 
 
-def test_results_cached_on_buffer_addresses_fail_the_trial_after_timing(verifier):
+def test_results_cached_on_buffer_addresses_fail_the_trial_after_timing(cpu_verifier):
     # honest through the correctness trials (6 calls), then replays outputs by input address
     by_address = ("import torch\nimport torch.nn as nn\n\nclass ModelNew(nn.Module):\n"
                   "    def __init__(self):\n        super().__init__()\n        self.memo, self.calls = {}, 0\n\n"
@@ -118,18 +111,18 @@ def test_results_cached_on_buffer_addresses_fail_the_trial_after_timing(verifier
                   "        key = (a.data_ptr(), b.data_ptr())\n"
                   "        if key not in self.memo:\n            self.memo[key] = a @ b\n"
                   "        return self.memo[key]\n")
-    result = verifier.verify(MATMUL_TASK, by_address, seed=4)
+    result = cpu_verifier.verify(MATMUL_TASK, by_address, seed=4)
     assert result.status == "incorrect" and "after timing" in result.message, result
 
 
-def test_a_timeout_kills_what_the_candidate_started(verifier, tmp_path):
+def test_a_timeout_kills_what_the_candidate_started(cpu_verifier, tmp_path):
     pid_file = tmp_path / "child.pid"
     hang = GOOD.replace("        return x.clamp_min(0)\n",
                         "        import subprocess, time\n"
                         "        child = subprocess.Popen(['sleep', '300'])\n"
                         f"        open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
                         "        time.sleep(300)\n")
-    result = verifier.verify(RELU_TASK, hang, timing=False, timeout_s=5)
+    result = cpu_verifier.verify(RELU_TASK, hang, timing=False, timeout_s=5)
     assert result.status == "timeout"
     pid = int(pid_file.read_text())
     deadline = time.monotonic() + 10
@@ -146,21 +139,21 @@ def _alive(pid: int) -> bool:
     return state != "Z"          # a killed child not yet reaped by init is a zombie: dead
 
 
-def test_threads_started_at_load_are_caught_and_the_worker_replaced(verifier):
+def test_threads_started_at_load_are_caught_and_the_worker_replaced(cpu_verifier):
     source = GOOD.replace("class ModelNew(nn.Module):\n",
                           "import threading, time\n\nclass ModelNew(nn.Module):\n"
                           "    def __init__(self):\n        super().__init__()\n"
                           "        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n\n")
-    result = verifier.verify(RELU_TASK, source, timing=False)
+    result = cpu_verifier.verify(RELU_TASK, source, timing=False)
     assert result.status == "invalid" and "background threads" in result.message, result
-    assert verifier.verify(RELU_TASK, GOOD, timing=False).correct   # not blamed on the next candidate
+    assert cpu_verifier.verify(RELU_TASK, GOOD, timing=False).correct   # not blamed on the next candidate
 
 
-def test_a_flood_of_output_reaches_the_trainer_only_as_a_short_tail(verifier):
+def test_a_flood_of_output_reaches_the_trainer_only_as_a_short_tail(cpu_verifier):
     flood = GOOD.replace("        return x.clamp_min(0)\n",
                          "        import os, sys\n        sys.stdout.write(('x' * 1000 + '\\n') * 20000)\n"
                          "        sys.stdout.flush()\n        os._exit(3)\n")
-    result = verifier.verify(RELU_TASK, flood, timing=False)
+    result = cpu_verifier.verify(RELU_TASK, flood, timing=False)
     assert result.status == "runtime_error" and "exited with code 3" in result.message
     assert len(result.message) < 20_000
 
@@ -204,12 +197,12 @@ handler = frame.f_locals["self"]
 GARBAGE = GOOD.replace("return x.clamp_min(0)", "return torch.zeros_like(x)")
 
 
-def test_an_instance_attribute_over_a_handler_method_is_caught(verifier):
+def test_an_instance_attribute_over_a_handler_method_is_caught(cpu_verifier):
     # would make every later candidate of this worker run the reference Model
     poisoner = GOOD + FIND_HANDLER + "handler.load = lambda request: {'status': 'ok'}\n"
-    result = verifier.verify(RELU_TASK, poisoner, timing=False)
+    result = cpu_verifier.verify(RELU_TASK, poisoner, timing=False)
     assert result.status == "invalid" and "handler's load" in result.message, result
-    assert verifier.verify(RELU_TASK, GARBAGE, timing=False).status == "incorrect"
+    assert cpu_verifier.verify(RELU_TASK, GARBAGE, timing=False).status == "incorrect"
 
 
 @pytest.mark.parametrize("forged, text", [
@@ -217,30 +210,30 @@ def test_an_instance_attribute_over_a_handler_method_is_caught(verifier):
     ("handler.time = lambda request: {'status': 'ok', 'runtime_ms': '1', 'wall_ms': 1.0}", "times"),
     ("handler.run = lambda request: {'status': 'pwned', 'message': 'x'}", "status 'pwned'"),
 ])
-def test_malformed_replies_are_invalid_and_never_crash_the_caller(verifier, forged, text):
+def test_malformed_replies_are_invalid_and_never_crash_the_caller(cpu_verifier, forged, text):
     # the harness snapshot would catch these: switch it off (below the names it checks) to test
     # the parent's own check of what it reads
     candidate = (GOOD + FIND_HANDLER + "snapshot = type(handler).__init__.__globals__['HarnessSnapshot']\n"
                  "snapshot.changed.__code__ = (lambda self: []).__code__\n" + forged + "\n")
-    results = verifier.map([(RELU_TASK, candidate), (RELU_TASK, GOOD)])
+    results = cpu_verifier.map([(RELU_TASK, candidate), (RELU_TASK, GOOD)])
     assert results[0].status == "invalid" and text in results[0].message, results[0]
     assert results[1].correct
 
 
-def test_a_log_replaced_by_a_fifo_does_not_hang_the_caller(verifier):
+def test_a_log_replaced_by_a_fifo_does_not_hang_the_caller(cpu_verifier):
     fifo = ("import os\nlog = os.readlink('/proc/self/fd/2')\nos.unlink(log)\nos.mkfifo(log)\nos._exit(3)\n")
-    result = verifier.verify(RELU_TASK, GOOD + fifo, timing=False, timeout_s=20)
+    result = cpu_verifier.verify(RELU_TASK, GOOD + fifo, timing=False, timeout_s=20)
     assert result.status == "runtime_error" and "exited with code 3" in result.message, result
-    assert verifier.verify(RELU_TASK, GOOD, timing=False).correct   # its replacement starts
+    assert cpu_verifier.verify(RELU_TASK, GOOD, timing=False).correct   # its replacement starts
 
 
-def test_a_huge_message_is_cut_before_it_reaches_the_caller(verifier):
-    result = verifier.verify(RELU_TASK, GOOD.replace("return x.clamp_min(0)", "raise RuntimeError('A' * 5_000_000)"),
+def test_a_huge_message_is_cut_before_it_reaches_the_caller(cpu_verifier):
+    result = cpu_verifier.verify(RELU_TASK, GOOD.replace("return x.clamp_min(0)", "raise RuntimeError('A' * 5_000_000)"),
                              timing=False)
     assert result.status == "runtime_error" and len(result.message) < 10_000
 
 
-def test_outputs_recorded_by_one_candidate_do_not_answer_another(verifier, tmp_path):
+def test_outputs_recorded_by_one_candidate_do_not_answer_another(cpu_verifier, tmp_path):
     # a recorder stores outputs by input sample; a lookup computes nothing: with seeds shared by
     # all candidates of a Verifier the lookup was judged correct (33x)
     store = tmp_path / "store"
@@ -254,6 +247,6 @@ def test_outputs_recorded_by_one_candidate_do_not_answer_another(verifier, tmp_p
                           f"        import os, torch\n"
                           f"        path = os.path.join({str(store)!r}, {key} + '.pt')\n"
                           "        return torch.load(path) if os.path.exists(path) else torch.zeros_like(x)\n")
-    assert verifier.verify(RELU_TASK, recorder).correct
-    result = verifier.verify(RELU_TASK, lookup)          # with timing: fresh seeds per candidate there
+    assert cpu_verifier.verify(RELU_TASK, recorder).correct
+    result = cpu_verifier.verify(RELU_TASK, lookup)          # with timing: fresh seeds per candidate there
     assert result.status in ("incorrect", "invalid") and "after timing" in result.message, result
