@@ -1,9 +1,9 @@
 """A synthetic kernel curriculum: KernelBench-format tasks with CuPy reference solutions.
 
-    python -m dice.taskgen --out DIR [--train 3000] [--heldout 90] [--seed 0]
+    python -m dice.taskgen --out DIR [--train 4000] [--valid 90] [--heldout 60] [--seed 0]
 
-writes DIR/train.json and DIR/heldout.json, DICE-style records (`id`, `level`, `ops`,
-`pytorch_code`, `cuda_code`, `prefix`, `middle`, `suffix`), usable as SFT data (pytorch_code +
+writes DIR/train.json, DIR/valid.json and DIR/heldout.json, DICE-style records (`id`, `level`,
+`ops`, `pytorch_code`, `cuda_code`, `prefix`, `middle`, `suffix`), usable as SFT data (pytorch_code +
 cuda_code), as infill RL tasks (prefix/middle/suffix, the middle being the CUDA source) and as
 end-to-end RL or evaluation tasks.
 
@@ -14,20 +14,23 @@ Levels (as in KernelBench, easy to hard):
 Every `forward` is written one op per line and every kernel mirrors it line by line, so the
 mapping from PyTorch to CUDA is learnable by a small model.
 
-Held-out split: level-3 tasks whose op composition (the tuple of op names) is one of a fixed
-~20% of compositions that never occurs in train.json as a task. A held-out chain can still occur
-inside a longer training chain, or as a reordering of one (seed 0: 11 and 4 of 35). Level-1 and
-level-2 held-out tasks are new instances (shapes, constants) of ops that train.json has, since a
-single op's composition cannot be held out without being unlearnable; their kernels do not depend
-on the shape, so many equal a training kernel byte for byte.
+Splits. A fixed ~11% of the unordered op pairs a chain can hold (26 of 240, chosen by a hash of the
+two names: `is_heldout_pair`) never occur together in any training task. heldout.json holds only
+level-3 chains that contain such a pair, so no held-out chain is a training chain, a run inside a
+longer one, or a reordering of one: each combines two ops that training never combines.
+valid.json is in-distribution: new instances (shapes, constants) of compositions training may
+have, levels mixed like train.json. A level-1/2 kernel does not depend on the shape, so many valid
+kernels equal a training kernel byte for byte: valid measures recall, heldout composition.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
+import itertools
 import json
 import random
 from pathlib import Path
+
+from .cli import ArgumentParser, at_least
 
 # name -> (torch statement on x, CUDA statement on v, constant kinds); {a}/{lo}/{hi} are constants
 ELEMENTWISE = {
@@ -274,54 +277,66 @@ def sample_composition(rng: random.Random, level: int) -> list[str]:
     return rng.sample(names, rng.randint(1, 3)) + [rng.choice(sorted(ROW_OPS))]
 
 
+def is_heldout_pair(a: str, b: str) -> bool:
+    """A fixed ~11% of unordered op pairs, by a hash of the two names."""
+    return hashlib.sha256("|".join(sorted((a, b))).encode()).digest()[0] < 21
+
+
 def is_heldout_composition(ops: list[str]) -> bool:
-    """A fixed ~20% of level-3 compositions, by a hash of the op names."""
-    return len(ops) > 1 and hashlib.sha256("|".join(ops).encode()).digest()[0] < 52
+    """True when two of the chain's ops form a held-out pair (adjacent or not)."""
+    return any(is_heldout_pair(a, b) for a, b in itertools.combinations(ops, 2))
 
 
-def generate_split(n_train: int, n_heldout: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """(train, heldout) task records; levels mixed 30/30/40 in train, 30/30/40 in held-out."""
-    rng = random.Random(seed)
-    train, heldout, seen = [], [], set()
-    levels = lambda n: [1] * (n * 3 // 10) + [2] * (n * 3 // 10) + [3] * (n - 2 * (n * 3 // 10))  # noqa: E731
-    for level in levels(n_train):
+def _level_mix(n: int) -> list[int]:
+    """Levels 1/2/3 mixed 30/30/40."""
+    return [1] * (n * 3 // 10) + [2] * (n * 3 // 10) + [3] * (n - 2 * (n * 3 // 10))
+
+
+def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str]) -> list[dict]:
+    """Tasks at `levels` whose composition is (heldout) or is not (not heldout) a held-out one;
+    a task whose PyTorch source is already in `seen` is dropped, so the count can fall short."""
+    tasks = []
+    for level in levels:
         while True:
             ops = sample_composition(rng, level)
-            if not is_heldout_composition(ops):
-                break
-        task = make_task(rng, level, ops)
-        if task["pytorch_code"] in seen:
-            continue
-        seen.add(task["pytorch_code"])
-        train.append(task)
-    for level in levels(n_heldout):
-        while True:
-            ops = sample_composition(rng, level)
-            if level < 3 or is_heldout_composition(ops):
+            if is_heldout_composition(ops) == heldout:
                 break
         task = make_task(rng, level, ops)
         if task["pytorch_code"] not in seen:
             seen.add(task["pytorch_code"])
-            heldout.append(task)
-    for split, tasks in (("train", train), ("heldout", heldout)):
+            tasks.append(task)
+    return tasks
+
+
+def generate_split(n_train: int, n_valid: int, n_heldout: int, seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
+    """(train, valid, heldout) task records, without a PyTorch source twice: train and valid mix
+    levels 30/30/40 over compositions free of held-out pairs, heldout is level 3 with one (module
+    docstring)."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    train = _draw(rng, _level_mix(n_train), False, seen)
+    valid = _draw(rng, _level_mix(n_valid), False, seen)
+    heldout = _draw(rng, [3] * n_heldout, True, seen)
+    for split, tasks in (("train", train), ("valid", valid), ("heldout", heldout)):
         for i, t in enumerate(tasks):
             t["id"] = f"{split}-{i:05d}-L{t['level']}-{'-'.join(t['ops'])}"
-    return train, heldout
+    return train, valid, heldout
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m dice.taskgen", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--train", type=int, default=3000)
-    p.add_argument("--heldout", type=int, default=90)
-    p.add_argument("--seed", type=int, default=0)
+    p = ArgumentParser(prog="python -m dice.taskgen", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for train.json, valid.json and heldout.json")
+    p.add_argument("--train", type=at_least(0), default=4000, help="training tasks drawn (fewer after de-duplication)")
+    p.add_argument("--valid", type=at_least(0), default=90, help="in-distribution validation tasks drawn")
+    p.add_argument("--heldout", type=at_least(0), default=60, help="held-out level-3 tasks drawn")
+    p.add_argument("--seed", type=int, default=0, help="the same seed writes the same files")
     args = p.parse_args(argv)
-    train, heldout = generate_split(args.train, args.heldout, args.seed)
+    train, valid, heldout = generate_split(args.train, args.valid, args.heldout, args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, tasks in (("train", train), ("heldout", heldout)):
+    for name, tasks in (("train", train), ("valid", valid), ("heldout", heldout)):
         (out / f"{name}.json").write_text(json.dumps(tasks, indent=1))
-    print(f"wrote {len(train)} train and {len(heldout)} held-out tasks to {out}")
+    print(f"wrote {len(train)} train, {len(valid)} valid and {len(heldout)} held-out tasks to {out}")
 
 
 if __name__ == "__main__":

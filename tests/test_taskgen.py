@@ -1,30 +1,44 @@
 """The synthetic curriculum: well-formed, reproducible tasks and a held-out split by composition."""
 import ast
+import itertools
 from collections import Counter
 
 import torch
 
 from dice.prompts import keeps_skeleton
 from dice.tasks import check_task_source
-from dice.taskgen import ELEMENTWISE, ROW_OPS, generate_split, is_heldout_composition
+from dice.taskgen import ELEMENTWISE, ROW_OPS, generate_split
 
 
-def test_split_is_reproducible_and_holds_out_compositions():
-    train, held = generate_split(200, 40, seed=3)
-    again, _ = generate_split(200, 40, seed=3)
-    assert [t["cuda_code"] for t in train] == [t["cuda_code"] for t in again]
-    assert Counter(t["level"] for t in train).keys() == {1, 2, 3}
-    seen = {tuple(t["ops"]) for t in train}
-    assert not any(is_heldout_composition(t["ops"]) for t in train)
-    assert all(tuple(t["ops"]) not in seen for t in held if t["level"] == 3)
-    assert all(tuple(t["ops"]) in {(op,) for op in ELEMENTWISE} | {(op,) for op in ROW_OPS}
-               for t in held if t["level"] < 3)
-    assert len({t["id"] for t in train + held}) == len(train + held)
+def pairs(ops):
+    return {frozenset(p) for p in itertools.combinations(ops, 2)}
+
+
+def test_split_is_reproducible_and_every_heldout_chain_combines_ops_training_never_combines():
+    train, valid, held = generate_split(3000, 40, 30, seed=3)
+    again = generate_split(3000, 40, 30, seed=3)
+    assert [t["cuda_code"] for t in train + valid + held] == [t["cuda_code"] for t in sum(again, [])]
+    assert Counter(t["level"] for t in train).keys() == Counter(t["level"] for t in valid).keys() == {1, 2, 3}
+    assert {t["level"] for t in held} == {3}
+    # the property itself, computed from the files: some pair of each held-out chain's ops occurs
+    # together in no training task (so no held-out chain is a training chain, a run inside a
+    # longer one, or a reordering of one)
+    trained_pairs = set().union(*(pairs(t["ops"]) for t in train))
+    for t in held:
+        assert pairs(t["ops"]) - trained_pairs, t["id"]
+    assert not {tuple(t["ops"]) for t in held} & {tuple(t["ops"]) for t in train}
+    assert not any(pairs(t["ops"]) - trained_pairs for t in valid if t["level"] == 3)
+    # every op is still trained, and most pairs are
+    assert {op for t in train for op in t["ops"]} == set(ELEMENTWISE) | set(ROW_OPS)
+    assert len(trained_pairs) > 150
+    sources = [t["pytorch_code"] for t in train + valid + held]
+    assert len(set(sources)) == len(sources)
+    assert len({t["id"] for t in train + valid + held}) == len(sources)
 
 
 def test_records_are_well_formed_and_reference_models_run():
-    train, held = generate_split(60, 20, seed=0)
-    for t in train + held:
+    train, valid, held = generate_split(60, 20, 20, seed=0)
+    for t in train + valid + held:
         check_task_source(t["pytorch_code"], t["id"])
         ast.parse(t["cuda_code"])
         assert t["prefix"] + t["middle"] + t["suffix"] == t["cuda_code"]
