@@ -21,6 +21,9 @@ longer one, or a reordering of one: each combines two ops that training never co
 valid.json is in-distribution: new instances (shapes, constants) of compositions training may
 have, levels mixed like train.json. A level-1/2 kernel does not depend on the shape, so many valid
 kernels equal a training kernel byte for byte: valid measures recall, heldout composition.
+Neither evaluation split holds a task whose output does not depend on its input (relu, then a clamp
+to [-1, 0], is 0 everywhere): a kernel that writes the constant would pass it. train.json keeps
+them (~3%); their kernels still mirror the forward line by line.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ import itertools
 import json
 import random
 from pathlib import Path
+
+import torch
 
 from .cli import ArgumentParser, at_least
 
@@ -292,9 +297,20 @@ def _level_mix(n: int) -> list[int]:
     return [1] * (n * 3 // 10) + [2] * (n * 3 // 10) + [3] * (n - 2 * (n * 3 // 10))
 
 
-def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str]) -> list[dict]:
+def constant_output(task: dict) -> bool:
+    """True when the task's Model gives the same output for two random inputs."""
+    ns: dict = {}
+    exec(task["pytorch_code"], ns)
+    model = ns["Model"]()
+    g = torch.Generator().manual_seed(0)
+    a, b = (model(torch.randn(8, 256, generator=g)) for _ in range(2))
+    return bool((a - b).abs().max() < 1e-6)
+
+
+def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str], evaluation: bool) -> list[dict]:
     """Tasks at `levels` whose composition is (heldout) or is not (not heldout) a held-out one;
-    a task whose PyTorch source is already in `seen` is dropped, so the count can fall short."""
+    a task whose PyTorch source is already in `seen`, or an evaluation task with a constant
+    output, is dropped, so the count can fall short."""
     tasks = []
     for level in levels:
         while True:
@@ -302,7 +318,7 @@ def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str]) 
             if is_heldout_composition(ops) == heldout:
                 break
         task = make_task(rng, level, ops)
-        if task["pytorch_code"] not in seen:
+        if task["pytorch_code"] not in seen and not (evaluation and constant_output(task)):
             seen.add(task["pytorch_code"])
             tasks.append(task)
     return tasks
@@ -310,13 +326,13 @@ def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str]) 
 
 def generate_split(n_train: int, n_valid: int, n_heldout: int, seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
     """(train, valid, heldout) task records, without a PyTorch source twice: train and valid mix
-    levels 30/30/40 over compositions free of held-out pairs, heldout is level 3 with one (module
-    docstring)."""
+    levels 30/30/40 over compositions free of held-out pairs, heldout is level 3 with one; neither
+    evaluation split has a task with a constant output (module docstring)."""
     rng = random.Random(seed)
     seen: set[str] = set()
-    train = _draw(rng, _level_mix(n_train), False, seen)
-    valid = _draw(rng, _level_mix(n_valid), False, seen)
-    heldout = _draw(rng, [3] * n_heldout, True, seen)
+    train = _draw(rng, _level_mix(n_train), False, seen, evaluation=False)
+    valid = _draw(rng, _level_mix(n_valid), False, seen, evaluation=True)
+    heldout = _draw(rng, [3] * n_heldout, True, seen, evaluation=True)
     for split, tasks in (("train", train), ("valid", valid), ("heldout", heldout)):
         for i, t in enumerate(tasks):
             t["id"] = f"{split}-{i:05d}-L{t['level']}-{'-'.join(t['ops'])}"

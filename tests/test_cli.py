@@ -174,7 +174,7 @@ def command(name):
     (["--top-k", "-1"], "--top-k: must be >= 0"),
     (["--device", "foo"], "--device: use cpu, cuda or cuda:N, not 'foo'"),
     (["--remasking", "foo"], "--remasking: invalid choice: 'foo'"),
-    (["--infill"], "--infill needs a task with a prefix/middle/suffix split and level1_elu has none"),
+    (["--infill"], "--infill needs a task with a prefix/middle/suffix split and level1_leaky_relu has none"),
 ])
 def test_sample_flag_errors_are_one_line_before_the_model_loads(capsys, args, message):
     """These were tracebacks from the sampler, rollout or torch, after loading the model."""

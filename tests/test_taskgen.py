@@ -7,7 +7,7 @@ import torch
 
 from dice.prompts import keeps_skeleton
 from dice.tasks import check_task_source
-from dice.taskgen import ELEMENTWISE, ROW_OPS, generate_split
+from dice.taskgen import ELEMENTWISE, ROW_OPS, constant_output, generate_split
 
 
 def pairs(ops):
@@ -31,6 +31,12 @@ def test_split_is_reproducible_and_every_heldout_chain_combines_ops_training_nev
     # every op is still trained, and most pairs are
     assert {op for t in train for op in t["ops"]} == set(ELEMENTWISE) | set(ROW_OPS)
     assert len(trained_pairs) > 150
+    # no evaluation task has an output that ignores the input (checked on other shapes and inputs)
+    for t in valid + held:
+        ns = {}
+        exec(t["pytorch_code"], ns)
+        model = ns["Model"]()
+        assert not torch.equal(model(torch.randn(3, 5, 64)), model(torch.randn(3, 5, 64))), t["id"]
     sources = [t["pytorch_code"] for t in train + valid + held]
     assert len(set(sources)) == len(sources)
     assert len({t["id"] for t in train + valid + held}) == len(sources)
@@ -51,3 +57,11 @@ def test_records_are_well_formed_and_reference_models_run():
         y = model(x)
         expected_shape = x.shape if t["ops"][-1] in ELEMENTWISE or ROW_OPS[t["ops"][-1]][1] else x.shape[:-1]
         assert y.shape == expected_shape
+
+
+def test_constant_output_flags_a_chain_whose_output_ignores_the_input():
+    forward = "x = torch.relu(x)\n        x = torch.clamp(x, min=-1.0, max={hi})\n        return x"
+    source = ("import torch\nimport torch.nn as nn\n\n\nclass Model(nn.Module):\n    def forward(self, x):\n"
+              "        " + forward + "\n")
+    assert constant_output({"pytorch_code": source.format(hi=0.0)})          # relu >= 0, clamped to <= 0: all 0
+    assert not constant_output({"pytorch_code": source.format(hi=0.5)})
