@@ -289,3 +289,28 @@ def test_help_shows_defaults(capsys, monkeypatch, name, argv, shown):
     text = capsys.readouterr().out
     assert stop.value.code == 0 and all(s in text for s in shown), text
     assert "(default: None)" not in text and "(default: False)" not in text and "(default: )" not in text
+
+
+def test_evaluate_infill_judges_the_skeleton_before_running(tmp_path):
+    """--infill: a program that drops or edits the given prefix/suffix is invalid and never runs;
+    one that keeps it goes to the verifier; without --infill the skeleton is not checked."""
+    from dice.taskgen import generate_split
+    from dice.tasks import Task
+    evaluate = command("evaluate")
+    record = generate_split(1, 0, 0, seed=0)[0][0]
+    task = Task("t", 1, record["pytorch_code"], record["prefix"], record["middle"], record["suffix"])
+    assert evaluate.verdict_without_running(task, record["cuda_code"], infill=True) is None
+    edited_prefix = record["cuda_code"].replace("import torch\n", "import torch, os\n", 1)
+    trailing_main = record["cuda_code"] + "\nif __name__ == '__main__':\n    print(ModelNew())\n"
+    for program in (edited_prefix, trailing_main):
+        verdict = evaluate.verdict_without_running(task, program, infill=True)
+        assert verdict.status == "invalid" and not verdict.correct and "prefix and suffix" in verdict.message
+        assert evaluate.verdict_without_running(task, program, infill=False) is None
+    assert evaluate.verdict_without_running(task, None, infill=True).status == "compile_error"
+
+
+def test_evaluate_infill_without_split_tasks_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # the checks come after the GPU check
+    err = one_line_error(command("evaluate").main, ["--tasks", str(EXAMPLES[0]), "--solutions", "reference",
+                                                   "--infill"], capsys)
+    assert "--infill needs tasks with a prefix/middle/suffix split and no task in" in err
