@@ -116,10 +116,10 @@ def infill_tasks(tasks: list, where: str) -> list:
     """The tasks with a prefix/middle/suffix split; an error when none has one."""
     kept = [t for t in tasks if t.prefix is not None]
     if not kept:
-        raise DataError(f"--infill needs tasks with a prefix/middle/suffix split and no task in {where} has one; "
-                        "use a DICE .json file with prefix/middle/suffix, or drop --infill")
+        raise DataError(f"--infill needs tasks with a prefix/middle/suffix split and none of the {len(tasks)} "
+                        f"selected in {where} has one; use a DICE .json file with prefix/middle/suffix, or drop --infill")
     if len(kept) < len(tasks):
-        print(f"warning: --infill leaves out {len(tasks) - len(kept)} of {len(tasks)} tasks that have no "
+        print(f"warning: --infill leaves out the {len(tasks) - len(kept)} of {len(tasks)} tasks without a "
               "prefix/middle/suffix split", file=sys.stderr)
     return kept
 

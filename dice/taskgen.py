@@ -14,16 +14,19 @@ Levels (as in KernelBench, easy to hard):
 Every `forward` is written one op per line and every kernel mirrors it line by line, so the
 mapping from PyTorch to CUDA is learnable by a small model.
 
-Splits. A fixed ~11% of the unordered op pairs a chain can hold (26 of 240, chosen by a hash of the
-two names: `is_heldout_pair`) never occur together in any training task. heldout.json holds only
-level-3 chains that contain such a pair, so no held-out chain is a training chain, a run inside a
-longer one, or a reordering of one: each combines two ops that training never combines.
-valid.json is in-distribution: new instances (shapes, constants) of compositions training may
-have, levels mixed like train.json. A level-1/2 kernel does not depend on the shape, so many valid
-kernels equal a training kernel byte for byte: valid measures recall, heldout composition.
-Neither evaluation split holds a task whose output does not depend on its input (relu, then a clamp
-to [-1, 0], is 0 everywhere): a kernel that writes the constant would pass it. train.json keeps
-them (~3%); their kernels still mirror the forward line by line.
+Splits. A fixed set of unordered op pairs (26 of the 240 a chain can hold, the same for every
+seed, chosen by a hash of the two names: `is_heldout_pair`) never occur together in a training task.
+heldout.json holds only level-3 chains that contain such a pair, so no held-out chain is a
+training chain, a run inside a longer one, or a reordering of one: each combines two ops that
+training never combines. valid.json is in-distribution: compositions whose op pairs may all occur
+in training, at all three levels (drawn 30/30/40; de-duplication against train.json removes most
+level-1/2 draws). A level-1/2 kernel does not depend on the shape, so most valid level-1/2
+kernels (at seed 0, all) equal a training kernel byte for byte: valid measures recall, heldout
+composition.
+Neither evaluation split holds a task that a constant output passes (`passed_by_a_constant`):
+an output that ignores the input (relu, then a clamp to [-1, 0], is 0 everywhere), or softmax
+over thousands of columns, all of whose entries lie within the verifier's atol of 0. train.json
+keeps such tasks; their kernels still mirror the forward line by line.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from pathlib import Path
 import torch
 
 from .cli import ArgumentParser, at_least
+from .verifier import VerifyOptions
 
 # name -> (torch statement on x, CUDA statement on v, constant kinds); {a}/{lo}/{hi} are constants
 ELEMENTWISE = {
@@ -283,7 +287,8 @@ def sample_composition(rng: random.Random, level: int) -> list[str]:
 
 
 def is_heldout_pair(a: str, b: str) -> bool:
-    """A fixed ~11% of unordered op pairs, by a hash of the two names."""
+    """A fixed set of unordered op pairs, by a hash of the two names: each pair with probability
+    21/256 (~8%); 26 of the 240 pairs a level-3 chain can hold."""
     return hashlib.sha256("|".join(sorted((a, b))).encode()).digest()[0] < 21
 
 
@@ -293,24 +298,30 @@ def is_heldout_composition(ops: list[str]) -> bool:
 
 
 def _level_mix(n: int) -> list[int]:
-    """Levels 1/2/3 mixed 30/30/40."""
+    """Levels 1/2/3 drawn 30/30/40."""
     return [1] * (n * 3 // 10) + [2] * (n * 3 // 10) + [3] * (n - 2 * (n * 3 // 10))
 
 
-def constant_output(task: dict) -> bool:
-    """True when the task's Model gives the same output for two random inputs."""
+def passed_by_a_constant(task: dict) -> bool:
+    """True when one value c written everywhere passes the verifier's check |c - y| <= atol + rtol |y|
+    (VerifyOptions) against the task's output y on its own get_inputs() (seed 0): a kernel that
+    writes c would be called correct. Such a c exists iff max(y - s) <= min(y + s), s = atol + rtol |y|.
+    That holds for an output that ignores the input, and for softmax or L2 normalisation over
+    thousands of columns, whose entries all lie within atol of one value."""
     ns: dict = {}
     exec(task["pytorch_code"], ns)
-    model = ns["Model"]()
-    g = torch.Generator().manual_seed(0)
-    a, b = (model(torch.randn(8, 256, generator=g)) for _ in range(2))
-    return bool((a - b).abs().max() < 1e-6)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(0)
+        y = ns["Model"](*ns["get_init_inputs"]())(*ns["get_inputs"]()).float()
+    tolerance = VerifyOptions()
+    slack = tolerance.atol + tolerance.rtol * y.abs()
+    return bool((y - slack).max() <= (y + slack).min())
 
 
 def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str], evaluation: bool) -> list[dict]:
     """Tasks at `levels` whose composition is (heldout) or is not (not heldout) a held-out one;
-    a task whose PyTorch source is already in `seen`, or an evaluation task with a constant
-    output, is dropped, so the count can fall short."""
+    a task whose PyTorch source is already in `seen`, or an evaluation task that a constant output
+    passes (`passed_by_a_constant`), is dropped, so the count can fall short."""
     tasks = []
     for level in levels:
         while True:
@@ -318,7 +329,7 @@ def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str], 
             if is_heldout_composition(ops) == heldout:
                 break
         task = make_task(rng, level, ops)
-        if task["pytorch_code"] not in seen and not (evaluation and constant_output(task)):
+        if task["pytorch_code"] not in seen and not (evaluation and passed_by_a_constant(task)):
             seen.add(task["pytorch_code"])
             tasks.append(task)
     return tasks
@@ -326,8 +337,9 @@ def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str], 
 
 def generate_split(n_train: int, n_valid: int, n_heldout: int, seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
     """(train, valid, heldout) task records, without a PyTorch source twice: train and valid mix
-    levels 30/30/40 over compositions free of held-out pairs, heldout is level 3 with one; neither
-    evaluation split has a task with a constant output (module docstring)."""
+    levels 30/30/40 (before de-duplication) over compositions free of held-out pairs, heldout is
+    level 3 with one; neither evaluation split has a task that a constant output passes (module
+    docstring)."""
     rng = random.Random(seed)
     seen: set[str] = set()
     train = _draw(rng, _level_mix(n_train), False, seen, evaluation=False)

@@ -291,14 +291,14 @@ def test_help_shows_defaults(capsys, monkeypatch, name, argv, shown):
     assert "(default: None)" not in text and "(default: False)" not in text and "(default: )" not in text
 
 
-def test_evaluate_infill_judges_the_skeleton_before_running(tmp_path):
+def test_evaluate_infill_judges_the_skeleton_before_running():
     """--infill: a program that drops or edits the given prefix/suffix is invalid and never runs;
     one that keeps it goes to the verifier; without --infill the skeleton is not checked."""
     from dice.taskgen import generate_split
     from dice.tasks import Task
     evaluate = command("evaluate")
     record = generate_split(1, 0, 0, seed=0)[0][0]
-    task = Task("t", 1, record["pytorch_code"], record["prefix"], record["middle"], record["suffix"])
+    task = Task("t", record["level"], record["pytorch_code"], record["prefix"], record["middle"], record["suffix"])
     assert evaluate.verdict_without_running(task, record["cuda_code"], infill=True) is None
     edited_prefix = record["cuda_code"].replace("import torch\n", "import torch, os\n", 1)
     trailing_main = record["cuda_code"] + "\nif __name__ == '__main__':\n    print(ModelNew())\n"
@@ -309,8 +309,52 @@ def test_evaluate_infill_judges_the_skeleton_before_running(tmp_path):
     assert evaluate.verdict_without_running(task, None, infill=True).status == "compile_error"
 
 
-def test_evaluate_infill_without_split_tasks_is_one_line(tmp_path, capsys, monkeypatch):
+def test_evaluate_infill_end_to_end_with_solution_files(tmp_path, capsys, monkeypatch):
+    """main --infill: the task without a split is left out with a warning, the program that
+    drops the skeleton is invalid and never reaches the verifier, the one that keeps it does."""
+    import json
+
+    import dice.verifier
+    from dice.taskgen import generate_split
+    from dice.verifier import VerifyResult
+    records = generate_split(2, 0, 0, seed=0)[0]
+    records.append({k: v for k, v in records[0].items() if k not in ("prefix", "middle", "suffix")} | {"id": "plain"})
+    data = tmp_path / "tasks.json"
+    data.write_text(json.dumps(records))
+    solutions = tmp_path / "solutions"
+    (solutions / "tasks").mkdir(parents=True)     # a DICE task is named <file stem>/<id>
+    (solutions / "tasks" / f"{records[0]['id']}.py").write_text(records[0]["cuda_code"])
+    (solutions / "tasks" / f"{records[1]['id']}.py").write_text(
+        records[1]["cuda_code"].replace("import torch\n", "import os\n", 1))
+    ran = []
+
+    class FakeVerifier:
+        def __init__(self, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def map(self, pairs, **kwargs):
+            ran.extend(code for _, code in pairs)
+            return [VerifyResult("correct", compiled=True) for _ in pairs]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dice.verifier, "Verifier", FakeVerifier)
+    out = tmp_path / "results.json"
+    command("evaluate").main(["--tasks", str(data), "--solutions", str(solutions), "--infill", "--no-timing",
+                              "--out", str(out)])
+    assert "warning: --infill leaves out the 1 of 3 tasks without a prefix/middle/suffix split" in capsys.readouterr().err
+    assert ran == [records[0]["cuda_code"]]
+    status = {r["task"]: r["status"] for r in json.loads(out.read_text())["results"]}
+    assert status == {f"tasks/{records[0]['id']}": "correct", f"tasks/{records[1]['id']}": "invalid"}
+
+
+def test_evaluate_infill_without_split_tasks_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # the checks come after the GPU check
     err = one_line_error(command("evaluate").main, ["--tasks", str(EXAMPLES[0]), "--solutions", "reference",
                                                    "--infill"], capsys)
-    assert "--infill needs tasks with a prefix/middle/suffix split and no task in" in err
+    assert "--infill needs tasks with a prefix/middle/suffix split and none of the 1 selected in" in err
