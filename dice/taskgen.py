@@ -23,10 +23,11 @@ in training, at all three levels (drawn 30/30/40; de-duplication against train.j
 level-1/2 draws). A level-1/2 kernel does not depend on the shape, so most valid level-1/2
 kernels (at seed 0, all) equal a training kernel byte for byte: valid measures recall, heldout
 composition.
-Neither evaluation split holds a task that a constant output passes (`passed_by_a_constant`):
-an output that ignores the input (relu, then a clamp to [-1, 0], is 0 everywhere), or softmax
-over thousands of columns, all of whose entries lie within the verifier's atol of 0. train.json
-keeps such tasks; their kernels still mirror the forward line by line.
+Neither evaluation split holds a task whose output one value matches within the verifier's
+tolerance (`passed_by_a_constant`): an output that ignores the input (relu, then a clamp to
+[-1, 0], is 0 everywhere), or softmax over thousands of columns, all of whose entries lie within
+atol of 0; there a kernel with wrong ops but the right scale passes. train.json keeps such tasks;
+their kernels still mirror the forward line by line.
 """
 from __future__ import annotations
 
@@ -304,8 +305,9 @@ def _level_mix(n: int) -> list[int]:
 
 def passed_by_a_constant(task: dict) -> bool:
     """True when one value c written everywhere passes the verifier's check |c - y| <= atol + rtol |y|
-    (VerifyOptions) against the task's output y on its own get_inputs() (seed 0): a kernel that
-    writes c would be called correct. Such a c exists iff max(y - s) <= min(y + s), s = atol + rtol |y|.
+    (VerifyOptions) against the task's output y on its own get_inputs() (seed 0): then a kernel
+    with the wrong ops but the right scale is called correct too (one writing c itself is caught,
+    its outputs repeat across trials). Such a c exists iff max(y - s) <= min(y + s), s = atol + rtol |y|.
     That holds for an output that ignores the input, and for softmax or L2 normalisation over
     thousands of columns, whose entries all lie within atol of one value."""
     ns: dict = {}
@@ -320,8 +322,8 @@ def passed_by_a_constant(task: dict) -> bool:
 
 def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str], evaluation: bool) -> list[dict]:
     """Tasks at `levels` whose composition is (heldout) or is not (not heldout) a held-out one;
-    a task whose PyTorch source is already in `seen`, or an evaluation task that a constant output
-    passes (`passed_by_a_constant`), is dropped, so the count can fall short."""
+    a task whose PyTorch source is already in `seen`, or an evaluation task whose output one value
+    matches (`passed_by_a_constant`), is dropped, so the count can fall short."""
     tasks = []
     for level in levels:
         while True:
@@ -335,10 +337,11 @@ def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str], 
     return tasks
 
 
-def generate_split(n_train: int, n_valid: int, n_heldout: int, seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
+def generate_split(n_train: int, n_valid: int, n_heldout: int,
+                   seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
     """(train, valid, heldout) task records, without a PyTorch source twice: train and valid mix
     levels 30/30/40 (before de-duplication) over compositions free of held-out pairs, heldout is
-    level 3 with one; neither evaluation split has a task that a constant output passes (module
+    level 3 with one; neither evaluation split has a task whose output one value matches (module
     docstring)."""
     rng = random.Random(seed)
     seen: set[str] = set()
