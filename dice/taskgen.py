@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from .cli import ArgumentParser, at_least
+from .cli import ArgumentParser, at_least, fail_cleanly
 from .verifier import VerifyOptions
 
 # name -> (torch statement on x, CUDA statement on v, constant kinds); {a}/{lo}/{hi} are constants
@@ -362,8 +362,10 @@ def main(argv=None) -> None:
     p.add_argument("--heldout", type=at_least(0), default=60, help="held-out level-3 tasks drawn")
     p.add_argument("--seed", type=int, default=0, help="the same seed writes the same files")
     args = p.parse_args(argv)
-    train, valid, heldout = generate_split(args.train, args.valid, args.heldout, args.seed)
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        p.error(f"argument --out: {out} is a file; give a folder for train.json, valid.json and heldout.json")
+    train, valid, heldout = generate_split(args.train, args.valid, args.heldout, args.seed)
     out.mkdir(parents=True, exist_ok=True)
     for name, tasks in (("train", train), ("valid", valid), ("heldout", heldout)):
         (out / f"{name}.json").write_text(json.dumps(tasks, indent=1))
@@ -371,4 +373,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    fail_cleanly(main)

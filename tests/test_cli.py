@@ -358,3 +358,11 @@ def test_evaluate_infill_without_split_tasks_is_one_line(capsys, monkeypatch):
     err = one_line_error(command("evaluate").main, ["--tasks", str(EXAMPLES[0]), "--solutions", "reference",
                                                    "--infill"], capsys)
     assert "--infill needs tasks with a prefix/middle/suffix split and none of the 1 selected in" in err
+
+
+def test_taskgen_out_that_is_a_file_is_one_line(tmp_path, capsys):
+    from dice.taskgen import main
+    target = tmp_path / "taken"
+    target.write_text("keep me")
+    err = one_line_error(main, ["--out", str(target), "--train", "3"], capsys)
+    assert f"argument --out: {target} is a file" in err and target.read_text() == "keep me"
