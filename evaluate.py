@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dice.cli import ArgumentParser, at_least, fail_cleanly
+from dice.cli import ArgumentParser, ProgressLine, at_least, fail_cleanly
 from dice.data import DataError
 from dice.metrics import format_summary, summarize
 from dice.prompts import keeps_skeleton
@@ -87,15 +87,15 @@ def generate_solutions(args, tasks) -> list[tuple[object, str | None]]:
         prompts += [ids] * args.samples
         owners += [t] * args.samples
     temperature = args.temperature if args.temperature is not None else (0.0 if args.samples == 1 else 1.0)
-    started, total = time.perf_counter(), len(prompts) * args.max_new_tokens
+    started, total, line = time.perf_counter(), len(prompts) * args.max_new_tokens, ProgressLine()
 
     def show(n):
         rate = n / max(time.perf_counter() - started, 1e-9)
-        print(f"\rgenerating: {n} tokens | {rate:.0f} tokens/s (at most {total})", end="", file=sys.stderr, flush=True)
+        line.update(f"generating: {n} tokens | {rate:.0f} tokens/s (at most {total})")
 
     completions = complete(model, tok, prompts, batch_size=args.batch_size, seed=args.seed, progress=show,
                            max_new_tokens=args.max_new_tokens, remasking=args.remasking, temperature=temperature)
-    print(file=sys.stderr)
+    line.close()
     del model
     torch.cuda.empty_cache()
     return [(t, c.code) for t, c in zip(owners, completions)]
@@ -143,21 +143,21 @@ def main(argv=None) -> None:
     from dice.verifier import Verifier
     early = [verdict_without_running(t, code, args.infill) for t, code in pairs]
     runnable = [(t.source, code) for (t, code), v in zip(pairs, early) if v is None]
-    started, done = time.perf_counter(), [0]
+    started, done, line = time.perf_counter(), [0], ProgressLine()
 
     def show(i, result):
         done[0] += 1
         width = 30
         bar = "#" * (width * done[0] // len(runnable))
-        print(f"\rverifying [{bar:<{width}}] {done[0]}/{len(runnable)} "
-              f"({done[0] / (time.perf_counter() - started):.1f}/s)", end="", file=sys.stderr, flush=True)
+        line.update(f"verifying [{bar:<{width}}] {done[0]}/{len(runnable)} "
+                    f"({done[0] / (time.perf_counter() - started):.1f}/s)")
 
     broken = {}   # task source -> why its reference fails
     with Verifier(workers=args.workers) as verifier:
         verified = iter(verifier.map(runnable, progress=show, trials=args.trials, timing=not args.no_timing,
                                      timeout_s=args.timeout,
                                      on_broken_task=lambda i, e: broken.setdefault(runnable[i][0], e)))
-    print(file=sys.stderr)
+    line.close()
     results = [next(verified) if v is None else v for v in early]
     # a task whose own reference fails is left out of every rate: no candidate could pass it
     for t in {t.name: t for t, _ in pairs if t.source in broken}.values():

@@ -15,7 +15,7 @@ import torch
 
 import dice
 from dice import load_model, load_tokenizer
-from dice.cli import ArgumentParser, at_least, fail_cleanly
+from dice.cli import ArgumentParser, ProgressLine, at_least, fail_cleanly
 from dice.rollout import complete, one_shot_style, task_prompt_ids
 from dice.sampler import REMASKING
 from dice.tasks import load_tasks
@@ -77,17 +77,17 @@ def main(argv=None) -> None:
     tok = load_tokenizer(model_dir)
     prompt = task_prompt_ids(tok, task, infill=args.infill, one_shot=one_shot_style(model))
     print(f"model {model_dir} on {args.device}; task {task.name}; prompt {len(prompt)} tokens", file=sys.stderr)
-    started = time.perf_counter()
+    started, line = time.perf_counter(), ProgressLine()
 
     def show(n):
         rate = n / max(time.perf_counter() - started, 1e-9)
-        print(f"\rgenerating: {n} tokens | {rate:.0f} tokens/s", end="", file=sys.stderr, flush=True)
+        line.update(f"generating: {n} tokens | {rate:.0f} tokens/s")
 
     completion = complete(model, tok, [prompt], max_new_tokens=args.max_new_tokens,
                           steps_per_block=args.steps_per_block, remasking=args.remasking,
                           threshold=args.threshold, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, seed=args.seed, compile=args.compile, progress=show)[0]
-    print(file=sys.stderr)
+    line.close()
     if completion.code is None:
         print(completion.text)
         sys.exit("error: the model's answer has no fenced code block (printed above)")

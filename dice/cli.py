@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import time
 
 from .checkpoint import CheckpointError
 from .data import DataError
@@ -50,3 +52,27 @@ def at_least(low, kind=int):
         return value
     convert.__name__ = kind.__name__      # argparse names the type in "invalid int value: 'x'"
     return convert
+
+
+class ProgressLine:
+    """A status line on stderr: redrawn in place on a terminal; in a log (stderr not a TTY) written as
+    a new line at most every `every_s` seconds and once more at `close`, so a log keeps a few lines
+    instead of one carriage-return-joined line per update."""
+
+    def __init__(self, every_s: float = 10.0):
+        self.live = sys.stderr.isatty()
+        self.every_s, self.last, self.text, self.written = every_s, -math.inf, "", ""
+
+    def update(self, text: str) -> None:
+        self.text = text
+        if self.live:
+            print(f"\r\033[K{text}", end="", file=sys.stderr, flush=True)
+        elif time.monotonic() - self.last >= self.every_s:
+            self.last, self.written = time.monotonic(), text
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.live:
+            print(file=sys.stderr, flush=True)
+        elif self.text != self.written:
+            print(self.text, file=sys.stderr, flush=True)

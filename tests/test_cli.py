@@ -22,6 +22,7 @@ def test_readme_main_command_generates_a_kernel_without_downloads(tmp_path):
     assert "class ModelNew" in res.stdout and "__global__" in res.stdout
     assert out.read_text().strip() == res.stdout.strip()
     assert "generating:" in res.stderr and "tokens/s" in res.stderr
+    assert "\r" not in res.stderr            # a log (no TTY) gets whole lines, not one redrawn line
     assert "verification needs a CUDA GPU" in res.stdout + res.stderr
 
 
@@ -366,3 +367,12 @@ def test_taskgen_out_that_is_a_file_is_one_line(tmp_path, capsys):
     target.write_text("keep me")
     err = one_line_error(main, ["--out", str(target), "--train", "3"], capsys)
     assert f"argument --out: {target} is a file" in err and target.read_text() == "keep me"
+
+
+def test_progress_line_in_a_log_keeps_a_few_whole_lines(capsys):
+    from dice.cli import ProgressLine
+    line = ProgressLine(every_s=3600)
+    for i in range(100):
+        line.update(f"step {i}")
+    line.close()
+    assert capsys.readouterr().err.splitlines() == ["step 0", "step 99"]
