@@ -376,3 +376,26 @@ def test_progress_line_in_a_log_keeps_a_few_whole_lines(capsys):
         line.update(f"step {i}")
     line.close()
     assert capsys.readouterr().err.splitlines() == ["step 0", "step 99"]
+
+
+@pytest.mark.parametrize("samples", [1, 12])
+def test_saved_solutions_read_back_as_generated(tmp_path, samples):
+    """--save-solutions writes what read_solutions reads: the same programs, in order, per task;
+    an answer without code reads back as one that verdict_without_running calls compile_error."""
+    import argparse
+
+    from dice.tasks import Task
+    evaluate = command("evaluate")
+    tasks = [Task("level1/19_ReLU", 1, "src"), Task("level2/3_Fused", 2, "src")]
+    pairs = [(t, f"program {t.name} {k}" if (i, k) != (1, 0) else None)
+             for i, t in enumerate(tasks) for k in range(samples)]
+    evaluate.write_solutions(tmp_path, pairs, samples)
+    back = evaluate.read_solutions(argparse.Namespace(solutions=str(tmp_path), tasks="x"), tasks)
+    assert [(t.name, code or None) for t, code in back] == [(t.name, code) for t, code in pairs]
+    assert evaluate.verdict_without_running(tasks[1], back[samples][1], infill=False).status == "compile_error"
+
+
+def test_save_solutions_without_model_is_one_line(capsys):
+    err = one_line_error(command("evaluate").main, ["--tasks", str(EXAMPLES[0]), "--solutions", "reference",
+                                                   "--save-solutions", "x"], capsys)
+    assert "argument --save-solutions: only with --model" in err
