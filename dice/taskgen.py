@@ -1,8 +1,8 @@
 """A synthetic kernel curriculum: KernelBench-format tasks with CuPy reference solutions.
 
-    python -m dice.taskgen --out DIR [--train 4000] [--valid 90] [--heldout 60] [--seed 0]
+    python -m dice.taskgen --out DIR [--train 4000] [--valid 90] [--heldout 60] [--rl 600] [--seed 0]
 
-writes DIR/train.json, DIR/valid.json and DIR/heldout.json, DICE-style records (`id`, `level`,
+writes DIR/train.json, DIR/valid.json, DIR/heldout.json and DIR/rl.json, DICE-style records (`id`, `level`,
 `ops`, `pytorch_code`, `cuda_code`, `prefix`, `middle`, `suffix`), usable as SFT data (pytorch_code +
 cuda_code), as infill RL tasks (prefix/middle/suffix, the middle being the CUDA source) and as
 end-to-end RL or evaluation tasks.
@@ -28,6 +28,11 @@ tolerance (`passed_by_a_constant`): an output that ignores the input (relu, then
 [-1, 0], is 0 everywhere), or softmax over thousands of columns, all of whose entries lie within
 atol of 0; there a kernel with wrong ops but the right scale passes. train.json keeps such tasks;
 their kernels still mirror the forward line by line.
+rl.json holds the tasks of the RL phases: in-distribution like valid (drawn 30/30/40, no held-out
+pair, none passable by a constant, since a reward a wrong kernel can earn teaches wrong kernels), and
+none with the PyTorch source of a train, valid or held-out task. It is small on purpose: the RL
+curriculum walks its tasks in ascending level, and over train.json's 823 level-1 tasks (seed 0) a
+run of a few dozen steps would never reach level 2.
 """
 from __future__ import annotations
 
@@ -337,39 +342,41 @@ def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str], 
     return tasks
 
 
-def generate_split(n_train: int, n_valid: int, n_heldout: int,
-                   seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
-    """(train, valid, heldout) task records, without a PyTorch source twice: train and valid mix
-    levels 30/30/40 (before de-duplication) over compositions free of held-out pairs, heldout is
-    level 3 with one; neither evaluation split has a task whose output one value matches (module
-    docstring)."""
+def generate_split(n_train: int, n_valid: int, n_heldout: int, seed: int = 0,
+                   n_rl: int = 0) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
+    """(train, valid, heldout, rl) task records, without a PyTorch source twice: train, valid and
+    rl mix levels 30/30/40 (before de-duplication) over compositions free of held-out pairs, heldout
+    is level 3 with one; no valid, heldout or rl task has an output one value matches (module
+    docstring). rl is drawn last, so it changes none of the other three splits."""
     rng = random.Random(seed)
     seen: set[str] = set()
     train = _draw(rng, _level_mix(n_train), False, seen, evaluation=False)
     valid = _draw(rng, _level_mix(n_valid), False, seen, evaluation=True)
     heldout = _draw(rng, [3] * n_heldout, True, seen, evaluation=True)
-    for split, tasks in (("train", train), ("valid", valid), ("heldout", heldout)):
+    rl = _draw(rng, _level_mix(n_rl), False, seen, evaluation=True)
+    for split, tasks in (("train", train), ("valid", valid), ("heldout", heldout), ("rl", rl)):
         for i, t in enumerate(tasks):
             t["id"] = f"{split}-{i:05d}-L{t['level']}-{'-'.join(t['ops'])}"
-    return train, valid, heldout
+    return train, valid, heldout, rl
 
 
 def main(argv=None) -> None:
     p = ArgumentParser(prog="python -m dice.taskgen", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="folder for train.json, valid.json and heldout.json")
+    p.add_argument("--out", required=True, help="folder for train.json, valid.json, heldout.json and rl.json")
     p.add_argument("--train", type=at_least(0), default=4000, help="training tasks drawn (fewer after de-duplication)")
     p.add_argument("--valid", type=at_least(0), default=90, help="in-distribution validation tasks drawn")
     p.add_argument("--heldout", type=at_least(0), default=60, help="held-out level-3 tasks drawn")
+    p.add_argument("--rl", type=at_least(0), default=600, help="RL-phase tasks drawn (fewer after de-duplication)")
     p.add_argument("--seed", type=int, default=0, help="the same seed writes the same files")
     args = p.parse_args(argv)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        p.error(f"argument --out: {out} is a file; give a folder for train.json, valid.json and heldout.json")
-    train, valid, heldout = generate_split(args.train, args.valid, args.heldout, args.seed)
+        p.error(f"argument --out: {out} is a file; give a folder for train.json, valid.json, heldout.json and rl.json")
+    train, valid, heldout, rl = generate_split(args.train, args.valid, args.heldout, args.seed, args.rl)
     out.mkdir(parents=True, exist_ok=True)
-    for name, tasks in (("train", train), ("valid", valid), ("heldout", heldout)):
+    for name, tasks in (("train", train), ("valid", valid), ("heldout", heldout), ("rl", rl)):
         (out / f"{name}.json").write_text(json.dumps(tasks, indent=1))
-    print(f"wrote {len(train)} train, {len(valid)} valid and {len(heldout)} held-out tasks to {out}")
+    print(f"wrote {len(train)} train, {len(valid)} valid, {len(heldout)} held-out and {len(rl)} RL tasks to {out}")
 
 
 if __name__ == "__main__":

@@ -15,10 +15,12 @@ def pairs(ops):
 
 
 def test_split_is_reproducible_and_every_heldout_chain_combines_ops_training_never_combines():
-    train, valid, held = generate_split(3000, 20, 15, seed=3)
-    again = generate_split(3000, 20, 15, seed=3)
-    assert [t["cuda_code"] for t in train + valid + held] == [t["cuda_code"] for t in sum(again, [])]
-    assert Counter(t["level"] for t in train).keys() == Counter(t["level"] for t in valid).keys() == {1, 2, 3}
+    train, valid, held, rl = generate_split(3000, 20, 15, seed=3, n_rl=40)
+    again = generate_split(3000, 20, 15, seed=3, n_rl=40)
+    assert [t["cuda_code"] for t in train + valid + held + rl] == [t["cuda_code"] for t in sum(again, [])]
+    # the RL split is drawn last: asking for it changes none of the other splits
+    assert [t["cuda_code"] for t in train + valid + held] == [t["cuda_code"] for t in sum(generate_split(3000, 20, 15, seed=3), [])]
+    assert {t["level"] for t in train} == {t["level"] for t in valid} == {t["level"] for t in rl} == {1, 2, 3}
     assert {t["level"] for t in held} == {3}
     # the property itself, computed from the files: some pair of each held-out chain's ops occurs
     # together in no training task (so no held-out chain is a training chain, a run inside a
@@ -27,27 +29,27 @@ def test_split_is_reproducible_and_every_heldout_chain_combines_ops_training_nev
     for t in held:
         assert pairs(t["ops"]) - trained_pairs, t["id"]
     assert not {tuple(t["ops"]) for t in held} & {tuple(t["ops"]) for t in train}
-    assert not any(pairs(t["ops"]) - trained_pairs for t in valid if t["level"] == 3)
+    assert not any(pairs(t["ops"]) - trained_pairs for t in valid + rl if t["level"] == 3)
     # every op is still trained, and most pairs are
     assert {op for t in train for op in t["ops"]} == set(ELEMENTWISE) | set(ROW_OPS)
     assert len(trained_pairs) > 150
     # no evaluation task is passed by writing one value everywhere, on other inputs (seed 1) of the
     # task's own shapes: the values c with |c - y| <= atol + rtol |y| for every y form an empty interval
     torch.manual_seed(1)
-    for t in valid + held:
+    for t in valid + held + rl:
         ns = {}
         exec(t["pytorch_code"], ns)
         y = ns["Model"]()(*ns["get_inputs"]())
         slack = 1e-2 + 1e-2 * y.abs()
         assert (y - slack).max() > (y + slack).min(), t["id"]
-    sources = [t["pytorch_code"] for t in train + valid + held]
+    sources = [t["pytorch_code"] for t in train + valid + held + rl]
     assert len(set(sources)) == len(sources)
-    assert len({t["id"] for t in train + valid + held}) == len(sources)
+    assert len({t["id"] for t in train + valid + held + rl}) == len(sources)
 
 
 def test_records_are_well_formed_and_reference_models_run():
-    train, valid, held = generate_split(60, 10, 10, seed=0)
-    for t in train + valid + held:
+    train, valid, held, rl = generate_split(60, 10, 10, seed=0, n_rl=10)
+    for t in train + valid + held + rl:
         check_task_source(t["pytorch_code"], t["id"])
         ast.parse(t["cuda_code"])
         assert t["prefix"] + t["middle"] + t["suffix"] == t["cuda_code"]
