@@ -246,9 +246,13 @@ class Verifier:
         self.close()
 
     def close(self) -> None:
-        # in parallel: each worker's CUDA teardown takes a second or two
-        with ThreadPoolExecutor(max_workers=len(self._workers) + len(self._judges)) as pool:
-            list(pool.map(lambda w: w.close(), [*self._judges, *self._workers]))
+        # in parallel: each worker's CUDA teardown takes a second or two. Plain threads, since
+        # this also runs from atexit, where a ThreadPoolExecutor refuses new work
+        closers = [threading.Thread(target=w.close) for w in [*self._judges, *self._workers]]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join()
         shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def verify(self, task_src: str, candidate_src: str, **options) -> VerifyResult:

@@ -6,6 +6,8 @@ everything except what needs a GPU (NVRTC/nvcc, the profiler kernel check, CUDA 
 import ast
 import inspect
 import json
+import subprocess
+import sys
 import os
 import shutil
 import threading
@@ -462,3 +464,17 @@ def test_on_broken_task_reports_the_task_and_verifies_the_rest(cpu_verifier):
                                on_broken_task=lambda i, e: reported.append((i, str(e))))
     assert results[1] is None and [r.status for r in (results[0], results[2])] == ["correct", "correct"]
     assert len(reported) == 1 and reported[0][0] == 1 and "broken task" in reported[0][1]
+
+
+def test_a_verifier_closed_at_interpreter_exit_stops_its_workers_cleanly(tmp_path):
+    """`dice.verify` closes its shared Verifier from atexit, after Python has stopped thread
+    pools taking work: closing must neither raise there nor leave worker processes behind."""
+    script = ("import atexit\nfrom dice.verifier import Verifier\n"
+              f"v = Verifier(workers=2, judges=1, device='cpu', cache_dir={str(tmp_path)!r})\n"
+              "print(' '.join(str(w._process.pid) for w in [*v._judges, *v._workers]))\n"
+              "atexit.register(v.close)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    for pid in map(int, done.stdout.split()):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
