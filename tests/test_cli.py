@@ -399,3 +399,117 @@ def test_save_solutions_without_model_is_one_line(capsys):
     err = one_line_error(command("evaluate").main, ["--tasks", str(EXAMPLES[0]), "--solutions", "reference",
                                                    "--save-solutions", "x"], capsys)
     assert "argument --save-solutions: only with --model" in err
+
+
+class _Parser(Exception):
+    def __init__(self, parser):
+        self.parser = parser
+
+
+def _parser_of(entry, argv, monkeypatch):
+    """The ArgumentParser a command builds, caught as it starts parsing."""
+    import argparse
+
+    def caught(self, *args, **kwargs):
+        raise _Parser(self)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", caught)
+    with pytest.raises(_Parser) as got:
+        entry(argv)
+    return got.value.parser
+
+
+def _readme_command_rows():
+    """(command cell, the README line) of every row of README's table of commands."""
+    import re
+    rows = []
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith(("| `python ", "| `torchrun ")):
+            cell = line.split("` |")[0] + "`"
+            text = " ".join(re.findall(r"`([^`]*)`", cell)).replace("\\|", "|")
+            rows.append((re.sub(r"^torchrun --nproc_per_node N ", "python ", text), line))
+    return rows
+
+
+def test_readme_command_table_matches_the_parsers(monkeypatch):
+    """Every flag in README's table of commands exists, and every default it shows (`[--flag 64]`, or one
+    of the flag's choices) is the parser's default, or the flag's help names it (train.py's --lr:
+    "0 = 1e-5 for SFT / 1e-6 for RL"); other words (N, DIR, results.json) are placeholders."""
+    import re
+
+    import dice.bench
+    import dice.bench_verify
+    import dice.taskgen
+    from dice.trainer import config_from_args
+    entries = {"python sample.py": command("sample").parse_args, "python evaluate.py": command("evaluate").parse_args,
+               "python train.py": config_from_args, "python -m dice.taskgen": dice.taskgen.main,
+               "python -m dice.bench verify": dice.bench_verify.main}
+    bench = _parser_of(dice.bench.main, [], monkeypatch)
+    subcommands = next(a for a in bench._actions if a.choices and "sample" in a.choices).choices
+    rows = _readme_command_rows()
+    assert len(rows) >= 10
+    for text, line in rows:
+        if text.startswith("python -m dice.bench ") and not text.startswith("python -m dice.bench verify"):
+            assert set(text.split()[3].split("|")) <= set(subcommands), line
+            parsers = list(subcommands.values())
+        else:
+            entry = next(e for prefix, e in entries.items() if text.startswith(prefix))
+            parsers = [_parser_of(entry, [], monkeypatch)]
+        actions = {opt: a for p in parsers for a in p._actions for opt in a.option_strings}
+        flags = re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)
+        for flag in flags:
+            assert flag in actions, f"README shows {flag}, which the command does not take: {line}"
+        for flag, value in re.findall(r"\[(--[a-z][a-z0-9-]*) ([^\]\s|]+)\]", text):
+            action = actions[flag]
+            try:
+                same = float(value) == float(action.default)
+            except (TypeError, ValueError):   # a word is a default only among choices; else a placeholder
+                if not action.choices or value not in action.choices:
+                    continue
+                same = value == action.default
+            assert same or value in (action.help or ""), \
+                f"README shows {flag} {value} as the default, the parser's is {action.default!r}: {line}"
+
+
+def _readme_commands():
+    """Every command README shows (code blocks, with `RL="..."`-style variables expanded, and inline
+    code), as (program, its arguments): program is sample.py, evaluate.py, train.py, dice.taskgen,
+    or dice.bench's subcommand."""
+    import re
+    text = (ROOT / "README.md").read_text()
+    pieces = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        lines = [re.sub(r"\s#.*$", "", line) for line in block.splitlines()]
+        joined = re.sub(r"\\\n\s*", " ", "\n".join(lines))
+        variables = dict(re.findall(r'^(\w+)="([^"]*)"', joined, re.M))
+        pieces.append(re.sub(r"\$(\w+)", lambda m: variables.get(m.group(1), m.group(0)), joined))
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    pieces += [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", prose)]
+    program = r"(sample\.py|evaluate\.py|train\.py|-m dice\.taskgen|-m dice\.bench (?:sample|profile|train|model|verify))"
+    return [(m.group(1).removeprefix("-m "), m.group(2)) for piece in pieces
+            for m in re.finditer(program + r"([^;&`\n]*)", piece)]
+
+
+def test_every_command_readme_shows_takes_its_flags(monkeypatch):
+    """The commands that produced README's numbers (pipelines, benchmarks, checks) still parse: each
+    flag they use is one their command takes."""
+    import re
+
+    import dice.bench
+    import dice.bench_verify
+    import dice.taskgen
+    from dice.trainer import config_from_args
+    bench = _parser_of(dice.bench.main, [], monkeypatch)
+    subcommands = next(a for a in bench._actions if a.choices and "sample" in a.choices).choices
+    parsers = {"sample.py": _parser_of(command("sample").parse_args, [], monkeypatch),
+               "evaluate.py": _parser_of(command("evaluate").parse_args, [], monkeypatch),
+               "train.py": _parser_of(config_from_args, [], monkeypatch),
+               "dice.taskgen": _parser_of(dice.taskgen.main, [], monkeypatch),
+               "dice.bench verify": _parser_of(dice.bench_verify.main, [], monkeypatch),
+               **{f"dice.bench {name}": p for name, p in subcommands.items() if name != "verify"}}
+    commands = _readme_commands()
+    assert {program for program, _ in commands} == set(parsers), "README shows every command"
+    assert len(commands) > 30
+    for program, args in commands:
+        takes = {opt for a in parsers[program]._actions for opt in a.option_strings}
+        for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", args):
+            assert flag in takes, f"README runs {program} with {flag}, which it does not take: {program}{args}"
