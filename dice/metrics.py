@@ -11,14 +11,27 @@ All rates are fractions of *all* samples (a sample = one generated kernel for on
   Chen et al. 2021, pass@k = 1 - C(n-c, k) / C(n, k), averaged over tasks with n >= k.
 
 Results are `dice.verifier.VerifyResult`s or anything with `compiled`, `correct`, `speedup`.
+
+Two evaluations of the same tasks (evaluate.py --out files) are compared per task, paired:
+
+    python -m dice.metrics A.json B.json [--level N ...]
+
+prints both correct rates, on how many tasks each is better, and the exact two-sided sign test
+over those tasks: p = min(1, 2 P[X <= min(n_A, n_B)]), X ~ Binomial(n_A + n_B, 1/2). On 43 tasks
+a difference of 2-3 tasks is well within chance; the test says how far within.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable
+
+from .cli import ArgumentParser, fail_cleanly
+from .data import DataError
 
 
 @dataclass
@@ -117,3 +130,75 @@ def format_summary(summary: dict[str, Summary]) -> str:
 
 def _pct(fraction: float | None) -> str:
     return "-" if fraction is None else f"{100 * fraction:.1f}%"
+
+
+# ---------------------------------------------------------------- two evaluations, paired
+
+@dataclass
+class Comparison:
+    tasks: int              # tasks in both evaluations
+    only_in_a: int          # tasks left out of the comparison
+    only_in_b: int
+    correct_a: float        # mean over the shared tasks of each task's correct rate
+    correct_b: float
+    a_better: int           # tasks whose correct rate is higher in A
+    b_better: int
+    p_value: float          # exact two-sided sign test over the a_better + b_better tasks
+
+
+def sign_test(wins: int, losses: int) -> float:
+    """Exact two-sided sign test: min(1, 2 P[X <= min(wins, losses)]), X ~ Binomial(wins + losses, 1/2)."""
+    n = wins + losses
+    tail = sum(math.comb(n, i) for i in range(min(wins, losses) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def compare(a: dict[str, list[bool]], b: dict[str, list[bool]]) -> Comparison:
+    """Paired comparison of per-task correct outcomes (one bool per sample) of two evaluations."""
+    shared = sorted(a.keys() & b.keys())
+    rate_a = {t: sum(a[t]) / len(a[t]) for t in shared}
+    rate_b = {t: sum(b[t]) / len(b[t]) for t in shared}
+    a_better = sum(rate_a[t] > rate_b[t] for t in shared)
+    b_better = sum(rate_b[t] > rate_a[t] for t in shared)
+    mean = lambda rates: sum(rates.values()) / len(rates) if rates else 0.0  # noqa: E731
+    return Comparison(len(shared), len(a.keys() - b.keys()), len(b.keys() - a.keys()), mean(rate_a), mean(rate_b),
+                      a_better, b_better, sign_test(a_better, b_better))
+
+
+def read_outcomes(path: str | Path, levels: Iterable[int] = ()) -> dict[str, list[bool]]:
+    """Task name -> correct per sample, from an `evaluate.py --out` file (optionally only some levels)."""
+    path, levels = Path(path), set(levels)
+    try:
+        records = json.loads(path.read_text())["results"]
+    except FileNotFoundError:
+        raise DataError(f"{path} does not exist; give the file `evaluate.py --out` wrote") from None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise DataError(f"{path} is not an `evaluate.py --out` file (JSON with a 'results' list)") from None
+    outcomes: dict[str, list[bool]] = defaultdict(list)
+    for r in records:
+        if not levels or r.get("level") in levels:
+            outcomes[r["task"]].append(bool(r["correct"]))
+    return dict(outcomes)
+
+
+def main(argv=None) -> None:
+    p = ArgumentParser(prog="python -m dice.metrics",
+                       description="Compare two evaluate.py --out files task by task (paired sign test).")
+    p.add_argument("a", help="the first evaluate.py --out file")
+    p.add_argument("b", help="the second, on the same tasks")
+    p.add_argument("--level", type=int, nargs="+", default=[], help="only these levels (default: all)")
+    args = p.parse_args(argv)
+    c = compare(read_outcomes(args.a, args.level), read_outcomes(args.b, args.level))
+    if not c.tasks:
+        raise DataError(f"{args.a} and {args.b} share no task" + (f" at level(s) {args.level}" if args.level else "")
+                        + "; compare evaluations of the same task file")
+    print(f"tasks in both: {c.tasks}" + (f" (left out: {c.only_in_a} only in A, {c.only_in_b} only in B)"
+                                         if c.only_in_a or c.only_in_b else ""))
+    print(f"correct: A {_pct(c.correct_a)}, B {_pct(c.correct_b)}")
+    print(f"per task: A better on {c.a_better}, B better on {c.b_better}, "
+          f"equal on {c.tasks - c.a_better - c.b_better}")
+    print(f"sign test (exact, two-sided): p = {c.p_value:.3g}")
+
+
+if __name__ == "__main__":
+    fail_cleanly(main)

@@ -60,3 +60,46 @@ def test_summarize_per_level_and_pass_at_k():
 def test_tasks_without_level_are_grouped():
     summary = summarize([("x", None, ok(1.0))])
     assert set(summary) == {"level?", "all"}
+
+
+def test_sign_test_hand_computed():
+    from dice.metrics import sign_test
+    assert sign_test(0, 0) == 1.0
+    assert sign_test(5, 0) == sign_test(0, 5) == pytest.approx(2 / 32)          # 2 * (1/2)^5
+    assert sign_test(7, 2) == pytest.approx(2 * (1 + 9 + 36) / 512)              # 2 * P[Bin(9, 1/2) <= 2]
+    assert sign_test(3, 3) == 1.0
+
+
+def test_compare_pairs_tasks_and_averages_sampled_rates():
+    from dice.metrics import compare
+    a = {"t1": [True], "t2": [False, True], "t3": [True, True], "gone": [True]}
+    b = {"t1": [False], "t2": [True, True], "t3": [True, True], "new": [False]}
+    c = compare(a, b)
+    assert (c.tasks, c.only_in_a, c.only_in_b) == (3, 1, 1)
+    assert c.correct_a == pytest.approx((1 + 0.5 + 1) / 3) and c.correct_b == pytest.approx((0 + 1 + 1) / 3)
+    assert (c.a_better, c.b_better, c.p_value) == (1, 1, 1.0)
+
+
+def test_metrics_cli_compares_two_evaluate_files_and_errors_in_one_line(tmp_path, capsys):
+    import json
+
+    from dice.cli import fail_cleanly
+    from dice.metrics import main
+
+    def write(name, outcomes):
+        records = [{"task": t, "level": level, "correct": ok} for t, level, ok in outcomes]
+        (tmp_path / name).write_text(json.dumps({"summary": {}, "results": records}))
+        return str(tmp_path / name)
+    a = write("a.json", [(f"t{i}", 1 + i % 2, False) for i in range(6)])
+    b = write("b.json", [(f"t{i}", 1 + i % 2, True) for i in range(6)])
+    main([a, b])
+    out = capsys.readouterr().out
+    assert "correct: A 0.0%, B 100.0%" in out and "A better on 0, B better on 6, equal on 0" in out
+    assert "p = 0.0312" in out                                                  # 2 / 2^6
+    main([a, b, "--level", "2"])
+    assert "B better on 3" in capsys.readouterr().out
+    for argv, message in (([str(tmp_path / "none.json"), b], "none.json does not exist"),
+                          ([a, write("c.json", [("x", 1, True)])], "share no task")):
+        with pytest.raises(SystemExit) as stop:
+            fail_cleanly(lambda: main(argv))
+        assert message in str(stop.value.code) and "\n" not in str(stop.value.code)
