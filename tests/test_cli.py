@@ -438,11 +438,12 @@ def test_readme_command_table_matches_the_parsers(monkeypatch):
 
     import dice.bench
     import dice.bench_verify
+    import dice.metrics
     import dice.taskgen
     from dice.trainer import config_from_args
     entries = {"python sample.py": command("sample").parse_args, "python evaluate.py": command("evaluate").parse_args,
                "python train.py": config_from_args, "python -m dice.taskgen": dice.taskgen.main,
-               "python -m dice.bench verify": dice.bench_verify.main}
+               "python -m dice.metrics": dice.metrics.main, "python -m dice.bench verify": dice.bench_verify.main}
     bench = _parser_of(dice.bench.main, [], monkeypatch)
     subcommands = next(a for a in bench._actions if a.choices and "sample" in a.choices).choices
     rows = _readme_command_rows()
@@ -473,7 +474,7 @@ def test_readme_command_table_matches_the_parsers(monkeypatch):
 def _readme_commands():
     """Every command README shows (code blocks, with `RL="..."`-style variables expanded, and inline
     code), as (program, its arguments): program is sample.py, evaluate.py, train.py, dice.taskgen,
-    or dice.bench's subcommand."""
+    dice.metrics, or dice.bench's subcommand."""
     import re
     text = (ROOT / "README.md").read_text()
     pieces = []
@@ -484,7 +485,8 @@ def _readme_commands():
         pieces.append(re.sub(r"\$(\w+)", lambda m: variables.get(m.group(1), m.group(0)), joined))
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
     pieces += [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", prose)]
-    program = r"(sample\.py|evaluate\.py|train\.py|-m dice\.taskgen|-m dice\.bench (?:sample|profile|train|model|verify))"
+    program = (r"(sample\.py|evaluate\.py|train\.py|-m dice\.taskgen|-m dice\.metrics"
+               r"|-m dice\.bench (?:sample|profile|train|model|verify))")
     return [(m.group(1).removeprefix("-m "), m.group(2)) for piece in pieces
             for m in re.finditer(program + r"([^;&`\n]*)", piece)]
 
@@ -496,6 +498,7 @@ def test_every_command_readme_shows_takes_its_flags(monkeypatch):
 
     import dice.bench
     import dice.bench_verify
+    import dice.metrics
     import dice.taskgen
     from dice.trainer import config_from_args
     bench = _parser_of(dice.bench.main, [], monkeypatch)
@@ -504,6 +507,7 @@ def test_every_command_readme_shows_takes_its_flags(monkeypatch):
                "evaluate.py": _parser_of(command("evaluate").parse_args, [], monkeypatch),
                "train.py": _parser_of(config_from_args, [], monkeypatch),
                "dice.taskgen": _parser_of(dice.taskgen.main, [], monkeypatch),
+               "dice.metrics": _parser_of(dice.metrics.main, [], monkeypatch),
                "dice.bench verify": _parser_of(dice.bench_verify.main, [], monkeypatch),
                **{f"dice.bench {name}": p for name, p in subcommands.items() if name != "verify"}}
     commands = _readme_commands()
