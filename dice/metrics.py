@@ -16,15 +16,17 @@ Two evaluations of the same tasks (evaluate.py --out files) are compared per tas
 
     python -m dice.metrics A.json B.json [--level N ...]
 
-prints both correct rates, on how many tasks each is better, and the exact two-sided sign test
-over those tasks: p = min(1, 2 P[X <= min(n_A, n_B)]), X ~ Binomial(n_A + n_B, 1/2). On 43 tasks
-a difference of 2-3 tasks is well within chance; the test says how far within.
+prints each evaluation's correct rate as the mean over the shared tasks of each task's rate (with
+one sample per task, evaluate.py's correct %), on how many tasks each is better, and the exact
+two-sided sign test over those tasks: p = min(1, 2 P[X <= min(n_A, n_B)]), X ~ Binomial(n_A + n_B,
+1/2). On 43 tasks a difference of 2-3 tasks is well within chance; the test says how far within.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,8 +141,8 @@ class Comparison:
     tasks: int              # tasks in both evaluations
     only_in_a: int          # tasks left out of the comparison
     only_in_b: int
-    correct_a: float        # mean over the shared tasks of each task's correct rate
-    correct_b: float
+    correct_a: float | None  # mean over the shared tasks of each task's correct rate (None: no task)
+    correct_b: float | None
     a_better: int           # tasks whose correct rate is higher in A
     b_better: int
     p_value: float          # exact two-sided sign test over the a_better + b_better tasks
@@ -153,31 +155,36 @@ def sign_test(wins: int, losses: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def compare(a: dict[str, list[bool]], b: dict[str, list[bool]]) -> Comparison:
-    """Paired comparison of per-task correct outcomes (one bool per sample) of two evaluations."""
-    shared = sorted(a.keys() & b.keys())
-    rate_a = {t: sum(a[t]) / len(a[t]) for t in shared}
-    rate_b = {t: sum(b[t]) / len(b[t]) for t in shared}
-    a_better = sum(rate_a[t] > rate_b[t] for t in shared)
-    b_better = sum(rate_b[t] > rate_a[t] for t in shared)
-    mean = lambda rates: sum(rates.values()) / len(rates) if rates else 0.0  # noqa: E731
-    return Comparison(len(shared), len(a.keys() - b.keys()), len(b.keys() - a.keys()), mean(rate_a), mean(rate_b),
+def compare(a: dict, b: dict) -> Comparison:
+    """Paired comparison of two evaluations' per-task correct outcomes ({task: [bool per sample]});
+    tasks may have different sample counts, each task's rate counts once."""
+    shared = sorted(a.keys() & b.keys(), key=str)
+    rate_a = [statistics.fmean(a[t]) for t in shared]
+    rate_b = [statistics.fmean(b[t]) for t in shared]
+    a_better = sum(x > y for x, y in zip(rate_a, rate_b))
+    b_better = sum(y > x for x, y in zip(rate_a, rate_b))
+    return Comparison(len(shared), len(a.keys() - b.keys()), len(b.keys() - a.keys()),
+                      statistics.fmean(rate_a) if shared else None, statistics.fmean(rate_b) if shared else None,
                       a_better, b_better, sign_test(a_better, b_better))
 
 
-def read_outcomes(path: str | Path, levels: Iterable[int] = ()) -> dict[str, list[bool]]:
-    """Task name -> correct per sample, from an `evaluate.py --out` file (optionally only some levels)."""
+def read_outcomes(path: str | Path, levels: Iterable[int] = ()) -> dict[tuple[str, int | None], list[bool]]:
+    """(task name, level) -> correct per sample, from an `evaluate.py --out` file (optionally only
+    some levels)."""
     path, levels = Path(path), set(levels)
+    not_ours = f"{path} is not an `evaluate.py --out` file (JSON with a 'results' list of task verdicts)"
     try:
         records = json.loads(path.read_text())["results"]
+        outcomes: dict[tuple[str, int | None], list[bool]] = defaultdict(list)
+        for r in records:
+            if not levels or r.get("level") in levels:
+                outcomes[(r["task"], r.get("level"))].append(bool(r["correct"]))
     except FileNotFoundError:
         raise DataError(f"{path} does not exist; give the file `evaluate.py --out` wrote") from None
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise DataError(f"{path} is not an `evaluate.py --out` file (JSON with a 'results' list)") from None
-    outcomes: dict[str, list[bool]] = defaultdict(list)
-    for r in records:
-        if not levels or r.get("level") in levels:
-            outcomes[r["task"]].append(bool(r["correct"]))
+    except IsADirectoryError:
+        raise DataError(f"{path} is a folder; give the file `evaluate.py --out` wrote") from None
+    except (ValueError, KeyError, TypeError, AttributeError):   # bad JSON or text (UnicodeDecodeError), wrong fields
+        raise DataError(not_ours) from None
     return dict(outcomes)
 
 
@@ -194,7 +201,7 @@ def main(argv=None) -> None:
                         + "; compare evaluations of the same task file")
     print(f"tasks in both: {c.tasks}" + (f" (left out: {c.only_in_a} only in A, {c.only_in_b} only in B)"
                                          if c.only_in_a or c.only_in_b else ""))
-    print(f"correct: A {_pct(c.correct_a)}, B {_pct(c.correct_b)}")
+    print(f"correct (mean of per-task rates): A {_pct(c.correct_a)}, B {_pct(c.correct_b)}")
     print(f"per task: A better on {c.a_better}, B better on {c.b_better}, "
           f"equal on {c.tasks - c.a_better - c.b_better}")
     print(f"sign test (exact, two-sided): p = {c.p_value:.3g}")

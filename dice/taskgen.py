@@ -342,7 +342,7 @@ def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str], 
     return tasks
 
 
-def generate_split(n_train: int, n_valid: int, n_heldout: int, seed: int = 0,
+def generate_split(n_train: int, n_valid: int, n_heldout: int, seed: int = 0, *,
                    n_rl: int = 0) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
     """(train, valid, heldout, rl) task records, without a PyTorch source twice: train, valid and
     rl mix levels 30/30/40 (before de-duplication) over compositions free of held-out pairs, heldout
@@ -372,7 +372,7 @@ def main(argv=None) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         p.error(f"argument --out: {out} is a file; give a folder for train.json, valid.json, heldout.json and rl.json")
-    train, valid, heldout, rl = generate_split(args.train, args.valid, args.heldout, args.seed, args.rl)
+    train, valid, heldout, rl = generate_split(args.train, args.valid, args.heldout, args.seed, n_rl=args.rl)
     out.mkdir(parents=True, exist_ok=True)
     for name, tasks in (("train", train), ("valid", valid), ("heldout", heldout), ("rl", rl)):
         (out / f"{name}.json").write_text(json.dumps(tasks, indent=1))

@@ -247,12 +247,19 @@ class Verifier:
 
     def close(self) -> None:
         # in parallel: each worker's CUDA teardown takes a second or two. Plain threads, since
-        # this also runs from atexit, where a ThreadPoolExecutor refuses new work
-        closers = [threading.Thread(target=w.close) for w in [*self._judges, *self._workers]]
-        for t in closers:
-            t.start()
-        for t in closers:
-            t.join()
+        # this also runs from atexit, where a ThreadPoolExecutor refuses new work; Python 3.12.0-1
+        # refuse even threads there (gh-113964), and then the workers close one by one
+        closers = []
+        for worker in [*self._judges, *self._workers]:
+            closer = threading.Thread(target=worker.close)
+            try:
+                closer.start()
+            except RuntimeError:
+                worker.close()
+                continue
+            closers.append(closer)
+        for closer in closers:
+            closer.join()
         shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def verify(self, task_src: str, candidate_src: str, **options) -> VerifyResult:

@@ -94,11 +94,21 @@ def test_metrics_cli_compares_two_evaluate_files_and_errors_in_one_line(tmp_path
     b = write("b.json", [(f"t{i}", 1 + i % 2, True) for i in range(6)])
     main([a, b])
     out = capsys.readouterr().out
-    assert "correct: A 0.0%, B 100.0%" in out and "A better on 0, B better on 6, equal on 0" in out
+    assert "correct (mean of per-task rates): A 0.0%, B 100.0%" in out
+    assert "tasks in both: 6\n" in out and "A better on 0, B better on 6, equal on 0" in out
     assert "p = 0.0312" in out                                                  # 2 / 2^6
     main([a, b, "--level", "2"])
     assert "B better on 3" in capsys.readouterr().out
+    # one name at two levels is two tasks
+    same_name = write("d.json", [("t0", 1, True), ("t0", 2, True)])
+    main([a, same_name])
+    assert "tasks in both: 1 (left out: 5 only in A, 1 only in B)" in capsys.readouterr().out
+    (tmp_path / "latin1.json").write_bytes(b"\xff\xfe{")
+    (tmp_path / "no_task.json").write_text('{"results": [{"correct": true}]}')
     for argv, message in (([str(tmp_path / "none.json"), b], "none.json does not exist"),
+                          ([str(tmp_path), b], "is a folder"),
+                          ([str(tmp_path / "latin1.json"), b], "is not an `evaluate.py --out` file"),
+                          ([str(tmp_path / "no_task.json"), b], "is not an `evaluate.py --out` file"),
                           ([a, write("c.json", [("x", 1, True)])], "share no task")):
         with pytest.raises(SystemExit) as stop:
             fail_cleanly(lambda: main(argv))

@@ -6,10 +6,10 @@ everything except what needs a GPU (NVRTC/nvcc, the profiler kernel check, CUDA 
 import ast
 import inspect
 import json
-import subprocess
-import sys
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
