@@ -478,3 +478,16 @@ def test_a_verifier_closed_at_interpreter_exit_stops_its_workers_cleanly(tmp_pat
     for pid in map(int, done.stdout.split()):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_verifier_closes_its_workers_one_by_one_where_python_refuses_threads(tmp_path, monkeypatch):
+    """Python 3.12.0-1 refuse new threads in atexit handlers (gh-113964): close must still stop every worker."""
+    verifier = Verifier(workers=2, judges=1, device="cpu", cache_dir=tmp_path)
+    processes = [w._process for w in [*verifier._judges, *verifier._workers]]
+
+    def refuse(thread):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    verifier.close()
+    monkeypatch.undo()
+    assert processes and not any(p.is_alive() for p in processes)
