@@ -113,3 +113,10 @@ def test_metrics_cli_compares_two_evaluate_files_and_errors_in_one_line(tmp_path
         with pytest.raises(SystemExit) as stop:
             fail_cleanly(lambda: main(argv))
         assert message in str(stop.value.code) and "\n" not in str(stop.value.code)
+
+
+def test_an_incorrect_kernel_with_a_speedup_counts_in_no_speed_metric():
+    fast_but_wrong = VerifyResult("incorrect", compiled=True, speedup=8.0)
+    results = [ok(2.0), fast_but_wrong]
+    assert fast_p(results, 1.0) == pytest.approx(1 / 2)
+    assert geometric_mean_speedup(results) == pytest.approx(2.0)

@@ -129,6 +129,47 @@ def test_policy_loss_clipping_and_kl_hand_computed():
     assert stats["kl"] == pytest.approx(float(k3.mean()))
 
 
+def test_kl_is_taken_to_the_reference_model_when_there_is_one():
+    new, old, ref = torch.tensor([0.2, -0.3]), torch.tensor([0.2, -0.3]), torch.tensor([0.0, 0.1])
+    adv = torch.tensor([1.0, -1.0])
+    loss, stats = policy_loss(new, old, adv, clip_eps=0.2, kl_beta=0.5, logp_ref=ref)
+    k3 = torch.exp(ref - new) - (ref - new) - 1            # on-policy: rho = 1, so pg = -A
+    torch.testing.assert_close(loss, -adv + 0.5 * k3)
+    assert stats["kl"] == pytest.approx(float(k3.mean())) and stats["kl"] > 0
+
+
+def test_each_loss_token_weighs_one_over_its_response_length_times_responses():
+    """DESIGN.md §7: a response's token losses are summed and divided by its length (the tail after
+    the cut is context, not response), then averaged over responses."""
+    short = Completion(list(range(10, 17)), [5, 6], [1, 2], "", None, tail_tokens=[7, 8], tail_step_map=[2, 3])
+    long = Completion(list(range(10, 17)), [5, 6, 7, 8], [1, 2, 3, 4], "", None)
+    items = [(k, c, r) for k, c in enumerate((short, long)) for r in trace_rounds(c.step_map, 7, 4, c.tail_step_map)]
+    batch = build_round_batch(items, 4, 3, 0, [1.0, -1.0], n_responses=2)
+    weights = [w for (k, c, r) in items for w in [1 / (len(c.tokens) * 2)] * len(r.loss)]
+    torch.testing.assert_close(batch.token_weight, torch.tensor(weights))
+    assert sorted(set(batch.token_weight.tolist())) == pytest.approx([1 / 8, 1 / 4])
+    assert batch.token_weight.sum() == pytest.approx(1.0)    # each response weighs 1 / responses
+
+
+@pytest.mark.parametrize("updates", [1, 2])
+def test_later_updates_of_a_step_are_measured_against_the_rollout_policy(updates):
+    """--updates-per-step U: every minibatch's ratio is to the log-probs the rollout policy gave, taken
+    before the first update; with U = 1 the one update is on-policy (ratio 1, no KL to itself)."""
+    from dice.rl import policy_update
+    from dice.trainer import Runtime
+    torch.manual_seed(0)
+    model = load_model(TINY)
+    prompt = list(range(10, 17))
+    completions = [Completion(prompt, [5, 6, 7, 8, 9], [1, 2, 2, 3, 4], "", None),
+                   Completion(prompt, [9, 8, 7, 6, 5], [1, 1, 2, 3, 3], "", None)]
+    cfg = TrainConfig(phase="e2e", model=str(TINY), out="unused", updates_per_step=updates, batch_size=8,
+                      kl_beta=0.01, dtype="fp32")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stats = policy_update(model, None, completions, [1.0, -1.0], cfg, Runtime(torch.device("cpu")), optimizer, 0)
+    assert stats["responses_trained"] == 2
+    assert (stats["kl"] > 1e-6) == (updates > 1), stats
+
+
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_gradient_raises_positive_and_lowers_negative_advantage_tokens(sign):
     model = load_model(TINY)
