@@ -125,6 +125,21 @@ def test_confidence_is_the_temperature_softmax_probability():
         assert tok.item() == 0 and conf.item() == pytest.approx(expected.item(), abs=1e-6)
 
 
+def test_greedy_confidence_leaves_out_the_mask_token_even_when_it_leads():
+    logits = torch.tensor([[[2.0, 1.0, 3.0]]])                 # the mask token (2) has the largest logit
+    tok, conf = choose_tokens(logits, mask_token_id=2, temperature=0.0, top_k=0, top_p=1.0, uniforms=None)
+    assert tok.item() == 0
+    assert conf.item() == pytest.approx(torch.tensor([2.0, 1.0]).softmax(0)[0].item(), abs=1e-6)   # 0.731
+
+
+@pytest.mark.parametrize("remasking", ["low_confidence_static", "low_confidence_dynamic"])
+def test_equal_confidences_go_to_the_lower_position(remasking):
+    conf = torch.tensor([[0.5, 0.5, 0.2], [0.2, 0.5, 0.5]])
+    masked = torch.ones(2, 3, dtype=torch.bool)
+    chosen = select_positions(conf, masked, torch.tensor([1, 1]), remasking, 0.9)
+    assert chosen.tolist() == [[True, False, False], [False, True, False]]
+
+
 def test_bad_sampling_arguments_are_one_line_errors(model):
     for kw, text in ((dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
                      (dict(top_k=-1), "top_k"), (dict(threshold=1.5), "threshold")):
