@@ -69,6 +69,41 @@ def test_sharded_checkpoint_round_trip(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.safetensors*")) == ["model.safetensors"]
 
 
+def test_sharded_save_replaces_a_single_file_and_its_index_counts_every_byte(tmp_path):
+    model = load_model(TINY)
+    save_model(model, tmp_path)
+    save_model(model, tmp_path, max_shard_bytes=50_000)
+    assert not (tmp_path / "model.safetensors").exists()    # a stale single file would shadow the shards
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    stored = load_file(TINY / "model.safetensors")
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in stored.values())
+
+
+def test_a_save_that_breaks_partway_leaves_the_old_weights(tmp_path, monkeypatch):
+    import dice.checkpoint
+    model = load_model(TINY)
+    save_model(model, tmp_path)
+    before = (tmp_path / "model.safetensors").read_bytes()
+
+    def half_then_crash(tensors, file, metadata=None):
+        Path(file).write_bytes(before[:100])
+        raise OSError("disk full")
+    monkeypatch.setattr(dice.checkpoint, "save_file", half_then_crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_model(model, tmp_path)
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]   # no temp file left
+
+
+def test_config_derives_head_dim_and_defaults_to_sdar_values():
+    base = dict(vocab_size=64, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, mask_token_id=63)
+    config = ModelConfig.from_dict(base)
+    assert config.head_dim == 16                                 # hidden_size / attention heads, not KV heads
+    # SDAR-1.7B-Chat's published config.json: rope_theta 1e6, rms_norm_eps 1e-6, block_size 4
+    assert (config.rope_theta, config.rms_norm_eps, config.block_size) == (1e6, 1e-6, 4)
+
+
 @pytest.fixture
 def folder(tmp_path):
     dst = tmp_path / "m"
@@ -137,6 +172,29 @@ def test_unknown_and_missing_tensors(folder):
     rewrite(folder, lambda t: (t.pop("model.layers.9.extra.weight"), t.pop("model.layers.1.mlp.up_proj.weight")))
     with pytest.raises(CheckpointError, match=r"lacks tensor 'model.layers.1.mlp.up_proj.weight'"):
         load_model(folder)
+
+
+def test_a_tied_checkpoint_that_also_stores_lm_head_loads(tmp_path):
+    model = SDAR(tiny_config(tie_word_embeddings=True)).init_weights(seed=0)
+    save_model(model, tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    save_file({**stored, "lm_head.weight": torch.zeros_like(stored["model.embed_tokens.weight"])},
+              tmp_path / "model.safetensors")
+    again = load_model(tmp_path)
+    assert again.lm_head.weight is again.model.embed_tokens.weight   # the stored copy is ignored, as in the reference
+
+
+def test_an_unknown_tensor_is_reported_with_its_shard(tmp_path):
+    save_model(load_model(TINY), tmp_path, max_shard_bytes=50_000)
+    index_file = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    second = sorted(set(index["weight_map"].values()))[1]
+    tensors = load_file(tmp_path / second)
+    save_file({**tensors, "model.extra.weight": torch.ones(1)}, tmp_path / second)
+    index["weight_map"]["model.extra.weight"] = second
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"{second} holds tensor 'model.extra.weight'"):
+        load_model(tmp_path)
 
 
 def test_missing_shard(tmp_path):

@@ -197,6 +197,16 @@ def test_train_tokenizer_is_deterministic(tmp_path: Path):
 def test_train_tokenizer_rejects_a_vocabulary_smaller_than_the_bytes(tmp_path: Path):
     with pytest.raises(TokenizerError, match="vocab_size=100 is too small"):
         train_tokenizer(CORPUS, 100, tmp_path / "tiny")
+    smallest = len(SPECIAL_TOKENS) + 256          # the specials and the byte alphabet, no merge
+    with pytest.raises(TokenizerError, match=f"vocab_size={smallest - 1} is too small"):
+        train_tokenizer(CORPUS, smallest - 1, tmp_path / "tiny")
+    assert train_tokenizer(CORPUS, smallest, tmp_path / "bytes").vocab_size == smallest
+
+
+def test_invalid_added_tokens_json_is_a_clear_error(folder: Path):
+    (folder / "added_tokens.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(TokenizerError, match=r"added_tokens.json is not valid JSON"):
+        load_tokenizer(folder)
 
 
 GOLDEN_DIR = os.environ.get("DICE_TOKENIZER_DIR")
