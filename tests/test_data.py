@@ -94,6 +94,19 @@ def test_examples_longer_than_max_len_are_skipped_not_cut():
     assert len(ex.prompt_ids) + len(ex.response_ids) <= 100 and ex.response_ids[-1:] == Chars().encode(">")
 
 
+def test_an_example_of_exactly_max_len_tokens_is_kept():
+    record = {"prompt": "p", "response": "r"}
+    n = sum(len(Chars().encode(t)) for t in record_to_text(record))
+    assert tokenize_records([record], Chars(), n)[1] == 0 and tokenize_records([record], Chars(), n - 1)[1] == 1
+
+
+def test_kernel_answers_are_stripped_and_only_kernel_records_get_infill_copies():
+    _, response = record_to_text({"pytorch_code": "class Model: pass", "cuda_code": "\nx = 1\n\n"}, one_shot=None)
+    assert response == "```python\nx = 1\n```<|im_end|>"
+    stray = {"prompt": "Q", "response": "A", "prefix": "import a\n"}
+    assert len(tokenize_records([stray], Chars(), 10_000, infill_copies=True)[0]) == 1
+
+
 def test_packing_restarts_positions_and_pads_blocks():
     examples = [Example([1, 2], [3, 4, 5]), Example([6], [7, 8]), Example([9, 9, 9], [10] * 6)]
     rows = pack_rows(examples, row_len=12, block_size=4, pad_id=0)

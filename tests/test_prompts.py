@@ -91,6 +91,21 @@ def test_extract_code(response, code):
     assert extract_code(response) == code
 
 
+@pytest.mark.parametrize("response, code", [
+    ("```py\nx = 1\n```", "x = 1"),                                   # any info string opens a block
+    ("```c++\nint k;\n```", "int k;"),
+    ("```python\n    indented = 1\nnext = 2\n```", "    indented = 1\nnext = 2"),   # first indent kept
+])
+def test_extract_code_keeps_any_fence_and_leading_indentation(response, code):
+    assert extract_code(response) == code
+
+
+def test_keeps_skeleton_with_an_empty_suffix_or_an_empty_middle():
+    assert keeps_skeleton("import a\nMID", "import a\n", "")
+    assert not keeps_skeleton("import b\nMID", "import a\n", "")
+    assert keeps_skeleton("a\nb", "a\n", "\nb")                        # nothing between the two ends
+
+
 def test_keeps_skeleton_accepts_the_reference_and_other_middles():
     assert keeps_skeleton(PROGRAM, PREFIX, SUFFIX)
     assert keeps_skeleton(PREFIX + 'source = r"""\n// a different kernel\n"""\n' + SUFFIX, PREFIX, SUFFIX)

@@ -79,6 +79,23 @@ def test_bad_json_records(tmp_path):
         load_tasks(path)
 
 
+def test_level_underscore_folders_and_module_level_names_only(tmp_path):
+    (tmp_path / "level_3").mkdir()
+    (tmp_path / "level_3" / "4_Four.py").write_text(TASK)
+    assert [(t.name, t.level) for t in load_tasks(tmp_path)] == [("level3/4_Four", 3)]
+    method_only = "class Model:\n    def get_inputs(self): pass\n\ndef get_init_inputs(): pass\n"
+    assert missing_task_names(method_only) == ["get_inputs"]           # a method is not the task's function
+
+
+def test_json_record_ids_levels_and_split_types(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps([{"pytorch_code": TASK, "idx": 42, "level": 0}, {"pytorch_code": TASK, "id": "a"}]))
+    assert [(t.name, t.level) for t in load_tasks(path)] == [("x/42", 0), ("x/a", None)]
+    path.write_text(json.dumps([{"pytorch_code": TASK, "prefix": "a", "middle": 1, "suffix": "c"}]))
+    with pytest.raises(DataError, match="only part of prefix/middle/suffix"):
+        load_tasks(path)
+
+
 def test_missing_path_and_empty_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such task file"):
         load_tasks(tmp_path / "nope")
