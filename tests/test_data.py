@@ -119,6 +119,12 @@ def test_packing_restarts_positions_and_pads_blocks():
     assert rows[1]["sample_ids"].tolist() == [0] * 9 + [-1] * 3
 
 
+def test_packing_counts_each_sample_padded_to_whole_blocks():
+    # 5 + 7 tokens fit 12, but padded to blocks of 4 they take 8 + 8: two rows
+    rows = pack_rows([Example([1], [2] * 4), Example([3], [4] * 6)], row_len=12, block_size=4, pad_id=0)
+    assert [r["sample_ids"].tolist() for r in rows] == [[0] * 5 + [-1] * 7, [0] * 7 + [-1] * 5]
+
+
 def test_row_stream_is_reproducible_across_epochs():
     examples = [Example([i], [i, i]) for i in range(10)]
     stream = RowStream(examples, 8, 4, 0, seed=3)
