@@ -81,6 +81,18 @@ def test_matching_kernels_accepts_the_candidates_own_kernels_only():
     assert matching_kernels(launched, defined) == launched[:4]
 
 
+
+def test_kernel_matching_is_exact_on_names_and_knows_torchs_libraries():
+    defined = kernel_names('__global__ void my_k(float* x) {}\n__global__ void X(int* y) {}\n'
+                           '__global__ void add_kernel(float* z) {}\n__global__ void relu(float* w) {}')
+    assert kernel_names("__GLOBAL__ void foo(float* x) {}") == []        # CUDA keywords are case-sensitive
+    launched = ["void (anonymous namespace)::my_k(float*)",               # our kernel in an anonymous namespace
+                "void cub::X<int>(int)",                                  # CUB's, though the name is ours
+                "_Z13add_kernel_v2Pf",                                    # a longer mangled name
+                "void Relu(float*)"]                                      # another case
+    assert matching_kernels(launched, defined) == launched[:1]
+
+
 @pytest.mark.parametrize("handler", [
     "return torch.relu(x)",
     "return F.relu(x)",
