@@ -430,31 +430,41 @@ def _readme_command_rows():
     return rows
 
 
-def test_readme_command_table_matches_the_parsers(monkeypatch):
-    """Every flag in README's table of commands exists, and every default it shows (`[--flag 64]`, or one
-    of the flag's choices) is the parser's default, or the flag's help names it (train.py's --lr:
-    "0 = 1e-5 for SFT / 1e-6 for RL"); other words (N, DIR, results.json) are placeholders."""
-    import re
-
+def _command_parsers(monkeypatch) -> dict:
+    """The parser of every command README shows, by program: sample.py, evaluate.py, train.py,
+    dice.taskgen, dice.metrics, and "dice.bench <subcommand>"."""
     import dice.bench
     import dice.bench_verify
     import dice.metrics
     import dice.taskgen
     from dice.trainer import config_from_args
-    entries = {"python sample.py": command("sample").parse_args, "python evaluate.py": command("evaluate").parse_args,
-               "python train.py": config_from_args, "python -m dice.taskgen": dice.taskgen.main,
-               "python -m dice.metrics": dice.metrics.main, "python -m dice.bench verify": dice.bench_verify.main}
     bench = _parser_of(dice.bench.main, [], monkeypatch)
     subcommands = next(a for a in bench._actions if a.choices and "sample" in a.choices).choices
+    return {"sample.py": _parser_of(command("sample").parse_args, [], monkeypatch),
+            "evaluate.py": _parser_of(command("evaluate").parse_args, [], monkeypatch),
+            "train.py": _parser_of(config_from_args, [], monkeypatch),
+            "dice.taskgen": _parser_of(dice.taskgen.main, [], monkeypatch),
+            "dice.metrics": _parser_of(dice.metrics.main, [], monkeypatch),
+            "dice.bench verify": _parser_of(dice.bench_verify.main, [], monkeypatch),
+            **{f"dice.bench {name}": p for name, p in subcommands.items() if name != "verify"}}
+
+
+def test_readme_command_table_matches_the_parsers(monkeypatch):
+    """Every flag in README's table of commands exists, and every default it shows (`[--flag 64]`, or one
+    of the flag's choices) is the parser's default, or the flag's help names it (train.py's --lr:
+    "0 = 1e-5 for SFT / 1e-6 for RL"); other words (N, DIR, results.json) are placeholders."""
+    import re
+    by_program = _command_parsers(monkeypatch)
     rows = _readme_command_rows()
     assert len(rows) >= 10
     for text, line in rows:
-        if text.startswith("python -m dice.bench ") and not text.startswith("python -m dice.bench verify"):
-            assert set(text.split()[3].split("|")) <= set(subcommands), line
-            parsers = list(subcommands.values())
+        words = text.removeprefix("python ").removeprefix("-m ").split()
+        if words[0] == "dice.bench" and words[1] != "verify":   # "dice.bench sample|profile|train|model"
+            names = [f"dice.bench {name}" for name in words[1].split("|")]
+            assert set(names) <= set(by_program), line
+            parsers = [by_program[name] for name in names]
         else:
-            entry = next(e for prefix, e in entries.items() if text.startswith(prefix))
-            parsers = [_parser_of(entry, [], monkeypatch)]
+            parsers = [by_program[" ".join(words[:2]) if words[0] == "dice.bench" else words[0]]]
         actions = {opt: a for p in parsers for a in p._actions for opt in a.option_strings}
         flags = re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)
         for flag in flags:
@@ -495,21 +505,7 @@ def test_every_command_readme_shows_takes_its_flags(monkeypatch):
     """The commands that produced README's numbers (pipelines, benchmarks, checks) still parse: each
     flag they use is one their command takes."""
     import re
-
-    import dice.bench
-    import dice.bench_verify
-    import dice.metrics
-    import dice.taskgen
-    from dice.trainer import config_from_args
-    bench = _parser_of(dice.bench.main, [], monkeypatch)
-    subcommands = next(a for a in bench._actions if a.choices and "sample" in a.choices).choices
-    parsers = {"sample.py": _parser_of(command("sample").parse_args, [], monkeypatch),
-               "evaluate.py": _parser_of(command("evaluate").parse_args, [], monkeypatch),
-               "train.py": _parser_of(config_from_args, [], monkeypatch),
-               "dice.taskgen": _parser_of(dice.taskgen.main, [], monkeypatch),
-               "dice.metrics": _parser_of(dice.metrics.main, [], monkeypatch),
-               "dice.bench verify": _parser_of(dice.bench_verify.main, [], monkeypatch),
-               **{f"dice.bench {name}": p for name, p in subcommands.items() if name != "verify"}}
+    parsers = _command_parsers(monkeypatch)
     commands = _readme_commands()
     assert {program for program, _ in commands} == set(parsers), "README shows every command"
     assert len(commands) > 30
