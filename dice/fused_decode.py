@@ -43,8 +43,21 @@ _TABLE = ("ln1", "qkv", "q_norm", "k_norm", "o", "ln2", "gate_up", "down", "k_ca
 
 @triton.jit
 def _ptr(entry, like):
-    """A weight's address from the per-layer pointer table, typed like `like`."""
-    return tl.load(entry).to(like.dtype)
+    """A weight's address from the per-layer pointer table, typed like `like`. Torch allocations
+    are 16-byte aligned; saying so lets the loads through it be 16-byte vector loads."""
+    return tl.multiple_of(tl.load(entry).to(like.dtype), 16)
+
+
+@triton.jit
+def _prefetch_rows(w, row0, K: tl.constexpr, BN: tl.constexpr):
+    """Ask L2 for rows [row0, row0 + BN) of W [*, K] (one prefetch per 64 elements): issued before
+    a program waits at a barrier, so HBM keeps streaming the next phase's weights meanwhile."""
+    LINES: tl.constexpr = 32 if K >= 2048 else K // 64
+    rows = (row0 + tl.arange(0, BN))[:, None].to(tl.int64) * K
+    for c0 in range(0, K, LINES * 64):
+        lines = w + rows + c0 + tl.arange(0, LINES)[None, :] * 64
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;", "=r,l", [lines],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -215,7 +228,7 @@ def _decoder_kernel(table, h, qkv, att, act, part_o, part_ml, tickets, bar, cos,
                     MAXC: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr, PREC: tl.constexpr,
                     BN_QKV: tl.constexpr, BK_QKV: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
                     BN_UP: tl.constexpr, BK_UP: tl.constexpr, BN_DOWN: tl.constexpr, BK_DOWN: tl.constexpr,
-                    BN_LM: tl.constexpr, BK_LM: tl.constexpr):
+                    BN_LM: tl.constexpr, BK_LM: tl.constexpr, PHASES: tl.constexpr, PREFETCH: tl.constexpr):
     """Phases [phase_lo, phase_hi) of the forward (module docstring), a grid barrier between two."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -245,17 +258,37 @@ def _decoder_kernel(table, h, qkv, att, act, part_o, part_ml, tickets, bar, cos,
             _linear(act, T, lf, INTER, _ptr(row + 7, h), h, h, eps, pid, nprog, False, 1, HID, BN_DOWN,
                     BK_DOWN, ROWS, STAGES, PREC)
         if p + 1 < phase_hi:
+            if PREFETCH:
+                nxt = table + (p + 1) // PHASES * NT
+                nkind = (p + 1) % PHASES
+                if (p + 1) // PHASES == LAYERS:
+                    if pid < VOCAB // BN_LM:
+                        _prefetch_rows(lm_w, pid * BN_LM, HID, BN_LM)
+                elif nkind == 0:
+                    if pid < (H + 2 * HKV) * D // BN_QKV:
+                        _prefetch_rows(_ptr(nxt + 1, h), pid * BN_QKV, HID, BN_QKV)
+                elif nkind == 2:
+                    if pid < HID // BN_O:
+                        _prefetch_rows(_ptr(nxt + 4, h), pid * BN_O, H * D, BN_O)
+                elif nkind == 3:
+                    if pid < INTER // BN_UP:
+                        _prefetch_rows(_ptr(nxt + 6, h), pid * BN_UP, HID, BN_UP)
+                        _prefetch_rows(_ptr(nxt + 6, h), INTER + pid * BN_UP, HID, BN_UP)
+                elif nkind == 4:
+                    if pid < HID // BN_DOWN:
+                        _prefetch_rows(_ptr(nxt + 7, h), pid * BN_DOWN, INTER, BN_DOWN)
             _grid_barrier(bar, (p + 1 - phase_lo) * nprog)
 
 
-def _tile(n: int, k: int, programs: int) -> tuple[int, int]:
+def _tile(n: int, k: int, programs: int, itemsize: int) -> tuple[int, int]:
     """(BN, BK) for an [n, k] weight: the BN in {64, 32, 16} that gives the fewest rows to the
-    busiest program (ties: larger tiles), and BK so that a tile is 8K elements (16 KB in bf16)."""
-    options = [bn for bn in (64, 32, 16) if n % bn == 0]
-    if not options:
+    busiest program (ties: larger tiles), and BK so that a weight tile is 16 KB."""
+    if n % 16:
         raise ValueError(f"fused decoding needs weight row counts divisible by 16; got {n}")
-    bn = min(options, key=lambda b: (-(-(n // b) // programs) * b, -b))
-    bk = min(k, 8192 // bn)
+    # measured on an H200 (`.device` probes): 32-row tiles stream best unless that leaves programs
+    # idle; many tiles per program (lm_head) prefer 64 rows
+    bn = 64 if n % 64 == 0 and n // 64 >= 8 * programs else 32 if n % 32 == 0 and n // 32 >= programs else 16
+    bk = min(k, 16384 // itemsize // bn)
     if k % bk:
         raise ValueError(f"fused decoding needs a reduction size divisible by {bk}; got {k}")
     return bn, bk
@@ -270,7 +303,8 @@ class FusedDecoder:
     pipelining depth and warps per program.
     """
 
-    def __init__(self, model, cache, *, programs: int | None = None, stages: int = 4, warps: int = 4):
+    def __init__(self, model, cache, *, programs: int | None = None, stages: int = 3, warps: int = 4,
+                 prefetch: bool | None = None):
         c = model.config
         w = model.lm_head.weight
         if cache.k[0].shape[0] != 1:
@@ -309,10 +343,11 @@ class FusedDecoder:
         tiles = {}
         for name, (n, k) in dict(QKV=(nqkv, hid), O=(hid, H * D), UP=(inter, hid), DOWN=(hid, inter),
                                  LM=(c.vocab_size, hid)).items():
-            tiles[f"BN_{name}"], tiles[f"BK_{name}"] = _tile(n, k, programs)
+            tiles[f"BN_{name}"], tiles[f"BK_{name}"] = _tile(n, k, programs, w.element_size())
         self.constants = dict(LAYERS=c.num_hidden_layers, HID=hid, INTER=inter, VOCAB=c.vocab_size, H=H, HKV=hkv,
                               D=D, BS=c.block_size, CH=CHUNK, MAXC=self.max_chunks, ROWS=ROWS,
-                              PREC="ieee" if dt == torch.float32 else "tf32", **tiles)
+                              PREC="ieee" if dt == torch.float32 else "tf32", PHASES=PHASES,
+                              PREFETCH=dev.type == "cuda" if prefetch is None else prefetch, **tiles)
 
     def step_logits(self, input_ids, position_ids, valid, cache, slots, kv_len, logits_from=0, run_layer=None,
                     *, per_phase: bool = False) -> torch.Tensor:

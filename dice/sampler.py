@@ -174,22 +174,31 @@ class CachedForward:
 
     KV_BUCKET = 256
 
-    def __init__(self, model, cache, use_graphs: bool, compile: bool = False):
+    def __init__(self, model, cache, use_graphs: bool, compile: bool = False, fused: bool = False):
         self.model, self.cache, self.use_graphs = model, cache, use_graphs
-        self.run_layer = _compiled_layer() if compile else None
+        self.run_layer = _compiled_layer() if compile and not fused else None
+        self.fused = _fused_decoder(model, cache) if fused else None
         self.graphs: dict[tuple, dict] = {}
+
+    def step_logits(self, *args) -> torch.Tensor:
+        """`model.step_logits`, or the fused kernel's equivalent."""
+        if self.fused is not None:
+            return self.fused.step_logits(*args)
+        return self.model.step_logits(*args, self.run_layer)
 
     def reset(self) -> None:
         self.graphs.clear()
 
     def __call__(self, ids, pos, valid, commit: int, logits_from: int) -> torch.Tensor:
         cache = self.cache
-        # compiled: one kv_len, so each (batch, tokens) shape compiles once
-        kv_len = cache.max_len if self.run_layer is not None else None
-        if not self.use_graphs:
-            return self.model.forward_cached(ids, pos, cache, commit=commit, valid=valid, logits_from=logits_from,
-                                             kv_len=kv_len, run_layer=self.run_layer)
+        # compiled or fused: one kv_len, so each (batch, tokens) shape compiles (or is captured) once
+        kv_len = cache.max_len if self.run_layer is not None or self.fused is not None else None
         cache.check_room(ids.shape[1])
+        if not self.use_graphs:
+            slots = torch.arange(cache.length, cache.length + ids.shape[1], device=ids.device)
+            logits = self.step_logits(ids, pos, valid, cache, slots, kv_len or cache.length + ids.shape[1], logits_from)
+            cache.commit(valid, commit)
+            return logits
         kv_len = kv_len or min(cache.max_len, -(-(cache.length + ids.shape[1]) // self.KV_BUCKET) * self.KV_BUCKET)
         key = (*ids.shape, logits_from, kv_len)
         g = self.graphs.get(key) or self._capture(key, ids, pos, valid)
@@ -209,8 +218,8 @@ class CachedForward:
              "offsets": torch.arange(ids.shape[1], device=ids.device)}
 
         def body():
-            return self.model.step_logits(g["ids"], g["pos"], g["valid"], self.cache, g["start"] + g["offsets"],
-                                          kv_len, logits_from, self.run_layer)
+            return self.step_logits(g["ids"], g["pos"], g["valid"], self.cache, g["start"] + g["offsets"], kv_len,
+                                    logits_from)
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -234,6 +243,15 @@ def _compiled(name: str, fn: Callable) -> Callable:
     return _COMPILED[name]
 
 
+def _fused_decoder(model, cache):
+    """A `dice.fused_decode.FusedDecoder` for this model and cache, or an error that says why not."""
+    try:
+        from .fused_decode import FusedDecoder
+    except ImportError as e:
+        raise RuntimeError(f"fused decoding needs Triton (it ships with CUDA builds of torch): {e}") from None
+    return FusedDecoder(model, cache)
+
+
 def _compiled_layer():
     """One compiled decoder-layer call: the layers differ only in their weights, which the
     compiler takes as inputs, so a shape compiles once for all layers (and all models)."""
@@ -245,7 +263,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
              remasking: str = "low_confidence_static", threshold: float = 0.9, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, eos_token_ids: Sequence[int] = (), use_cache: bool = True,
              seed: int | Sequence[int] | None = None, cuda_graphs: bool = True, compile: bool = False,
-             progress: Callable[[int], None] | None = None) -> GenerationResult:
+             fused: bool = False, progress: Callable[[int], None] | None = None) -> GenerationResult:
     """Generate a response for every prompt (lists of token ids); see the module docstring.
 
     use_cache=False recomputes the whole sequence at every step: the brute-force reference.
@@ -253,6 +271,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
     cuda_graphs: replay block steps from CUDA graphs (CUDA with use_cache only; same results).
     compile: run decoder layers and the token choice through `torch.compile` (use_cache only;
     worth it for long runs at fixed shapes, such as benchmarks: each new shape compiles first).
+    fused: run each denoising step of a single prompt as one persistent Triton kernel
+    (`dice.fused_decode`; use_cache only, batches of several prompts take the layer-by-layer path).
     progress: called after every block with the number of positions generated so far.
     """
     if remasking not in REMASKING:
@@ -307,7 +327,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
     forwards = positions_done = 0
     cache = model.new_cache(n_rows, total_len) if use_cache else None
     graphs = use_cache and cuda_graphs and device.type == "cuda"
-    step_forward = CachedForward(model, cache, graphs, compile) if use_cache else None
+    step_forward = CachedForward(model, cache, graphs, compile, fused and n_rows == 1) if use_cache else None
     if use_cache and F > 0:
         model.forward_cached(x[:, :F * bs], pos[:, :F * bs], cache, commit=F * bs, valid=valid[:, :F * bs],
                              logits_from=F * bs)
