@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 ROWS = 16          # new tokens per forward, at most (the activation block's rows)
-CHUNK = 64         # keys per attention work item
+CHUNK = 128        # keys per attention work item (default)
 PHASES = 5         # per layer: QKV, ATTN, O, UP, DOWN; then one LM phase
 _TABLE = ("ln1", "qkv", "q_norm", "k_norm", "o", "ln2", "gate_up", "down", "k_cache", "v_cache")
 
@@ -46,18 +46,6 @@ def _ptr(entry, like):
     """A weight's address from the per-layer pointer table, typed like `like`. Torch allocations
     are 16-byte aligned; saying so lets the loads through it be 16-byte vector loads."""
     return tl.multiple_of(tl.load(entry).to(like.dtype), 16)
-
-
-@triton.jit
-def _prefetch_rows(w, row0, K: tl.constexpr, BN: tl.constexpr):
-    """Ask L2 for rows [row0, row0 + BN) of W [*, K] (one prefetch per 64 elements): issued before
-    a program waits at a barrier, so HBM keeps streaming the next phase's weights meanwhile."""
-    LINES: tl.constexpr = 32 if K >= 2048 else K // 64
-    rows = (row0 + tl.arange(0, BN))[:, None].to(tl.int64) * K
-    for c0 in range(0, K, LINES * 64):
-        lines = w + rows + c0 + tl.arange(0, LINES)[None, :] * 64
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;", "=r,l", [lines],
-                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -211,7 +199,7 @@ def _attention(qkv, att, part_o, part_ml, tickets, kc, vc, qn, kn, cos, sin, len
                 m_all = tl.maximum(m_all, tl.load(part_ml + 2 * pc + r, cache_modifier=".cg"))
             acc = tl.zeros([G * ROWS, D], tl.float32)
             total = tl.zeros([G * ROWS], tl.float32)
-            for cc in range(0, n_chunks):
+            for cc in tl.range(0, n_chunks, num_stages=3):
                 pc = (g * MAXC + cc) * (G * ROWS)
                 wgt = tl.exp(tl.load(part_ml + 2 * pc + r, cache_modifier=".cg") - m_all)
                 total += wgt * tl.load(part_ml + 2 * pc + G * ROWS + r, cache_modifier=".cg")
@@ -225,10 +213,11 @@ def _decoder_kernel(table, h, qkv, att, act, part_o, part_ml, tickets, bar, cos,
                     logits, T, lf, phase_lo, phase_hi, max_len, eps, scale,
                     LAYERS: tl.constexpr, HID: tl.constexpr, INTER: tl.constexpr, VOCAB: tl.constexpr,
                     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, CH: tl.constexpr,
-                    MAXC: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr, PREC: tl.constexpr,
+                    MAXC: tl.constexpr, ROWS: tl.constexpr, TOK: tl.constexpr, STAGES: tl.constexpr,
+                    PREC: tl.constexpr,
                     BN_QKV: tl.constexpr, BK_QKV: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
                     BN_UP: tl.constexpr, BK_UP: tl.constexpr, BN_DOWN: tl.constexpr, BK_DOWN: tl.constexpr,
-                    BN_LM: tl.constexpr, BK_LM: tl.constexpr, PHASES: tl.constexpr, PREFETCH: tl.constexpr):
+                    BN_LM: tl.constexpr, BK_LM: tl.constexpr, PHASES: tl.constexpr):
     """Phases [phase_lo, phase_hi) of the forward (module docstring), a grid barrier between two."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -247,7 +236,7 @@ def _decoder_kernel(table, h, qkv, att, act, part_o, part_ml, tickets, bar, cos,
         elif kind == 1:
             _attention(qkv, att, part_o, part_ml, tickets + layer * HKV, _ptr(row + 8, h), _ptr(row + 9, h),
                        _ptr(row + 2, h), _ptr(row + 3, h), cos, sin, length, T, max_len, eps, scale, pid, nprog,
-                       H, HKV, D, BS, CH, MAXC, ROWS, PREC)
+                       H, HKV, D, BS, CH, MAXC, TOK, PREC)
         elif kind == 2:
             _linear(att, T, lf, H * D, _ptr(row + 4, h), h, h, eps, pid, nprog, False, 1, HID, BN_O, BK_O,
                     ROWS, STAGES, PREC)
@@ -258,25 +247,6 @@ def _decoder_kernel(table, h, qkv, att, act, part_o, part_ml, tickets, bar, cos,
             _linear(act, T, lf, INTER, _ptr(row + 7, h), h, h, eps, pid, nprog, False, 1, HID, BN_DOWN,
                     BK_DOWN, ROWS, STAGES, PREC)
         if p + 1 < phase_hi:
-            if PREFETCH:
-                nxt = table + (p + 1) // PHASES * NT
-                nkind = (p + 1) % PHASES
-                if (p + 1) // PHASES == LAYERS:
-                    if pid < VOCAB // BN_LM:
-                        _prefetch_rows(lm_w, pid * BN_LM, HID, BN_LM)
-                elif nkind == 0:
-                    if pid < (H + 2 * HKV) * D // BN_QKV:
-                        _prefetch_rows(_ptr(nxt + 1, h), pid * BN_QKV, HID, BN_QKV)
-                elif nkind == 2:
-                    if pid < HID // BN_O:
-                        _prefetch_rows(_ptr(nxt + 4, h), pid * BN_O, H * D, BN_O)
-                elif nkind == 3:
-                    if pid < INTER // BN_UP:
-                        _prefetch_rows(_ptr(nxt + 6, h), pid * BN_UP, HID, BN_UP)
-                        _prefetch_rows(_ptr(nxt + 6, h), INTER + pid * BN_UP, HID, BN_UP)
-                elif nkind == 4:
-                    if pid < HID // BN_DOWN:
-                        _prefetch_rows(_ptr(nxt + 7, h), pid * BN_DOWN, INTER, BN_DOWN)
             _grid_barrier(bar, (p + 1 - phase_lo) * nprog)
 
 
@@ -285,9 +255,9 @@ def _tile(n: int, k: int, programs: int, itemsize: int) -> tuple[int, int]:
     busiest program (ties: larger tiles), and BK so that a weight tile is 16 KB."""
     if n % 16:
         raise ValueError(f"fused decoding needs weight row counts divisible by 16; got {n}")
-    # measured on an H200 (`.device` probes): 32-row tiles stream best unless that leaves programs
-    # idle; many tiles per program (lm_head) prefer 64 rows
-    bn = 64 if n % 64 == 0 and n // 64 >= 8 * programs else 32 if n % 32 == 0 and n // 32 >= programs else 16
+    # measured on an H200: 32-row tiles stream best unless that leaves over half the programs idle;
+    # many tiles per program (lm_head) prefer 64 rows
+    bn = 64 if n % 64 == 0 and n // 64 >= 8 * programs else 32 if n % 32 == 0 and n // 32 >= programs // 2 else 16
     bk = min(k, 16384 // itemsize // bn)
     if k % bk:
         raise ValueError(f"fused decoding needs a reduction size divisible by {bk}; got {k}")
@@ -304,7 +274,7 @@ class FusedDecoder:
     """
 
     def __init__(self, model, cache, *, programs: int | None = None, stages: int = 3, warps: int = 4,
-                 prefetch: bool | None = None):
+                 chunk: int = CHUNK):
         c = model.config
         w = model.lm_head.weight
         if cache.k[0].shape[0] != 1:
@@ -313,6 +283,10 @@ class FusedDecoder:
             raise ValueError("fused decoding needs whole GQA groups and a power-of-two head_dim")
         if 2 * c.block_size > ROWS:
             raise ValueError(f"fused decoding runs at most {ROWS} tokens per forward: block_size <= {ROWS // 2}")
+        # attention rows per query head: enough for a step (a block plus the block it commits), and
+        # at least 16 folded rows in all (the tensor-core minimum); fewer rows spare registers
+        groups = c.num_attention_heads // c.num_key_value_heads
+        self.tokens = max(8 if 2 * c.block_size <= 8 else ROWS, -(-16 // groups))
         self.model, self.cache, self.cfg = model, cache, c
         dev, dt = w.device, w.dtype
         if programs is None:
@@ -331,7 +305,7 @@ class FusedDecoder:
         self.table = torch.tensor(ptrs, dtype=torch.int64, device=dev)
         hid, inter, H, hkv, D = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         nqkv = (H + 2 * hkv) * D
-        self.max_chunks = -(-cache.max_len // CHUNK) + 1
+        self.max_chunks = -(-cache.max_len // chunk) + 1
         zeros = lambda *shape, dtype=dt: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
         self.h, self.qkv, self.att, self.act = zeros(ROWS, hid), zeros(ROWS, nqkv), zeros(ROWS, H * D), zeros(ROWS, inter)
         self.cos, self.sin = zeros(ROWS, D), zeros(ROWS, D)
@@ -345,9 +319,8 @@ class FusedDecoder:
                                  LM=(c.vocab_size, hid)).items():
             tiles[f"BN_{name}"], tiles[f"BK_{name}"] = _tile(n, k, programs, w.element_size())
         self.constants = dict(LAYERS=c.num_hidden_layers, HID=hid, INTER=inter, VOCAB=c.vocab_size, H=H, HKV=hkv,
-                              D=D, BS=c.block_size, CH=CHUNK, MAXC=self.max_chunks, ROWS=ROWS,
-                              PREC="ieee" if dt == torch.float32 else "tf32", PHASES=PHASES,
-                              PREFETCH=dev.type == "cuda" if prefetch is None else prefetch, **tiles)
+                              D=D, BS=c.block_size, CH=chunk, MAXC=self.max_chunks, ROWS=ROWS, TOK=self.tokens,
+                              PREC="ieee" if dt == torch.float32 else "tf32", PHASES=PHASES, **tiles)
 
     def step_logits(self, input_ids, position_ids, valid, cache, slots, kv_len, logits_from=0, run_layer=None,
                     *, per_phase: bool = False) -> torch.Tensor:
@@ -358,8 +331,8 @@ class FusedDecoder:
         if cache is not self.cache:
             raise ValueError("this FusedDecoder was built for another cache")
         T = input_ids.shape[1]
-        if input_ids.shape[0] != 1 or T > ROWS:
-            raise ValueError(f"fused decoding runs 1 sequence of at most {ROWS} tokens; got {tuple(input_ids.shape)}")
+        if input_ids.shape[0] != 1 or T > self.tokens:
+            raise ValueError(f"fused decoding runs 1 sequence of at most {self.tokens} tokens; got {tuple(input_ids.shape)}")
         c = self.cfg
         self.h[:T] = self.model.model.embed_tokens(input_ids[0])
         cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, self.h.dtype)
