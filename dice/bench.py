@@ -1,4 +1,4 @@
-"""Benchmarks on random SDAR-shaped models (GPU): `python -m dice.bench sample|profile|train|verify|model`.
+"""Benchmarks on random SDAR-shaped models (GPU): `python -m dice.bench sample|profile|fused|train|verify|model`.
 
 Every number is a median over repeated runs after warm-up; each table names the roofline it is
 compared with. H200 ceilings used (measured on this project's machine kind, see README):
@@ -173,6 +173,88 @@ def bench_profile(args) -> None:
     print(table(decode_attention_rows(model.config, n + 2 * T, T)))
     print(f"\ndecode matrix products, {T} rows, each shape one CUDA graph over every layer's own weight:")
     print(table(decode_product_rows(model, T)))
+
+
+def bench_fused(args) -> None:
+    """The persistent fused decoding kernel (`dice.fused_decode`) against the compiled
+    layer-by-layer step: CUDA-graph replays of one block step (T new tokens against a cache of
+    `--cache-len`), medians of `--repeats`, then each phase of the fused kernel launched alone
+    (one launch per phase, a counter reset each; times include a launch), and its correctness:
+    the persistent launch against the phase-by-phase launches (bitwise) and against the
+    layer-by-layer step (relative error of the logits)."""
+    from . import fused_decode
+    from .sampler import CachedForward
+    torch.manual_seed(0)
+    model = random_model(args.shape)
+    c = model.config
+    n = args.cache_len
+    roofline_ms = forward_weight_bytes(model) / HBM_BYTES_PER_S * 1e3
+    ids = torch.randint(0, 150000, (1, n + 8), device="cuda")
+    pos = torch.arange(n + 8, device="cuda")[None]
+    valid = torch.ones(1, n + 8, dtype=torch.bool, device="cuda")
+
+    def prefilled():
+        cache = model.new_cache(1, n + 2 * 8)
+        model.forward_cached(ids[:, :n], pos[:, :n], cache, commit=n)
+        return cache
+
+    rows, kernel = [], None
+    with torch.inference_mode():
+        for T, lf in ((4, 0), (8, 4)):
+            new = (ids[:, n:n + T], pos[:, n:n + T], valid[:, n:n + T])
+            for name in ("compiled layer-by-layer", "fused kernel"):
+                cache = prefilled()
+                step = CachedForward(model, cache, True, compile=name.startswith("compiled"),
+                                     fused=name.startswith("fused"))
+                step(*new, 0, lf)
+                ms = median_replay_ms(next(iter(step.graphs.values()))["graph"], args.repeats)
+                rows.append({"step": name, "new tokens": T, "ms / forward": round(ms, 3),
+                             "% of roofline": round(100 * roofline_ms / ms, 1)})
+                print(table(rows[-1:]), file=sys.stderr, flush=True)
+            slots = torch.arange(n, n + T, device="cuda")
+            logits = {}
+            for how in ("layers", "per phase", "persistent"):
+                cache = prefilled()
+                if how == "layers":
+                    logits[how] = model.step_logits(*new, cache, slots, n + T, lf).clone()
+                else:
+                    dec = fused_decode.FusedDecoder(model, cache)
+                    logits[how] = dec.step_logits(*new, cache, slots, n + T, lf, per_phase=how == "per phase").clone()
+            err = (logits["persistent"].float() - logits["layers"].float()).norm() / logits["layers"].float().norm()
+            rows[-1]["persistent == per phase"] = torch.equal(logits["persistent"], logits["per phase"])
+            rows[-1]["rel. error vs layers"] = f"{err.item():.1e}"
+        cache = prefilled()
+        dec = fused_decode.FusedDecoder(model, cache)
+        slots = torch.arange(n, n + 4, device="cuda")
+        phases = []
+        for p, name in ((0, "QKV"), (1, "ATTN"), (2, "O"), (3, "UP"), (4, "DOWN"), (fused_decode.PHASES * c.num_hidden_layers, "LM")):
+            def launch(p=p):
+                dec.counters.zero_()
+                return fused_decode._decoder_kernel[(dec.programs,)](
+                    dec.table, dec.h, dec.qkv, dec.att, dec.act, dec.part_o, dec.part_ml, dec.counters[1:],
+                    dec.counters, dec.cos, dec.sin, slots, model.model.norm.weight, model.lm_head.weight, dec.logits,
+                    4, 0, p, p + 1, cache.max_len, c.rms_norm_eps, c.head_dim ** -0.5, num_warps=dec.warps,
+                    num_stages=1, STAGES=dec.stages, **dec.constants)
+            dec.step_logits(ids[:, n:n + 4], pos[:, n:n + 4], None, cache, slots, n + 4)
+            kernel = launch()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(10):
+                    launch()
+            us = median_replay_ms(graph, args.repeats) * 100
+            weight = {"QKV": "qkv_proj", "O": "o_proj", "UP": "gate_up_proj", "DOWN": "down_proj"}.get(name)
+            nbytes = (model.lm_head.weight.nbytes if name == "LM" else
+                      0 if weight is None else sum(p.nbytes for k, p in model.model.layers[0].named_parameters() if weight in k))
+            phases.append({"phase": name, "us / launch": round(us, 2),
+                           "TB/s": round(nbytes / us / 1e6, 2) if nbytes else "-"})
+    print(f"\nfused decoding: random SDAR-{args.shape} bf16, batch 1, against {n} cached tokens, "
+          f"{torch.cuda.get_device_name()}; roofline {roofline_ms:.3f} ms per forward; one CUDA-graph replay per "
+          f"forward, median of {args.repeats}; kernel: {dec.programs} programs, {kernel.n_regs} registers, "
+          f"{kernel.n_spills} spilled, tiles {{{', '.join(f'{k}={v}' for k, v in dec.constants.items() if k[:3] in ('BN_', 'BK_'))}}}")
+    print(table(rows))
+    print("\nfused kernel, one phase per launch (layer 0, 4 new tokens):")
+    print(table(phases))
 
 
 def decode_attention_rows(cfg, kv_len: int, T: int) -> list[dict]:
@@ -407,6 +489,10 @@ def main(argv=None) -> None:
     pr.add_argument("--repeats", type=int, default=50, help="timed CUDA-graph replays (median)")
     pr.add_argument("--no-compile", action="store_true", help="eager decoder layers")
     pr.add_argument("--max-autotune", action="store_true", help="let Inductor pick Triton or cuBLAS per product shape")
+    fz = sub.add_parser("fused", help="the persistent fused decoding kernel vs the compiled layer-by-layer step")
+    fz.add_argument("--shape", type=str.lower, choices=SDAR_SHAPES, default="1.7b", help="public SDAR shape")
+    fz.add_argument("--cache-len", type=int, default=1024, help="cached tokens the decode step attends to")
+    fz.add_argument("--repeats", type=int, default=50, help="timed CUDA-graph replays (median)")
     t = sub.add_parser("train", help="SFT step time, tokens/s, memory and MFU (torchrun: FSDP2 over N GPUs)")
     t.add_argument("--shape", type=train_shape, default="1.7b",
                    help="1.7b, 4b, 8b, or a model folder whose config.json to use")
@@ -432,7 +518,8 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         print("note: dice.bench train is meant for a CUDA GPU; this machine has none, so it runs on the CPU "
               "(slow for the SDAR shapes)", file=sys.stderr)
-    {"sample": bench_sample, "profile": bench_profile, "train": bench_train, "model": bench_model}[args.what](args)
+    {"sample": bench_sample, "profile": bench_profile, "fused": bench_fused, "train": bench_train,
+     "model": bench_model}[args.what](args)
 
 
 if __name__ == "__main__":
