@@ -209,7 +209,8 @@ def bench_fused(args) -> None:
                 step(*new, 0, lf)
                 ms = median_replay_ms(next(iter(step.graphs.values()))["graph"], args.repeats)
                 rows.append({"step": name, "new tokens": T, "ms / forward": round(ms, 3),
-                             "% of roofline": round(100 * roofline_ms / ms, 1)})
+                             "% of roofline": round(100 * roofline_ms / ms, 1), "persistent == per phase": "-",
+                             "rel. error vs layers": "-"})
                 print(table(rows[-1:]), file=sys.stderr, flush=True)
             slots = torch.arange(n, n + T, device="cuda")
             logits = {}
