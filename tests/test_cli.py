@@ -496,7 +496,7 @@ def _readme_commands():
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
     pieces += [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", prose)]
     program = (r"(sample\.py|evaluate\.py|train\.py|-m dice\.taskgen|-m dice\.metrics"
-               r"|-m dice\.bench (?:sample|profile|train|model|verify))")
+               r"|-m dice\.bench (?:sample|profile|fused|train|model|verify))")
     return [(m.group(1).removeprefix("-m "), m.group(2)) for piece in pieces
             for m in re.finditer(program + r"([^;&`\n]*)", piece)]
 
