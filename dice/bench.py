@@ -181,7 +181,7 @@ def bench_fused(args) -> None:
     `--cache-len`), medians of `--repeats`, then each phase of the fused kernel launched alone
     (one launch per phase, a counter reset each; times include a launch), and its correctness:
     the persistent launch against the phase-by-phase launches (bitwise) and against the
-    layer-by-layer step (relative error of the logits)."""
+    layer-by-layer step (relative error of the logits); and a launch of grid barriers alone."""
     from . import fused_decode
     from .sampler import CachedForward
     torch.manual_seed(0)
@@ -249,10 +249,21 @@ def bench_fused(args) -> None:
                       0 if weight is None else sum(p.nbytes for k, p in model.model.layers[0].named_parameters() if weight in k))
             phases.append({"phase": name, "us / launch": round(us, 2),
                            "TB/s": round(nbytes / us / 1e6, 2) if nbytes else "-"})
+        barriers = fused_decode.PHASES * c.num_hidden_layers
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+        def wait_only():
+            flag.zero_()
+            fused_decode._barrier_kernel[(dec.programs,)](flag, barriers)
+        wait_only()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            wait_only()
+        barrier_us = median_replay_ms(graph, args.repeats) * 1e3 / barriers
     print(f"\nfused decoding: random SDAR-{args.shape} bf16, batch 1, against {n} cached tokens, "
           f"{torch.cuda.get_device_name()}; roofline {roofline_ms:.3f} ms per forward; one CUDA-graph replay per "
           f"forward, median of {args.repeats}; kernel: {dec.programs} programs, {kernel.n_regs} registers, "
-          f"{kernel.n_spills} spilled, tiles {{{', '.join(f'{k}={v}' for k, v in dec.constants.items() if k[:3] in ('BN_', 'BK_'))}}}")
+          f"{kernel.n_spills} spilled, {barrier_us:.2f} us per grid barrier ({barriers} per forward), tiles {{{', '.join(f'{k}={v}' for k, v in dec.constants.items() if k[:3] in ('BN_', 'BK_'))}}}")
     print(table(rows))
     print("\nfused kernel, one phase per launch (layer 0, 4 new tokens):")
     print(table(phases))

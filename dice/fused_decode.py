@@ -60,6 +60,14 @@ def _grid_barrier(bar, target):
 
 
 @triton.jit
+def _barrier_kernel(bar, n):
+    """n grid barriers in a row and nothing else (`python -m dice.bench fused` times them)."""
+    nprog = tl.num_programs(0)
+    for i in range(n):
+        _grid_barrier(bar, (i + 1) * nprog)
+
+
+@triton.jit
 def _row_rstd(x, T, K, eps, ROWS: tl.constexpr, BK: tl.constexpr):
     """1 / sqrt(mean(x^2) + eps) of each of the T rows of x [ROWS, K] (RMSNorm's scale)."""
     rows = tl.arange(0, ROWS)
