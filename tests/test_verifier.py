@@ -20,7 +20,7 @@ import torch
 from dice.verifier import BaselineCache, TaskError, Verifier, VerifyResult, static_check, trial_seeds, verify
 from dice.verifier_build import BuildCache, BuildError, build_error_message, nvrtc_error_message
 from dice.verifier_checks import (aliased_outputs, compare_outputs, fallback_problem, fingerprint, kernel_names,
-                                  matching_kernels, modified_inputs)
+                                  matching_kernels, modified_inputs, replaced_functions)
 from dice.verifier_pool import GpuLock
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
@@ -137,6 +137,73 @@ def f(x):
     assert fallback_problem(ast.parse(source)) is None
 
 
+@pytest.mark.parametrize("imports,call", [
+    ("from torch.nn.functional import gelu", "gelu(x)"),
+    ("import torch.nn.functional", "torch.nn.functional.gelu(x)"),
+    ("from torch.nn import functional as fn", "fn.gelu(x)"),
+])
+def test_fallbacks_through_torch_submodule_imports_are_flagged(imports, call):
+    source = f"""
+{imports}
+def f(x):
+    try:
+        return ext.gelu_cuda(x)
+    except Exception:
+        return {call}
+"""
+    assert "except branch" in fallback_problem(ast.parse(source))
+
+
+def test_only_a_final_raise_excuses_torch_calls_in_an_except_branch():
+    """An except branch is judged by its last statement: re-raising after torch calls (a sync to
+    surface the CUDA error) is fine; raising on one path and falling back on the other is not."""
+    def source(handler):
+        return f"""
+import torch
+def f(x):
+    try:
+        return ext.relu_cuda(x)
+    except RuntimeError:
+        {handler}
+"""
+    assert fallback_problem(ast.parse(source("torch.cuda.synchronize()\n        raise"))) is None
+    assert fallback_problem(ast.parse(source("if x.is_cuda:\n            raise\n        return torch.relu(x)")))
+    assert fallback_problem(ast.parse(source("raise\n        return torch.relu(x)")))   # unreachable, still flagged
+
+
+def test_calls_that_are_not_pytorch_are_allowed_in_an_except_branch():
+    source = """
+import logging
+import torch
+import torch.nn as nn
+
+class ModelNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.retries = 2
+        self.helper = make_helper()
+
+    def forward(self, x):
+        try:
+            return ext.relu_cuda(x)
+        except RuntimeError:
+            logging.warning("retrying with a smaller launch")
+            x.clone_hint = str(x.shape)
+            return self.helper(ext.relu_cuda_small(x))
+"""
+    assert fallback_problem(ast.parse(source)) is None
+
+
+def test_replaced_functions_names_what_a_candidate_swapped_or_deleted(monkeypatch):
+    assert replaced_functions() == []
+    monkeypatch.setattr(torch, "allclose", lambda *a, **k: True)
+    monkeypatch.setattr(torch.Tensor, "data_ptr", lambda self: 0)
+    monkeypatch.delattr(torch.cuda.Event, "elapsed_time")
+    assert sorted(replaced_functions()) == ["torch.Tensor.data_ptr", "torch.allclose", "torch.cuda.Event.elapsed_time"]
+    monkeypatch.undo()
+    assert replaced_functions() == []
+
+
 def test_static_check_verdicts():
     syntax = static_check("class ModelNew(:\n", need_kernel=False)
     assert syntax.status == "compile_error" and "line 1" in syntax.message and not syntax.compiled
@@ -183,6 +250,7 @@ def test_compare_outputs_allclose_and_messages():
     assert "shape [4]" in compare_outputs([e], [e.reshape(-1)], 1e-2, 1e-2)
     assert "dtype float64" in compare_outputs([e], [e.double()], 1e-2, 1e-2)
     assert "returned 2 tensor(s)" in compare_outputs([e], [e, e], 1e-2, 1e-2)
+    assert "output is on meta, the reference's is on cpu" in compare_outputs([e], [e.to("meta")], 1e-2, 1e-2)
     ints = torch.tensor([100, 200])
     assert compare_outputs([ints], [torch.tensor([100, 201])], 1e-2, 1e-2) is not None
 
