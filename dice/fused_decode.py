@@ -355,3 +355,35 @@ class FusedDecoder:
                 self.logits, T, logits_from, lo, hi, cache.max_len, c.rms_norm_eps, c.head_dim ** -0.5,
                 num_warps=self.warps, num_stages=1, STAGES=self.stages, **self.constants)
         return self.logits[:T - logits_from].unsqueeze(0)
+
+
+def _profile_launches() -> None:
+    """`python -m dice.fused_decode` (CUDA): a random SDAR-1.7B step against 1024 cached tokens,
+    launched as three kernels for Nsight Compute: the first layer's gate/up phase alone, its
+    attention phase alone, then one persistent forward. Profile with
+    `ncu --clock-control none -k regex:_decoder_kernel python -m dice.fused_decode`."""
+    from .bench import random_model
+    torch.manual_seed(0)
+    model = random_model("1.7b")
+    c = model.config
+    n = 1024
+    ids = torch.randint(0, 150000, (1, n + 4), device="cuda")
+    pos = torch.arange(n + 4, device="cuda")[None]
+    cache = model.new_cache(1, n + 16)
+    with torch.inference_mode():
+        model.forward_cached(ids[:, :n], pos[:, :n], cache, commit=n)
+        dec = FusedDecoder(model, cache)
+        slots = torch.arange(n, n + 4, device="cuda")
+        dec.step_logits(ids[:, n:], pos[:, n:], None, cache, slots, n + 4)    # compiles; fills the scratch
+        for lo, hi in ((3, 4), (1, 2), (0, PHASES * c.num_hidden_layers + 1)):
+            dec.counters.zero_()
+            _decoder_kernel[(dec.programs,)](
+                dec.table, dec.h, dec.qkv, dec.att, dec.act, dec.part_o, dec.part_ml, dec.counters[1:], dec.counters,
+                dec.cos, dec.sin, slots, model.model.norm.weight, model.lm_head.weight, dec.logits, 4, 0, lo, hi,
+                cache.max_len, c.rms_norm_eps, c.head_dim ** -0.5, num_warps=dec.warps, num_stages=1,
+                STAGES=dec.stages, **dec.constants)
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    _profile_launches()
