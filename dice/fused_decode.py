@@ -282,7 +282,7 @@ class FusedDecoder:
     """
 
     def __init__(self, model, cache, *, programs: int | None = None, stages: int = 3, warps: int = 4,
-                 chunk: int = CHUNK):
+                 chunk: int = CHUNK, tiles: dict | None = None):
         c = model.config
         w = model.lm_head.weight
         if cache.k[0].shape[0] != 1:
@@ -322,10 +322,11 @@ class FusedDecoder:
         self.part_ml = zeros(hkv * self.max_chunks * 2 * rows, dtype=torch.float32)
         self.counters = zeros(1 + c.num_hidden_layers * hkv, dtype=torch.int32)   # barrier, then tickets
         self.logits = zeros(ROWS, c.vocab_size)
-        tiles = {}
+        tiles, self_tiles = {}, dict(tiles or {})
         for name, (n, k) in dict(QKV=(nqkv, hid), O=(hid, H * D), UP=(inter, hid), DOWN=(hid, inter),
                                  LM=(c.vocab_size, hid)).items():
             tiles[f"BN_{name}"], tiles[f"BK_{name}"] = _tile(n, k, programs, w.element_size())
+        tiles.update(self_tiles)
         self.constants = dict(LAYERS=c.num_hidden_layers, HID=hid, INTER=inter, VOCAB=c.vocab_size, H=H, HKV=hkv,
                               D=D, BS=c.block_size, CH=chunk, MAXC=self.max_chunks, ROWS=ROWS, TOK=self.tokens,
                               PREC="ieee" if dt == torch.float32 else "tf32", PHASES=PHASES, **tiles)
