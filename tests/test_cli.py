@@ -481,10 +481,9 @@ def test_readme_command_table_matches_the_parsers(monkeypatch):
                 f"README shows {flag} {value} as the default, the parser's is {action.default!r}: {line}"
 
 
-def _readme_commands():
+def _readme_commands(programs):
     """Every command README shows (code blocks, with `RL="..."`-style variables expanded, and inline
-    code), as (program, its arguments): program is sample.py, evaluate.py, train.py, dice.taskgen,
-    dice.metrics, or dice.bench's subcommand."""
+    code) of the given programs (`_command_parsers`' keys), as (program, its arguments)."""
     import re
     text = (ROOT / "README.md").read_text()
     pieces = []
@@ -495,8 +494,8 @@ def _readme_commands():
         pieces.append(re.sub(r"\$(\w+)", lambda m: variables.get(m.group(1), m.group(0)), joined))
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
     pieces += [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", prose)]
-    program = (r"(sample\.py|evaluate\.py|train\.py|-m dice\.taskgen|-m dice\.metrics"
-               r"|-m dice\.bench (?:sample|profile|fused|train|model|verify))")
+    names = sorted(programs, key=len, reverse=True)     # "dice.bench sample" before any prefix of it
+    program = "(" + "|".join(re.escape(n if n.endswith(".py") else "-m " + n) for n in names) + r")\b"
     return [(m.group(1).removeprefix("-m "), m.group(2)) for piece in pieces
             for m in re.finditer(program + r"([^;&`\n]*)", piece)]
 
@@ -506,7 +505,7 @@ def test_every_command_readme_shows_takes_its_flags(monkeypatch):
     flag they use is one their command takes."""
     import re
     parsers = _command_parsers(monkeypatch)
-    commands = _readme_commands()
+    commands = _readme_commands(parsers)
     assert {program for program, _ in commands} == set(parsers), "README shows every command"
     assert len(commands) > 30
     for program, args in commands:

@@ -81,7 +81,6 @@ def test_matching_kernels_accepts_the_candidates_own_kernels_only():
     assert matching_kernels(launched, defined) == launched[:4]
 
 
-
 def test_kernel_matching_is_exact_on_names_and_knows_torchs_libraries():
     defined = kernel_names('__global__ void my_k(float* x) {}\n__global__ void X(int* y) {}\n'
                            '__global__ void add_kernel(float* z) {}\n__global__ void relu(float* w) {}')
