@@ -245,10 +245,7 @@ def _compiled(name: str, fn: Callable) -> Callable:
 
 def _fused_decoder(model, cache):
     """A `dice.fused_decode.FusedDecoder` for this model and cache, or an error that says why not."""
-    try:
-        from .fused_decode import FusedDecoder
-    except ImportError as e:
-        raise RuntimeError(f"fused decoding needs Triton (it ships with CUDA builds of torch): {e}") from None
+    from .fused_decode import FusedDecoder
     return FusedDecoder(model, cache)
 
 
@@ -271,7 +268,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
     cuda_graphs: replay block steps from CUDA graphs (CUDA with use_cache only; same results).
     compile: run decoder layers and the token choice through `torch.compile` (use_cache only;
     worth it for long runs at fixed shapes, such as benchmarks: each new shape compiles first).
-    fused: run each denoising step of a single prompt as one persistent Triton kernel
+    fused: run each denoising step of a single prompt as one persistent CUDA kernel
     (`dice.fused_decode`; use_cache only, batches of several prompts take the layer-by-layer path).
     progress: called after every block with the number of positions generated so far.
     """

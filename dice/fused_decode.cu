@@ -1,0 +1,378 @@
+// The batch-1 decoding step as one persistent kernel (dice/fused_decode.py explains the design).
+// Compile-time sizes arrive as #defines written by FusedDecoder; no CUDA headers are needed.
+typedef unsigned short bf16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define CT (CW * 32)                   // consumer threads
+#define RS (KCMAX * 2 + 64)            // bytes per weight row in a ring stage (64: no bank conflicts)
+#define XS (KMAX * 2 + 64)             // bytes per activation row in shared memory
+#define STAGE (16 * RS)
+#define NTAB 10                        // per-layer pointer table: ln1 qkv qn kn o ln2 gu down kc vc
+#define TIMEOUT 4000000000LL           // clock cycles (~2 s) before a wait gives up with a trap
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((u32)x) << 16); }
+__device__ __forceinline__ bf16 f2bf(float f) {
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+__device__ __forceinline__ float rnd(float f) { return bf2f(f2bf(f)); }   // round through bf16
+__device__ __forceinline__ u32 saddr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" :: "n"(CT) : "memory"); }
+
+__device__ __forceinline__ void mbar_init(u64* b, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(saddr(b)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(saddr(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u64* b, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(saddr(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* b, u32 parity) {
+    long long t0 = clock64();
+    for (;;) {
+        u32 done;
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(saddr(b)), "r"(parity) : "memory");
+        if (done) return;
+        if (clock64() - t0 > TIMEOUT) __trap();
+    }
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(saddr(dst)), "l"(src), "r"(bytes), "r"(saddr(bar)) : "memory");
+}
+__device__ __forceinline__ void mma(float* c, uint4 a_lo, uint4 a_hi, u32 b0, u32 b1, int half) {
+    // C[16x8] += A[16x16] B[16x8]: lane (g, t) holds A rows g and g+8 and B column g at the reduction
+    // indices 8t .. 8t+7 of a 32-wide chunk; half 0 takes 8t .. 8t+3, half 1 takes 8t+4 .. 8t+7.
+    // Both operands use the same order of the reduction index, which a dot product may permute.
+    u32 a0 = half ? a_lo.z : a_lo.x, a2 = half ? a_lo.w : a_lo.y;
+    u32 a1 = half ? a_hi.z : a_hi.x, a3 = half ? a_hi.w : a_hi.y;
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The forward as a list of phases; producer and consumers walk the same list.
+enum { QKV = 0, ATTN = 1, OPROJ = 2, UP = 3, DOWN = 4, PHASES = 5 };
+struct Matrix { const bf16* w; int n; int k; int parts; };   // parts 2: gate rows i, up rows INTER + i
+
+__device__ __forceinline__ Matrix phase_matrix(const u64* table, const bf16* lm_w, int p) {
+    int layer = p / PHASES, kind = p % PHASES;
+    const u64* row = table + layer * NTAB;
+    Matrix m = {0, 0, 0, 1};
+    if (layer == LAYERS) { m.w = lm_w; m.n = VOCAB; m.k = HID; }
+    else if (kind == QKV) { m.w = (const bf16*)row[1]; m.n = NQKV; m.k = HID; }
+    else if (kind == OPROJ) { m.w = (const bf16*)row[4]; m.n = HID; m.k = H * D; }
+    else if (kind == UP) { m.w = (const bf16*)row[6]; m.n = INTER; m.k = HID; m.parts = 2; }
+    else if (kind == DOWN) { m.w = (const bf16*)row[7]; m.n = HID; m.k = INTER; }
+    return m;
+}
+__device__ __forceinline__ int kchunk(int k) { return k < KCMAX ? k : KCMAX; }   // k % KCMAX == 0 or k < KCMAX
+
+// Weight producer: one warp streams, for every tile of every phase this block owns, the tile's 16
+// rows in KCMAX-wide pieces into the ring. It waits only for free stages, never for activations,
+// so the next phase's weights arrive while the consumers wait at a grid barrier or run attention.
+__device__ void produce(const u64* table, const bf16* lm_w, int phase_lo, int phase_hi, char* ring,
+                        u64* full, u64* empty) {
+    int lane = threadIdx.x & 31, it = 0, offset = 0;
+    for (int p = 0; p < phase_hi; ++p) {
+        Matrix m = phase_matrix(table, lm_w, p);
+        int tiles = m.n / 16;
+        if (m.w && p >= phase_lo) {
+            int kc = kchunk(m.k);
+            for (int tile = (blockIdx.x - offset % gridDim.x + gridDim.x) % gridDim.x; tile < tiles;
+                 tile += gridDim.x)
+                for (int part = 0; part < m.parts; ++part)
+                    for (int k0 = 0; k0 < m.k; k0 += kc, ++it) {
+                        int st = it % NSTAGE;
+                        if (lane == 0) {
+                            mbar_wait(&empty[st], ((it / NSTAGE) & 1) ^ 1);
+                            mbar_expect_tx(&full[st], 16 * kc * 2);
+                        }
+                        __syncwarp();
+                        if (lane < 16) {
+                            const bf16* src = m.w + (long long)(part * m.n + tile * 16 + lane) * m.k + k0;
+                            bulk_copy(ring + st * STAGE + lane * RS, src, kc * 2, &full[st]);
+                        }
+                    }
+        }
+        if (m.w) offset += tiles;
+    }
+}
+
+// x (shared) = rmsnorm(h) * w, rounded as the layer-by-layer bf16 model rounds; rows >= T are zero.
+__device__ void load_normed(const bf16* h, const bf16* w, int T, float eps, char* xs) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    for (int t = warp; t < NT; t += CW) {
+        bf16* dst = (bf16*)(xs + t * XS);
+        if (t >= T) {
+            for (int k = lane; k < HID; k += 32) dst[k] = 0;
+            continue;
+        }
+        float ss = 0.f;
+        for (int k = lane; k < HID; k += 32) { float v = bf2f(__ldcg(h + t * HID + k)); ss += v * v; }
+        float rstd = rsqrtf(warp_sum(ss) / HID + eps);
+        for (int k = lane; k < HID; k += 32)
+            dst[k] = f2bf(rnd(bf2f(__ldcg(h + t * HID + k)) * rstd) * bf2f(w[k]));
+    }
+}
+__device__ void load_rows(const bf16* src, int K, int T, char* xs) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    for (int t = warp; t < NT; t += CW) {
+        uint4* dst = (uint4*)(xs + t * XS);
+        const uint4* s = (const uint4*)(src + (long long)t * K);
+        for (int k = lane; k < K / 8; k += 32) dst[k] = t < T ? __ldcg(s + k) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// One matrix phase: out rows of this block's tiles. epi 0 store, 1 residual add, 2 silu(gate)*up,
+// 3 logits of token rows >= lf.
+__device__ void consume(Matrix m, int offset, int epi, bf16* out, int T, int lf, const char* xs,
+                        const char* ring, u64* full, u64* empty, float* red, int& it) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    int kc = kchunk(m.k), tiles = m.n / 16;
+    for (int tile = (blockIdx.x - offset % gridDim.x + gridDim.x) % gridDim.x; tile < tiles; tile += gridDim.x) {
+        float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        for (int part = 0; part < m.parts; ++part)
+            for (int k0 = 0; k0 < m.k; k0 += kc, ++it) {
+                int st = it % NSTAGE;
+                mbar_wait(&full[st], (it / NSTAGE) & 1);
+                const char* base = ring + st * STAGE;
+                for (int q = warp; q < kc / 32; q += CW) {
+                    uint4 wlo = *(const uint4*)(base + g * RS + q * 64 + t4 * 16);
+                    uint4 whi = *(const uint4*)(base + (g + 8) * RS + q * 64 + t4 * 16);
+                    uint4 xv = *(const uint4*)(xs + g * XS + (k0 + q * 32) * 2 + t4 * 16);
+                    mma(acc[part], wlo, whi, xv.x, xv.y, 0);
+                    mma(acc[part], wlo, whi, xv.z, xv.w, 1);
+                }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(&empty[st]);
+            }
+        consumers_sync();                              // the previous tile's epilogue has read `red`
+        for (int part = 0; part < m.parts; ++part)
+            for (int i = 0; i < 4; ++i) red[((warp * 2 + part) * 32 + lane) * 4 + i] = acc[part][i];
+        consumers_sync();
+        for (int e = threadIdx.x; e < 128; e += CT) {   // element e of the 16 x 8 tile, mma C layout
+            float y = 0.f, u = 0.f;
+            for (int w = 0; w < CW; ++w) {
+                y += red[(w * 2) * 128 + e];
+                if (m.parts == 2) u += red[(w * 2 + 1) * 128 + e];
+            }
+            int l = e >> 2, i = e & 3;
+            int row = tile * 16 + (l >> 2) + (i >> 1) * 8, tok = (l & 3) * 2 + (i & 1);
+            if (tok >= T) continue;
+            if (epi == 0) out[tok * m.n + row] = f2bf(y);
+            else if (epi == 1) {
+                bf16* dst = out + tok * m.n + row;
+                *dst = f2bf(bf2f(__ldcg(dst)) + rnd(y));
+            } else if (epi == 2) {
+                float gte = rnd(y);
+                out[tok * m.n + row] = f2bf(rnd(gte / (1.f + __expf(-gte))) * rnd(u));
+            } else if (tok >= lf) out[(long long)(tok - lf) * m.n + row] = f2bf(y);
+        }
+    }
+}
+
+// RMSNorm over one head's D values, then rotate-half RoPE at token t (a warp; D / 32 values per
+// lane, so a value's rotation partner d +- D/2 sits 16 lanes away).
+__device__ void norm_rope(const bf16* src, const bf16* w, const bf16* cosb, const bf16* sinb, int t, float eps,
+                          float* dst) {
+    const int E = D / 32;
+    int lane = threadIdx.x & 31;
+    float x[E], ss = 0.f;
+    for (int e = 0; e < E; ++e) { x[e] = bf2f(__ldcg(src + lane * E + e)); ss += x[e] * x[e]; }
+    float rstd = rsqrtf(warp_sum(ss) / D + eps);
+    for (int e = 0; e < E; ++e) x[e] = rnd(rnd(x[e] * rstd) * bf2f(w[lane * E + e]));
+    for (int e = 0; e < E; ++e) {
+        float partner = __shfl_xor_sync(0xffffffff, x[e], 16);
+        float rot = lane < 16 ? -partner : partner;
+        int d = lane * E + e;
+        dst[d] = rnd(rnd(x[e] * bf2f(cosb[t * D + d])) + rnd(rot * bf2f(sinb[t * D + d])));
+    }
+}
+
+// Attention of the T new tokens (folded GQA rows r = (head - g*G) * T + t) over the cache's `length`
+// committed keys plus themselves (block-causal among the new ones). Work item (KV head g, chunk c)
+// takes a contiguous range of key slots; the head's last item to finish merges the partial
+// softmaxes (flash-decoding). The item whose range holds the new slots writes their k/v to the cache.
+__device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* part_o, float* part_ml,
+                          int* tickets, const bf16* cosb, const bf16* sinb, int length, int T, int max_len,
+                          float eps, float scale, float* scratch) {
+    const int G = H / HKV, NCH = NITEMS / HKV;
+    int item = blockIdx.x;
+    if (item >= NITEMS) return;
+    int g = item / NCH, c = item % NCH, R = G * T;
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, tid = threadIdx.x;
+    bf16* kc = (bf16*)row[8] + (long long)g * max_len * D;
+    bf16* vc = (bf16*)row[9] + (long long)g * max_len * D;
+    int total = length + T, cs = (total + NCH - 1) / NCH;
+    int lo = c * cs, hi = min(lo + cs, total), n = max(hi - lo, 0);
+    float* qs = scratch;                 // [RMAX][D]
+    float* kn = qs + RMAX * D;           // [NT][D] new keys (normed, rotated)
+    float* vn = kn + NT * D;             // [NT][D] new values
+    float* S = vn + NT * D;              // [RMAX][CSMAX] scores, then probabilities
+    for (int r = warp; r < R; r += CW)
+        norm_rope(qkv + (r % T) * NQKV + (g * G + r / T) * D, (const bf16*)row[2], cosb, sinb, r % T, eps,
+                  qs + r * D);
+    for (int s = max(lo, length) + warp; s < hi; s += CW) {
+        int j = s - length;
+        norm_rope(qkv + j * NQKV + (H + g) * D, (const bf16*)row[3], cosb, sinb, j, eps, kn + j * D);
+        __syncwarp();
+        for (int d = lane; d < D; d += 32) {
+            vn[j * D + d] = bf2f(__ldcg(qkv + j * NQKV + (H + HKV + g) * D + d));
+            kc[(long long)s * D + d] = f2bf(kn[j * D + d]);
+            vc[(long long)s * D + d] = __ldcg(qkv + j * NQKV + (H + HKV + g) * D + d);
+        }
+    }
+    consumers_sync();
+    // scores: two threads per key, each half of the head dimension
+    for (int i0 = 0; i0 < n; i0 += CT / 2) {      // a uniform trip count: the pair shuffles below
+        int i = i0 + tid / 2, s = lo + i, half = tid & 1;
+        float acc[RMAX];
+        for (int r = 0; r < RMAX; ++r) acc[r] = 0.f;
+        for (int d = half * (D / 2); i < n && d < (half + 1) * (D / 2); d += 8) {
+            float k[8];
+            if (s < length) {
+                uint4 raw = *(const uint4*)(kc + (long long)s * D + d);
+                const bf16* kb = (const bf16*)&raw;
+                for (int e = 0; e < 8; ++e) k[e] = bf2f(kb[e]);
+            } else {
+                for (int e = 0; e < 8; ++e) k[e] = kn[(s - length) * D + d + e];
+            }
+            for (int r = 0; r < RMAX; ++r)
+                if (r < R)
+                    for (int e = 0; e < 8; ++e) acc[r] += qs[r * D + d + e] * k[e];
+        }
+        for (int r = 0; r < RMAX; ++r) acc[r] += __shfl_xor_sync(0xffffffff, acc[r], 1);
+        if (!half && i < n)
+            for (int r = 0; r < R; ++r) {
+                int t = r % T;
+                bool visible = s < length || s / BS <= (length + t) / BS;
+                S[r * CSMAX + i] = visible ? acc[r] * scale : NEG_INF;
+            }
+    }
+    consumers_sync();
+    int part = g * NCH + c;
+    for (int r = warp; r < R; r += CW) {
+        float m = NEG_INF;
+        for (int i = lane; i < n; i += 32) m = fmaxf(m, S[r * CSMAX + i]);
+        m = warp_max(m);
+        float l = 0.f;
+        for (int i = lane; i < n; i += 32) {
+            float p = m == NEG_INF ? 0.f : __expf(S[r * CSMAX + i] - m);
+            S[r * CSMAX + i] = p;
+            l += p;
+        }
+        l = warp_sum(l);
+        if (lane == 0) { part_ml[part * 2 * RMAX + r] = m; part_ml[part * 2 * RMAX + RMAX + r] = l; }
+    }
+    consumers_sync();
+    const int RG = CT / D;                       // row groups of the value product
+    for (int rg = tid / D; rg < R; rg += RG * 8) {
+        int d = tid % D;
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int i = 0; i < n; ++i) {
+            int s = lo + i;
+            float v = s < length ? bf2f(vc[(long long)s * D + d]) : vn[(s - length) * D + d];
+            for (int k = 0; k < 8; ++k)
+                if (rg + k * RG < R) acc[k] += S[(rg + k * RG) * CSMAX + i] * v;
+        }
+        for (int k = 0; k < 8; ++k)
+            if (rg + k * RG < R) part_o[((long long)part * RMAX + rg + k * RG) * D + d] = acc[k];
+    }
+    __threadfence();
+    consumers_sync();
+    __shared__ int last;
+    if (tid == 0) last = atomicAdd(tickets + g, 1) == NCH - 1;
+    consumers_sync();
+    if (!last) return;
+    __threadfence();
+    for (int e = tid; e < R * D; e += CT) {
+        int r = e / D, d = e % D;
+        float m = NEG_INF;
+        for (int cc = 0; cc < NCH; ++cc) m = fmaxf(m, __ldcg(part_ml + (g * NCH + cc) * 2 * RMAX + r));
+        float l = 0.f, o = 0.f;
+        for (int cc = 0; cc < NCH; ++cc) {
+            int pc = g * NCH + cc;
+            float wgt = __expf(__ldcg(part_ml + pc * 2 * RMAX + r) - m);
+            l += wgt * __ldcg(part_ml + pc * 2 * RMAX + RMAX + r);
+            o += wgt * __ldcg(part_o + ((long long)pc * RMAX + r) * D + d);
+        }
+        att[(r % T) * H * D + (g * G + r / T) * D + d] = f2bf(o / l);
+    }
+}
+
+__device__ void grid_barrier(int* counter, int target) {
+    consumers_sync();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(counter, 1);
+        long long t0 = clock64();
+        for (;;) {
+            int seen;
+            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+            if (seen >= target) break;
+            if (clock64() - t0 > TIMEOUT) __trap();
+        }
+    }
+    consumers_sync();
+}
+
+extern "C" __global__ void __launch_bounds__(CT + 32, 1)
+decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* part_o, float* part_ml,
+            int* counters, const bf16* cosb, const bf16* sinb, const long long* slots, const bf16* final_norm,
+            const bf16* lm_w, bf16* logits, int T, int lf, int phase_lo, int phase_hi, int max_len, float eps,
+            float scale) {
+    extern __shared__ __align__(128) char smem[];
+    u64* full = (u64*)smem;
+    u64* empty = full + NSTAGE;
+    float* red = (float*)(smem + 1024);                      // [CW][2][128]
+    char* xs = smem + 1024 + CW * 2 * 128 * 4;               // activations, or attention scratch
+    char* ring = xs + SCRATCH;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < NSTAGE; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], CW); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x >= CT) {
+        produce(table, lm_w, phase_lo, phase_hi, ring, full, empty);
+        return;
+    }
+    int length = (int)slots[0], it = 0, offset = 0, barriers = 0;
+    for (int p = 0; p < phase_hi; ++p) {
+        int layer = p / PHASES, kind = p % PHASES;
+        const u64* row = table + layer * NTAB;
+        Matrix m = phase_matrix(table, lm_w, p);
+        if (p >= phase_lo) {
+            if (p > phase_lo) grid_barrier(counters, ++barriers * gridDim.x);
+            if (layer == LAYERS) load_normed(h, final_norm, T, eps, xs);
+            else if (kind == QKV) load_normed(h, (const bf16*)row[0], T, eps, xs);
+            else if (kind == OPROJ) load_rows(att, H * D, T, xs);
+            else if (kind == UP) load_normed(h, (const bf16*)row[5], T, eps, xs);
+            else if (kind == DOWN) load_rows(act, INTER, T, xs);
+            if (kind == ATTN && layer < LAYERS) {
+                attention(row, qkv, att, part_o, part_ml, counters + 1 + layer * HKV, cosb, sinb, length, T,
+                          max_len, eps, scale, (float*)xs);
+            } else {
+                consumers_sync();
+                int epi = layer == LAYERS ? 3 : kind == QKV ? 0 : kind == UP ? 2 : 1;
+                bf16* out = layer == LAYERS ? logits : kind == QKV ? qkv : kind == UP ? act : h;
+                consume(m, offset, epi, out, T, lf, xs, ring, full, empty, red, it);
+            }
+        }
+        if (m.w) offset += m.n / 16;
+    }
+}
