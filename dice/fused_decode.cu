@@ -5,9 +5,7 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 
 #define CT (CW * 32)                   // consumer threads
-#define RS (KCMAX * 2 + 64)            // bytes per weight row in a ring stage (64: no bank conflicts)
-#define XS (KMAX * 2 + 64)             // bytes per activation row in shared memory
-#define STAGE (16 * RS)
+#define STAGE (16 * KCMAX * 2)         // bytes of a ring stage: 16 weight rows x KCMAX columns
 #define NTAB 10                        // per-layer pointer table: ln1 qkv qn kn o ln2 gu down kc vc
 #define TIMEOUT 4000000000LL           // clock cycles (~2 s) before a wait gives up with a trap
 #define NEG_INF __int_as_float(0xff800000)
@@ -53,6 +51,10 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(saddr(dst)), "l"(src), "r"(bytes), "r"(saddr(bar)) : "memory");
 }
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(saddr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 __device__ __forceinline__ void mma(float* c, uint4 a_lo, uint4 a_hi, u32 b0, u32 b1, int half) {
     // C[16x8] += A[16x16] B[16x8]: lane (g, t) holds A rows g and g+8 and B column g at the reduction
     // indices 8t .. 8t+7 of a 32-wide chunk; half 0 takes 8t .. 8t+3, half 1 takes 8t+4 .. 8t+7.
@@ -98,14 +100,12 @@ __device__ void produce(const u64* table, const bf16* lm_w, int phase_lo, int ph
                 for (int part = 0; part < m.parts; ++part)
                     for (int k0 = 0; k0 < m.k; k0 += kc, ++it) {
                         int st = it % NSTAGE;
+                        // tiled layout: [tile][k0 / kc][16][kc], so a stage is one contiguous copy
+                        const bf16* src = m.w + (long long)(part * m.n + tile * 16) * m.k + 16 * k0;
                         if (lane == 0) {
                             mbar_wait(&empty[st], ((it / NSTAGE) & 1) ^ 1);
                             mbar_expect_tx(&full[st], 16 * kc * 2);
-                        }
-                        __syncwarp();
-                        if (lane < 16) {
-                            const bf16* src = m.w + (long long)(part * m.n + tile * 16 + lane) * m.k + k0;
-                            bulk_copy(ring + st * STAGE + lane * RS, src, kc * 2, &full[st]);
+                            bulk_copy(ring + st * STAGE, src, 16 * kc * 2, &full[st]);
                         }
                     }
         }
@@ -114,27 +114,49 @@ __device__ void produce(const u64* table, const bf16* lm_w, int phase_lo, int ph
 }
 
 // x (shared) = rmsnorm(h) * w, rounded as the layer-by-layer bf16 model rounds; rows >= T are zero.
+// A warp per row holds its row in registers, so all its loads are in flight at once.
+#define HV ((HID / 8 + 31) / 32)     // 16-byte vectors of a hidden row per lane
 __device__ void load_normed(const bf16* h, const bf16* w, int T, float eps, char* xs) {
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     for (int t = warp; t < NT; t += CW) {
-        bf16* dst = (bf16*)(xs + t * XS);
-        if (t >= T) {
-            for (int k = lane; k < HID; k += 32) dst[k] = 0;
-            continue;
-        }
+        uint4* dst = (uint4*)(xs + t * (HID * 2 + 64));
+        uint4 v[HV];
         float ss = 0.f;
-        for (int k = lane; k < HID; k += 32) { float v = bf2f(__ldcg(h + t * HID + k)); ss += v * v; }
+        for (int j = 0; j < HV; ++j) {
+            int k = lane + 32 * j;
+            v[j] = t < T && k < HID / 8 ? __ldcg((const uint4*)(h + t * HID) + k) : make_uint4(0, 0, 0, 0);
+        }
+        for (int j = 0; j < HV; ++j) {
+            const bf16* e = (const bf16*)&v[j];
+            for (int i = 0; i < 8; ++i) ss += bf2f(e[i]) * bf2f(e[i]);
+        }
         float rstd = rsqrtf(warp_sum(ss) / HID + eps);
-        for (int k = lane; k < HID; k += 32)
-            dst[k] = f2bf(rnd(bf2f(__ldcg(h + t * HID + k)) * rstd) * bf2f(w[k]));
+        for (int j = 0; j < HV; ++j) {
+            int k = lane + 32 * j;
+            if (k >= HID / 8) break;
+            uint4 wv = *((const uint4*)w + k), out;
+            const bf16* e = (const bf16*)&v[j];
+            const bf16* we = (const bf16*)&wv;
+            bf16* o = (bf16*)&out;
+            for (int i = 0; i < 8; ++i) o[i] = f2bf(rnd(bf2f(e[i]) * rstd) * bf2f(we[i]));
+            dst[k] = t < T ? out : make_uint4(0, 0, 0, 0);
+        }
     }
 }
 __device__ void load_rows(const bf16* src, int K, int T, char* xs) {
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     for (int t = warp; t < NT; t += CW) {
-        uint4* dst = (uint4*)(xs + t * XS);
+        uint4* dst = (uint4*)(xs + t * (K * 2 + 64));
         const uint4* s = (const uint4*)(src + (long long)t * K);
-        for (int k = lane; k < K / 8; k += 32) dst[k] = t < T ? __ldcg(s + k) : make_uint4(0, 0, 0, 0);
+        for (int k0 = 0; k0 < K / 8; k0 += 32 * 8) {        // eight loads in flight per lane
+            uint4 v[8];
+            for (int j = 0; j < 8; ++j) {
+                int k = k0 + lane + 32 * j;
+                v[j] = t < T && k < K / 8 ? __ldcg(s + k) : make_uint4(0, 0, 0, 0);
+            }
+            for (int j = 0; j < 8; ++j)
+                if (k0 + lane + 32 * j < K / 8) dst[k0 + lane + 32 * j] = v[j];
+        }
     }
 }
 
@@ -152,9 +174,11 @@ __device__ void consume(Matrix m, int offset, int epi, bf16* out, int T, int lf,
                 mbar_wait(&full[st], (it / NSTAGE) & 1);
                 const char* base = ring + st * STAGE;
                 for (int q = warp; q < kc / 32; q += CW) {
-                    uint4 wlo = *(const uint4*)(base + g * RS + q * 64 + t4 * 16);
-                    uint4 whi = *(const uint4*)(base + (g + 8) * RS + q * 64 + t4 * 16);
-                    uint4 xv = *(const uint4*)(xs + g * XS + (k0 + q * 32) * 2 + t4 * 16);
+                    // 16-byte piece c of row r sits at c ^ (4 * (r & 1)): rows g and g + 1 hit other banks
+                    int piece = (q * 4 + t4) ^ ((g & 1) * 4);
+                    uint4 wlo = *(const uint4*)(base + g * kc * 2 + piece * 16);
+                    uint4 whi = *(const uint4*)(base + (g + 8) * kc * 2 + piece * 16);
+                    uint4 xv = *(const uint4*)(xs + g * (m.k * 2 + 64) + (k0 + q * 32) * 2 + t4 * 16);
                     mma(acc[part], wlo, whi, xv.x, xv.y, 0);
                     mma(acc[part], wlo, whi, xv.z, xv.w, 1);
                 }
@@ -186,28 +210,48 @@ __device__ void consume(Matrix m, int offset, int epi, bf16* out, int T, int lf,
     }
 }
 
-// RMSNorm over one head's D values, then rotate-half RoPE at token t (a warp; D / 32 values per
-// lane, so a value's rotation partner d +- D/2 sits 16 lanes away).
+// RMSNorm over one head's D values, then rotate-half RoPE at token t (a warp; E = D / 32 values
+// per lane, so a value's rotation partner d +- D/2 sits 16 lanes away). All loads are issued first.
+#define E (D / 32)
 __device__ void norm_rope(const bf16* src, const bf16* w, const bf16* cosb, const bf16* sinb, int t, float eps,
-                          float* dst) {
-    const int E = D / 32;
+                          float* out) {
     int lane = threadIdx.x & 31;
-    float x[E], ss = 0.f;
-    for (int e = 0; e < E; ++e) { x[e] = bf2f(__ldcg(src + lane * E + e)); ss += x[e] * x[e]; }
+    float x[E], wv[E], cs[E], sn[E], ss = 0.f;
+    for (int e = 0; e < E; ++e) {
+        int d = lane * E + e;
+        x[e] = bf2f(__ldcg(src + d)); wv[e] = bf2f(w[d]); cs[e] = bf2f(cosb[t * D + d]); sn[e] = bf2f(sinb[t * D + d]);
+    }
+    for (int e = 0; e < E; ++e) ss += x[e] * x[e];
     float rstd = rsqrtf(warp_sum(ss) / D + eps);
-    for (int e = 0; e < E; ++e) x[e] = rnd(rnd(x[e] * rstd) * bf2f(w[lane * E + e]));
+    for (int e = 0; e < E; ++e) x[e] = rnd(rnd(x[e] * rstd) * wv[e]);
     for (int e = 0; e < E; ++e) {
         float partner = __shfl_xor_sync(0xffffffff, x[e], 16);
-        float rot = lane < 16 ? -partner : partner;
-        int d = lane * E + e;
-        dst[d] = rnd(rnd(x[e] * bf2f(cosb[t * D + d])) + rnd(rot * bf2f(sinb[t * D + d])));
+        out[e] = rnd(rnd(x[e] * cs[e]) + rnd((lane < 16 ? -partner : partner) * sn[e]));
+    }
+}
+
+// The committed keys/values of this block's attention chunk (see `attention`) into shared memory,
+// issued at the start of the layer's QKV phase so that they arrive while it runs.
+__device__ void prefetch_kv(const u64* row, int length, int T, int max_len, char* scratch) {
+    const int NCH = NITEMS / HKV;
+    int item = blockIdx.x;
+    if (item >= NITEMS) return;
+    int g = item / NCH, c = item % NCH, total = length + T, cs = (total + NCH - 1) / NCH;
+    int lo = c * cs, n_old = max(min(min(lo + cs, total), length) - lo, 0);
+    const bf16* kc = (const bf16*)row[8] + ((long long)g * max_len + lo) * D;
+    const bf16* vc = (const bf16*)row[9] + ((long long)g * max_len + lo) * D;
+    bf16* ks = (bf16*)scratch;
+    for (int i = threadIdx.x; i < n_old * D / 8; i += CT) {
+        cp_async16(ks + i * 8, kc + i * 8);
+        cp_async16(ks + CSMAX * D + i * 8, vc + i * 8);
     }
 }
 
 // Attention of the T new tokens (folded GQA rows r = (head - g*G) * T + t) over the cache's `length`
 // committed keys plus themselves (block-causal among the new ones). Work item (KV head g, chunk c)
-// takes a contiguous range of key slots; the head's last item to finish merges the partial
-// softmaxes (flash-decoding). The item whose range holds the new slots writes their k/v to the cache.
+// takes a contiguous range of key slots, staged in shared memory; the head's last item to finish
+// merges the partial softmaxes (flash-decoding). The item whose range holds the new slots writes
+// their k/v to the cache.
 __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* part_o, float* part_ml,
                           int* tickets, const bf16* cosb, const bf16* sinb, int length, int T, int max_len,
                           float eps, float scale, float* scratch) {
@@ -219,39 +263,38 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
     bf16* kc = (bf16*)row[8] + (long long)g * max_len * D;
     bf16* vc = (bf16*)row[9] + (long long)g * max_len * D;
     int total = length + T, cs = (total + NCH - 1) / NCH;
-    int lo = c * cs, hi = min(lo + cs, total), n = max(hi - lo, 0);
-    float* qs = scratch;                 // [RMAX][D]
-    float* kn = qs + RMAX * D;           // [NT][D] new keys (normed, rotated)
-    float* vn = kn + NT * D;             // [NT][D] new values
-    float* S = vn + NT * D;              // [RMAX][CSMAX] scores, then probabilities
-    for (int r = warp; r < R; r += CW)
-        norm_rope(qkv + (r % T) * NQKV + (g * G + r / T) * D, (const bf16*)row[2], cosb, sinb, r % T, eps,
-                  qs + r * D);
+    int lo = c * cs, hi = min(lo + cs, total), n = max(hi - lo, 0), n_old = max(min(hi, length) - lo, 0);
+    bf16* ks = (bf16*)scratch;                   // [CSMAX][D] the chunk's keys (old ones: prefetch_kv)
+    bf16* vs = ks + CSMAX * D;                   // [CSMAX][D] and values
+    float* qs = (float*)(vs + CSMAX * D);        // [RMAX][D]
+    float* S = qs + RMAX * D;                    // [RMAX][CSMAX] scores, then probabilities
+    for (int r = warp; r < R; r += CW) {
+        float q[E];
+        norm_rope(qkv + (r % T) * NQKV + (g * G + r / T) * D, (const bf16*)row[2], cosb, sinb, r % T, eps, q);
+        for (int e = 0; e < E; ++e) qs[r * D + lane * E + e] = q[e];
+    }
     for (int s = max(lo, length) + warp; s < hi; s += CW) {
         int j = s - length;
-        norm_rope(qkv + j * NQKV + (H + g) * D, (const bf16*)row[3], cosb, sinb, j, eps, kn + j * D);
-        __syncwarp();
-        for (int d = lane; d < D; d += 32) {
-            vn[j * D + d] = bf2f(__ldcg(qkv + j * NQKV + (H + HKV + g) * D + d));
-            kc[(long long)s * D + d] = f2bf(kn[j * D + d]);
-            vc[(long long)s * D + d] = __ldcg(qkv + j * NQKV + (H + HKV + g) * D + d);
+        float k[E];
+        norm_rope(qkv + j * NQKV + (H + g) * D, (const bf16*)row[3], cosb, sinb, j, eps, k);
+        for (int e = 0; e < E; ++e) {
+            int d = lane * E + e;
+            bf16 kb = f2bf(k[e]), vb = __ldcg(qkv + j * NQKV + (H + HKV + g) * D + d);
+            ks[(s - lo) * D + d] = kb; kc[(long long)s * D + d] = kb;
+            vs[(s - lo) * D + d] = vb; vc[(long long)s * D + d] = vb;
         }
     }
+    cp_async_wait_all();
     consumers_sync();
-    // scores: two threads per key, each half of the head dimension
-    for (int i0 = 0; i0 < n; i0 += CT / 2) {      // a uniform trip count: the pair shuffles below
+    for (int i0 = 0; i0 < n; i0 += CT / 2) {      // two threads per key (a uniform trip count for the shuffle)
         int i = i0 + tid / 2, s = lo + i, half = tid & 1;
         float acc[RMAX];
         for (int r = 0; r < RMAX; ++r) acc[r] = 0.f;
         for (int d = half * (D / 2); i < n && d < (half + 1) * (D / 2); d += 8) {
+            uint4 raw = *(const uint4*)(ks + i * D + d);
+            const bf16* kb = (const bf16*)&raw;
             float k[8];
-            if (s < length) {
-                uint4 raw = *(const uint4*)(kc + (long long)s * D + d);
-                const bf16* kb = (const bf16*)&raw;
-                for (int e = 0; e < 8; ++e) k[e] = bf2f(kb[e]);
-            } else {
-                for (int e = 0; e < 8; ++e) k[e] = kn[(s - length) * D + d + e];
-            }
+            for (int e = 0; e < 8; ++e) k[e] = bf2f(kb[e]);
             for (int r = 0; r < RMAX; ++r)
                 if (r < R)
                     for (int e = 0; e < 8; ++e) acc[r] += qs[r * D + d + e] * k[e];
@@ -285,8 +328,7 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
         int d = tid % D;
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         for (int i = 0; i < n; ++i) {
-            int s = lo + i;
-            float v = s < length ? bf2f(vc[(long long)s * D + d]) : vn[(s - length) * D + d];
+            float v = bf2f(vs[i * D + d]);
             for (int k = 0; k < 8; ++k)
                 if (rg + k * RG < R) acc[k] += S[(rg + k * RG) * CSMAX + i] * v;
         }
@@ -300,19 +342,37 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
     consumers_sync();
     if (!last) return;
     __threadfence();
+    float* wgt = qs;                     // [NCH][RMAX] chunk weights exp(m_c - m), then / l
+    float* ls = wgt + NCH * RMAX;        // [NCH][RMAX] the chunks' softmax sums
+    for (int e = tid; e < NCH * R; e += CT) {
+        int cc = e / R, r = e % R;
+        wgt[cc * RMAX + r] = __ldcg(part_ml + (g * NCH + cc) * 2 * RMAX + r);
+        ls[cc * RMAX + r] = __ldcg(part_ml + (g * NCH + cc) * 2 * RMAX + RMAX + r);
+    }
+    consumers_sync();
+    for (int r = tid; r < R; r += CT) {
+        float m = NEG_INF, l = 0.f;
+        for (int cc = 0; cc < NCH; ++cc) m = fmaxf(m, wgt[cc * RMAX + r]);
+        for (int cc = 0; cc < NCH; ++cc) {
+            wgt[cc * RMAX + r] = __expf(wgt[cc * RMAX + r] - m);
+            l += wgt[cc * RMAX + r] * ls[cc * RMAX + r];
+        }
+        for (int cc = 0; cc < NCH; ++cc) wgt[cc * RMAX + r] /= l;
+    }
+    consumers_sync();
     for (int e = tid; e < R * D; e += CT) {
         int r = e / D, d = e % D;
-        float m = NEG_INF;
-        for (int cc = 0; cc < NCH; ++cc) m = fmaxf(m, __ldcg(part_ml + (g * NCH + cc) * 2 * RMAX + r));
-        float l = 0.f, o = 0.f;
-        for (int cc = 0; cc < NCH; ++cc) {
-            int pc = g * NCH + cc;
-            float wgt = __expf(__ldcg(part_ml + pc * 2 * RMAX + r) - m);
-            l += wgt * __ldcg(part_ml + pc * 2 * RMAX + RMAX + r);
-            o += wgt * __ldcg(part_o + ((long long)pc * RMAX + r) * D + d);
-        }
-        att[(r % T) * H * D + (g * G + r / T) * D + d] = f2bf(o / l);
+        float o = 0.f;
+        for (int cc = 0; cc < NCH; ++cc)
+            o += wgt[cc * RMAX + r] * __ldcg(part_o + ((long long)(g * NCH + cc) * RMAX + r) * D + d);
+        att[(r % T) * H * D + (g * G + r / T) * D + d] = f2bf(o);
     }
+}
+
+__device__ __forceinline__ long long globaltimer() {
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
 }
 
 __device__ void grid_barrier(int* counter, int target) {
@@ -335,7 +395,7 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1)
 decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* part_o, float* part_ml,
             int* counters, const bf16* cosb, const bf16* sinb, const long long* slots, const bf16* final_norm,
             const bf16* lm_w, bf16* logits, int T, int lf, int phase_lo, int phase_hi, int max_len, float eps,
-            float scale) {
+            float scale, long long* trace) {
     extern __shared__ __align__(128) char smem[];
     u64* full = (u64*)smem;
     u64* empty = full + NSTAGE;
@@ -358,20 +418,26 @@ decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* p
         Matrix m = phase_matrix(table, lm_w, p);
         if (p >= phase_lo) {
             if (p > phase_lo) grid_barrier(counters, ++barriers * gridDim.x);
+            if (trace && threadIdx.x == 0) trace[(blockIdx.x * (phase_hi + 1) + p) * 2] = globaltimer();
             if (layer == LAYERS) load_normed(h, final_norm, T, eps, xs);
-            else if (kind == QKV) load_normed(h, (const bf16*)row[0], T, eps, xs);
+            else if (kind == QKV) {
+                prefetch_kv(row, length, T, max_len, xs + ATTN_OFFSET);
+                load_normed(h, (const bf16*)row[0], T, eps, xs);
+            }
             else if (kind == OPROJ) load_rows(att, H * D, T, xs);
             else if (kind == UP) load_normed(h, (const bf16*)row[5], T, eps, xs);
             else if (kind == DOWN) load_rows(act, INTER, T, xs);
             if (kind == ATTN && layer < LAYERS) {
+                if (p == phase_lo) prefetch_kv(row, length, T, max_len, xs + ATTN_OFFSET);
                 attention(row, qkv, att, part_o, part_ml, counters + 1 + layer * HKV, cosb, sinb, length, T,
-                          max_len, eps, scale, (float*)xs);
+                          max_len, eps, scale, (float*)(xs + ATTN_OFFSET));
             } else {
                 consumers_sync();
                 int epi = layer == LAYERS ? 3 : kind == QKV ? 0 : kind == UP ? 2 : 1;
                 bf16* out = layer == LAYERS ? logits : kind == QKV ? qkv : kind == UP ? act : h;
                 consume(m, offset, epi, out, T, lf, xs, ring, full, empty, red, it);
             }
+            if (trace && threadIdx.x == 0) trace[(blockIdx.x * (phase_hi + 1) + p) * 2 + 1] = globaltimer();
         }
         if (m.w) offset += m.n / 16;
     }

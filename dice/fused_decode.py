@@ -44,7 +44,7 @@ import torch
 NT = 8             # token rows per forward, at most (the mma's N)
 CW = 8             # consumer warps per block
 PHASES = 5         # per layer: QKV, ATTN, O, UP, DOWN; then one LM phase
-KC = 512           # weight columns per ring stage (a stage is 16 rows x KC)
+KC = 1024          # weight columns per ring stage (a stage is 16 rows x KC, one bulk copy)
 _SOURCE = Path(__file__).with_name("fused_decode.cu")
 
 
@@ -77,10 +77,12 @@ class FusedDecoder:
         rmax = G * NT
         csmax = -(-cache.max_len // nchunks)
         kmax = max(hid, H * D, inter)
-        xs = NT * (kmax * 2 + 64)
-        scratch = max(xs, 4 * (rmax * D + 2 * NT * D + rmax * csmax))
-        scratch = -(-scratch // 128) * 128
-        stage = 16 * (kc * 2 + 64)
+        # shared memory for activations (8 rows of the widest input), and for attention, behind the
+        # QKV phase's rows (its keys/values are prefetched while that phase runs)
+        attn_offset = -(-NT * (hid * 2 + 64) // 128) * 128
+        attn = 2 * 2 * csmax * D + 4 * max(rmax * D + rmax * csmax, 2 * nchunks * rmax)
+        scratch = -(-max(NT * (kmax * 2 + 64), attn_offset + attn) // 128) * 128
+        stage = 16 * kc * 2
         fixed = 1024 + CW * 2 * 128 * 4 + scratch
         limit = _max_shared(dev) - 256          # the kernel's static shared memory
         fit = (limit - fixed) // stage
@@ -91,17 +93,18 @@ class FusedDecoder:
         self.smem = fixed + self.stages * stage
         defines = dict(LAYERS=c.num_hidden_layers, HID=hid, INTER=inter, VOCAB=c.vocab_size, H=H, HKV=hkv, D=D,
                        NQKV=(H + 2 * hkv) * D, BS=c.block_size, NT=NT, CW=CW, KCMAX=kc, KMAX=kmax,
-                       NSTAGE=self.stages, NITEMS=nchunks * hkv, RMAX=rmax, CSMAX=csmax, SCRATCH=scratch)
+                       NSTAGE=self.stages, ATTN_OFFSET=attn_offset, NITEMS=nchunks * hkv, RMAX=rmax, CSMAX=csmax, SCRATCH=scratch)
         code = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.read_text()
         self.kernel = cupy.RawModule(code=code, options=("-std=c++17",)).get_function("decode_step")
         self.kernel.max_dynamic_shared_size_bytes = self.smem
-        ptrs = []
+        ptrs, self.tiled = [], []
         for i, layer in enumerate(model.model.layers):
             a, m = layer.self_attn, layer.mlp
             ptrs.append([x.data_ptr() for x in (
-                layer.input_layernorm.weight, a.qkv_proj.weight, a.q_norm.weight, a.k_norm.weight, a.o_proj.weight,
-                layer.post_attention_layernorm.weight, m.gate_up_proj.weight, m.down_proj.weight, cache.k[i],
-                cache.v[i])])
+                layer.input_layernorm.weight, self._tile(a.qkv_proj.weight, kc), a.q_norm.weight, a.k_norm.weight,
+                self._tile(a.o_proj.weight, kc), layer.post_attention_layernorm.weight,
+                self._tile(m.gate_up_proj.weight, kc), self._tile(m.down_proj.weight, kc), cache.k[i], cache.v[i])])
+        self.lm_tiled = self._tile(w, kc)
         self.table = torch.tensor(ptrs, dtype=torch.int64, device=dev)
         bf = dict(dtype=torch.bfloat16, device=dev)
         self.h, self.qkv = torch.zeros(NT, hid, **bf), torch.zeros(NT, (H + 2 * hkv) * D, **bf)
@@ -113,8 +116,20 @@ class FusedDecoder:
         self.logits = torch.zeros(NT, c.vocab_size, **bf)
         self.all_phases = PHASES * c.num_hidden_layers + 1
 
+    def _tile(self, w: torch.Tensor, kc: int) -> torch.Tensor:
+        """A copy of W [N, K] laid out as [N/16][K/kc][16][kc] (kc = min(K, kc)), so that one ring stage
+        is one contiguous bulk copy; in each row the 16-byte pieces c are stored at c ^ (4 * (row & 1)),
+        so that the consumers' reads of rows g and g + 1 fall on different shared-memory banks."""
+        n, k = w.shape
+        kc = min(k, kc)
+        t = w.detach().reshape(n // 16, 16, k // kc, kc // 8, 8).permute(0, 2, 1, 3, 4)
+        swizzle = torch.arange(kc // 8, device=w.device)[None, :] ^ (4 * (torch.arange(16, device=w.device)[:, None] & 1))
+        t = t.gather(3, swizzle[None, None, :, :, None].expand(t.shape)).contiguous()
+        self.tiled.append(t)
+        return t
+
     def step_logits(self, input_ids, position_ids, valid, cache, slots, kv_len, logits_from=0, run_layer=None,
-                    *, phases: tuple[int, int] | None = None) -> torch.Tensor:
+                    *, phases: tuple[int, int] | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [1, T - logits_from, V] of T new tokens written at `slots` (contiguous, from the
         cache's filled length); attention spans the committed keys and the new ones (`kv_len` and
         `valid` are implied at batch 1 and unused; `run_layer` does not apply)."""
@@ -134,8 +149,9 @@ class FusedDecoder:
         p = lambda t: np.uint64(t.data_ptr())  # noqa: E731
         args = (p(self.table), p(self.h), p(self.qkv), p(self.att), p(self.act), p(self.part_o), p(self.part_ml),
                 p(self.counters), p(self.cos), p(self.sin), p(slots), p(self.model.model.norm.weight),
-                p(self.model.lm_head.weight), p(self.logits), np.int32(T), np.int32(logits_from), np.int32(lo),
-                np.int32(hi), np.int32(cache.max_len), np.float32(c.rms_norm_eps), np.float32(c.head_dim ** -0.5))
+                p(self.lm_tiled), p(self.logits), np.int32(T), np.int32(logits_from), np.int32(lo),
+                np.int32(hi), np.int32(cache.max_len), np.float32(c.rms_norm_eps), np.float32(c.head_dim ** -0.5),
+                np.uint64(0 if trace is None else trace.data_ptr()))
         with self.cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
             self.kernel((self.programs,), (32 * (CW + 1),), args, shared_mem=self.smem)
         return self.logits[:T - logits_from].unsqueeze(0)
@@ -155,8 +171,8 @@ def _unsupported(c, w, cache, kc: int) -> str | None:
         return f"runs at most {NT} tokens per forward: block_size <= {NT // 2}"
     H, hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     for k in (c.hidden_size, H * D, c.intermediate_size):
-        if k % 32 or (k > kc and k % kc):
-            return f"needs reduction sizes divisible by 32 and, above kc={kc}, by kc; got {k}"
+        if k % 64 or (k > kc and k % kc):
+            return f"needs reduction sizes divisible by 64 and, above kc={kc}, by kc; got {k}"
     for n in (c.hidden_size, (H + 2 * hkv) * D, c.intermediate_size, c.vocab_size):
         if n % 16:
             return f"needs weight row counts divisible by 16; got {n}"
