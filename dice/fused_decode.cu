@@ -84,32 +84,61 @@ __device__ __forceinline__ Matrix phase_matrix(const u64* table, const bf16* lm_
 }
 __device__ __forceinline__ int kchunk(int k) { return k < KCMAX ? k : KCMAX; }   // k % KCMAX == 0 or k < KCMAX
 
-// Weight producer: one warp streams, for every tile of every phase this block owns, the tile's 16
-// rows in KCMAX-wide pieces into the ring. It waits only for free stages, never for activations,
-// so the next phase's weights arrive while the consumers wait at a grid barrier or run attention.
-__device__ void produce(const u64* table, const bf16* lm_w, int phase_lo, int phase_hi, char* ring,
-                        u64* full, u64* empty) {
-    int lane = threadIdx.x & 31, it = 0, offset = 0;
-    for (int p = 0; p < phase_hi; ++p) {
-        Matrix m = phase_matrix(table, lm_w, p);
-        int tiles = m.n / 16;
-        if (m.w && p >= phase_lo) {
-            int kc = kchunk(m.k);
-            for (int tile = (blockIdx.x - offset % gridDim.x + gridDim.x) % gridDim.x; tile < tiles;
-                 tile += gridDim.x)
-                for (int part = 0; part < m.parts; ++part)
-                    for (int k0 = 0; k0 < m.k; k0 += kc, ++it) {
-                        int st = it % NSTAGE;
-                        // tiled layout: [tile][k0 / kc][16][kc], so a stage is one contiguous copy
-                        const bf16* src = m.w + (long long)(part * m.n + tile * 16) * m.k + 16 * k0;
-                        if (lane == 0) {
-                            mbar_wait(&empty[st], ((it / NSTAGE) & 1) ^ 1);
-                            mbar_expect_tx(&full[st], 16 * kc * 2);
-                            bulk_copy(ring + st * STAGE, src, 16 * kc * 2, &full[st]);
-                        }
-                    }
+// A position in the sequence of ring stages of this block: phase p, tile, part, and k0 (a stage is
+// rows tile*16 .. +15 of part `part`, columns k0 .. k0 + kc). Tiles are dealt round-robin over the
+// blocks, continuing from phase to phase (`offset` counts the tiles of the phases before p).
+struct Cursor { int p, tile, part, k0, kc, offset; Matrix m; };
+
+__device__ void seek_phase(Cursor& c, const u64* table, const bf16* lm_w, int phase_lo, int phase_hi) {
+    for (; c.p < phase_hi; ++c.p) {
+        c.m = phase_matrix(table, lm_w, c.p);
+        if (c.m.w && c.p >= phase_lo) {
+            c.tile = (blockIdx.x - c.offset % gridDim.x + gridDim.x) % gridDim.x;
+            c.part = c.k0 = 0;
+            c.kc = kchunk(c.m.k);
+            if (c.tile < c.m.n / 16) return;
         }
-        if (m.w) offset += tiles;
+        if (c.m.w) c.offset += c.m.n / 16;
+    }
+}
+__device__ void advance(Cursor& c, const u64* table, const bf16* lm_w, int phase_lo, int phase_hi) {
+    if ((c.k0 += c.kc) < c.m.k) return;
+    c.k0 = 0;
+    if (++c.part < c.m.parts) return;
+    c.part = 0;
+    if ((c.tile += gridDim.x) < c.m.n / 16) return;
+    c.offset += c.m.n / 16;
+    ++c.p;
+    seek_phase(c, table, lm_w, phase_lo, phase_hi);
+}
+// tiled layout: [tile][k0 / kc][16][kc], so a stage is one contiguous copy
+__device__ __forceinline__ const bf16* stage_src(const Cursor& c) {
+    return c.m.w + (long long)(c.part * c.m.n + c.tile * 16) * c.m.k + 16 * c.k0;
+}
+
+// Weight producer (one thread): streams every stage of this block into the ring, waiting only for
+// free stages, never for activations, so the next phase's weights arrive while the consumers wait
+// at a grid barrier or run attention. It also asks L2 to fetch the stage `prefetch` stages ahead,
+// which extends the ring (shared memory, ~13 MB over the GPU) by L2 (50 MB).
+__device__ void produce(const u64* table, const bf16* lm_w, int phase_lo, int phase_hi, int prefetch, char* ring,
+                        u64* full, u64* empty) {
+    Cursor c = {0, 0, 0, 0, 0, 0, {0, 0, 0, 1}};
+    seek_phase(c, table, lm_w, phase_lo, phase_hi);
+    Cursor ahead = c;
+    for (int i = 0; i < prefetch && ahead.p < phase_hi; ++i) {
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(stage_src(ahead)), "r"(16 * ahead.kc * 2));
+        advance(ahead, table, lm_w, phase_lo, phase_hi);
+    }
+    for (int it = 0; c.p < phase_hi; ++it) {
+        if (ahead.p < phase_hi) {
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(stage_src(ahead)), "r"(16 * ahead.kc * 2));
+            advance(ahead, table, lm_w, phase_lo, phase_hi);
+        }
+        int st = it % NSTAGE;
+        mbar_wait(&empty[st], ((it / NSTAGE) & 1) ^ 1);
+        mbar_expect_tx(&full[st], 16 * c.kc * 2);
+        bulk_copy(ring + st * STAGE, stage_src(c), 16 * c.kc * 2, &full[st]);
+        advance(c, table, lm_w, phase_lo, phase_hi);
     }
 }
 
@@ -342,13 +371,19 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
     consumers_sync();
     if (!last) return;
     __threadfence();
-    float* wgt = qs;                     // [NCH][RMAX] chunk weights exp(m_c - m), then / l
+    float* wgt = qs;                     // [NCH][RMAX] chunk weights exp(m_c - m) / l
     float* ls = wgt + NCH * RMAX;        // [NCH][RMAX] the chunks' softmax sums
     for (int e = tid; e < NCH * R; e += CT) {
         int cc = e / R, r = e % R;
         wgt[cc * RMAX + r] = __ldcg(part_ml + (g * NCH + cc) * 2 * RMAX + r);
         ls[cc * RMAX + r] = __ldcg(part_ml + (g * NCH + cc) * 2 * RMAX + RMAX + r);
     }
+    const int Q = D / 4;                 // float4 pieces per row
+    float4 o[NCH];                       // this thread's first output piece: its loads fly with the above
+    int e0 = tid;
+    if (e0 < R * Q)
+        for (int cc = 0; cc < NCH; ++cc)
+            o[cc] = __ldcg((const float4*)(part_o + ((long long)(g * NCH + cc) * RMAX + e0 / Q) * D) + e0 % Q);
     consumers_sync();
     for (int r = tid; r < R; r += CT) {
         float m = NEG_INF, l = 0.f;
@@ -360,12 +395,18 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
         for (int cc = 0; cc < NCH; ++cc) wgt[cc * RMAX + r] /= l;
     }
     consumers_sync();
-    for (int e = tid; e < R * D; e += CT) {
-        int r = e / D, d = e % D;
-        float o = 0.f;
-        for (int cc = 0; cc < NCH; ++cc)
-            o += wgt[cc * RMAX + r] * __ldcg(part_o + ((long long)(g * NCH + cc) * RMAX + r) * D + d);
-        att[(r % T) * H * D + (g * G + r / T) * D + d] = f2bf(o);
+    for (int e = e0; e < R * Q; e += CT) {
+        int r = e / Q, d = (e % Q) * 4;
+        if (e != e0)
+            for (int cc = 0; cc < NCH; ++cc)
+                o[cc] = __ldcg((const float4*)(part_o + ((long long)(g * NCH + cc) * RMAX + r) * D) + e % Q);
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int cc = 0; cc < NCH; ++cc) {
+            float w = wgt[cc * RMAX + r];
+            sum.x += w * o[cc].x; sum.y += w * o[cc].y; sum.z += w * o[cc].z; sum.w += w * o[cc].w;
+        }
+        bf16* dst = att + (r % T) * H * D + (g * G + r / T) * D + d;
+        dst[0] = f2bf(sum.x); dst[1] = f2bf(sum.y); dst[2] = f2bf(sum.z); dst[3] = f2bf(sum.w);
     }
 }
 
@@ -395,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1)
 decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* part_o, float* part_ml,
             int* counters, const bf16* cosb, const bf16* sinb, const long long* slots, const bf16* final_norm,
             const bf16* lm_w, bf16* logits, int T, int lf, int phase_lo, int phase_hi, int max_len, float eps,
-            float scale, long long* trace) {
+            float scale, int prefetch, long long* trace) {
     extern __shared__ __align__(128) char smem[];
     u64* full = (u64*)smem;
     u64* empty = full + NSTAGE;
@@ -408,7 +449,7 @@ decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* p
     }
     __syncthreads();
     if (threadIdx.x >= CT) {
-        produce(table, lm_w, phase_lo, phase_hi, ring, full, empty);
+        if (threadIdx.x == CT) produce(table, lm_w, phase_lo, phase_hi, prefetch, ring, full, empty);
         return;
     }
     int length = (int)slots[0], it = 0, offset = 0, barriers = 0;

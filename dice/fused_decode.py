@@ -45,6 +45,7 @@ NT = 8             # token rows per forward, at most (the mma's N)
 CW = 8             # consumer warps per block
 PHASES = 5         # per layer: QKV, ATTN, O, UP, DOWN; then one LM phase
 KC = 1024          # weight columns per ring stage (a stage is 16 rows x KC, one bulk copy)
+PREFETCH = 8       # stages each block asks L2 to fetch ahead of its ring
 _SOURCE = Path(__file__).with_name("fused_decode.cu")
 
 
@@ -57,7 +58,8 @@ class FusedDecoder:
     (default: as many as fit in shared memory).
     """
 
-    def __init__(self, model, cache, *, programs: int | None = None, kc: int = KC, stages: int | None = None):
+    def __init__(self, model, cache, *, programs: int | None = None, kc: int = KC, stages: int | None = None,
+                 prefetch: int = PREFETCH):
         c = model.config
         w = model.lm_head.weight
         problem = _unsupported(c, w, cache, kc)
@@ -71,6 +73,7 @@ class FusedDecoder:
         dev = w.device
         props = torch.cuda.get_device_properties(dev)
         self.programs = programs or props.multi_processor_count
+        self.prefetch = prefetch
         hid, inter, H, hkv, D = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         G = H // hkv
         nchunks = self.programs // hkv
@@ -150,7 +153,7 @@ class FusedDecoder:
         args = (p(self.table), p(self.h), p(self.qkv), p(self.att), p(self.act), p(self.part_o), p(self.part_ml),
                 p(self.counters), p(self.cos), p(self.sin), p(slots), p(self.model.model.norm.weight),
                 p(self.lm_tiled), p(self.logits), np.int32(T), np.int32(logits_from), np.int32(lo),
-                np.int32(hi), np.int32(cache.max_len), np.float32(c.rms_norm_eps), np.float32(c.head_dim ** -0.5),
+                np.int32(hi), np.int32(cache.max_len), np.float32(c.rms_norm_eps), np.float32(c.head_dim ** -0.5), np.int32(self.prefetch),
                 np.uint64(0 if trace is None else trace.data_ptr()))
         with self.cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
             self.kernel((self.programs,), (32 * (CW + 1),), args, shared_mem=self.smem)
