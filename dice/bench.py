@@ -178,10 +178,9 @@ def bench_profile(args) -> None:
 def bench_fused(args) -> None:
     """The persistent fused decoding kernel (`dice.fused_decode`) against the compiled
     layer-by-layer step: CUDA-graph replays of one block step (T new tokens against a cache of
-    `--cache-len`), medians of `--repeats`, then each phase of the fused kernel launched alone
-    (one launch per phase, a counter reset each; times include a launch), and its correctness:
-    the persistent launch against the phase-by-phase launches (bitwise) and against the
-    layer-by-layer step (relative error of the logits); and a launch of grid barriers alone."""
+    `--cache-len`), medians of `--repeats`, the relative error of its logits against the
+    layer-by-layer step's, and where a forward's time goes (the kernel's own timestamps: for each
+    phase kind, the mean time from one grid barrier's exit to the next, over layers 1-27)."""
     from . import fused_decode
     from .sampler import CachedForward
     torch.manual_seed(0)
@@ -198,75 +197,48 @@ def bench_fused(args) -> None:
         model.forward_cached(ids[:, :n], pos[:, :n], cache, commit=n)
         return cache
 
-    rows, kernel = [], None
+    rows = []
     with torch.inference_mode():
         for T, lf in ((4, 0), (8, 4)):
             new = (ids[:, n:n + T], pos[:, n:n + T], valid[:, n:n + T])
             for name in ("compiled layer-by-layer", "fused kernel"):
-                cache = prefilled()
-                step = CachedForward(model, cache, True, compile=name.startswith("compiled"),
+                step = CachedForward(model, prefilled(), True, compile=name.startswith("compiled"),
                                      fused=name.startswith("fused"))
                 step(*new, 0, lf)
                 ms = median_replay_ms(next(iter(step.graphs.values()))["graph"], args.repeats)
                 rows.append({"step": name, "new tokens": T, "ms / forward": round(ms, 3),
-                             "% of roofline": round(100 * roofline_ms / ms, 1), "persistent == per phase": "-",
-                             "rel. error vs layers": "-"})
+                             "% of roofline": round(100 * roofline_ms / ms, 1), "rel. error vs layers": "-"})
                 print(table(rows[-1:]), file=sys.stderr, flush=True)
             slots = torch.arange(n, n + T, device="cuda")
-            logits = {}
-            for how in ("layers", "per phase", "persistent"):
-                cache = prefilled()
-                if how == "layers":
-                    logits[how] = model.step_logits(*new, cache, slots, n + T, lf).clone()
-                else:
-                    dec = fused_decode.FusedDecoder(model, cache)
-                    logits[how] = dec.step_logits(*new, cache, slots, n + T, lf, per_phase=how == "per phase").clone()
-            err = (logits["persistent"].float() - logits["layers"].float()).norm() / logits["layers"].float().norm()
-            rows[-1]["persistent == per phase"] = torch.equal(logits["persistent"], logits["per phase"])
-            rows[-1]["rel. error vs layers"] = f"{err.item():.1e}"
+            ref = model.step_logits(*new, prefilled(), slots, n + T, lf).float()
+            cache = prefilled()
+            got = fused_decode.FusedDecoder(model, cache).step_logits(*new, cache, slots, n + T, lf).float()
+            rows[-1]["rel. error vs layers"] = f"{((got - ref).norm() / ref.norm()).item():.1e}"
         cache = prefilled()
         dec = fused_decode.FusedDecoder(model, cache)
+        phases = dec.all_phases
+        trace = torch.zeros(dec.programs, phases + 1, 2, dtype=torch.int64, device="cuda")
         slots = torch.arange(n, n + 4, device="cuda")
-        phases = []
-        for p, name in ((0, "QKV"), (1, "ATTN"), (2, "O"), (3, "UP"), (4, "DOWN"), (fused_decode.PHASES * c.num_hidden_layers, "LM")):
-            def launch(p=p):
-                dec.counters.zero_()
-                return fused_decode._decoder_kernel[(dec.programs,)](
-                    dec.table, dec.h, dec.qkv, dec.att, dec.act, dec.part_o, dec.part_ml, dec.counters[1:],
-                    dec.counters, dec.cos, dec.sin, slots, model.model.norm.weight, model.lm_head.weight, dec.logits,
-                    4, 0, p, p + 1, cache.max_len, c.rms_norm_eps, c.head_dim ** -0.5, num_warps=dec.warps,
-                    num_stages=1, STAGES=dec.stages, **dec.constants)
-            dec.step_logits(ids[:, n:n + 4], pos[:, n:n + 4], None, cache, slots, n + 4)
-            kernel = launch()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(10):
-                    launch()
-            us = median_replay_ms(graph, args.repeats) * 100
-            weight = {"QKV": "qkv_proj", "O": "o_proj", "UP": "gate_up_proj", "DOWN": "down_proj"}.get(name)
-            nbytes = (model.lm_head.weight.nbytes if name == "LM" else
-                      0 if weight is None else sum(p.nbytes for k, p in model.model.layers[0].named_parameters() if weight in k))
-            phases.append({"phase": name, "us / launch": round(us, 2),
-                           "TB/s": round(nbytes / us / 1e6, 2) if nbytes else "-"})
-        barriers = fused_decode.PHASES * c.num_hidden_layers
-        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-
-        def wait_only():
-            flag.zero_()
-            fused_decode._barrier_kernel[(dec.programs,)](flag, barriers)
-        wait_only()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            wait_only()
-        barrier_us = median_replay_ms(graph, args.repeats) * 1e3 / barriers
+        for _ in range(3):
+            dec.step_logits(ids[:, n:n + 4], pos[:, n:n + 4], None, cache, slots, n + 4, trace=trace)
+        torch.cuda.synchronize()
+    t = trace[:, :phases].double().cpu() / 1e3
+    start = t[..., 0].max(0).values          # the last block's exit from the barrier before each phase
+    spans = start[1:] - start[:-1]
+    parts = []
+    for k, name in enumerate(("QKV", "ATTN", "O", "UP", "DOWN")):
+        us = float(spans[[5 * layer + k for layer in range(1, c.num_hidden_layers)]].mean())
+        parts.append({"phase": name, "us / layer": round(us, 2)})
+    parts.append({"phase": "LM (lm_head)", "us / layer": round(float(t[:, -1, 1].max() - start[-1]), 1)})
+    k = dec.kernels[4]
     print(f"\nfused decoding: random SDAR-{args.shape} bf16, batch 1, against {n} cached tokens, "
           f"{torch.cuda.get_device_name()}; roofline {roofline_ms:.3f} ms per forward; one CUDA-graph replay per "
-          f"forward, median of {args.repeats}; kernel: {dec.programs} programs, {kernel.n_regs} registers, "
-          f"{kernel.n_spills} spilled, {barrier_us:.2f} us per grid barrier ({barriers} per forward), tiles {{{', '.join(f'{k}={v}' for k, v in dec.constants.items() if k[:3] in ('BN_', 'BK_'))}}}")
+          f"forward, median of {args.repeats}; kernel: {dec.programs} blocks of {32 * (fused_decode.CW + 1)} threads, "
+          f"{k['kernel'].num_regs} registers, {k['kernel'].local_size_bytes} B local memory, a ring of "
+          f"{k['stages']} stages of 16 x {fused_decode.KC} weights (4-row kernel)")
     print(table(rows))
-    print("\nfused kernel, one phase per launch (layer 0, 4 new tokens):")
-    print(table(phases))
+    print("\nwhere a 4-token forward's time goes (the kernel's timestamps; barrier exit to barrier exit):")
+    print(table(parts))
 
 
 def decode_attention_rows(cfg, kv_len: int, T: int) -> list[dict]:

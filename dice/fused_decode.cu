@@ -118,22 +118,12 @@ __device__ __forceinline__ const bf16* stage_src(const Cursor& c) {
 
 // Weight producer (one thread): streams every stage of this block into the ring, waiting only for
 // free stages, never for activations, so the next phase's weights arrive while the consumers wait
-// at a grid barrier or run attention. It also asks L2 to fetch the stage `prefetch` stages ahead,
-// which extends the ring (shared memory, ~13 MB over the GPU) by L2 (50 MB).
-__device__ void produce(const u64* table, const bf16* lm_w, int phase_lo, int phase_hi, int prefetch, char* ring,
-                        u64* full, u64* empty) {
+// at a grid barrier or run attention.
+__device__ void produce(const u64* table, const bf16* lm_w, int phase_lo, int phase_hi, char* ring, u64* full,
+                        u64* empty) {
     Cursor c = {0, 0, 0, 0, 0, 0, {0, 0, 0, 1}};
     seek_phase(c, table, lm_w, phase_lo, phase_hi);
-    Cursor ahead = c;
-    for (int i = 0; i < prefetch && ahead.p < phase_hi; ++i) {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(stage_src(ahead)), "r"(16 * ahead.kc * 2));
-        advance(ahead, table, lm_w, phase_lo, phase_hi);
-    }
     for (int it = 0; c.p < phase_hi; ++it) {
-        if (ahead.p < phase_hi) {
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(stage_src(ahead)), "r"(16 * ahead.kc * 2));
-            advance(ahead, table, lm_w, phase_lo, phase_hi);
-        }
         int st = it % NSTAGE;
         mbar_wait(&empty[st], ((it / NSTAGE) & 1) ^ 1);
         mbar_expect_tx(&full[st], 16 * c.kc * 2);
@@ -207,7 +197,8 @@ __device__ void consume(Matrix m, int offset, int epi, bf16* out, int T, int lf,
                     int piece = (q * 4 + t4) ^ ((g & 1) * 4);
                     uint4 wlo = *(const uint4*)(base + g * kc * 2 + piece * 16);
                     uint4 whi = *(const uint4*)(base + (g + 8) * kc * 2 + piece * 16);
-                    uint4 xv = *(const uint4*)(xs + g * (m.k * 2 + 64) + (k0 + q * 32) * 2 + t4 * 16);
+                    uint4 xv = g < NT ? *(const uint4*)(xs + g * (m.k * 2 + 64) + (k0 + q * 32) * 2 + t4 * 16)
+                                      : make_uint4(0, 0, 0, 0);
                     mma(acc[part], wlo, whi, xv.x, xv.y, 0);
                     mma(acc[part], wlo, whi, xv.z, xv.w, 1);
                 }
@@ -436,7 +427,7 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1)
 decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* part_o, float* part_ml,
             int* counters, const bf16* cosb, const bf16* sinb, const long long* slots, const bf16* final_norm,
             const bf16* lm_w, bf16* logits, int T, int lf, int phase_lo, int phase_hi, int max_len, float eps,
-            float scale, int prefetch, long long* trace) {
+            float scale, long long* trace) {
     extern __shared__ __align__(128) char smem[];
     u64* full = (u64*)smem;
     u64* empty = full + NSTAGE;
@@ -449,7 +440,7 @@ decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* p
     }
     __syncthreads();
     if (threadIdx.x >= CT) {
-        if (threadIdx.x == CT) produce(table, lm_w, phase_lo, phase_hi, prefetch, ring, full, empty);
+        if (threadIdx.x == CT) produce(table, lm_w, phase_lo, phase_hi, ring, full, empty);
         return;
     }
     int length = (int)slots[0], it = 0, offset = 0, barriers = 0;

@@ -45,7 +45,6 @@ NT = 8             # token rows per forward, at most (the mma's N)
 CW = 8             # consumer warps per block
 PHASES = 5         # per layer: QKV, ATTN, O, UP, DOWN; then one LM phase
 KC = 1024          # weight columns per ring stage (a stage is 16 rows x KC, one bulk copy)
-PREFETCH = 8       # stages each block asks L2 to fetch ahead of its ring
 _SOURCE = Path(__file__).with_name("fused_decode.cu")
 
 
@@ -55,11 +54,12 @@ class FusedDecoder:
     weights and the cache's buffers: build it after both exist and drop it when either changes.
 
     programs: blocks (default: one per SM); kc: weight columns per ring stage; stages: ring depth
-    (default: as many as fit in shared memory).
+    (default: as many as fit in shared memory); rows: the kernels' token-row counts (a step of T
+    tokens takes the smallest >= T).
     """
 
     def __init__(self, model, cache, *, programs: int | None = None, kc: int = KC, stages: int | None = None,
-                 prefetch: int = PREFETCH):
+                 rows: tuple[int, ...] = (4, NT)):
         c = model.config
         w = model.lm_head.weight
         problem = _unsupported(c, w, cache, kc)
@@ -71,35 +71,13 @@ class FusedDecoder:
             raise RuntimeError("fused decoding compiles its kernel with CuPy: pip install -e '.[gpu]'") from None
         self.model, self.cache, self.cfg, self.cupy = model, cache, c, cupy
         dev = w.device
-        props = torch.cuda.get_device_properties(dev)
-        self.programs = programs or props.multi_processor_count
-        self.prefetch = prefetch
+        self.programs = programs or torch.cuda.get_device_properties(dev).multi_processor_count
         hid, inter, H, hkv, D = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        G = H // hkv
-        nchunks = self.programs // hkv
-        rmax = G * NT
-        csmax = -(-cache.max_len // nchunks)
-        kmax = max(hid, H * D, inter)
-        # shared memory for activations (8 rows of the widest input), and for attention, behind the
-        # QKV phase's rows (its keys/values are prefetched while that phase runs)
-        attn_offset = -(-NT * (hid * 2 + 64) // 128) * 128
-        attn = 2 * 2 * csmax * D + 4 * max(rmax * D + rmax * csmax, 2 * nchunks * rmax)
-        scratch = -(-max(NT * (kmax * 2 + 64), attn_offset + attn) // 128) * 128
-        stage = 16 * kc * 2
-        fixed = 1024 + CW * 2 * 128 * 4 + scratch
-        limit = _max_shared(dev) - 256          # the kernel's static shared memory
-        fit = (limit - fixed) // stage
-        self.stages = min(stages or fit, fit, 48)
-        if self.stages < 2:
-            raise ValueError(f"fused decoding: a cache of {cache.max_len} slots leaves shared memory for "
-                             f"{self.stages} weight stages; use a smaller kc or cache")
-        self.smem = fixed + self.stages * stage
-        defines = dict(LAYERS=c.num_hidden_layers, HID=hid, INTER=inter, VOCAB=c.vocab_size, H=H, HKV=hkv, D=D,
-                       NQKV=(H + 2 * hkv) * D, BS=c.block_size, NT=NT, CW=CW, KCMAX=kc, KMAX=kmax,
-                       NSTAGE=self.stages, ATTN_OFFSET=attn_offset, NITEMS=nchunks * hkv, RMAX=rmax, CSMAX=csmax, SCRATCH=scratch)
-        code = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.read_text()
-        self.kernel = cupy.RawModule(code=code, options=("-std=c++17",)).get_function("decode_step")
-        self.kernel.max_dynamic_shared_size_bytes = self.smem
+        self.nchunks = self.programs // hkv
+        # one kernel per token-row count: 4 rows (most denoising steps) leave more room for the ring
+        self.kernels = {r: self._build(r, kc, stages) for r in sorted(rows)}
+        if max(self.kernels) < NT:
+            raise ValueError(f"fused decoding needs a kernel for {NT} token rows; rows={rows}")
         ptrs, self.tiled = [], []
         for i, layer in enumerate(model.model.layers):
             a, m = layer.self_attn, layer.mlp
@@ -113,11 +91,41 @@ class FusedDecoder:
         self.h, self.qkv = torch.zeros(NT, hid, **bf), torch.zeros(NT, (H + 2 * hkv) * D, **bf)
         self.att, self.act = torch.zeros(NT, H * D, **bf), torch.zeros(NT, inter, **bf)
         self.cos, self.sin = torch.zeros(NT, D, **bf), torch.zeros(NT, D, **bf)
-        self.part_o = torch.zeros(nchunks * hkv * rmax, D, dtype=torch.float32, device=dev)
-        self.part_ml = torch.zeros(nchunks * hkv * 2 * rmax, dtype=torch.float32, device=dev)
+        rmax = H // hkv * NT
+        self.part_o = torch.zeros(self.nchunks * hkv * rmax, D, dtype=torch.float32, device=dev)
+        self.part_ml = torch.zeros(self.nchunks * hkv * 2 * rmax, dtype=torch.float32, device=dev)
         self.counters = torch.zeros(1 + c.num_hidden_layers * hkv, dtype=torch.int32, device=dev)
         self.logits = torch.zeros(NT, c.vocab_size, **bf)
         self.all_phases = PHASES * c.num_hidden_layers + 1
+
+    def _build(self, nt: int, kc: int, stages: int | None) -> dict:
+        """The kernel for up to `nt` token rows: its shared-memory layout (activations, attention
+        scratch, then as many ring stages as fit) and its compilation."""
+        c, D = self.cfg, self.cfg.head_dim
+        hid, inter, H, hkv = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads
+        rmax = H // hkv * nt
+        csmax = -(-self.cache.max_len // self.nchunks)
+        kmax = max(hid, H * D, inter)
+        # activations (nt rows of the widest input), and attention's scratch behind the QKV phase's
+        # rows (its keys/values are prefetched while that phase runs)
+        attn_offset = -(-nt * (hid * 2 + 64) // 128) * 128
+        attn = 2 * 2 * csmax * D + 4 * max(rmax * D + rmax * csmax, 2 * self.nchunks * rmax)
+        scratch = -(-max(nt * (kmax * 2 + 64), attn_offset + attn) // 128) * 128
+        stage = 16 * kc * 2
+        fixed = 1024 + CW * 2 * 128 * 4 + scratch
+        fit = (_max_shared(self.model.lm_head.weight.device) - 256 - fixed) // stage   # 256: static shared memory
+        nstage = min(stages or fit, fit, 48)
+        if nstage < 2:
+            raise ValueError(f"fused decoding: a cache of {self.cache.max_len} slots leaves shared memory for "
+                             f"{nstage} weight stages; use a smaller kc or cache")
+        defines = dict(LAYERS=c.num_hidden_layers, HID=hid, INTER=inter, VOCAB=c.vocab_size, H=H, HKV=hkv, D=D,
+                       NQKV=(H + 2 * hkv) * D, BS=c.block_size, NT=nt, CW=CW, KCMAX=kc, KMAX=kmax, NSTAGE=nstage,
+                       ATTN_OFFSET=attn_offset, NITEMS=self.nchunks * hkv, RMAX=rmax, CSMAX=csmax, SCRATCH=scratch)
+        code = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.read_text()
+        kernel = self.cupy.RawModule(code=code, options=("-std=c++17",)).get_function("decode_step")
+        smem = fixed + nstage * stage
+        kernel.max_dynamic_shared_size_bytes = smem
+        return dict(kernel=kernel, smem=smem, stages=nstage)
 
     def _tile(self, w: torch.Tensor, kc: int) -> torch.Tensor:
         """A copy of W [N, K] laid out as [N/16][K/kc][16][kc] (kc = min(K, kc)), so that one ring stage
@@ -153,10 +161,11 @@ class FusedDecoder:
         args = (p(self.table), p(self.h), p(self.qkv), p(self.att), p(self.act), p(self.part_o), p(self.part_ml),
                 p(self.counters), p(self.cos), p(self.sin), p(slots), p(self.model.model.norm.weight),
                 p(self.lm_tiled), p(self.logits), np.int32(T), np.int32(logits_from), np.int32(lo),
-                np.int32(hi), np.int32(cache.max_len), np.float32(c.rms_norm_eps), np.float32(c.head_dim ** -0.5), np.int32(self.prefetch),
+                np.int32(hi), np.int32(cache.max_len), np.float32(c.rms_norm_eps), np.float32(c.head_dim ** -0.5),
                 np.uint64(0 if trace is None else trace.data_ptr()))
+        k = self.kernels[min(r for r in self.kernels if r >= T)]
         with self.cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            self.kernel((self.programs,), (32 * (CW + 1),), args, shared_mem=self.smem)
+            k["kernel"]((self.programs,), (32 * (CW + 1),), args, shared_mem=k["smem"])
         return self.logits[:T - logits_from].unsqueeze(0)
 
 
