@@ -44,7 +44,7 @@ import torch
 NT = 8             # token rows per forward, at most (the mma's N)
 CW = 8             # consumer warps per block
 PHASES = 5         # per layer: QKV, ATTN, O, UP, DOWN; then one LM phase
-KC = 1024          # weight columns per ring stage (a stage is 16 rows x KC, one bulk copy)
+KC = 512           # weight columns per ring stage (a stage is 16 rows x KC, one bulk copy)
 _SOURCE = Path(__file__).with_name("fused_decode.cu")
 
 
