@@ -187,6 +187,10 @@ __device__ void consume(Matrix m, int offset, int epi, bf16* out, int T, int lf,
     int kc = kchunk(m.k), tiles = m.n / 16;
     for (int tile = (blockIdx.x - offset % gridDim.x + gridDim.x) % gridDim.x; tile < tiles; tile += gridDim.x) {
         float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        // the residual epilogue's old value, loaded now so that its latency hides behind the stages
+        int e = threadIdx.x, l = e >> 2, i = e & 3;
+        int row = tile * 16 + (l >> 2) + (i >> 1) * 8, tok = (l & 3) * 2 + (i & 1);
+        float old = epi == 1 && e < 128 && tok < T ? bf2f(__ldcg(out + tok * m.n + row)) : 0.f;
         for (int part = 0; part < m.parts; ++part)
             for (int k0 = 0; k0 < m.k; k0 += kc, ++it) {
                 int st = it % NSTAGE;
@@ -207,22 +211,17 @@ __device__ void consume(Matrix m, int offset, int epi, bf16* out, int T, int lf,
             }
         consumers_sync();                              // the previous tile's epilogue has read `red`
         for (int part = 0; part < m.parts; ++part)
-            for (int i = 0; i < 4; ++i) red[((warp * 2 + part) * 32 + lane) * 4 + i] = acc[part][i];
+            for (int j = 0; j < 4; ++j) red[((warp * 2 + part) * 32 + lane) * 4 + j] = acc[part][j];
         consumers_sync();
-        for (int e = threadIdx.x; e < 128; e += CT) {   // element e of the 16 x 8 tile, mma C layout
+        if (e < 128 && tok < T) {                       // element e of the 16 x 8 tile, mma C layout
             float y = 0.f, u = 0.f;
             for (int w = 0; w < CW; ++w) {
                 y += red[(w * 2) * 128 + e];
                 if (m.parts == 2) u += red[(w * 2 + 1) * 128 + e];
             }
-            int l = e >> 2, i = e & 3;
-            int row = tile * 16 + (l >> 2) + (i >> 1) * 8, tok = (l & 3) * 2 + (i & 1);
-            if (tok >= T) continue;
             if (epi == 0) out[tok * m.n + row] = f2bf(y);
-            else if (epi == 1) {
-                bf16* dst = out + tok * m.n + row;
-                *dst = f2bf(bf2f(__ldcg(dst)) + rnd(y));
-            } else if (epi == 2) {
+            else if (epi == 1) out[tok * m.n + row] = f2bf(old + rnd(y));
+            else if (epi == 2) {
                 float gte = rnd(y);
                 out[tok * m.n + row] = f2bf(rnd(gte / (1.f + __expf(-gte))) * rnd(u));
             } else if (tok >= lf) out[(long long)(tok - lf) * m.n + row] = f2bf(y);
@@ -343,25 +342,30 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
         if (lane == 0) { part_ml[part * 2 * RMAX + r] = m; part_ml[part * 2 * RMAX + RMAX + r] = l; }
     }
     consumers_sync();
-    const int RG = CT / D;                       // row groups of the value product
-    for (int rg = tid / D; rg < R; rg += RG * 8) {
-        int d = tid % D;
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    const int RG = CT / D, KR = (RMAX + RG - 1) / RG;   // row groups of the value product, rows per thread
+    {
+        int rg = tid / D, d = tid % D;
+        float acc[KR];
+        for (int k = 0; k < KR; ++k) acc[k] = 0.f;
         for (int i = 0; i < n; ++i) {
             float v = bf2f(vs[i * D + d]);
-            for (int k = 0; k < 8; ++k)
+            for (int k = 0; k < KR; ++k)
                 if (rg + k * RG < R) acc[k] += S[(rg + k * RG) * CSMAX + i] * v;
         }
-        for (int k = 0; k < 8; ++k)
+        for (int k = 0; k < KR; ++k)
             if (rg + k * RG < R) part_o[((long long)part * RMAX + rg + k * RG) * D + d] = acc[k];
     }
-    __threadfence();
+    // the ticket: bar.sync orders every thread's partials before thread 0's release, whose acquire
+    // side orders the merge's loads (CUTLASS's GenericBarrier pattern; no per-thread fences)
     consumers_sync();
     __shared__ int last;
-    if (tid == 0) last = atomicAdd(tickets + g, 1) == NCH - 1;
+    if (tid == 0) {
+        int old;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(tickets + g) : "memory");
+        last = old == NCH - 1;
+    }
     consumers_sync();
     if (!last) return;
-    __threadfence();
     float* wgt = qs;                     // [NCH][RMAX] chunk weights exp(m_c - m) / l
     float* ls = wgt + NCH * RMAX;        // [NCH][RMAX] the chunks' softmax sums
     for (int e = tid; e < NCH * R; e += CT) {
@@ -407,19 +411,37 @@ __device__ __forceinline__ long long globaltimer() {
     return t;
 }
 
-__device__ void grid_barrier(int* counter, int target) {
-    consumers_sync();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(counter, 1);
-        long long t0 = clock64();
+// Grid barrier number `epoch` (1, 2, ...). BARRIER 1: each block publishes the epoch in its own flag
+// and one warp polls every block's flag; BARRIER 0: each block adds 1 to one counter.
+__device__ void grid_barrier(int* flags, int epoch) {
+    consumers_sync();                  // every consumer's writes precede the release below
+    long long t0 = clock64();
+#if BARRIER
+    if (threadIdx.x < 32) {
+        if (threadIdx.x == 0)
+            asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(flags + blockIdx.x), "r"(epoch) : "memory");
         for (;;) {
-            int seen;
-            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-            if (seen >= target) break;
+            bool ok = true;
+            for (int i = threadIdx.x; i < gridDim.x; i += 32) {
+                int seen;
+                asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(flags + i) : "memory");
+                ok &= seen >= epoch;
+            }
+            if (__all_sync(0xffffffff, ok)) break;
             if (clock64() - t0 > TIMEOUT) __trap();
         }
     }
+#else
+    if (threadIdx.x == 0) {
+        asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(flags) : "memory");
+        for (;;) {
+            int seen;
+            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(flags) : "memory");
+            if (seen >= epoch * (int)gridDim.x) break;
+            if (clock64() - t0 > TIMEOUT) __trap();
+        }
+    }
+#endif
     consumers_sync();
 }
 
@@ -449,7 +471,7 @@ decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* p
         const u64* row = table + layer * NTAB;
         Matrix m = phase_matrix(table, lm_w, p);
         if (p >= phase_lo) {
-            if (p > phase_lo) grid_barrier(counters, ++barriers * gridDim.x);
+            if (p > phase_lo) grid_barrier(counters, ++barriers);
             if (trace && threadIdx.x == 0) trace[(blockIdx.x * (phase_hi + 1) + p) * 2] = globaltimer();
             if (layer == LAYERS) load_normed(h, final_norm, T, eps, xs);
             else if (kind == QKV) {
@@ -461,7 +483,7 @@ decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* p
             else if (kind == DOWN) load_rows(act, INTER, T, xs);
             if (kind == ATTN && layer < LAYERS) {
                 if (p == phase_lo) prefetch_kv(row, length, T, max_len, xs + ATTN_OFFSET);
-                attention(row, qkv, att, part_o, part_ml, counters + 1 + layer * HKV, cosb, sinb, length, T,
+                attention(row, qkv, att, part_o, part_ml, counters + gridDim.x + layer * HKV, cosb, sinb, length, T,
                           max_len, eps, scale, (float*)(xs + ATTN_OFFSET));
             } else {
                 consumers_sync();
