@@ -411,37 +411,19 @@ __device__ __forceinline__ long long globaltimer() {
     return t;
 }
 
-// Grid barrier number `epoch` (1, 2, ...). BARRIER 1: each block publishes the epoch in its own flag
-// and one warp polls every block's flag; BARRIER 0: each block adds 1 to one counter.
-__device__ void grid_barrier(int* flags, int epoch) {
+// Grid barrier number `epoch` (1, 2, ...): each block adds 1 to one counter and waits for all.
+__device__ void grid_barrier(int* counter, int epoch) {
     consumers_sync();                  // every consumer's writes precede the release below
-    long long t0 = clock64();
-#if BARRIER
-    if (threadIdx.x < 32) {
-        if (threadIdx.x == 0)
-            asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(flags + blockIdx.x), "r"(epoch) : "memory");
-        for (;;) {
-            bool ok = true;
-            for (int i = threadIdx.x; i < gridDim.x; i += 32) {
-                int seen;
-                asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(flags + i) : "memory");
-                ok &= seen >= epoch;
-            }
-            if (__all_sync(0xffffffff, ok)) break;
-            if (clock64() - t0 > TIMEOUT) __trap();
-        }
-    }
-#else
     if (threadIdx.x == 0) {
-        asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(flags) : "memory");
+        long long t0 = clock64();
+        asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(counter) : "memory");
         for (;;) {
             int seen;
-            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(flags) : "memory");
+            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
             if (seen >= epoch * (int)gridDim.x) break;
             if (clock64() - t0 > TIMEOUT) __trap();
         }
     }
-#endif
     consumers_sync();
 }
 
@@ -483,7 +465,7 @@ decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* p
             else if (kind == DOWN) load_rows(act, INTER, T, xs);
             if (kind == ATTN && layer < LAYERS) {
                 if (p == phase_lo) prefetch_kv(row, length, T, max_len, xs + ATTN_OFFSET);
-                attention(row, qkv, att, part_o, part_ml, counters + gridDim.x + layer * HKV, cosb, sinb, length, T,
+                attention(row, qkv, att, part_o, part_ml, counters + 1 + layer * HKV, cosb, sinb, length, T,
                           max_len, eps, scale, (float*)(xs + ATTN_OFFSET));
             } else {
                 consumers_sync();

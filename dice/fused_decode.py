@@ -59,7 +59,7 @@ class FusedDecoder:
     """
 
     def __init__(self, model, cache, *, programs: int | None = None, kc: int = KC, stages: int | None = None,
-                 rows: tuple[int, ...] = (4, NT), barrier: int = 1):
+                 rows: tuple[int, ...] = (4, NT)):
         c = model.config
         w = model.lm_head.weight
         problem = _unsupported(c, w, cache, kc)
@@ -74,7 +74,6 @@ class FusedDecoder:
         self.programs = programs or torch.cuda.get_device_properties(dev).multi_processor_count
         hid, inter, H, hkv, D = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.nchunks = self.programs // hkv
-        self.barrier = barrier
         # one kernel per token-row count: 4 rows (most denoising steps) leave more room for the ring
         self.kernels = {r: self._build(r, kc, stages) for r in sorted(rows)}
         if max(self.kernels) < NT:
@@ -95,7 +94,7 @@ class FusedDecoder:
         rmax = H // hkv * NT
         self.part_o = torch.zeros(self.nchunks * hkv * rmax, D, dtype=torch.float32, device=dev)
         self.part_ml = torch.zeros(self.nchunks * hkv * 2 * rmax, dtype=torch.float32, device=dev)
-        self.counters = torch.zeros(self.programs + c.num_hidden_layers * hkv, dtype=torch.int32, device=dev)
+        self.counters = torch.zeros(1 + c.num_hidden_layers * hkv, dtype=torch.int32, device=dev)
         self.logits = torch.zeros(NT, c.vocab_size, **bf)
         self.all_phases = PHASES * c.num_hidden_layers + 1
 
@@ -121,7 +120,7 @@ class FusedDecoder:
                              f"{nstage} weight stages; use a smaller kc or cache")
         defines = dict(LAYERS=c.num_hidden_layers, HID=hid, INTER=inter, VOCAB=c.vocab_size, H=H, HKV=hkv, D=D,
                        NQKV=(H + 2 * hkv) * D, BS=c.block_size, NT=nt, CW=CW, KCMAX=kc, KMAX=kmax, NSTAGE=nstage,
-                       BARRIER=self.barrier, ATTN_OFFSET=attn_offset, NITEMS=self.nchunks * hkv, RMAX=rmax, CSMAX=csmax, SCRATCH=scratch)
+                       ATTN_OFFSET=attn_offset, NITEMS=self.nchunks * hkv, RMAX=rmax, CSMAX=csmax, SCRATCH=scratch)
         code = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.read_text()
         kernel = self.cupy.RawModule(code=code, options=("-std=c++17",)).get_function("decode_step")
         smem = fixed + nstage * stage
