@@ -59,12 +59,12 @@ def bench_sample(args) -> None:
     rows = []
 
     def run(label, batch, block_size, steps, graphs, remasking="low_confidence_static", m=model, compile=False,
-            gen=args.gen, repeats=args.repeats):
+            gen=args.gen, repeats=args.repeats, fused=False):
         saved = m.config.block_size
         m.config.block_size = block_size
         try:
             kw = dict(max_new_tokens=gen, steps_per_block=steps, remasking=remasking, cuda_graphs=graphs,
-                      compile=compile)
+                      compile=compile, fused=fused)
             # warm-up: graph capture; compiled steps depend on the cache length, so warm up at full length
             generate(m, [prompt] * batch, **{**kw, "max_new_tokens": gen if compile else 64})
             times, res = [], None
@@ -78,7 +78,7 @@ def bench_sample(args) -> None:
             m.config.block_size = saved
         t = statistics.median(times)
         fps = res.forwards / t
-        rows.append({"decode": label, "batch": batch, "gen": gen, "graphs": graphs, "compile": compile,
+        rows.append({"decode": label, "batch": batch, "gen": gen, "graphs": graphs, "compile": compile, "fused": fused,
                      "tokens/s": round(res.num_tokens / t), "forwards": res.forwards,
                      "ms/forward": round(1e3 / fps, 3), "% roofline fwd/s": round(100 * fps / roofline_fps, 1)})
         print(table(rows[-1:]), file=sys.stderr, flush=True)
@@ -88,6 +88,9 @@ def bench_sample(args) -> None:
         for compile in ([False, True] if batch in args.compile_batch else [False]):
             run("diffusion B=4 S=4", batch, 4, 4, True, compile=compile)
             run("autoregressive", batch, 1, 1, True, compile=compile)
+        if batch == 1 and args.fused:
+            run("diffusion B=4 S=4", batch, 4, 4, True, fused=True)
+            run("autoregressive", batch, 1, 1, True, fused=True)
     peaked = random_model(args.shape, peaked=12.0)
     for remasking in ("low_confidence_static", "low_confidence_dynamic"):
         run(f"peaked {remasking.split('_')[-1]}", 1, 4, 4, True, remasking, m=peaked)
@@ -467,6 +470,7 @@ def main(argv=None) -> None:
     s.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
     s.add_argument("--eager-gen", type=int, default=128, help="tokens for the (slow) eager batch-1 row")
     s.add_argument("--compile-batch", type=int, nargs="*", default=[1], help="batches also run with compile=True")
+    s.add_argument("--fused", action="store_true", help="also run batch 1 with the fused decoding kernel (Hopper)")
     pr = sub.add_parser("profile", help="where a batch-1 decode forward spends its time; decode attention vs SDPA")
     pr.add_argument("--shape", type=str.lower, choices=SDAR_SHAPES, default="1.7b", help="public SDAR shape")
     pr.add_argument("--cache-len", type=int, default=1024, help="cached tokens the decode step attends to")

@@ -1,11 +1,16 @@
 // The batch-1 decoding step as one persistent kernel (dice/fused_decode.py explains the design).
-// Compile-time sizes arrive as #defines written by FusedDecoder; no CUDA headers are needed.
+// Compile-time sizes arrive as #defines written by FusedDecoder (the model's shape, the token rows,
+// the stage width); what depends on the cache's length (attention's chunk size, the ring depth) is
+// a launch argument, so one compilation serves every cache. No CUDA headers are needed.
 typedef unsigned short bf16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
 #define CT (CW * 32)                   // consumer threads
-#define STAGE (16 * KCMAX * 2)         // bytes of a ring stage: 16 weight rows x KCMAX columns
+#define STAGE (16 * KCMAX * 2)
+#define CSMAX cs_max                   // key slots per attention chunk, at most (launch argument)
+#define NSTAGE n_stage                 // ring stages (launch argument)
+__shared__ int cs_max, n_stage;         // bytes of a ring stage: 16 weight rows x KCMAX columns
 #define NTAB 10                        // per-layer pointer table: ln1 qkv qn kn o ln2 gu down kc vc
 #define TIMEOUT 4000000000LL           // clock cycles (~2 s) before a wait gives up with a trap
 #define NEG_INF __int_as_float(0xff800000)
@@ -431,15 +436,17 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1)
 decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* part_o, float* part_ml,
             int* counters, const bf16* cosb, const bf16* sinb, const long long* slots, const bf16* final_norm,
             const bf16* lm_w, bf16* logits, int T, int lf, int phase_lo, int phase_hi, int max_len, float eps,
-            float scale, long long* trace) {
+            float scale, int csmax, int nstage, int scratch, long long* trace) {
     extern __shared__ __align__(128) char smem[];
     u64* full = (u64*)smem;
     u64* empty = full + NSTAGE;
     float* red = (float*)(smem + 1024);                      // [CW][2][128]
     char* xs = smem + 1024 + CW * 2 * 128 * 4;               // activations, or attention scratch
-    char* ring = xs + SCRATCH;
+    char* ring = xs + scratch;
     if (threadIdx.x == 0) {
-        for (int s = 0; s < NSTAGE; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], CW); }
+        cs_max = csmax;
+        n_stage = nstage;
+        for (int s = 0; s < nstage; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], CW); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();

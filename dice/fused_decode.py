@@ -46,6 +46,7 @@ CW = 8             # consumer warps per block
 PHASES = 5         # per layer: QKV, ATTN, O, UP, DOWN; then one LM phase
 KC = 512           # weight columns per ring stage (a stage is 16 rows x KC, one bulk copy)
 _SOURCE = Path(__file__).with_name("fused_decode.cu")
+_KERNELS: dict = {}     # compiled kernels by source
 
 
 class FusedDecoder:
@@ -119,13 +120,16 @@ class FusedDecoder:
             raise ValueError(f"fused decoding: a cache of {self.cache.max_len} slots leaves shared memory for "
                              f"{nstage} weight stages; use a smaller kc or cache")
         defines = dict(LAYERS=c.num_hidden_layers, HID=hid, INTER=inter, VOCAB=c.vocab_size, H=H, HKV=hkv, D=D,
-                       NQKV=(H + 2 * hkv) * D, BS=c.block_size, NT=nt, CW=CW, KCMAX=kc, KMAX=kmax, NSTAGE=nstage,
-                       ATTN_OFFSET=attn_offset, NITEMS=self.nchunks * hkv, RMAX=rmax, CSMAX=csmax, SCRATCH=scratch)
+                       NQKV=(H + 2 * hkv) * D, BS=c.block_size, NT=nt, CW=CW, KCMAX=kc, KMAX=kmax,
+                       ATTN_OFFSET=attn_offset, NITEMS=self.nchunks * hkv, RMAX=rmax)
         code = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.read_text()
-        kernel = self.cupy.RawModule(code=code, options=("-std=c++17",)).get_function("decode_step")
+        if code not in _KERNELS:    # one NVRTC compilation per model shape and process (CuPy also caches on disk)
+            _KERNELS[code] = self.cupy.RawModule(code=code, options=("-std=c++17",)).get_function("decode_step")
+        kernel = _KERNELS[code]
         smem = fixed + nstage * stage
-        kernel.max_dynamic_shared_size_bytes = smem
-        return dict(kernel=kernel, smem=smem, stages=nstage)
+        kernel.max_dynamic_shared_size_bytes = max(smem, kernel.max_dynamic_shared_size_bytes)
+        return dict(kernel=kernel, smem=smem, stages=nstage, layout=(np.int32(csmax), np.int32(nstage),
+                                                                     np.int32(scratch)))
 
     def _tile(self, w: torch.Tensor, kc: int) -> torch.Tensor:
         """A copy of W [N, K] laid out as [N/16][K/kc][16][kc] (kc = min(K, kc)), so that one ring stage
@@ -157,13 +161,13 @@ class FusedDecoder:
         self.cos[:T], self.sin[:T] = cos[0, 0], sin[0, 0]
         self.counters.zero_()
         lo, hi = phases or (0, self.all_phases)
+        k = self.kernels[min(r for r in self.kernels if r >= T)]
         p = lambda t: np.uint64(t.data_ptr())  # noqa: E731
         args = (p(self.table), p(self.h), p(self.qkv), p(self.att), p(self.act), p(self.part_o), p(self.part_ml),
                 p(self.counters), p(self.cos), p(self.sin), p(slots), p(self.model.model.norm.weight),
                 p(self.lm_tiled), p(self.logits), np.int32(T), np.int32(logits_from), np.int32(lo),
                 np.int32(hi), np.int32(cache.max_len), np.float32(c.rms_norm_eps), np.float32(c.head_dim ** -0.5),
-                np.uint64(0 if trace is None else trace.data_ptr()))
-        k = self.kernels[min(r for r in self.kernels if r >= T)]
+                *k["layout"], np.uint64(0 if trace is None else trace.data_ptr()))
         with self.cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
             k["kernel"]((self.programs,), (32 * (CW + 1),), args, shared_mem=k["smem"])
         return self.logits[:T - logits_from].unsqueeze(0)
