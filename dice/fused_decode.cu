@@ -439,7 +439,7 @@ decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* p
             float scale, int csmax, int nstage, int scratch, long long* trace) {
     extern __shared__ __align__(128) char smem[];
     u64* full = (u64*)smem;
-    u64* empty = full + NSTAGE;
+    u64* empty = full + nstage;
     float* red = (float*)(smem + 1024);                      // [CW][2][128]
     char* xs = smem + 1024 + CW * 2 * 128 * 4;               // activations, or attention scratch
     char* ring = xs + scratch;
