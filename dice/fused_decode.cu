@@ -7,10 +7,10 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 
 #define CT (CW * 32)                   // consumer threads
-#define STAGE (16 * KCMAX * 2)
+#define STAGE (16 * KCMAX * 2)         // bytes of a ring stage: 16 weight rows x KCMAX columns
 #define CSMAX cs_max                   // key slots per attention chunk, at most (launch argument)
 #define NSTAGE n_stage                 // ring stages (launch argument)
-__shared__ int cs_max, n_stage;         // bytes of a ring stage: 16 weight rows x KCMAX columns
+__shared__ int cs_max, n_stage;
 #define NTAB 10                        // per-layer pointer table: ln1 qkv qn kn o ln2 gu down kc vc
 #define TIMEOUT 4000000000LL           // clock cycles (~2 s) before a wait gives up with a trap
 #define NEG_INF __int_as_float(0xff800000)
@@ -234,21 +234,21 @@ __device__ void consume(Matrix m, int offset, int epi, bf16* out, int T, int lf,
     }
 }
 
-// RMSNorm over one head's D values, then rotate-half RoPE at token t (a warp; E = D / 32 values
+// RMSNorm over one head's D values, then rotate-half RoPE at token t (a warp; DL = D / 32 values
 // per lane, so a value's rotation partner d +- D/2 sits 16 lanes away). All loads are issued first.
-#define E (D / 32)
+#define DL (D / 32)
 __device__ void norm_rope(const bf16* src, const bf16* w, const bf16* cosb, const bf16* sinb, int t, float eps,
                           float* out) {
     int lane = threadIdx.x & 31;
-    float x[E], wv[E], cs[E], sn[E], ss = 0.f;
-    for (int e = 0; e < E; ++e) {
-        int d = lane * E + e;
+    float x[DL], wv[DL], cs[DL], sn[DL], ss = 0.f;
+    for (int e = 0; e < DL; ++e) {
+        int d = lane * DL + e;
         x[e] = bf2f(__ldcg(src + d)); wv[e] = bf2f(w[d]); cs[e] = bf2f(cosb[t * D + d]); sn[e] = bf2f(sinb[t * D + d]);
     }
-    for (int e = 0; e < E; ++e) ss += x[e] * x[e];
+    for (int e = 0; e < DL; ++e) ss += x[e] * x[e];
     float rstd = rsqrtf(warp_sum(ss) / D + eps);
-    for (int e = 0; e < E; ++e) x[e] = rnd(rnd(x[e] * rstd) * wv[e]);
-    for (int e = 0; e < E; ++e) {
+    for (int e = 0; e < DL; ++e) x[e] = rnd(rnd(x[e] * rstd) * wv[e]);
+    for (int e = 0; e < DL; ++e) {
         float partner = __shfl_xor_sync(0xffffffff, x[e], 16);
         out[e] = rnd(rnd(x[e] * cs[e]) + rnd((lane < 16 ? -partner : partner) * sn[e]));
     }
@@ -293,16 +293,16 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
     float* qs = (float*)(vs + CSMAX * D);        // [RMAX][D]
     float* S = qs + RMAX * D;                    // [RMAX][CSMAX] scores, then probabilities
     for (int r = warp; r < R; r += CW) {
-        float q[E];
+        float q[DL];
         norm_rope(qkv + (r % T) * NQKV + (g * G + r / T) * D, (const bf16*)row[2], cosb, sinb, r % T, eps, q);
-        for (int e = 0; e < E; ++e) qs[r * D + lane * E + e] = q[e];
+        for (int e = 0; e < DL; ++e) qs[r * D + lane * DL + e] = q[e];
     }
     for (int s = max(lo, length) + warp; s < hi; s += CW) {
         int j = s - length;
-        float k[E];
+        float k[DL];
         norm_rope(qkv + j * NQKV + (H + g) * D, (const bf16*)row[3], cosb, sinb, j, eps, k);
-        for (int e = 0; e < E; ++e) {
-            int d = lane * E + e;
+        for (int e = 0; e < DL; ++e) {
+            int d = lane * DL + e;
             bf16 kb = f2bf(k[e]), vb = __ldcg(qkv + j * NQKV + (H + HKV + g) * D + d);
             ks[(s - lo) * D + d] = kb; kc[(long long)s * D + d] = kb;
             vs[(s - lo) * D + d] = vb; vc[(long long)s * D + d] = vb;
