@@ -14,16 +14,22 @@ one block per SM, walking the phases
                   DOWN  h += a W_down^T
     then          LM    logits = rmsnorm(h) W_lm^T                           (model.norm)
 
-with a grid-wide barrier between phases. The point of the design: weights do not depend on the
-activations, so a producer warp in every block streams the block's share of *all* the forward's
-weights (16-row tiles, dealt round-robin over the blocks, each cut into KC-wide pieces) into a
-ring of shared-memory stages with TMA bulk copies, waiting only for free stages. Eight consumer
-warps wait at the barriers, run attention and the norms, and multiply each arriving stage with
-the activation rows (tensor-core mma.sync m16n8k16, the weight tile as A, the up-to-8 token rows as
-B). So HBM keeps streaming the next phase's weights while the consumers synchronise.
+with a grid-wide barrier between phases (one counter: a release add, an acquire poll). The point of
+the design: weights do not depend on the activations, so a producer thread in every block streams
+the block's share of *all* the forward's weights (16-row tiles, dealt round-robin over the blocks,
+each cut into KC-wide stages) into a ring of shared-memory stages, one TMA bulk copy per stage,
+waiting only for free stages (mbarriers). Eight consumer warps wait at the barriers, run attention
+and the norms, and multiply each arriving stage with the activation rows (tensor-core mma.sync
+m16n8k16, the weight tile as A, the token rows as B). So HBM keeps streaming the next phase's
+weights while the consumers synchronise. A stage is one contiguous copy because FusedDecoder keeps
+a tiled copy of every matrix ([N/16][K/kc][16][kc], 16-byte pieces XOR-swizzled against shared-
+memory bank conflicts): the weights' memory, twice.
 
-Attention splits each KV head's keys into NITEMS / HKV contiguous chunks, one per block; the
-last block of a head to finish (an atomic ticket) merges the partial softmaxes (flash-decoding).
+Attention splits each KV head's keys into programs / HKV contiguous chunks, one per block, whose
+keys and values are fetched (cp.async) while the QKV phase runs; the last block of a head to
+finish (an atomic ticket) merges the partial softmaxes (flash-decoding). There are two kernels,
+for up to 4 and up to 8 token rows: 4 rows (most denoising steps) leave more shared memory for the
+ring.
 
 Numerics follow the layer-by-layer bf16 model: activations are rounded to bf16 where it rounds
 them (norm outputs, products, residual sums, RoPE terms); attention keeps scores, probabilities
@@ -147,7 +153,11 @@ class FusedDecoder:
                     *, phases: tuple[int, int] | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [1, T - logits_from, V] of T new tokens written at `slots` (contiguous, from the
         cache's filled length); attention spans the committed keys and the new ones (`kv_len` and
-        `valid` are implied at batch 1 and unused; `run_layer` does not apply)."""
+        `valid` are implied at batch 1 and unused; `run_layer` does not apply).
+
+        phases: run phases [lo, hi) only (5 per layer, then the logits; tests). trace: an int64
+        [programs, hi + 1, 2] tensor that receives each block's GPU clock (ns) at the start (after
+        the barrier) and end of each phase (`python -m dice.bench fused` reads it)."""
         from .model import rope_cos_sin
         if cache is not self.cache:
             raise ValueError("this FusedDecoder was built for another cache")

@@ -177,7 +177,10 @@ class CachedForward:
     def __init__(self, model, cache, use_graphs: bool, compile: bool = False, fused: bool = False):
         self.model, self.cache, self.use_graphs = model, cache, use_graphs
         self.run_layer = _compiled_layer() if compile and not fused else None
-        self.fused = _fused_decoder(model, cache) if fused else None
+        self.fused = None
+        if fused:
+            from .fused_decode import FusedDecoder     # imported when asked for: it needs CuPy and a GPU
+            self.fused = FusedDecoder(model, cache)
         self.graphs: dict[tuple, dict] = {}
 
     def step_logits(self, *args) -> torch.Tensor:
@@ -241,12 +244,6 @@ def _compiled(name: str, fn: Callable) -> Callable:
     if name not in _COMPILED:
         _COMPILED[name] = torch.compile(fn, dynamic=False)
     return _COMPILED[name]
-
-
-def _fused_decoder(model, cache):
-    """A `dice.fused_decode.FusedDecoder` for this model and cache, or an error that says why not."""
-    from .fused_decode import FusedDecoder
-    return FusedDecoder(model, cache)
 
 
 def _compiled_layer():
