@@ -123,8 +123,9 @@ class FusedDecoder:
         fit = (_max_shared(self.model.lm_head.weight.device) - 256 - fixed) // stage   # 256: static shared memory
         nstage = min(stages or fit, fit, 48)
         if nstage < 2:
-            raise ValueError(f"fused decoding: a cache of {self.cache.max_len} slots leaves shared memory for "
-                             f"{nstage} weight stages; use a smaller kc or cache")
+            raise ValueError(f"fused decoding: this model's activations and attention take {fixed // 1024} KB of "
+                             f"shared memory, which leaves room for {nstage} weight stages of {stage // 1024} KB "
+                             f"(2 needed); a smaller kc or KV cache may fit")
         defines = dict(LAYERS=c.num_hidden_layers, HID=hid, INTER=inter, VOCAB=c.vocab_size, H=H, HKV=hkv, D=D,
                        NQKV=(H + 2 * hkv) * D, BS=c.block_size, NT=nt, CW=CW, KCMAX=kc, KMAX=kmax,
                        ATTN_OFFSET=attn_offset, NITEMS=self.nchunks * hkv, RMAX=rmax)
