@@ -26,6 +26,23 @@ def test_readme_main_command_generates_a_kernel_without_downloads(tmp_path):
     assert "verification needs a CUDA GPU" in res.stdout + res.stderr
 
 
+def test_embedded_model_writes_the_generators_solution_for_the_held_out_example(tmp_path):
+    """README's main command on the CPU: greedy `dice-tiny` writes, for the held-out level-3 example,
+    exactly the CuPy solution the curriculum generator made for that task (found by its PyTorch
+    source in the seed-0 split), so prompt builder, tokenizer, sampler, model and code extraction
+    still work together as when the model was measured. (The model is robust to small prompt
+    edits: changed separators or wording leave its output as is; dropping the instruction does not.)"""
+    from dice.taskgen import generate_split
+    example = ROOT / "dice" / "assets" / "examples" / "level3_sigmoid_abs_square_log_softmax.py"
+    heldout = generate_split(4000, 90, 60, seed=0)[2]
+    reference = [t["cuda_code"] for t in heldout if t["pytorch_code"] == example.read_text()]
+    assert len(reference) == 1
+    out = tmp_path / "kernel.py"
+    res = run("sample.py", "--prompt", str(example), "--device", "cpu", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert out.read_text().strip() == reference[0].strip()
+
+
 def test_every_shipped_example_is_a_valid_task():
     from dice.tasks import load_tasks
     assert len(EXAMPLES) == 3
