@@ -186,8 +186,6 @@ class FusedDecoder:
 
 def _unsupported(c, w, cache, kc: int) -> str | None:
     """Why this model / cache cannot take the fused step, or None."""
-    if w.device.type != "cuda" or torch.cuda.get_device_capability(w.device) < (9, 0):
-        return "needs a Hopper (SM90) or newer GPU"
     if w.dtype != torch.bfloat16:
         return f"needs bfloat16 weights; got {w.dtype}"
     if cache.k[0].shape[0] != 1:
@@ -203,6 +201,8 @@ def _unsupported(c, w, cache, kc: int) -> str | None:
     for n in (c.hidden_size, (H + 2 * hkv) * D, c.intermediate_size, c.vocab_size):
         if n % 16:
             return f"needs weight row counts divisible by 16; got {n}"
+    if w.device.type != "cuda" or torch.cuda.get_device_capability(w.device) < (9, 0):
+        return "needs a Hopper (SM90) or newer GPU"
     return None
 
 

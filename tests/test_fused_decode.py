@@ -160,10 +160,39 @@ def test_every_fused_step_of_generate_matches_the_layer_by_layer_step(remasking,
         assert graphed.tokens == e.tokens and graphed.step_map == e.step_map
 
 
-def test_fused_decoder_says_what_it_needs():
+def tiny_config(**overrides):
+    return ModelConfig(**{**dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=32, mask_token_id=63),
+                          **overrides})
+
+
+@pytest.mark.parametrize("overrides, dtype, message", [
+    ({}, torch.float32, "needs bfloat16 weights"),
+    ({"block_size": 8}, torch.bfloat16, "block_size <= 4"),
+    ({"head_dim": 48, "hidden_size": 96}, torch.bfloat16, "head_dim 32, 64 or 128"),
+    ({"vocab_size": 952}, torch.bfloat16, "row counts divisible by 16; got 952"),
+    ({"intermediate_size": 96}, torch.bfloat16, "divisible by 64"),
+    ({}, torch.bfloat16, "Hopper"),                 # a fine model, on the CPU
+])
+def test_fused_decoder_says_what_it_needs(overrides, dtype, message):
     from dice.fused_decode import FusedDecoder
-    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, mask_token_id=63)
-    model = SDAR(cfg)
-    with pytest.raises(ValueError, match="Hopper"):
+    model = SDAR(tiny_config(**overrides)).to(dtype)
+    with pytest.raises(ValueError, match=message):
         FusedDecoder(model, model.new_cache(1, 16))
+
+
+def test_tiled_weights_put_each_piece_where_the_kernel_reads_it():
+    """fused_decode.cu reads stage (tile, k0) of W at offset (tile*16) * K + 16 * k0 of the tiled
+    copy, and there the 8 columns k0 + 8c .. +7 of row r at r * kc + 8 * (c ^ 4 * (r & 1))."""
+    from dice.fused_decode import FusedDecoder
+    n, k, kc = 48, 256, 128
+    w = torch.arange(n * k, dtype=torch.float32).reshape(n, k)
+    holder = type("Holder", (), {"tiled": []})()
+    flat = FusedDecoder._tile(holder, w, kc).reshape(-1)
+    for tile in range(n // 16):
+        for k0 in range(0, k, kc):
+            stage = flat[tile * 16 * k + 16 * k0:][:16 * kc]
+            for r in range(16):
+                for c in range(kc // 8):
+                    at = r * kc + 8 * (c ^ (4 * (r & 1)))
+                    assert torch.equal(stage[at:at + 8], w[tile * 16 + r, k0 + 8 * c:k0 + 8 * c + 8])
