@@ -1,5 +1,6 @@
 """The persistent fused decoding kernel (`dice.fused_decode`) against the layer-by-layer model,
-phase by phase (GPU tests: a Hopper GPU and CuPy, `pytest -m gpu`), and its error off such a GPU."""
+phase by phase (GPU tests: a Hopper GPU and CuPy, `pytest -m gpu`); on the CPU, the errors for
+models it cannot run and the layout of its tiled weight copies."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -92,9 +93,9 @@ def test_every_phase_matches_the_layer_by_layer_model(shape, length, T, lf):
 @pytest.mark.gpu
 @hopper
 def test_one_launch_equals_a_launch_per_phase_and_both_row_kernels_agree():
-    """The ring, the grid barriers and the attention tickets: one persistent launch gives the bits of
-    launches of one phase each (which need none of the three across phases); and the 4-row kernel
-    gives the bits of the 8-row one on a 4-token step."""
+    """The ring across phases, the grid barriers and the attention tickets: one persistent launch
+    gives the bits of one launch per phase (which crosses no barrier and starts a fresh ring); and
+    the 4-row kernel gives the bits of the 8-row one on a 4-token step."""
     from dice.fused_decode import FusedDecoder
     model = random_model("1.7b", num_hidden_layers=2)
     results = []
