@@ -79,7 +79,8 @@ class FusedDecoder:
         self.model, self.cache, self.cfg, self.cupy = model, cache, c, cupy
         dev = w.device
         self.programs = programs or torch.cuda.get_device_properties(dev).multi_processor_count
-        hid, inter, H, hkv, D = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        hid, inter, D = c.hidden_size, c.intermediate_size, c.head_dim
+        H, hkv = c.num_attention_heads, c.num_key_value_heads
         self.nchunks = self.programs // hkv
         # one kernel per token-row count: 4 rows (most denoising steps) leave more room for the ring
         self.kernels = {r: self._build(r, kc, stages) for r in sorted(rows)}
@@ -145,7 +146,8 @@ class FusedDecoder:
         n, k = w.shape
         kc = min(k, kc)
         t = w.detach().reshape(n // 16, 16, k // kc, kc // 8, 8).permute(0, 2, 1, 3, 4)
-        swizzle = torch.arange(kc // 8, device=w.device)[None, :] ^ (4 * (torch.arange(16, device=w.device)[:, None] & 1))
+        rows = torch.arange(16, device=w.device)[:, None]
+        swizzle = torch.arange(kc // 8, device=w.device)[None, :] ^ (4 * (rows & 1))
         t = t.gather(3, swizzle[None, None, :, :, None].expand(t.shape)).contiguous()
         self.tiled.append(t)
         return t
