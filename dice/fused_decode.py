@@ -38,7 +38,9 @@ from the layer-by-layer step's in the last bits.
 
 Scope: bf16 weights, one sequence (batch 1, no padding: a key slot's position is its index), up
 to 8 new tokens per forward (block_size <= 4), head_dim 32, 64 or 128, Qwen3/SDAR layers, an SM90
-GPU (Hopper: TMA bulk copies and mbarriers). `phases=(lo, hi)` runs part of the forward (tests).
+GPU (Hopper: TMA bulk copies and mbarriers), and a cache short enough that a block's key chunk and
+at least two ring stages fit in shared memory (SDAR-1.7B: 4096 slots; the ring shrinks as the cache
+grows). `phases=(lo, hi)` runs part of the forward (tests).
 """
 from __future__ import annotations
 
