@@ -8,9 +8,8 @@ typedef unsigned long long u64;
 
 #define CT (CW * 32)                   // consumer threads
 #define STAGE (16 * KCMAX * 2)         // bytes of a ring stage: 16 weight rows x KCMAX columns
-#define CSMAX cs_max                   // key slots per attention chunk, at most (launch argument)
 #define NSTAGE n_stage                 // ring stages (launch argument)
-__shared__ int cs_max, n_stage;
+__shared__ int n_stage;
 #define NTAB 10                        // per-layer pointer table: ln1 qkv qn kn o ln2 gu down kc vc
 #define TIMEOUT 4000000000LL           // clock cycles (~2 s) before a wait gives up with a trap
 #define NEG_INF __int_as_float(0xff800000)
@@ -254,28 +253,30 @@ __device__ void norm_rope(const bf16* src, const bf16* w, const bf16* cosb, cons
     }
 }
 
-// The committed keys/values of this block's attention chunk (see `attention`) into shared memory,
-// issued at the start of the layer's QKV phase so that they arrive while it runs.
+// The committed keys/values of the first SUB slots of this block's attention chunk (see `attention`)
+// into shared memory, issued at the start of the layer's QKV phase so that they arrive while it runs.
+__device__ void load_kv(const bf16* kc, const bf16* vc, int from, int count, bf16* ks) {
+    for (int i = threadIdx.x; i < count * D / 8; i += CT) {
+        cp_async16(ks + i * 8, kc + (long long)from * D + i * 8);
+        cp_async16(ks + SUB * D + i * 8, vc + (long long)from * D + i * 8);
+    }
+}
 __device__ void prefetch_kv(const u64* row, int length, int T, int max_len, char* scratch) {
     const int NCH = NITEMS / HKV;
     int item = blockIdx.x;
     if (item >= NITEMS) return;
     int g = item / NCH, c = item % NCH, total = length + T, cs = (total + NCH - 1) / NCH;
-    int lo = c * cs, n_old = max(min(min(lo + cs, total), length) - lo, 0);
-    const bf16* kc = (const bf16*)row[8] + ((long long)g * max_len + lo) * D;
-    const bf16* vc = (const bf16*)row[9] + ((long long)g * max_len + lo) * D;
-    bf16* ks = (bf16*)scratch;
-    for (int i = threadIdx.x; i < n_old * D / 8; i += CT) {
-        cp_async16(ks + i * 8, kc + i * 8);
-        cp_async16(ks + CSMAX * D + i * 8, vc + i * 8);
-    }
+    int lo = c * cs, n_old = max(min(min(min(lo + cs, total), length), lo + SUB) - lo, 0);
+    load_kv((const bf16*)row[8] + (long long)g * max_len * D, (const bf16*)row[9] + (long long)g * max_len * D, lo,
+            n_old, (bf16*)scratch);
 }
 
 // Attention of the T new tokens (folded GQA rows r = (head - g*G) * T + t) over the cache's `length`
 // committed keys plus themselves (block-causal among the new ones). Work item (KV head g, chunk c)
-// takes a contiguous range of key slots, staged in shared memory; the head's last item to finish
-// merges the partial softmaxes (flash-decoding). The item whose range holds the new slots writes
-// their k/v to the cache.
+// takes a contiguous range of key slots and streams it through shared memory SUB keys at a time
+// (online softmax: a running max and sum per row); the head's last item to finish merges the
+// partial softmaxes (flash-decoding). The item whose range holds the new slots writes their k/v to
+// the cache.
 __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* part_o, float* part_ml,
                           int* tickets, const bf16* cosb, const bf16* sinb, int length, int T, int max_len,
                           float eps, float scale, float* scratch) {
@@ -287,11 +288,16 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
     bf16* kc = (bf16*)row[8] + (long long)g * max_len * D;
     bf16* vc = (bf16*)row[9] + (long long)g * max_len * D;
     int total = length + T, cs = (total + NCH - 1) / NCH;
-    int lo = c * cs, hi = min(lo + cs, total), n = max(hi - lo, 0), n_old = max(min(hi, length) - lo, 0);
-    bf16* ks = (bf16*)scratch;                   // [CSMAX][D] the chunk's keys (old ones: prefetch_kv)
-    bf16* vs = ks + CSMAX * D;                   // [CSMAX][D] and values
-    float* qs = (float*)(vs + CSMAX * D);        // [RMAX][D]
-    float* S = qs + RMAX * D;                    // [RMAX][CSMAX] scores, then probabilities
+    int lo = c * cs, hi = min(lo + cs, total);
+    bf16* ks = (bf16*)scratch;                   // [SUB][D] keys of the current piece (the first: prefetch_kv)
+    bf16* vs = ks + SUB * D;                     // [SUB][D] and values
+    bf16* kn = vs + SUB * D;                     // [NT][D] the new tokens' keys (normed, rotated)
+    bf16* vn = kn + NT * D;                      // [NT][D] and values
+    float* qs = (float*)(vn + NT * D);           // [RMAX][D]
+    float* S = qs + RMAX * D;                    // [RMAX][SUB] scores, then probabilities
+    float* run_m = S + RMAX * SUB;               // [RMAX] running max, sum, and the last rescale factor
+    float* run_l = run_m + RMAX;
+    float* rescale = run_l + RMAX;
     for (int r = warp; r < R; r += CW) {
         float q[DL];
         norm_rope(qkv + (r % T) * NQKV + (g * G + r / T) * D, (const bf16*)row[2], cosb, sinb, r % T, eps, q);
@@ -304,62 +310,81 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
         for (int e = 0; e < DL; ++e) {
             int d = lane * DL + e;
             bf16 kb = f2bf(k[e]), vb = __ldcg(qkv + j * NQKV + (H + HKV + g) * D + d);
-            ks[(s - lo) * D + d] = kb; kc[(long long)s * D + d] = kb;
-            vs[(s - lo) * D + d] = vb; vc[(long long)s * D + d] = vb;
+            kn[j * D + d] = kb; kc[(long long)s * D + d] = kb;
+            vn[j * D + d] = vb; vc[(long long)s * D + d] = vb;
         }
     }
-    cp_async_wait_all();
-    consumers_sync();
-    for (int i0 = 0; i0 < n; i0 += CT / 2) {      // two threads per key (a uniform trip count for the shuffle)
-        int i = i0 + tid / 2, s = lo + i, half = tid & 1;
-        float acc[RMAX];
-        for (int r = 0; r < RMAX; ++r) acc[r] = 0.f;
-        for (int d = half * (D / 2); i < n && d < (half + 1) * (D / 2); d += 8) {
-            uint4 raw = *(const uint4*)(ks + i * D + d);
-            const bf16* kb = (const bf16*)&raw;
-            float k[8];
-            for (int e = 0; e < 8; ++e) k[e] = bf2f(kb[e]);
-            for (int r = 0; r < RMAX; ++r)
-                if (r < R)
-                    for (int e = 0; e < 8; ++e) acc[r] += qs[r * D + d + e] * k[e];
-        }
-        for (int r = 0; r < RMAX; ++r) acc[r] += __shfl_xor_sync(0xffffffff, acc[r], 1);
-        if (!half && i < n)
-            for (int r = 0; r < R; ++r) {
-                int t = r % T;
-                bool visible = s < length || s / BS <= (length + t) / BS;
-                S[r * CSMAX + i] = visible ? acc[r] * scale : NEG_INF;
-            }
-    }
-    consumers_sync();
-    int part = g * NCH + c;
-    for (int r = warp; r < R; r += CW) {
-        float m = NEG_INF;
-        for (int i = lane; i < n; i += 32) m = fmaxf(m, S[r * CSMAX + i]);
-        m = warp_max(m);
-        float l = 0.f;
-        for (int i = lane; i < n; i += 32) {
-            float p = m == NEG_INF ? 0.f : __expf(S[r * CSMAX + i] - m);
-            S[r * CSMAX + i] = p;
-            l += p;
-        }
-        l = warp_sum(l);
-        if (lane == 0) { part_ml[part * 2 * RMAX + r] = m; part_ml[part * 2 * RMAX + RMAX + r] = l; }
-    }
-    consumers_sync();
+    for (int r = tid; r < RMAX; r += CT) { run_m[r] = NEG_INF; run_l[r] = 0.f; }
     const int RG = CT / D, KR = (RMAX + RG - 1) / RG;   // row groups of the value product, rows per thread
-    {
-        int rg = tid / D, d = tid % D;
-        float acc[KR];
-        for (int k = 0; k < KR; ++k) acc[k] = 0.f;
-        for (int i = 0; i < n; ++i) {
-            float v = bf2f(vs[i * D + d]);
-            for (int k = 0; k < KR; ++k)
-                if (rg + k * RG < R) acc[k] += S[(rg + k * RG) * CSMAX + i] * v;
+    int rg = tid / D, dv = tid % D;
+    float acc[KR];
+    for (int k = 0; k < KR; ++k) acc[k] = 0.f;
+    for (int from = lo; from < hi; from += SUB) {
+        int n = min(SUB, hi - from), n_old = max(min(from + SUB, min(hi, length)) - from, 0);
+        if (from != lo) {
+            consumers_sync();                      // the previous piece's value product has read ks / vs
+            load_kv(kc, vc, from, n_old, ks);
         }
-        for (int k = 0; k < KR; ++k)
-            if (rg + k * RG < R) part_o[((long long)part * RMAX + rg + k * RG) * D + d] = acc[k];
+        for (int i = tid; i < (n - n_old) * D; i += CT) {      // this piece's new keys, from kn / vn
+            int slot = from + n_old + i / D, d = i % D;
+            ks[(slot - from) * D + d] = kn[(slot - length) * D + d];
+            vs[(slot - from) * D + d] = vn[(slot - length) * D + d];
+        }
+        cp_async_wait_all();
+        consumers_sync();
+        for (int i0 = 0; i0 < n; i0 += CT / 2) {      // two threads per key (a uniform trip count for the shuffle)
+            int i = i0 + tid / 2, s = from + i, half = tid & 1;
+            float sc[RMAX];
+            for (int r = 0; r < RMAX; ++r) sc[r] = 0.f;
+            for (int d = half * (D / 2); i < n && d < (half + 1) * (D / 2); d += 8) {
+                uint4 raw = *(const uint4*)(ks + i * D + d);
+                const bf16* kb = (const bf16*)&raw;
+                float k[8];
+                for (int e = 0; e < 8; ++e) k[e] = bf2f(kb[e]);
+                for (int r = 0; r < RMAX; ++r)
+                    if (r < R)
+                        for (int e = 0; e < 8; ++e) sc[r] += qs[r * D + d + e] * k[e];
+            }
+            for (int r = 0; r < RMAX; ++r) sc[r] += __shfl_xor_sync(0xffffffff, sc[r], 1);
+            if (!half && i < n)
+                for (int r = 0; r < R; ++r) {
+                    int t = r % T;
+                    bool visible = s < length || s / BS <= (length + t) / BS;
+                    S[r * SUB + i] = visible ? sc[r] * scale : NEG_INF;
+                }
+        }
+        consumers_sync();
+        for (int r = warp; r < R; r += CW) {
+            float m = run_m[r];
+            for (int i = lane; i < n; i += 32) m = fmaxf(m, S[r * SUB + i]);
+            m = warp_max(m);
+            float l = 0.f;
+            for (int i = lane; i < n; i += 32) {
+                float p = m == NEG_INF ? 0.f : __expf(S[r * SUB + i] - m);
+                S[r * SUB + i] = p;
+                l += p;
+            }
+            l = warp_sum(l);
+            if (lane == 0) {
+                float f = run_m[r] == NEG_INF ? 0.f : __expf(run_m[r] - m);
+                rescale[r] = f;
+                run_l[r] = run_l[r] * f + l;
+                run_m[r] = m;
+            }
+        }
+        consumers_sync();
+        for (int k = 0; k < KR; ++k) {
+            int r = rg + k * RG;
+            if (r < R) {
+                acc[k] *= rescale[r];
+                for (int i = 0; i < n; ++i) acc[k] += S[r * SUB + i] * bf2f(vs[i * D + dv]);
+            }
+        }
     }
+    int part = g * NCH + c;
+    for (int k = 0; k < KR; ++k)
+        if (rg + k * RG < R) part_o[((long long)part * RMAX + rg + k * RG) * D + dv] = acc[k];
+    for (int r = tid; r < R; r += CT) { part_ml[part * 2 * RMAX + r] = run_m[r]; part_ml[part * 2 * RMAX + RMAX + r] = run_l[r]; }
     // the ticket: bar.sync orders every thread's partials before thread 0's release, whose acquire
     // side orders the merge's loads (CUTLASS's GenericBarrier pattern; no per-thread fences)
     consumers_sync();
@@ -436,7 +461,7 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1)
 decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* part_o, float* part_ml,
             int* counters, const bf16* cosb, const bf16* sinb, const long long* slots, const bf16* final_norm,
             const bf16* lm_w, bf16* logits, int T, int lf, int phase_lo, int phase_hi, int max_len, float eps,
-            float scale, int csmax, int nstage, int scratch, long long* trace) {
+            float scale, int nstage, int scratch, long long* trace) {
     extern __shared__ __align__(128) char smem[];
     u64* full = (u64*)smem;
     u64* empty = full + nstage;
@@ -444,7 +469,6 @@ decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* p
     char* xs = smem + 1024 + CW * 2 * 128 * 4;               // activations, or attention scratch
     char* ring = xs + scratch;
     if (threadIdx.x == 0) {
-        cs_max = csmax;
         n_stage = nstage;
         for (int s = 0; s < nstage; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], CW); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");

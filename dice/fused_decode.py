@@ -25,8 +25,9 @@ weights while the consumers synchronise. A stage is one contiguous copy because 
 a tiled copy of every matrix ([N/16][K/kc][16][kc], 16-byte pieces XOR-swizzled against shared-
 memory bank conflicts): the weights' memory, twice.
 
-Attention splits each KV head's keys into programs / HKV contiguous chunks, one per block, whose
-keys and values are fetched (cp.async) while the QKV phase runs; the last block of a head to
+Attention splits each KV head's keys into programs / HKV contiguous chunks, one per block, streamed
+through shared memory SUB slots at a time (online softmax; the first piece is fetched with cp.async
+while the QKV phase runs, so caches up to programs / HKV * SUB slots take one piece); the last block of a head to
 finish (an atomic ticket) merges the partial softmaxes (flash-decoding). There are two kernels,
 for up to 4 and up to 8 token rows: 4 rows (most denoising steps) leave more shared memory for the
 ring.
@@ -38,9 +39,7 @@ from the layer-by-layer step's in the last bits.
 
 Scope: bf16 weights, one sequence (batch 1, no padding: a key slot's position is its index), up
 to 8 new tokens per forward (block_size <= 4), head_dim 32, 64 or 128, Qwen3/SDAR layers, an SM90
-GPU (Hopper: TMA bulk copies and mbarriers), and a cache short enough that a block's key chunk and
-at least two ring stages fit in shared memory (SDAR-1.7B: 4096 slots; the ring shrinks as the cache
-grows). `phases=(lo, hi)` runs part of the forward (tests).
+GPU (Hopper: TMA bulk copies and mbarriers). `phases=(lo, hi)` runs part of the forward (tests).
 """
 from __future__ import annotations
 
@@ -53,6 +52,7 @@ NT = 8             # token rows per forward, at most (the mma's N)
 CW = 8             # consumer warps per block
 PHASES = 5         # per layer: QKV, ATTN, O, UP, DOWN; then one LM phase
 KC = 512           # weight columns per ring stage (a stage is 16 rows x KC, one bulk copy)
+SUB = 80           # key slots per piece of an attention chunk in shared memory (1280 cached slots: one piece)
 _SOURCE = Path(__file__).with_name("fused_decode.cu")
 _KERNELS: dict = {}     # compiled kernels by source
 
@@ -64,11 +64,11 @@ class FusedDecoder:
 
     programs: blocks (default: one per SM); kc: weight columns per ring stage; stages: ring depth
     (default: as many as fit in shared memory); rows: the kernels' token-row counts (a step of T
-    tokens takes the smallest >= T).
+    tokens takes the smallest >= T); piece: key slots per piece of an attention chunk.
     """
 
     def __init__(self, model, cache, *, programs: int | None = None, kc: int = KC, stages: int | None = None,
-                 rows: tuple[int, ...] = (4, NT)):
+                 rows: tuple[int, ...] = (4, NT), piece: int = SUB):
         c = model.config
         w = model.lm_head.weight
         problem = _unsupported(c, w, cache, kc)
@@ -85,6 +85,7 @@ class FusedDecoder:
         H, hkv = c.num_attention_heads, c.num_key_value_heads
         self.nchunks = self.programs // hkv
         # one kernel per token-row count: 4 rows (most denoising steps) leave more room for the ring
+        self.piece = piece
         self.kernels = {r: self._build(r, kc, stages) for r in sorted(rows)}
         if max(self.kernels) < NT:
             raise ValueError(f"fused decoding needs a kernel for {NT} token rows; rows={rows}")
@@ -114,12 +115,13 @@ class FusedDecoder:
         c, D = self.cfg, self.cfg.head_dim
         hid, inter, H, hkv = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads
         rmax = H // hkv * nt
-        csmax = -(-self.cache.max_len // self.nchunks)
         kmax = max(hid, H * D, inter)
         # activations (nt rows of the widest input), and attention's scratch behind the QKV phase's
-        # rows (its keys/values are prefetched while that phase runs)
+        # rows (its first keys/values are prefetched while that phase runs): keys and values of a
+        # piece of SUB slots, the new tokens' keys and values, queries, scores, running max / sum
         attn_offset = -(-nt * (hid * 2 + 64) // 128) * 128
-        attn = 2 * 2 * csmax * D + 4 * max(rmax * D + rmax * csmax, 2 * self.nchunks * rmax)
+        sub = self.piece
+        attn = 2 * 2 * sub * D + 2 * 2 * NT * D + 4 * max(rmax * D + rmax * sub + 3 * rmax, 2 * self.nchunks * rmax)
         scratch = -(-max(nt * (kmax * 2 + 64), attn_offset + attn) // 128) * 128
         stage = 16 * kc * 2
         fixed = 1024 + CW * 2 * 128 * 4 + scratch
@@ -128,18 +130,17 @@ class FusedDecoder:
         if nstage < 2:
             raise ValueError(f"fused decoding: this model's activations and attention take {fixed // 1024} KB of "
                              f"shared memory, which leaves room for {nstage} weight stages of {stage // 1024} KB "
-                             f"(2 needed); a smaller kc or KV cache may fit")
+                             f"(2 needed); a smaller kc may fit")
         defines = dict(LAYERS=c.num_hidden_layers, HID=hid, INTER=inter, VOCAB=c.vocab_size, H=H, HKV=hkv, D=D,
                        NQKV=(H + 2 * hkv) * D, BS=c.block_size, NT=nt, CW=CW, KCMAX=kc, KMAX=kmax,
-                       ATTN_OFFSET=attn_offset, NITEMS=self.nchunks * hkv, RMAX=rmax)
+                       ATTN_OFFSET=attn_offset, NITEMS=self.nchunks * hkv, RMAX=rmax, SUB=sub)
         code = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.read_text()
         if code not in _KERNELS:    # one NVRTC compilation per model shape and process (CuPy also caches on disk)
             _KERNELS[code] = self.cupy.RawModule(code=code, options=("-std=c++17",)).get_function("decode_step")
         kernel = _KERNELS[code]
         smem = fixed + nstage * stage
         kernel.max_dynamic_shared_size_bytes = max(smem, kernel.max_dynamic_shared_size_bytes)
-        return dict(kernel=kernel, smem=smem, stages=nstage, layout=(np.int32(csmax), np.int32(nstage),
-                                                                     np.int32(scratch)))
+        return dict(kernel=kernel, smem=smem, stages=nstage, layout=(np.int32(nstage), np.int32(scratch)))
 
     def _tile(self, w: torch.Tensor, kc: int) -> torch.Tensor:
         """A copy of W [N, K] laid out as [N/16][K/kc][16][kc] (kc = min(K, kc)), so that one ring stage

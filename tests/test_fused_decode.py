@@ -70,17 +70,19 @@ def two_caches(model, length, T, max_len=200):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("shape,length,T,lf", [("small", 0, 4, 0), ("small", 70, 8, 4), ("1.7b", 100, 4, 0),
-                                               ("1.7b", 133, 8, 4)])
-def test_every_phase_matches_the_layer_by_layer_model(shape, length, T, lf):
+@pytest.mark.parametrize("shape,length,T,lf,piece", [("small", 0, 4, 0, 80), ("small", 70, 8, 4, 80),
+                                                     ("1.7b", 100, 4, 0, 80), ("1.7b", 133, 8, 4, 80),
+                                                     ("small", 300, 4, 0, 2), ("1.7b", 1000, 8, 4, 16)])
+def test_every_phase_matches_the_layer_by_layer_model(shape, length, T, lf, piece):
     """Each phase's buffer after a launch of phases [0, p], against the same step written out
-    with the model's modules: bf16 rounding differences only (an indexing slip gives O(1) errors)."""
+    with the model's modules: bf16 rounding differences only (an indexing slip gives O(1) errors).
+    Small pieces make attention stream each chunk in several (online softmax)."""
     from dice.fused_decode import FusedDecoder
     model = small_model() if shape == "small" else random_model("1.7b", num_hidden_layers=2)
-    ids, pos, slots, (c_ref, c_got) = two_caches(model, length, T)
+    ids, pos, slots, (c_ref, c_got) = two_caches(model, length, T, max_len=length + 16)
     with torch.no_grad():
         ref = layer_by_layer(model, ids, pos, c_ref, slots, lf)
-        dec = FusedDecoder(model, c_got)
+        dec = FusedDecoder(model, c_got, piece=piece)
         for p in range(dec.all_phases):
             logits = dec.step_logits(ids, pos, None, c_got, slots, length + T, lf, phases=(0, p + 1))
             got = logits[0] if p == dec.all_phases - 1 else (dec.qkv, dec.att, dec.h, dec.act, dec.h)[p % 5][:T]
