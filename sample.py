@@ -44,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (CUDA; ~2.1x faster for a 1.7B model, compiles first)")
+    p.add_argument("--fused", action="store_true",
+                   help="run each denoising step as one persistent CUDA kernel (Hopper GPU, bf16)")
     args = p.parse_args(argv)
     if not 0 < args.top_p <= 1:
         p.error(f"argument --top-p: must be in (0, 1], got {args.top_p}")
@@ -51,6 +53,8 @@ def parse_args(argv=None):
         p.error(f"argument --threshold: must be in [0, 1], got {args.threshold}")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         p.error(f"argument --device: use cpu, cuda or cuda:N, not {args.device!r}")
+    if args.fused and args.device == "cpu":
+        p.error("argument --fused: the fused kernel runs on a CUDA GPU; drop --fused or use --device cuda")
     if args.device != "cpu" and int(args.device.partition(":")[2] or 0) >= torch.cuda.device_count():
         p.error(f"argument --device: this machine has no {args.device} GPU; use --device cpu")
     return args
@@ -86,7 +90,8 @@ def main(argv=None) -> None:
     completion = complete(model, tok, [prompt], max_new_tokens=args.max_new_tokens,
                           steps_per_block=args.steps_per_block, remasking=args.remasking,
                           threshold=args.threshold, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, compile=args.compile, progress=show)[0]
+                          top_p=args.top_p, seed=args.seed, compile=args.compile, fused=args.fused,
+                          progress=show)[0]
     line.close()
     if completion.code is None:
         print(completion.text)

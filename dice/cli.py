@@ -8,9 +8,10 @@ import time
 
 from .checkpoint import CheckpointError
 from .data import DataError
+from .fused_decode import FusedDecodingError
 from .tokenizer import TokenizerError
 
-USER_ERRORS = (CheckpointError, DataError, TokenizerError, FileNotFoundError)
+USER_ERRORS = (CheckpointError, DataError, TokenizerError, FusedDecodingError, FileNotFoundError)
 
 
 def fail_cleanly(main) -> None:

@@ -79,7 +79,7 @@ __device__ __forceinline__ Matrix phase_matrix(const u64* table, const bf16* lm_
     int layer = p / PHASES, kind = p % PHASES;
     const u64* row = table + layer * NTAB;
     Matrix m = {0, 0, 0, 1};
-    if (layer == LAYERS) { m.w = lm_w; m.n = VOCAB; m.k = HID; }
+    if (layer == LAYERS) { m.w = lm_w; m.n = VOCAB_TILED; m.k = HID; }   // zero rows pad to 16
     else if (kind == QKV) { m.w = (const bf16*)row[1]; m.n = NQKV; m.k = HID; }
     else if (kind == OPROJ) { m.w = (const bf16*)row[4]; m.n = HID; m.k = H * D; }
     else if (kind == UP) { m.w = (const bf16*)row[6]; m.n = INTER; m.k = HID; m.parts = 2; }
@@ -228,7 +228,7 @@ __device__ void consume(Matrix m, int offset, int epi, bf16* out, int T, int lf,
             else if (epi == 2) {
                 float gte = rnd(y);
                 out[tok * m.n + row] = f2bf(rnd(gte / (1.f + __expf(-gte))) * rnd(u));
-            } else if (tok >= lf) out[(long long)(tok - lf) * m.n + row] = f2bf(y);
+            } else if (tok >= lf && row < VOCAB) out[(long long)(tok - lf) * VOCAB + row] = f2bf(y);
         }
     }
 }

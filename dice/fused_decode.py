@@ -54,6 +54,12 @@ PHASES = 5         # per layer: QKV, ATTN, O, UP, DOWN; then one LM phase
 KC = 512           # weight columns per ring stage (a stage is 16 rows x KC, one bulk copy)
 SUB = 80           # key slots per piece of an attention chunk in shared memory (1280 cached slots: one piece)
 _SOURCE = Path(__file__).with_name("fused_decode.cu")
+
+
+class FusedDecodingError(ValueError):
+    """A model, cache or GPU the fused step cannot run (the message says why)."""
+
+
 _KERNELS: dict = {}     # compiled kernels by source
 
 
@@ -73,7 +79,7 @@ class FusedDecoder:
         w = model.lm_head.weight
         problem = _unsupported(c, w, cache, kc)
         if problem:
-            raise ValueError(f"fused decoding: {problem}")
+            raise FusedDecodingError(f"fused decoding: {problem}")
         try:
             import cupy
         except ImportError:
@@ -128,10 +134,11 @@ class FusedDecoder:
         fit = (_max_shared(self.model.lm_head.weight.device) - 256 - fixed) // stage   # 256: static shared memory
         nstage = min(stages or fit, fit, 48)
         if nstage < 2:
-            raise ValueError(f"fused decoding: this model's activations and attention take {fixed // 1024} KB of "
+            raise FusedDecodingError(f"fused decoding: this model's activations and attention take {fixed // 1024} KB of "
                              f"shared memory, which leaves room for {nstage} weight stages of {stage // 1024} KB "
                              f"(2 needed); a smaller kc may fit")
-        defines = dict(LAYERS=c.num_hidden_layers, HID=hid, INTER=inter, VOCAB=c.vocab_size, H=H, HKV=hkv, D=D,
+        defines = dict(LAYERS=c.num_hidden_layers, HID=hid, INTER=inter, VOCAB=c.vocab_size,
+                       VOCAB_TILED=-(-c.vocab_size // 16) * 16, H=H, HKV=hkv, D=D,
                        NQKV=(H + 2 * hkv) * D, BS=c.block_size, NT=nt, CW=CW, KCMAX=kc, KMAX=kmax,
                        ATTN_OFFSET=attn_offset, NITEMS=self.nchunks * hkv, RMAX=rmax, SUB=sub)
         code = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.read_text()
@@ -143,9 +150,12 @@ class FusedDecoder:
         return dict(kernel=kernel, smem=smem, stages=nstage, layout=(np.int32(nstage), np.int32(scratch)))
 
     def _tile(self, w: torch.Tensor, kc: int) -> torch.Tensor:
-        """A copy of W [N, K] laid out as [N/16][K/kc][16][kc] (kc = min(K, kc)), so that one ring stage
+        """A copy of W [N, K] (zero rows appended up to a multiple of 16) laid out as [N/16][K/kc][16][kc]
+        (kc = min(K, kc)), so that one ring stage
         is one contiguous bulk copy; in each row the 16-byte pieces c are stored at c ^ (4 * (row & 1)),
         so that the consumers' reads of rows g and g + 1 fall on different shared-memory banks."""
+        if w.shape[0] % 16:                       # lm_head of a vocabulary that is not a multiple of 16
+            w = torch.cat([w, w.new_zeros(16 - w.shape[0] % 16, w.shape[1])])
         n, k = w.shape
         kc = min(k, kc)
         t = w.detach().reshape(n // 16, 16, k // kc, kc // 8, 8).permute(0, 2, 1, 3, 4)
@@ -203,7 +213,7 @@ def _unsupported(c, w, cache, kc: int) -> str | None:
     for k in (c.hidden_size, H * D, c.intermediate_size):
         if k % 64 or (k > kc and k % kc):
             return f"needs reduction sizes divisible by 64 and, above kc={kc}, by kc; got {k}"
-    for n in (c.hidden_size, (H + 2 * hkv) * D, c.intermediate_size, c.vocab_size):
+    for n in (c.hidden_size, (H + 2 * hkv) * D, c.intermediate_size):
         if n % 16:
             return f"needs weight row counts divisible by 16; got {n}"
     if w.device.type != "cuda" or torch.cuda.get_device_capability(w.device) < (9, 0):

@@ -190,6 +190,7 @@ def command(name):
     (["--top-p", "1.5"], "--top-p: must be in (0, 1]"),
     (["--threshold", "1.5"], "--threshold: must be in [0, 1]"),
     (["--top-k", "-1"], "--top-k: must be >= 0"),
+    (["--fused", "--device", "cpu"], "--fused: the fused kernel runs on a CUDA GPU"),
     (["--device", "foo"], "--device: use cpu, cuda or cuda:N, not 'foo'"),
     (["--remasking", "foo"], "--remasking: invalid choice: 'foo'"),
     (["--infill"], "--infill needs a task with a prefix/middle/suffix split and level1_leaky_relu has none"),
