@@ -134,9 +134,10 @@ class FusedDecoder:
         fit = (_max_shared(self.model.lm_head.weight.device) - 256 - fixed) // stage   # 256: static shared memory
         nstage = min(stages or fit, fit, 48)
         if nstage < 2:
-            raise FusedDecodingError(f"fused decoding: this model's activations and attention take {fixed // 1024} KB of "
-                             f"shared memory, which leaves room for {nstage} weight stages of {stage // 1024} KB "
-                             f"(2 needed); a smaller kc may fit")
+            raise FusedDecodingError(
+                f"fused decoding: this model's activations and attention take {fixed // 1024} KB of shared "
+                f"memory, which leaves room for {nstage} weight stages of {stage // 1024} KB (2 needed); "
+                f"a smaller kc may fit")
         defines = dict(LAYERS=c.num_hidden_layers, HID=hid, INTER=inter, VOCAB=c.vocab_size,
                        VOCAB_TILED=-(-c.vocab_size // 16) * 16, H=H, HKV=hkv, D=D,
                        NQKV=(H + 2 * hkv) * D, BS=c.block_size, NT=nt, CW=CW, KCMAX=kc, KMAX=kmax,
