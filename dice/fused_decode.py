@@ -225,8 +225,7 @@ def _unsupported(c, w, cache, kc: int) -> str | None:
 def _max_shared(device) -> int:
     """Opt-in shared memory per block (bytes)."""
     import cupy
-    with cupy.cuda.Device(device.index or 0):
-        return cupy.cuda.runtime.getDeviceProperties(device.index or 0)["sharedMemPerBlockOptin"]
+    return cupy.cuda.runtime.getDeviceProperties(device.index or 0)["sharedMemPerBlockOptin"]
 
 
 def _profile_launch() -> None:

@@ -168,8 +168,9 @@ class CachedForward:
     slots (one graph per bucket, so a batch-64 step does not read the empty end of the cache).
     `compile=True` runs every decoder layer through one `torch.compile`d function (fused norms,
     RoPE and casts), with kv_len the whole cache so that each (batch, tokens) shape compiles
-    once. Graphs hold the cache's memory, so `reset` must follow any change of the cache's
-    tensors (dropping finished rows).
+    once. `fused=True` replaces the layer-by-layer step by `dice.fused_decode.FusedDecoder`'s
+    single kernel (batch 1), also with kv_len the whole cache. Graphs hold the cache's memory, so
+    `reset` must follow any change of the cache's tensors (dropping finished rows).
     """
 
     KV_BUCKET = 256
