@@ -9,7 +9,8 @@ typedef unsigned long long u64;
 #define CT (CW * 32)                   // consumer threads
 #define STAGE (16 * KCMAX * 2)         // bytes of a ring stage: 16 weight rows x KCMAX columns
 #define NSTAGE n_stage                 // ring stages (launch argument)
-__shared__ int n_stage;
+#define SUB n_sub                      // key slots per attention piece (launch argument)
+__shared__ int n_stage, n_sub;
 #define NTAB 10                        // per-layer pointer table: ln1 qkv qn kn o ln2 gu down kc vc
 #define TIMEOUT 4000000000LL           // clock cycles (~2 s) before a wait gives up with a trap
 #define NEG_INF __int_as_float(0xff800000)
@@ -310,8 +311,9 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
         for (int e = 0; e < DL; ++e) {
             int d = lane * DL + e;
             bf16 kb = f2bf(k[e]), vb = __ldcg(qkv + j * NQKV + (H + HKV + g) * D + d);
-            kn[j * D + d] = kb; kc[(long long)s * D + d] = kb;
-            vn[j * D + d] = vb; vc[(long long)s * D + d] = vb;
+            kc[(long long)s * D + d] = kb; vc[(long long)s * D + d] = vb;
+            if (s - lo < SUB) { ks[(s - lo) * D + d] = kb; vs[(s - lo) * D + d] = vb; }   // the first piece
+            else { kn[j * D + d] = kb; vn[j * D + d] = vb; }                               // a later one
         }
     }
     for (int r = tid; r < RMAX; r += CT) { run_m[r] = NEG_INF; run_l[r] = 0.f; }
@@ -322,13 +324,13 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
     for (int from = lo; from < hi; from += SUB) {
         int n = min(SUB, hi - from), n_old = max(min(from + SUB, min(hi, length)) - from, 0);
         if (from != lo) {
-            consumers_sync();                      // the previous piece's value product has read ks / vs
+            consumers_sync();      // the previous piece's value product has read ks / vs; kn / vn are written
             load_kv(kc, vc, from, n_old, ks);
-        }
-        for (int i = tid; i < (n - n_old) * D; i += CT) {      // this piece's new keys, from kn / vn
-            int slot = from + n_old + i / D, d = i % D;
-            ks[(slot - from) * D + d] = kn[(slot - length) * D + d];
-            vs[(slot - from) * D + d] = vn[(slot - length) * D + d];
+            for (int i = tid; i < (n - n_old) * D; i += CT) {  // this piece's new keys, from kn / vn
+                int slot = from + n_old + i / D, d = i % D;
+                ks[(slot - from) * D + d] = kn[(slot - length) * D + d];
+                vs[(slot - from) * D + d] = vn[(slot - length) * D + d];
+            }
         }
         cp_async_wait_all();
         consumers_sync();
@@ -461,7 +463,7 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1)
 decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* part_o, float* part_ml,
             int* counters, const bf16* cosb, const bf16* sinb, const long long* slots, const bf16* final_norm,
             const bf16* lm_w, bf16* logits, int T, int lf, int phase_lo, int phase_hi, int max_len, float eps,
-            float scale, int nstage, int scratch, long long* trace) {
+            float scale, int nstage, int scratch, int sub, long long* trace) {
     extern __shared__ __align__(128) char smem[];
     u64* full = (u64*)smem;
     u64* empty = full + nstage;
@@ -470,6 +472,7 @@ decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* p
     char* ring = xs + scratch;
     if (threadIdx.x == 0) {
         n_stage = nstage;
+        n_sub = sub;
         for (int s = 0; s < nstage; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], CW); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }

@@ -25,12 +25,13 @@ weights while the consumers synchronise. A stage is one contiguous copy because 
 a tiled copy of every matrix ([N/16][K/kc][16][kc], 16-byte pieces XOR-swizzled against shared-
 memory bank conflicts): the weights' memory, twice.
 
-Attention splits each KV head's keys into programs / HKV contiguous chunks, one per block, streamed
-through shared memory SUB slots at a time (online softmax; the first piece is fetched with cp.async
-while the QKV phase runs, so caches up to programs / HKV * SUB slots take one piece); the last block of a head to
-finish (an atomic ticket) merges the partial softmaxes (flash-decoding). There are two kernels,
-for up to 4 and up to 8 token rows: 4 rows (most denoising steps) leave more shared memory for the
-ring.
+Attention splits each KV head's keys into programs / HKV contiguous chunks, one per block. A chunk
+passes through shared memory in pieces (online softmax); the first is fetched with cp.async while
+the QKV phase runs, and a piece holds the whole chunk up to ~240 slots per chunk for SDAR-1.7B
+(caches of ~3.8K slots), so longer caches take several pieces, not a shallower ring. The last
+block of a head to finish (an atomic ticket) merges the partial softmaxes (flash-decoding). There
+are two kernels, for up to 4 and up to 8 token rows: 4 rows (most denoising steps) leave more
+shared memory for the ring.
 
 Numerics follow the layer-by-layer bf16 model: activations are rounded to bf16 where it rounds
 them (norm outputs, products, residual sums, RoPE terms); attention keeps scores, probabilities
@@ -52,7 +53,7 @@ NT = 8             # token rows per forward, at most (the mma's N)
 CW = 8             # consumer warps per block
 PHASES = 5         # per layer: QKV, ATTN, O, UP, DOWN; then one LM phase
 KC = 512           # weight columns per ring stage (a stage is 16 rows x KC, one bulk copy)
-SUB = 80           # key slots per piece of an attention chunk in shared memory (1280 cached slots: one piece)
+MIN_RING = 4       # ring stages kept when an attention chunk does not fit in shared memory whole
 _SOURCE = Path(__file__).with_name("fused_decode.cu")
 
 
@@ -70,11 +71,12 @@ class FusedDecoder:
 
     programs: blocks (default: one per SM); kc: weight columns per ring stage; stages: ring depth
     (default: as many as fit in shared memory); rows: the kernels' token-row counts (a step of T
-    tokens takes the smallest >= T); piece: key slots per piece of an attention chunk.
+    tokens takes the smallest >= T); piece: key slots per piece of an attention chunk (default: as
+    many as fit, see `_build`).
     """
 
     def __init__(self, model, cache, *, programs: int | None = None, kc: int = KC, stages: int | None = None,
-                 rows: tuple[int, ...] = (4, NT), piece: int = SUB):
+                 rows: tuple[int, ...] = (4, NT), piece: int | None = None):
         c = model.config
         w = model.lm_head.weight
         problem = _unsupported(c, w, cache, kc)
@@ -117,21 +119,29 @@ class FusedDecoder:
 
     def _build(self, nt: int, kc: int, stages: int | None) -> dict:
         """The kernel for up to `nt` token rows: its shared-memory layout (activations, attention
-        scratch, then as many ring stages as fit) and its compilation."""
+        scratch, then as many ring stages as fit) and its compilation. An attention piece holds a
+        whole chunk when the chunk fits beside MIN_RING stages (the ring's depth hardly matters past
+        that, README Performance), else as many slots as fit."""
         c, D = self.cfg, self.cfg.head_dim
         hid, inter, H, hkv = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads
         rmax = H // hkv * nt
         kmax = max(hid, H * D, inter)
         # activations (nt rows of the widest input), and attention's scratch behind the QKV phase's
         # rows (its first keys/values are prefetched while that phase runs): keys and values of a
-        # piece of SUB slots, the new tokens' keys and values, queries, scores, running max / sum
+        # piece of `sub` slots, the new tokens' keys and values, queries, scores, running max / sum
         attn_offset = -(-nt * (hid * 2 + 64) // 128) * 128
-        sub = self.piece
-        attn = 2 * 2 * sub * D + 2 * 2 * NT * D + 4 * max(rmax * D + rmax * sub + 3 * rmax, 2 * self.nchunks * rmax)
-        scratch = -(-max(nt * (kmax * 2 + 64), attn_offset + attn) // 128) * 128
         stage = 16 * kc * 2
-        fixed = 1024 + CW * 2 * 128 * 4 + scratch
-        fit = (_max_shared(self.model.lm_head.weight.device) - 256 - fixed) // stage   # 256: static shared memory
+        room = _max_shared(self.model.lm_head.weight.device) - 256 - 1024 - CW * 2 * 128 * 4   # 256: static
+
+        def scratch(sub):
+            attn = 2 * 2 * sub * D + 2 * 2 * nt * D + 4 * max(rmax * D + rmax * sub + 3 * rmax, 2 * self.nchunks * rmax)
+            return -(-max(nt * (kmax * 2 + 64), attn_offset + attn) // 128) * 128
+        chunk = -(-self.cache.max_len // self.nchunks)          # the longest chunk this cache can have
+        sub = min(self.piece or chunk, chunk)
+        while self.piece is None and sub > 16 and room - scratch(sub) < MIN_RING * stage:
+            sub -= 16
+        fixed = 1024 + CW * 2 * 128 * 4 + scratch(sub)
+        fit = (room - scratch(sub)) // stage
         nstage = min(stages or fit, fit, 48)
         if nstage < 2:
             raise FusedDecodingError(
@@ -141,14 +151,14 @@ class FusedDecoder:
         defines = dict(LAYERS=c.num_hidden_layers, HID=hid, INTER=inter, VOCAB=c.vocab_size,
                        VOCAB_TILED=-(-c.vocab_size // 16) * 16, H=H, HKV=hkv, D=D,
                        NQKV=(H + 2 * hkv) * D, BS=c.block_size, NT=nt, CW=CW, KCMAX=kc, KMAX=kmax,
-                       ATTN_OFFSET=attn_offset, NITEMS=self.nchunks * hkv, RMAX=rmax, SUB=sub)
+                       ATTN_OFFSET=attn_offset, NITEMS=self.nchunks * hkv, RMAX=rmax)
         code = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.read_text()
         if code not in _KERNELS:    # one NVRTC compilation per model shape and process (CuPy also caches on disk)
             _KERNELS[code] = self.cupy.RawModule(code=code, options=("-std=c++17",)).get_function("decode_step")
         kernel = _KERNELS[code]
         smem = fixed + nstage * stage
         kernel.max_dynamic_shared_size_bytes = max(smem, kernel.max_dynamic_shared_size_bytes)
-        return dict(kernel=kernel, smem=smem, stages=nstage, layout=(np.int32(nstage), np.int32(scratch)))
+        return dict(kernel=kernel, smem=smem, stages=nstage, piece=sub, layout=(np.int32(nstage), np.int32(scratch), np.int32(sub)))
 
     def _tile(self, w: torch.Tensor, kc: int) -> torch.Tensor:
         """A copy of W [N, K] (zero rows appended up to a multiple of 16) laid out as [N/16][K/kc][16][kc]
