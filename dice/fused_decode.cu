@@ -144,11 +144,12 @@ __device__ void load_normed(const bf16* h, const bf16* w, int T, float eps, char
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     for (int t = warp; t < NT; t += CW) {
         uint4* dst = (uint4*)(xs + t * (HID * 2 + 64));
-        uint4 v[HV];
+        uint4 v[HV], wv[HV];
         float ss = 0.f;
-        for (int j = 0; j < HV; ++j) {
+        for (int j = 0; j < HV; ++j) {      // the row and the norm's weights: every load before any use
             int k = lane + 32 * j;
             v[j] = t < T && k < HID / 8 ? __ldcg((const uint4*)(h + t * HID) + k) : make_uint4(0, 0, 0, 0);
+            wv[j] = k < HID / 8 ? __ldg((const uint4*)w + k) : make_uint4(0, 0, 0, 0);
         }
         for (int j = 0; j < HV; ++j) {
             const bf16* e = (const bf16*)&v[j];
@@ -158,9 +159,9 @@ __device__ void load_normed(const bf16* h, const bf16* w, int T, float eps, char
         for (int j = 0; j < HV; ++j) {
             int k = lane + 32 * j;
             if (k >= HID / 8) break;
-            uint4 wv = *((const uint4*)w + k), out;
+            uint4 out;
             const bf16* e = (const bf16*)&v[j];
-            const bf16* we = (const bf16*)&wv;
+            const bf16* we = (const bf16*)&wv[j];
             bf16* o = (bf16*)&out;
             for (int i = 0; i < 8; ++i) o[i] = f2bf(rnd(bf2f(e[i]) * rstd) * bf2f(we[i]));
             dst[k] = t < T ? out : make_uint4(0, 0, 0, 0);
@@ -375,12 +376,14 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
             }
         }
         consumers_sync();
-        for (int k = 0; k < KR; ++k) {
-            int r = rg + k * RG;
-            if (r < R) {
-                acc[k] *= rescale[r];
-                for (int i = 0; i < n; ++i) acc[k] += S[r * SUB + i] * bf2f(vs[i * D + dv]);
-            }
+        for (int k = 0; k < KR; ++k)
+            if (rg + k * RG < R) acc[k] *= rescale[rg + k * RG];
+        // keys outermost: a thread's rows are independent sums, so consecutive keys' loads overlap
+#pragma unroll 4
+        for (int i = 0; i < n; ++i) {
+            float v = bf2f(vs[i * D + dv]);
+            for (int k = 0; k < KR; ++k)
+                if (rg + k * RG < R) acc[k] += S[(rg + k * RG) * SUB + i] * v;
         }
     }
     int part = g * NCH + c;

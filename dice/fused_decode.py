@@ -133,15 +133,18 @@ class FusedDecoder:
         stage = 16 * kc * 2
         room = _max_shared(self.model.lm_head.weight.device) - 256 - 1024 - CW * 2 * 128 * 4   # 256: static
 
-        def scratch(sub):
+        def scratch_bytes(sub):
             attn = 2 * 2 * sub * D + 2 * 2 * nt * D + 4 * max(rmax * D + rmax * sub + 3 * rmax, 2 * self.nchunks * rmax)
             return -(-max(nt * (kmax * 2 + 64), attn_offset + attn) // 128) * 128
         chunk = -(-self.cache.max_len // self.nchunks)          # the longest chunk this cache can have
         sub = min(self.piece or chunk, chunk)
-        while self.piece is None and sub > 16 and room - scratch(sub) < MIN_RING * stage:
-            sub -= 16
-        fixed = 1024 + CW * 2 * 128 * 4 + scratch(sub)
-        fit = (room - scratch(sub)) // stage
+        if self.piece is None:
+            while sub > 16 and room - scratch_bytes(sub) < MIN_RING * stage:
+                sub -= 1
+            sub = -(-chunk // -(-chunk // sub))                 # pieces of equal length
+        scratch = scratch_bytes(sub)
+        fixed = 1024 + CW * 2 * 128 * 4 + scratch
+        fit = (room - scratch) // stage
         nstage = min(stages or fit, fit, 48)
         if nstage < 2:
             raise FusedDecodingError(
