@@ -293,7 +293,7 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
     int lo = c * cs, hi = min(lo + cs, total);
     bf16* ks = (bf16*)scratch;                   // [SUB][D] keys of the current piece (the first: prefetch_kv)
     bf16* vs = ks + SUB * D;                     // [SUB][D] and values
-    bf16* kn = vs + SUB * D;                     // [NT][D] the new tokens' keys (normed, rotated)
+    bf16* kn = vs + SUB * D;                     // [NT][D] new keys (normed, rotated) of a later piece
     bf16* vn = kn + NT * D;                      // [NT][D] and values
     float* qs = (float*)(vn + NT * D);           // [RMAX][D]
     float* S = qs + RMAX * D;                    // [RMAX][SUB] scores, then probabilities

@@ -27,8 +27,9 @@ memory bank conflicts): the weights' memory, twice.
 
 Attention splits each KV head's keys into programs / HKV contiguous chunks, one per block. A chunk
 passes through shared memory in pieces (online softmax); the first is fetched with cp.async while
-the QKV phase runs, and a piece holds the whole chunk up to ~240 slots per chunk for SDAR-1.7B
-(caches of ~3.8K slots), so longer caches take several pieces, not a shallower ring. The last
+the QKV phase runs, and a piece holds the whole chunk while 4 ring stages still fit (for SDAR-1.7B
+on an H200, caches up to ~3.7K slots with 4 token rows, ~3K with 8), so longer caches take several
+pieces, not a shallower ring. The last
 block of a head to finish (an atomic ticket) merges the partial softmaxes (flash-decoding). There
 are two kernels, for up to 4 and up to 8 token rows: 4 rows (most denoising steps) leave more
 shared memory for the ring.

@@ -208,3 +208,32 @@ def test_tiled_weights_put_each_piece_where_the_kernel_reads_it(n):
                     at = r * kc + 8 * (c ^ (4 * (r & 1)))
                     want = w[row, k0 + 8 * c:k0 + 8 * c + 8] if row < n else torch.zeros(8)
                     assert torch.equal(stage[at:at + 8], want)
+
+
+@pytest.mark.parametrize("max_len", [1040, 2064, 4016, 20016])
+def test_shared_memory_layout_keeps_a_ring_and_cuts_long_chunks_into_equal_pieces(max_len, monkeypatch):
+    """The layout `_build` picks for SDAR-1.7B on an H200 (227 KB of shared memory a block, 16
+    chunks per head): it fits, a chunk of ceil(max_len / 16) slots is one piece while that leaves 4
+    ring stages, else equal pieces that cover it, and the ring then keeps at least 4 stages."""
+    import types
+    from dice import fused_decode as fd
+    from dice.bench import sdar_shape
+    limit = 232448
+    monkeypatch.setattr(fd, "_max_shared", lambda device: limit)
+    kernel = types.SimpleNamespace(max_dynamic_shared_size_bytes=0)
+    cupy = types.SimpleNamespace(RawModule=lambda code, options: types.SimpleNamespace(get_function=lambda n: kernel))
+    monkeypatch.setattr(fd, "_KERNELS", {})
+    dec = fd.FusedDecoder.__new__(fd.FusedDecoder)
+    dec.cfg, dec.cupy, dec.nchunks, dec.piece = sdar_shape("1.7b"), cupy, 16, None
+    dec.model = types.SimpleNamespace(lm_head=types.SimpleNamespace(weight=torch.zeros(1)))
+    dec.cache = types.SimpleNamespace(max_len=max_len)
+    chunk = -(-max_len // 16)
+    for nt in (4, 8):
+        k = dec._build(nt, fd.KC, None)
+        assert k["smem"] <= limit - 256 and k["stages"] >= fd.MIN_RING
+        pieces = -(-chunk // k["piece"])
+        assert k["piece"] * pieces >= chunk > (k["piece"] - 1) * pieces      # equal pieces, covering it
+        if max_len == 1040:
+            assert k["piece"] == chunk == 65
+        if max_len == 20016:
+            assert pieces > 1
