@@ -389,7 +389,10 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
     int part = g * NCH + c;
     for (int k = 0; k < KR; ++k)
         if (rg + k * RG < R) part_o[((long long)part * RMAX + rg + k * RG) * D + dv] = acc[k];
-    for (int r = tid; r < R; r += CT) { part_ml[part * 2 * RMAX + r] = run_m[r]; part_ml[part * 2 * RMAX + RMAX + r] = run_l[r]; }
+    for (int r = tid; r < R; r += CT) {
+        part_ml[part * 2 * RMAX + r] = run_m[r];
+        part_ml[part * 2 * RMAX + RMAX + r] = run_l[r];
+    }
     // the ticket: bar.sync orders every thread's partials before thread 0's release, whose acquire
     // side orders the merge's loads (CUTLASS's GenericBarrier pattern; no per-thread fences)
     consumers_sync();

@@ -162,7 +162,8 @@ class FusedDecoder:
         kernel = _KERNELS[code]
         smem = fixed + nstage * stage
         kernel.max_dynamic_shared_size_bytes = max(smem, kernel.max_dynamic_shared_size_bytes)
-        return dict(kernel=kernel, smem=smem, stages=nstage, piece=sub, layout=(np.int32(nstage), np.int32(scratch), np.int32(sub)))
+        return dict(kernel=kernel, smem=smem, stages=nstage, piece=sub,
+                    layout=(np.int32(nstage), np.int32(scratch), np.int32(sub)))
 
     def _tile(self, w: torch.Tensor, kc: int) -> torch.Tensor:
         """A copy of W [N, K] (zero rows appended up to a multiple of 16) laid out as [N/16][K/kc][16][kc]
