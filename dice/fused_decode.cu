@@ -255,14 +255,15 @@ __device__ void norm_rope(const bf16* src, const bf16* w, const bf16* cosb, cons
     }
 }
 
-// The committed keys/values of the first SUB slots of this block's attention chunk (see `attention`)
-// into shared memory, issued at the start of the layer's QKV phase so that they arrive while it runs.
+// `count` committed keys and values of one KV head from slot `from` into a piece's buffers (cp.async).
 __device__ void load_kv(const bf16* kc, const bf16* vc, int from, int count, bf16* ks) {
     for (int i = threadIdx.x; i < count * D / 8; i += CT) {
         cp_async16(ks + i * 8, kc + (long long)from * D + i * 8);
         cp_async16(ks + SUB * D + i * 8, vc + (long long)from * D + i * 8);
     }
 }
+// The first piece of this block's attention chunk (see `attention`), issued at the start of the
+// layer's QKV phase so that it arrives while that phase runs.
 __device__ void prefetch_kv(const u64* row, int length, int T, int max_len, char* scratch) {
     const int NCH = NITEMS / HKV;
     int item = blockIdx.x;

@@ -29,10 +29,9 @@ Attention splits each KV head's keys into programs / HKV contiguous chunks, one 
 passes through shared memory in pieces (online softmax); the first is fetched with cp.async while
 the QKV phase runs, and a piece holds the whole chunk while 4 ring stages still fit (for SDAR-1.7B
 on an H200, caches up to ~3.7K slots with 4 token rows, ~3K with 8), so longer caches take several
-pieces, not a shallower ring. The last
-block of a head to finish (an atomic ticket) merges the partial softmaxes (flash-decoding). There
-are two kernels, for up to 4 and up to 8 token rows: 4 rows (most denoising steps) leave more
-shared memory for the ring.
+pieces, not a shallower ring. The last block of a head to finish (an atomic ticket) merges the
+partial softmaxes (flash-decoding). There are two kernels, for up to 4 and up to 8 token rows: 4
+rows (most denoising steps) leave more shared memory for the ring.
 
 Numerics follow the layer-by-layer bf16 model: activations are rounded to bf16 where it rounds
 them (norm outputs, products, residual sums, RoPE terms); attention keeps scores, probabilities
