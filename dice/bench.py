@@ -225,6 +225,11 @@ def bench_fused(args) -> None:
         for _ in range(3):
             dec.step_logits(ids[:, n:n + 4], pos[:, n:n + 4], None, cache, slots, n + 4, trace=trace)
         torch.cuda.synchronize()
+        details = []
+        for _ in range(3):
+            t2, d = torch.zeros_like(trace), torch.zeros_like(trace[..., :1]).expand(-1, -1, 8).contiguous()
+            dec.step_logits(ids[:, n:n + 4], pos[:, n:n + 4], None, cache, slots, n + 4, trace=t2, detail=d)
+            details.append((t2.double().cpu(), d.double().cpu()))
     t = trace[:, :phases].double().cpu() / 1e3
     start = t[..., 0].max(0).values          # the last block's exit from the barrier before each phase
     spans = start[1:] - start[:-1]
@@ -242,6 +247,50 @@ def bench_fused(args) -> None:
     print(table(rows))
     print("\nwhere a 4-token forward's time goes (the kernel's timestamps; barrier exit to barrier exit):")
     print(table(parts))
+    steps, attn = fused_phase_detail(details, c.num_hidden_layers, dec.nchunks)
+    print("\ninside the phases (the kernel built with TRACE, 3 launches; us, medians over blocks, means over "
+          "layers 1-27; the global timer may tick in 1 us steps, so entries under 1 us only say 'short'):")
+    print(table(steps))
+    print(table(attn))
+
+
+def fused_phase_detail(details, layers: int, nchunks: int) -> tuple[list[dict], list[dict]]:
+    """Rows of `bench fused`'s inside-the-phases tables from (trace, detail) pairs of the TRACE
+    build (slots: fused_decode.cu): per matrix phase the prologue after the barrier, the wait for
+    the first stage, the block's stages, the tail, the wait at the next barrier and the share of the
+    phase's clock cycles spent waiting for stages; for attention the queries and new keys, scores to
+    value sums, the ticket, the head's merge (its last block) and the wait at the next barrier."""
+    def med(x):
+        return float(x.median()) / 1e3
+    steps = []
+    for k, name in ((0, "QKV"), (2, "O"), (3, "UP"), (4, "DOWN")):
+        cols = {key: [] for key in ("prologue", "first stage", "stages", "tail", "barrier wait", "waiting share")}
+        for t, d in details:
+            for layer in range(1, layers):
+                p = 5 * layer + k
+                has = d[:, p, 7] > 0                          # blocks with a tile in this phase
+                start, end, nxt, dp = t[has, p, 0], t[has, p, 1], t[has, p + 1, 0], d[has, p]
+                cols["prologue"].append(med(dp[:, 0] - start))
+                cols["first stage"].append(med(dp[:, 1] - dp[:, 0]))
+                cols["stages"].append(med(dp[:, 2] - dp[:, 1]))
+                cols["tail"].append(med(end - dp[:, 2]))
+                cols["barrier wait"].append(med(nxt - end))
+                cols["waiting share"].append(float((dp[:, 3] / dp[:, 6]).median()))
+        steps.append({"phase": name, **{key: round(sum(v) / len(v), 2) for key, v in cols.items()}})
+    cols = {key: [] for key in ("queries, new keys", "scores to sums", "ticket", "merge", "barrier wait")}
+    for t, d in details:
+        for layer in range(1, layers):
+            p = 5 * layer + 1
+            start, end, nxt = t[:, p, 0], t[:, p, 1], t[:, p + 1, 0]
+            items = d.shape[0] // nchunks * nchunks      # blocks with an attention item, nchunks per head
+            merge = (end - d[:, p, 2])[:items].reshape(-1, nchunks).max(1).values
+            cols["queries, new keys"].append(med(d[:items, p, 0] - start[:items]))
+            cols["scores to sums"].append(med(d[:items, p, 1] - d[:items, p, 0]))
+            cols["ticket"].append(med(d[:items, p, 2] - d[:items, p, 1]))
+            cols["merge"].append(med(merge))
+            cols["barrier wait"].append(med(nxt - end))
+    attn = [{"phase": "ATTN", **{key: round(sum(v) / len(v), 2) for key, v in cols.items()}}]
+    return steps, attn
 
 
 def decode_attention_rows(cfg, kv_len: int, T: int) -> list[dict]:

@@ -31,6 +31,23 @@ __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
     return v;
 }
+__device__ __forceinline__ long long globaltimer() {
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+// Built with TRACE (FusedDecoder's `detail` runs only), consumer thread 0 and the producer record
+// where each phase's time goes in 8 slots per (block, phase) (dice.bench fused reads them):
+// matrix phases: 0 prologue end, 1 first stage ready, 2 last stage ready (global timer, ns),
+// 3 clock cycles thread 0 waited for stages, 4 / 5 the producer's first / last copy of the phase
+// (ns), 6 the phase's clock cycles, 7 stages; attention: 0 queries and new keys done, 1 scores to
+// value sums done, 2 ticket taken, 6 the phase's clock cycles.
+#ifdef TRACE
+__shared__ long long* detail;
+#define DETAIL(i, v) do { if (threadIdx.x == 0 && detail) detail[i] = (v); } while (0)
+#else
+#define DETAIL(i, v) do { } while (0)
+#endif
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" :: "n"(CT) : "memory"); }
 
 __device__ __forceinline__ void mbar_init(u64* b, int count) {
@@ -125,7 +142,7 @@ __device__ __forceinline__ const bf16* stage_src(const Cursor& c) {
 // free stages, never for activations, so the next phase's weights arrive while the consumers wait
 // at a grid barrier or run attention.
 __device__ void produce(const u64* table, const bf16* lm_w, int phase_lo, int phase_hi, char* ring, u64* full,
-                        u64* empty) {
+                        u64* empty, long long* trace) {
     Cursor c = {0, 0, 0, 0, 0, 0, {0, 0, 0, 1}};
     seek_phase(c, table, lm_w, phase_lo, phase_hi);
     for (int it = 0; c.p < phase_hi; ++it) {
@@ -133,6 +150,13 @@ __device__ void produce(const u64* table, const bf16* lm_w, int phase_lo, int ph
         mbar_wait(&empty[st], ((it / NSTAGE) & 1) ^ 1);
         mbar_expect_tx(&full[st], 16 * c.kc * 2);
         bulk_copy(ring + st * STAGE, stage_src(c), 16 * c.kc * 2, &full[st]);
+#ifdef TRACE
+        if (trace) {
+            long long* d = trace + (gridDim.x * (phase_hi + 1)) * 2 + (blockIdx.x * (phase_hi + 1) + c.p) * 8;
+            if (!d[4]) d[4] = globaltimer();
+            d[5] = globaltimer();
+        }
+#endif
         advance(c, table, lm_w, phase_lo, phase_hi);
     }
 }
@@ -200,7 +224,16 @@ __device__ void consume(Matrix m, int offset, int epi, bf16* out, int T, int lf,
         for (int part = 0; part < m.parts; ++part)
             for (int k0 = 0; k0 < m.k; k0 += kc, ++it) {
                 int st = it % NSTAGE;
+#ifdef TRACE
+                long long w0 = clock64();
+#endif
                 mbar_wait(&full[st], (it / NSTAGE) & 1);
+#ifdef TRACE
+                if (threadIdx.x == 0 && detail) {
+                    if (!detail[7]) detail[1] = globaltimer();
+                    detail[2] = globaltimer(); detail[3] += clock64() - w0; detail[7] += 1;
+                }
+#endif
                 const char* base = ring + st * STAGE;
                 for (int q = warp; q < kc / 32; q += CW) {
                     // 16-byte piece c of row r sits at c ^ (4 * (r & 1)): rows g and g + 1 hit other banks
@@ -318,6 +351,7 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
             else { kn[j * D + d] = kb; vn[j * D + d] = vb; }                               // a later one
         }
     }
+    DETAIL(0, globaltimer());
     for (int r = tid; r < RMAX; r += CT) { run_m[r] = NEG_INF; run_l[r] = 0.f; }
     const int RG = CT / D, KR = (RMAX + RG - 1) / RG;   // row groups of the value product, rows per thread
     int rg = tid / D, dv = tid % D;
@@ -387,6 +421,7 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
                 if (rg + k * RG < R) acc[k] += S[(rg + k * RG) * SUB + i] * v;
         }
     }
+    DETAIL(1, globaltimer());
     int part = g * NCH + c;
     for (int k = 0; k < KR; ++k)
         if (rg + k * RG < R) part_o[((long long)part * RMAX + rg + k * RG) * D + dv] = acc[k];
@@ -404,6 +439,7 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
         last = old == NCH - 1;
     }
     consumers_sync();
+    DETAIL(2, globaltimer());
     if (!last) return;
     float* wgt = qs;                     // [NCH][RMAX] chunk weights exp(m_c - m) / l
     float* ls = wgt + NCH * RMAX;        // [NCH][RMAX] the chunks' softmax sums
@@ -444,12 +480,6 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
     }
 }
 
-__device__ __forceinline__ long long globaltimer() {
-    long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
 // Grid barrier number `epoch` (1, 2, ...): each block adds 1 to one counter and waits for all.
 __device__ void grid_barrier(int* counter, int epoch) {
     consumers_sync();                  // every consumer's writes precede the release below
@@ -485,7 +515,7 @@ decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* p
     }
     __syncthreads();
     if (threadIdx.x >= CT) {
-        if (threadIdx.x == CT) produce(table, lm_w, phase_lo, phase_hi, ring, full, empty);
+        if (threadIdx.x == CT) produce(table, lm_w, phase_lo, phase_hi, ring, full, empty, trace);
         return;
     }
     int length = (int)slots[0], it = 0, offset = 0, barriers = 0;
@@ -496,6 +526,11 @@ decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* p
         if (p >= phase_lo) {
             if (p > phase_lo) grid_barrier(counters, ++barriers);
             if (trace && threadIdx.x == 0) trace[(blockIdx.x * (phase_hi + 1) + p) * 2] = globaltimer();
+#ifdef TRACE
+            if (threadIdx.x == 0)
+                detail = trace ? trace + (gridDim.x * (phase_hi + 1)) * 2 + (blockIdx.x * (phase_hi + 1) + p) * 8 : 0;
+            long long c0 = clock64();
+#endif
             if (layer == LAYERS) load_normed(h, final_norm, T, eps, xs);
             else if (kind == QKV) {
                 prefetch_kv(row, length, T, max_len, xs + ATTN_OFFSET);
@@ -510,11 +545,15 @@ decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* p
                           max_len, eps, scale, (float*)(xs + ATTN_OFFSET));
             } else {
                 consumers_sync();
+                DETAIL(0, globaltimer());
                 int epi = layer == LAYERS ? 3 : kind == QKV ? 0 : kind == UP ? 2 : 1;
                 bf16* out = layer == LAYERS ? logits : kind == QKV ? qkv : kind == UP ? act : h;
                 consume(m, offset, epi, out, T, lf, xs, ring, full, empty, red, it);
             }
             if (trace && threadIdx.x == 0) trace[(blockIdx.x * (phase_hi + 1) + p) * 2 + 1] = globaltimer();
+#ifdef TRACE
+            DETAIL(6, clock64() - c0);
+#endif
         }
         if (m.w) offset += m.n / 16;
     }

@@ -156,13 +156,17 @@ class FusedDecoder:
                        NQKV=(H + 2 * hkv) * D, BS=c.block_size, NT=nt, CW=CW, KCMAX=kc, KMAX=kmax,
                        ATTN_OFFSET=attn_offset, NITEMS=self.nchunks * hkv, RMAX=rmax)
         code = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.read_text()
-        if code not in _KERNELS:    # one NVRTC compilation per model shape and process (CuPy also caches on disk)
+        smem = fixed + nstage * stage
+        return dict(kernel=self._compile(code, smem), code=code, smem=smem, stages=nstage, piece=sub,
+                    layout=(np.int32(nstage), np.int32(scratch), np.int32(sub)))
+
+    def _compile(self, code: str, smem: int):
+        """`decode_step` of `code`, compiled once per process (NVRTC; CuPy also caches on disk)."""
+        if code not in _KERNELS:
             _KERNELS[code] = self.cupy.RawModule(code=code, options=("-std=c++17",)).get_function("decode_step")
         kernel = _KERNELS[code]
-        smem = fixed + nstage * stage
         kernel.max_dynamic_shared_size_bytes = max(smem, kernel.max_dynamic_shared_size_bytes)
-        return dict(kernel=kernel, smem=smem, stages=nstage, piece=sub,
-                    layout=(np.int32(nstage), np.int32(scratch), np.int32(sub)))
+        return kernel
 
     def _tile(self, w: torch.Tensor, kc: int) -> torch.Tensor:
         """A copy of W [N, K] (zero rows appended up to a multiple of 16) laid out as [N/16][K/kc][16][kc]
@@ -181,14 +185,17 @@ class FusedDecoder:
         return t
 
     def step_logits(self, input_ids, position_ids, valid, cache, slots, kv_len, logits_from=0, run_layer=None,
-                    *, phases: tuple[int, int] | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
+                    *, phases: tuple[int, int] | None = None, trace: torch.Tensor | None = None,
+                    detail: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [1, T - logits_from, V] of T new tokens written at `slots` (contiguous, from the
         cache's filled length); attention spans the committed keys and the new ones (`kv_len` and
         `valid` are implied at batch 1 and unused; `run_layer` does not apply).
 
         phases: run phases [lo, hi) only (5 per layer, then the logits; tests). trace: an int64
         [programs, hi + 1, 2] tensor that receives each block's GPU clock (ns) at the start (after
-        the barrier) and end of each phase (`python -m dice.bench fused` reads it)."""
+        the barrier) and end of each phase (`python -m dice.bench fused` reads it). detail: an
+        int64 [programs, hi + 1, 8] tensor for the slots that the kernel built with TRACE records
+        (fused_decode.cu says which); that build, compiled on first use, runs this launch."""
         from .model import rope_cos_sin
         if cache is not self.cache:
             raise ValueError("this FusedDecoder was built for another cache")
@@ -203,14 +210,23 @@ class FusedDecoder:
         self.counters.zero_()
         lo, hi = phases or (0, self.all_phases)
         k = self.kernels[min(r for r in self.kernels if r >= T)]
+        kernel, out = k["kernel"], trace
+        if detail is not None:      # the TRACE build writes `detail` behind the trace's 2 slots
+            kernel = self._compile("#define TRACE 1\n" + k["code"], k["smem"])
+            out = torch.zeros(self.programs * (hi + 1) * 10, dtype=torch.int64, device=self.h.device)
         p = lambda t: np.uint64(t.data_ptr())  # noqa: E731
         args = (p(self.table), p(self.h), p(self.qkv), p(self.att), p(self.act), p(self.part_o), p(self.part_ml),
                 p(self.counters), p(self.cos), p(self.sin), p(slots), p(self.model.model.norm.weight),
                 p(self.lm_tiled), p(self.logits), np.int32(T), np.int32(logits_from), np.int32(lo),
                 np.int32(hi), np.int32(cache.max_len), np.float32(c.rms_norm_eps), np.float32(c.head_dim ** -0.5),
-                *k["layout"], np.uint64(0 if trace is None else trace.data_ptr()))
+                *k["layout"], np.uint64(0 if out is None else out.data_ptr()))
         with self.cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            k["kernel"]((self.programs,), (32 * (CW + 1),), args, shared_mem=k["smem"])
+            kernel((self.programs,), (32 * (CW + 1),), args, shared_mem=k["smem"])
+        if detail is not None:
+            split = self.programs * (hi + 1) * 2
+            detail.view(-1).copy_(out[split:])
+            if trace is not None:
+                trace.view(-1).copy_(out[:split])
         return self.logits[:T - logits_from].unsqueeze(0)
 
 

@@ -237,3 +237,35 @@ def test_shared_memory_layout_keeps_a_ring_and_cuts_long_chunks_into_equal_piece
             assert k["piece"] == chunk == 65
         if max_len == 20016:
             assert pieces > 1
+
+
+def test_phase_detail_tables_read_the_trace_build_slots():
+    """`bench fused`'s inside-the-phases rows from hand-made slots: 2 layers, 4 blocks (2 chunks
+    per KV head), every phase 10 us apart; block 3 has no tile in the O phase and is left out."""
+    from dice.bench import fused_phase_detail
+    P = 11
+    t = torch.zeros(4, P + 1, 2, dtype=torch.float64)
+    d = torch.zeros(4, P + 1, 8, dtype=torch.float64)
+    for p in range(P + 1):
+        t[:, p, 0] = p * 10_000
+        t[:, p, 1] = p * 10_000 + 9_000                 # 1 us at each barrier
+    for p in (5, 7, 8, 9):                              # layer 1's matrix phases
+        d[:, p, 0] = p * 10_000 + 2_000                 # prologue 2 us
+        d[:, p, 1] = p * 10_000 + 2_500                 # first stage after 0.5 us
+        d[:, p, 2] = p * 10_000 + 8_000                 # stages 5.5 us, tail 1 us
+        d[:, p, 3], d[:, p, 6], d[:, p, 7] = 300, 1200, 8
+    d[3, 7] = 0                                         # no O tile on block 3
+    d[3, 7, 0] = 7 * 10_000 + 5_000                     # (would move the medians if it counted)
+    p = 6                                               # layer 1's attention
+    d[:, p, 0] = p * 10_000 + 1_000
+    d[:, p, 1] = p * 10_000 + 4_000
+    d[:, p, 2] = p * 10_000 + 5_000
+    t[1, p, 1] = p * 10_000 + 9_500                     # each head's merging block ends later
+    t[3, p, 1] = p * 10_000 + 9_800
+    steps, attn = fused_phase_detail([(t, d)], layers=2, nchunks=2)
+    for row in steps:
+        assert (row["prologue"], row["first stage"], row["stages"], row["tail"]) == (2.0, 0.5, 5.5, 1.0), row
+        assert row["barrier wait"] == 1.0 and row["waiting share"] == 0.25
+    a = attn[0]
+    assert (a["queries, new keys"], a["scores to sums"], a["ticket"]) == (1.0, 3.0, 1.0)
+    assert a["merge"] == 4.5            # head 0's 4.5 us and head 1's 4.8 us (torch's median: the lower)
