@@ -258,13 +258,15 @@ def fused_phase_detail(details, layers: int, nchunks: int) -> tuple[list[dict], 
     """Rows of `bench fused`'s inside-the-phases tables from (trace, detail) pairs of the TRACE
     build (slots: fused_decode.cu): per matrix phase the prologue after the barrier, the wait for
     the first stage, the block's stages, the tail, the wait at the next barrier and the share of the
-    phase's clock cycles spent waiting for stages; for attention the queries and new keys, scores to
+    phase's clock cycles spent waiting for stages (thread 0), and the SM clock (the phase's cycles
+    over its nanoseconds); for attention the queries and new keys, scores to
     value sums, the ticket, the head's merge (its last block) and the wait at the next barrier."""
     def med(x):
         return float(x.median()) / 1e3
     steps = []
     for k, name in ((0, "QKV"), (2, "O"), (3, "UP"), (4, "DOWN")):
-        cols = {key: [] for key in ("prologue", "first stage", "stages", "tail", "barrier wait", "waiting share")}
+        cols = {key: [] for key in ("prologue", "first stage", "stages", "tail", "barrier wait", "waiting share",
+                                    "SM GHz")}
         for t, d in details:
             for layer in range(1, layers):
                 p = 5 * layer + k
@@ -276,6 +278,7 @@ def fused_phase_detail(details, layers: int, nchunks: int) -> tuple[list[dict], 
                 cols["tail"].append(med(end - dp[:, 2]))
                 cols["barrier wait"].append(med(nxt - end))
                 cols["waiting share"].append(float((dp[:, 3] / dp[:, 6]).median()))
+                cols["SM GHz"].append(float((dp[:, 6] / (end - start)).median()))
         steps.append({"phase": name, **{key: round(sum(v) / len(v), 2) for key, v in cols.items()}})
     cols = {key: [] for key in ("queries, new keys", "scores to sums", "ticket", "merge", "barrier wait")}
     for t, d in details:

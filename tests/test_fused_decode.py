@@ -266,6 +266,7 @@ def test_phase_detail_tables_read_the_trace_build_slots():
     for row in steps:
         assert (row["prologue"], row["first stage"], row["stages"], row["tail"]) == (2.0, 0.5, 5.5, 1.0), row
         assert row["barrier wait"] == 1.0 and row["waiting share"] == 0.25
+        assert abs(row["SM GHz"] - 1200 / 9000) < 1e-2     # 1200 cycles in a 9 us phase
     a = attn[0]
     assert (a["queries, new keys"], a["scores to sums"], a["ticket"]) == (1.0, 3.0, 1.0)
     assert a["merge"] == 4.5            # head 0's 4.5 us and head 1's 4.8 us (torch's median: the lower)
