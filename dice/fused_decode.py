@@ -92,8 +92,8 @@ class FusedDecoder:
         hid, inter, D = c.hidden_size, c.intermediate_size, c.head_dim
         H, hkv = c.num_attention_heads, c.num_key_value_heads
         self.nchunks = self.programs // hkv
-        # one kernel per token-row count: 4 rows (most denoising steps) leave more room for the ring
         self.piece = piece
+        # one kernel per token-row count: 4 rows (most denoising steps) leave more room for the ring
         self.kernels = {r: self._build(r, kc, stages) for r in sorted(rows)}
         if max(self.kernels) < NT:
             raise ValueError(f"fused decoding needs a kernel for {NT} token rows; rows={rows}")
