@@ -128,13 +128,16 @@ class FusedDecoder:
         kmax = max(hid, H * D, inter)
         # activations (nt rows of the widest input), and attention's scratch behind the QKV phase's
         # rows (its first keys/values are prefetched while that phase runs): keys and values of a
-        # piece of `sub` slots, the new tokens' keys and values, queries, scores, running max / sum
+        # piece of `sub` slots (rounded up to whole 16-key tiles), the new tokens' keys and values,
+        # queries, probabilities, scores, running max / sum (or, in the merge, the chunks' weights)
         attn_offset = -(-nt * (hid * 2 + 64) // 128) * 128
         stage = 16 * kc * 2
         room = _max_shared(self.model.lm_head.weight.device) - 256 - 1024 - CW * 2 * 128 * 4   # 256: static
 
         def scratch_bytes(sub):
-            attn = 2 * 2 * sub * D + 2 * 2 * nt * D + 4 * max(rmax * D + rmax * sub + 3 * rmax, 2 * self.nchunks * rmax)
+            sub16 = -(-sub // 16) * 16
+            attn = (2 * 2 * sub16 * D + 2 * 2 * nt * D + 2 * rmax * D + 2 * rmax * sub16
+                    + 4 * max(rmax * sub16 + 3 * rmax, 2 * self.nchunks * rmax))
             return -(-max(nt * (kmax * 2 + 64), attn_offset + attn) // 128) * 128
         chunk = -(-self.cache.max_len // self.nchunks)          # the longest chunk this cache can have
         sub = min(self.piece or chunk, chunk)
