@@ -28,15 +28,18 @@ memory bank conflicts): the weights' memory, twice.
 Attention splits each KV head's keys into programs / HKV contiguous chunks, one per block. A chunk
 passes through shared memory in pieces (online softmax); the first is fetched with cp.async while
 the QKV phase runs, and a piece holds the whole chunk while 4 ring stages still fit (for SDAR-1.7B
-on an H200, caches up to ~3.7K slots with 4 token rows, ~3K with 8), so longer caches take several
-pieces, not a shallower ring. The last block of a head to finish (an atomic ticket) merges the
+on an H200, caches up to ~3.8K slots with 4 token rows, ~2.8K with 8), so longer caches take several
+pieces, not a shallower ring. Scores (a 16-key tile as A, the query rows as B) and value sums (the
+probabilities as A, values transposed by ldmatrix as B) are mma.sync products too. The last block
+of a head to finish (an atomic ticket) merges the
 partial softmaxes (flash-decoding). There are two kernels, for up to 4 and up to 8 token rows: 4
 rows (most denoising steps) leave more shared memory for the ring.
 
 Numerics follow the layer-by-layer bf16 model: activations are rounded to bf16 where it rounds
-them (norm outputs, products, residual sums, RoPE terms); attention keeps scores, probabilities
-and its value sums in float32 and rounds its output. Accumulation order differs, so logits differ
-from the layer-by-layer step's in the last bits.
+them (norm outputs, products, residual sums, RoPE terms); attention keeps scores, softmax sums and
+value sums in float32, rounds the probabilities to bf16 for the value product (so does the
+layer-by-layer decode attention, `dice.attention`) and rounds its output. Accumulation order differs, so logits differ from the
+layer-by-layer step's in the last bits.
 
 Scope: bf16 weights, one sequence (batch 1, no padding: a key slot's position is its index), up
 to 8 new tokens per forward (block_size <= 4), head_dim 32, 64 or 128, Qwen3/SDAR layers, an SM90
