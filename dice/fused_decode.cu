@@ -10,6 +10,7 @@ typedef unsigned long long u64;
 #define STAGE (16 * KCMAX * 2)         // bytes of a ring stage: 16 weight rows x KCMAX columns
 #define NSTAGE n_stage                 // ring stages (launch argument)
 #define SUB n_sub                      // key slots per attention piece (launch argument)
+#define SUB16 ((n_sub + 15) & ~15)     // its buffers' rows: whole 16-key mma tiles
 __shared__ int n_stage, n_sub;
 #define NTAB 10                        // per-layer pointer table: ln1 qkv qn kn o ln2 gu down kc vc
 #define TIMEOUT 4000000000LL           // clock cycles (~2 s) before a wait gives up with a trap
@@ -77,16 +78,27 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(saddr(dst)), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-__device__ __forceinline__ void mma(float* c, uint4 a_lo, uint4 a_hi, u32 b0, u32 b1, int half) {
-    // C[16x8] += A[16x16] B[16x8]: lane (g, t) holds A rows g and g+8 and B column g at the reduction
-    // indices 8t .. 8t+7 of a 32-wide chunk; half 0 takes 8t .. 8t+3, half 1 takes 8t+4 .. 8t+7.
-    // Both operands use the same order of the reduction index, which a dot product may permute.
-    u32 a0 = half ? a_lo.z : a_lo.x, a2 = half ? a_lo.w : a_lo.y;
-    u32 a1 = half ? a_hi.z : a_hi.x, a3 = half ? a_hi.w : a_hi.y;
+__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    // C[16x8] += A[16x16] B[16x8] (bf16 in, fp32 accumulate), PTX's fragment layout: lane (g, t) holds
+    // A[g][2t, 2t+1] (a0), A[g+8][..] (a1), A[g][2t+8, 2t+9] (a2), A[g+8][..] (a3); B[2t, 2t+1][g] (b0),
+    // B[2t+8, 2t+9][g] (b1); C[g][2t, 2t+1] (c0, c1) and C[g+8][..] (c2, c3)
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma(float* c, uint4 a_lo, uint4 a_hi, u32 b0, u32 b1, int half) {
+    // `mma16816` on 16-byte loads: lane (g, t) holds A rows g and g+8 and B column g at the reduction
+    // indices 8t .. 8t+7 of a 32-wide chunk; half 0 takes 8t .. 8t+3, half 1 takes 8t+4 .. 8t+7.
+    // Both operands use the same order of the reduction index, which a dot product may permute.
+    if (half) mma16816(c, a_lo.z, a_hi.z, a_lo.w, a_hi.w, b0, b1);
+    else mma16816(c, a_lo.x, a_hi.x, a_lo.y, a_hi.y, b0, b1);
+}
+// Four 8x8 bf16 matrices, transposed: lane l gives the address of row l % 8 of matrix l / 8 and
+// receives, of matrix i, the elements [2t][g] and [2t+1][g] in r[i] (an mma B fragment).
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr(row)) : "memory");
 }
 
 // The forward as a list of phases; producer and consumers walk the same list.
@@ -292,7 +304,7 @@ __device__ void norm_rope(const bf16* src, const bf16* w, const bf16* cosb, cons
 __device__ void load_kv(const bf16* kc, const bf16* vc, int from, int count, bf16* ks) {
     for (int i = threadIdx.x; i < count * D / 8; i += CT) {
         cp_async16(ks + i * 8, kc + (long long)from * D + i * 8);
-        cp_async16(ks + SUB * D + i * 8, vc + (long long)from * D + i * 8);
+        cp_async16(ks + SUB16 * D + i * 8, vc + (long long)from * D + i * 8);
     }
 }
 // The first piece of this block's attention chunk (see `attention`), issued at the start of the
@@ -325,19 +337,20 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
     bf16* vc = (bf16*)row[9] + (long long)g * max_len * D;
     int total = length + T, cs = (total + NCH - 1) / NCH;
     int lo = c * cs, hi = min(lo + cs, total);
-    bf16* ks = (bf16*)scratch;                   // [SUB][D] keys of the current piece (the first: prefetch_kv)
-    bf16* vs = ks + SUB * D;                     // [SUB][D] and values
-    bf16* kn = vs + SUB * D;                     // [NT][D] new keys (normed, rotated) of a later piece
+    bf16* ks = (bf16*)scratch;                   // [SUB16][D] keys of the current piece (the first: prefetch_kv)
+    bf16* vs = ks + SUB16 * D;                   // [SUB16][D] and values
+    bf16* kn = vs + SUB16 * D;                   // [NT][D] new keys (normed, rotated) of a later piece
     bf16* vn = kn + NT * D;                      // [NT][D] and values
-    float* qs = (float*)(vn + NT * D);           // [RMAX][D]
-    float* S = qs + RMAX * D;                    // [RMAX][SUB] scores, then probabilities
-    float* run_m = S + RMAX * SUB;               // [RMAX] running max, sum, and the last rescale factor
+    bf16* qs = vn + NT * D;                      // [RMAX][D] queries (bf16 exactly: norm_rope rounds)
+    bf16* P = qs + RMAX * D;                     // [RMAX][SUB16] probabilities, rounded for the value mma
+    float* S = (float*)(P + RMAX * SUB16);       // [RMAX][SUB16] scores
+    float* run_m = S + RMAX * SUB16;             // [RMAX] running max, sum, and the last rescale factor
     float* run_l = run_m + RMAX;
     float* rescale = run_l + RMAX;
     for (int r = warp; r < R; r += CW) {
         float q[DL];
         norm_rope(qkv + (r % T) * NQKV + (g * G + r / T) * D, (const bf16*)row[2], cosb, sinb, r % T, eps, q);
-        for (int e = 0; e < DL; ++e) qs[r * D + lane * DL + e] = q[e];
+        for (int e = 0; e < DL; ++e) qs[r * D + lane * DL + e] = f2bf(q[e]);
     }
     for (int s = max(lo, length) + warp; s < hi; s += CW) {
         int j = s - length;
@@ -353,12 +366,12 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
     }
     DETAIL(0, globaltimer());
     for (int r = tid; r < RMAX; r += CT) { run_m[r] = NEG_INF; run_l[r] = 0.f; }
-    const int RG = CT / D, KR = (RMAX + RG - 1) / RG;   // row groups of the value product, rows per thread
-    int rg = tid / D, dv = tid % D;
-    float acc[KR];
-    for (int k = 0; k < KR; ++k) acc[k] = 0.f;
+    // value product: warp w owns output columns 16w .. 16w+15 of every row tile (two mma n-tiles)
+    const int MT = (RMAX + 15) / 16;
+    int gq = lane >> 2, t4 = lane & 3, d0 = warp * 16;
+    float acc[MT][2][4] = {};
     for (int from = lo; from < hi; from += SUB) {
-        int n = min(SUB, hi - from), n_old = max(min(from + SUB, min(hi, length)) - from, 0);
+        int n = min(SUB, hi - from), n_old = max(min(from + SUB, min(hi, length)) - from, 0), n16 = (n + 15) & ~15;
         if (from != lo) {
             consumers_sync();      // the previous piece's value product has read ks / vs; kn / vn are written
             load_kv(kc, vc, from, n_old, ks);
@@ -368,38 +381,38 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
                 vs[(slot - from) * D + d] = vn[(slot - length) * D + d];
             }
         }
+        for (int i = tid; i < (n16 - n) * D / 8; i += CT)    // the last tile's unused values: 0 x 0, not 0 x NaN
+            ((uint4*)(vs + n * D))[i] = make_uint4(0, 0, 0, 0);
         cp_async_wait_all();
         consumers_sync();
-        for (int i0 = 0; i0 < n; i0 += CT / 2) {      // two threads per key (a uniform trip count for the shuffle)
-            int i = i0 + tid / 2, s = from + i, half = tid & 1;
-            float sc[RMAX];
-            for (int r = 0; r < RMAX; ++r) sc[r] = 0.f;
-            for (int d = half * (D / 2); i < n && d < (half + 1) * (D / 2); d += 8) {
-                uint4 raw = *(const uint4*)(ks + i * D + d);
-                const bf16* kb = (const bf16*)&raw;
-                float k[8];
-                for (int e = 0; e < 8; ++e) k[e] = bf2f(kb[e]);
-                for (int r = 0; r < RMAX; ++r)
-                    if (r < R)
-                        for (int e = 0; e < 8; ++e) sc[r] += qs[r * D + d + e] * k[e];
-            }
-            for (int r = 0; r < RMAX; ++r) sc[r] += __shfl_xor_sync(0xffffffff, sc[r], 1);
-            if (!half && i < n)
-                for (int r = 0; r < R; ++r) {
-                    int t = r % T;
-                    bool visible = s < length || s / BS <= (length + t) / BS;
-                    S[r * SUB + i] = visible ? sc[r] * scale : NEG_INF;
+        // scores: a warp per 16-key tile, keys as the mma's rows and query rows as its columns
+        for (int kt = warp; kt * 16 < n; kt += CW)
+            for (int c0 = 0; c0 < R; c0 += 8) {
+                float sc[4] = {0.f, 0.f, 0.f, 0.f};
+                const bf16* kt_rows = ks + kt * 16 * D;
+                for (int q = 0; q < D / 32; ++q) {
+                    uint4 klo = *(const uint4*)(kt_rows + gq * D + q * 32 + t4 * 8);
+                    uint4 khi = *(const uint4*)(kt_rows + (gq + 8) * D + q * 32 + t4 * 8);
+                    uint4 qv = c0 + gq < R ? *(const uint4*)(qs + (c0 + gq) * D + q * 32 + t4 * 8)
+                                           : make_uint4(0, 0, 0, 0);
+                    mma(sc, klo, khi, qv.x, qv.y, 0);
+                    mma(sc, klo, khi, qv.z, qv.w, 1);
                 }
-        }
+                for (int e = 0; e < 4; ++e) {
+                    int i = kt * 16 + gq + (e >> 1) * 8, r = c0 + 2 * t4 + (e & 1), s = from + i;
+                    bool visible = s < length || s / BS <= (length + r % T) / BS;
+                    if (i < n && r < R) S[r * SUB16 + i] = visible ? sc[e] * scale : NEG_INF;
+                }
+            }
         consumers_sync();
         for (int r = warp; r < R; r += CW) {
             float m = run_m[r];
-            for (int i = lane; i < n; i += 32) m = fmaxf(m, S[r * SUB + i]);
+            for (int i = lane; i < n; i += 32) m = fmaxf(m, S[r * SUB16 + i]);
             m = warp_max(m);
             float l = 0.f;
-            for (int i = lane; i < n; i += 32) {
-                float p = m == NEG_INF ? 0.f : __expf(S[r * SUB + i] - m);
-                S[r * SUB + i] = p;
+            for (int i = lane; i < n16; i += 32) {
+                float p = m == NEG_INF || i >= n ? 0.f : __expf(S[r * SUB16 + i] - m);
+                P[r * SUB16 + i] = f2bf(p);
                 l += p;
             }
             l = warp_sum(l);
@@ -411,20 +424,39 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
             }
         }
         consumers_sync();
-        for (int k = 0; k < KR; ++k)
-            if (rg + k * RG < R) acc[k] *= rescale[rg + k * RG];
-        // keys outermost: a thread's rows are independent sums, so consecutive keys' loads overlap
-#pragma unroll 4
-        for (int i = 0; i < n; ++i) {
-            float v = bf2f(vs[i * D + dv]);
-            for (int k = 0; k < KR; ++k)
-                if (rg + k * RG < R) acc[k] += S[(rg + k * RG) * SUB + i] * v;
+        if (d0 < D) {
+            for (int mt = 0; mt < MT; ++mt)
+                for (int e = 0; e < 4; ++e) {
+                    int r = mt * 16 + gq + (e >> 1) * 8;
+                    float f = r < R ? rescale[r] : 0.f;
+                    acc[mt][0][e] *= f; acc[mt][1][e] *= f;
+                }
+            for (int kt = 0; kt * 16 < n; ++kt) {
+                u32 b[4];                // values [16 keys][16 columns] as two B fragments
+                ldmatrix_x4_trans(b, vs + (kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * D + d0 + (lane >> 4) * 8);
+                for (int mt = 0; mt < MT; ++mt) {
+                    int r0 = mt * 16 + gq;
+                    const bf16* p = P + r0 * SUB16 + kt * 16 + 2 * t4;
+                    u32 a0 = r0 < R ? *(const u32*)p : 0u, a2 = r0 < R ? *(const u32*)(p + 8) : 0u;
+                    u32 a1 = r0 + 8 < R ? *(const u32*)(p + 8 * SUB16) : 0u;
+                    u32 a3 = r0 + 8 < R ? *(const u32*)(p + 8 * SUB16 + 8) : 0u;
+                    mma16816(acc[mt][0], a0, a1, a2, a3, b[0], b[1]);
+                    mma16816(acc[mt][1], a0, a1, a2, a3, b[2], b[3]);
+                }
+            }
         }
     }
     DETAIL(1, globaltimer());
     int part = g * NCH + c;
-    for (int k = 0; k < KR; ++k)
-        if (rg + k * RG < R) part_o[((long long)part * RMAX + rg + k * RG) * D + dv] = acc[k];
+    if (d0 < D)
+        for (int mt = 0; mt < MT; ++mt)
+            for (int j = 0; j < 2; ++j)
+                for (int h2 = 0; h2 < 2; ++h2) {
+                    int r = mt * 16 + gq + h2 * 8;
+                    if (r < R)
+                        *(float2*)(part_o + ((long long)part * RMAX + r) * D + d0 + j * 8 + 2 * t4) =
+                            make_float2(acc[mt][j][2 * h2], acc[mt][j][2 * h2 + 1]);
+                }
     for (int r = tid; r < R; r += CT) {
         part_ml[part * 2 * RMAX + r] = run_m[r];
         part_ml[part * 2 * RMAX + RMAX + r] = run_l[r];
@@ -441,7 +473,7 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
     consumers_sync();
     DETAIL(2, globaltimer());
     if (!last) return;
-    float* wgt = qs;                     // [NCH][RMAX] chunk weights exp(m_c - m) / l
+    float* wgt = S;                      // [NCH][RMAX] chunk weights exp(m_c - m) / l
     float* ls = wgt + NCH * RMAX;        // [NCH][RMAX] the chunks' softmax sums
     for (int e = tid; e < NCH * R; e += CT) {
         int cc = e / R, r = e % R;

@@ -28,15 +28,18 @@ memory bank conflicts): the weights' memory, twice.
 Attention splits each KV head's keys into programs / HKV contiguous chunks, one per block. A chunk
 passes through shared memory in pieces (online softmax); the first is fetched with cp.async while
 the QKV phase runs, and a piece holds the whole chunk while 4 ring stages still fit (for SDAR-1.7B
-on an H200, caches up to ~3.7K slots with 4 token rows, ~3K with 8), so longer caches take several
-pieces, not a shallower ring. The last block of a head to finish (an atomic ticket) merges the
+on an H200, caches up to ~3.8K slots with 4 token rows, ~2.8K with 8), so longer caches take several
+pieces, not a shallower ring. Scores (a 16-key tile as A, the query rows as B) and value sums (the
+probabilities as A, values transposed by ldmatrix as B) are mma.sync products too. The last block
+of a head to finish (an atomic ticket) merges the
 partial softmaxes (flash-decoding). There are two kernels, for up to 4 and up to 8 token rows: 4
 rows (most denoising steps) leave more shared memory for the ring.
 
 Numerics follow the layer-by-layer bf16 model: activations are rounded to bf16 where it rounds
-them (norm outputs, products, residual sums, RoPE terms); attention keeps scores, probabilities
-and its value sums in float32 and rounds its output. Accumulation order differs, so logits differ
-from the layer-by-layer step's in the last bits.
+them (norm outputs, products, residual sums, RoPE terms); attention keeps scores, softmax sums and
+value sums in float32, rounds the probabilities to bf16 for the value product (so does the
+layer-by-layer decode attention, `dice.attention`) and rounds its output. Accumulation order differs, so logits differ from the
+layer-by-layer step's in the last bits.
 
 Scope: bf16 weights, one sequence (batch 1, no padding: a key slot's position is its index), up
 to 8 new tokens per forward (block_size <= 4), head_dim 32, 64 or 128, Qwen3/SDAR layers, an SM90
@@ -92,8 +95,8 @@ class FusedDecoder:
         hid, inter, D = c.hidden_size, c.intermediate_size, c.head_dim
         H, hkv = c.num_attention_heads, c.num_key_value_heads
         self.nchunks = self.programs // hkv
-        # one kernel per token-row count: 4 rows (most denoising steps) leave more room for the ring
         self.piece = piece
+        # one kernel per token-row count: 4 rows (most denoising steps) leave more room for the ring
         self.kernels = {r: self._build(r, kc, stages) for r in sorted(rows)}
         if max(self.kernels) < NT:
             raise ValueError(f"fused decoding needs a kernel for {NT} token rows; rows={rows}")
@@ -128,13 +131,16 @@ class FusedDecoder:
         kmax = max(hid, H * D, inter)
         # activations (nt rows of the widest input), and attention's scratch behind the QKV phase's
         # rows (its first keys/values are prefetched while that phase runs): keys and values of a
-        # piece of `sub` slots, the new tokens' keys and values, queries, scores, running max / sum
+        # piece of `sub` slots (rounded up to whole 16-key tiles), the new tokens' keys and values,
+        # queries, probabilities, scores, running max / sum (or, in the merge, the chunks' weights)
         attn_offset = -(-nt * (hid * 2 + 64) // 128) * 128
         stage = 16 * kc * 2
         room = _max_shared(self.model.lm_head.weight.device) - 256 - 1024 - CW * 2 * 128 * 4   # 256: static
 
         def scratch_bytes(sub):
-            attn = 2 * 2 * sub * D + 2 * 2 * nt * D + 4 * max(rmax * D + rmax * sub + 3 * rmax, 2 * self.nchunks * rmax)
+            sub16 = -(-sub // 16) * 16
+            attn = (2 * 2 * sub16 * D + 2 * 2 * nt * D + 2 * rmax * D + 2 * rmax * sub16
+                    + 4 * max(rmax * sub16 + 3 * rmax, 2 * self.nchunks * rmax))
             return -(-max(nt * (kmax * 2 + 64), attn_offset + attn) // 128) * 128
         chunk = -(-self.cache.max_len // self.nchunks)          # the longest chunk this cache can have
         sub = min(self.piece or chunk, chunk)
