@@ -247,14 +247,14 @@ def bench_fused(args) -> None:
     print(table(rows))
     print("\nwhere a 4-token forward's time goes (the kernel's timestamps; barrier exit to barrier exit):")
     print(table(parts))
-    steps, attn = fused_phase_detail(details, c.num_hidden_layers, dec.nchunks)
+    steps, attn = fused_phase_detail(details, c.num_hidden_layers, dec.nchunks, c.num_key_value_heads)
     print("\ninside the phases (the kernel built with TRACE, 3 launches; us, medians over blocks, means over "
           "layers 1-27; the global timer may tick in 1 us steps, so entries under 1 us only say 'short'):")
     print(table(steps))
     print(table(attn))
 
 
-def fused_phase_detail(details, layers: int, nchunks: int) -> tuple[list[dict], list[dict]]:
+def fused_phase_detail(details, layers: int, nchunks: int, kv_heads: int) -> tuple[list[dict], list[dict]]:
     """Rows of `bench fused`'s inside-the-phases tables from (trace, detail) pairs of the TRACE
     build (slots: fused_decode.cu): per matrix phase the prologue after the barrier, the wait for
     the first stage, the block's stages, the tail, the wait at the next barrier and the share of the
@@ -285,7 +285,7 @@ def fused_phase_detail(details, layers: int, nchunks: int) -> tuple[list[dict], 
         for layer in range(1, layers):
             p = 5 * layer + 1
             start, end, nxt = t[:, p, 0], t[:, p, 1], t[:, p + 1, 0]
-            items = d.shape[0] // nchunks * nchunks      # blocks with an attention item, nchunks per head
+            items = nchunks * kv_heads                   # blocks with an attention item, nchunks per head
             merge = (end - d[:, p, 2])[:items].reshape(-1, nchunks).max(1).values
             cols["queries, new keys"].append(med(d[:items, p, 0] - start[:items]))
             cols["scores to sums"].append(med(d[:items, p, 1] - d[:items, p, 0]))

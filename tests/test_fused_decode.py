@@ -262,7 +262,7 @@ def test_phase_detail_tables_read_the_trace_build_slots():
     d[:, p, 2] = p * 10_000 + 5_000
     t[1, p, 1] = p * 10_000 + 9_500                     # each head's merging block ends later
     t[3, p, 1] = p * 10_000 + 9_800
-    steps, attn = fused_phase_detail([(t, d)], layers=2, nchunks=2)
+    steps, attn = fused_phase_detail([(t, d)], layers=2, nchunks=2, kv_heads=2)
     for row in steps:
         assert (row["prologue"], row["first stage"], row["stages"], row["tail"]) == (2.0, 0.5, 5.5, 1.0), row
         assert row["barrier wait"] == 1.0 and row["waiting share"] == 0.25
