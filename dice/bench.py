@@ -259,8 +259,11 @@ def fused_phase_detail(details, layers: int, nchunks: int, kv_heads: int) -> tup
     build (slots: fused_decode.cu): per matrix phase the prologue after the barrier, the wait for
     the first stage, the block's stages, the tail, the wait at the next barrier and the share of the
     phase's clock cycles spent waiting for stages (thread 0), and the SM clock (the phase's cycles
-    over its nanoseconds); for attention the queries and new keys, scores to
-    value sums, the ticket, the head's merge (its last block) and the wait at the next barrier."""
+    over its nanoseconds); for attention (the blocks with a work item) the queries and new keys,
+    the wait for the piece's keys and values, the scores, the softmax and value product (these
+    three from clock cycles, summed over pieces), the ticket, the slowest of a head's blocks to take
+    its ticket (from the barrier's exit), the head's merge (its last block) and the wait at the next
+    barrier."""
     def med(x):
         return float(x.median()) / 1e3
     steps = []
@@ -280,16 +283,20 @@ def fused_phase_detail(details, layers: int, nchunks: int, kv_heads: int) -> tup
                 cols["waiting share"].append(float((dp[:, 3] / dp[:, 6]).median()))
                 cols["SM GHz"].append(float((dp[:, 6] / (end - start)).median()))
         steps.append({"phase": name, **{key: round(sum(v) / len(v), 2) for key, v in cols.items()}})
-    cols = {key: [] for key in ("queries, new keys", "scores to sums", "ticket", "merge", "barrier wait")}
+    cols = {key: [] for key in ("queries, new keys", "K/V wait", "scores", "softmax, values", "ticket",
+                                "last ticket", "merge", "barrier wait")}
     for t, d in details:
         for layer in range(1, layers):
             p = 5 * layer + 1
-            start, end, nxt = t[:, p, 0], t[:, p, 1], t[:, p + 1, 0]
-            items = nchunks * kv_heads                   # blocks with an attention item, nchunks per head
-            merge = (end - d[:, p, 2])[:items].reshape(-1, nchunks).max(1).values
-            cols["queries, new keys"].append(med(d[:items, p, 0] - start[:items]))
-            cols["scores to sums"].append(med(d[:items, p, 1] - d[:items, p, 0]))
-            cols["ticket"].append(med(d[:items, p, 2] - d[:items, p, 1]))
+            items = nchunks * kv_heads                   # the blocks with an attention item, head by head
+            start, end, nxt, dp = t[:items, p, 0], t[:items, p, 1], t[:items, p + 1, 0], d[:items, p]
+            us_per_cycle = (end - start) / dp[:, 6] / 1e3    # the block's phase in ns over its cycles
+            merge = (end - dp[:, 2]).reshape(-1, nchunks).max(1).values
+            cols["queries, new keys"].append(med(dp[:, 0] - start))
+            for slot, key in ((3, "K/V wait"), (4, "scores"), (5, "softmax, values")):
+                cols[key].append(float((dp[:, slot] * us_per_cycle).median()))
+            cols["ticket"].append(med(dp[:, 2] - dp[:, 1]))
+            cols["last ticket"].append(med((dp[:, 2] - start).reshape(-1, nchunks).max(1).values))
             cols["merge"].append(med(merge))
             cols["barrier wait"].append(med(nxt - end))
     attn = [{"phase": "ATTN", **{key: round(sum(v) / len(v), 2) for key, v in cols.items()}}]

@@ -42,12 +42,17 @@ __device__ __forceinline__ long long globaltimer() {
 // matrix phases: 0 prologue end, 1 first stage ready, 2 last stage ready (global timer, ns),
 // 3 clock cycles thread 0 waited for stages, 4 / 5 the producer's first / last copy of the phase
 // (ns), 6 the phase's clock cycles, 7 stages; attention: 0 queries and new keys done, 1 scores to
-// value sums done, 2 ticket taken, 6 the phase's clock cycles.
+// value sums done, 2 ticket taken (ns), 3 / 4 / 5 clock cycles waiting for keys and values, in the
+// scores, in the softmax and value product (summed over pieces), 6 the phase's clock cycles.
 #ifdef TRACE
 __shared__ long long* detail;
 #define DETAIL(i, v) do { if (threadIdx.x == 0 && detail) detail[i] = (v); } while (0)
+#define DETAIL_ADD(i, v) do { if (threadIdx.x == 0 && detail) detail[i] += (v); } while (0)
+#define CLOCK() clock64()
 #else
 #define DETAIL(i, v) do { } while (0)
+#define DETAIL_ADD(i, v) do { (void)(v); } while (0)
+#define CLOCK() 0LL
 #endif
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" :: "n"(CT) : "memory"); }
 
@@ -371,6 +376,7 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
     int gq = lane >> 2, t4 = lane & 3, d0 = warp * 16;
     float acc[MT][2][4] = {};
     for (int from = lo; from < hi; from += SUB) {
+        long long t0 = CLOCK();
         int n = min(SUB, hi - from), n_old = max(min(from + SUB, min(hi, length)) - from, 0), n16 = (n + 15) & ~15;
         if (from != lo) {
             consumers_sync();      // the previous piece's value product has read ks / vs; kn / vn are written
@@ -385,6 +391,8 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
             ((uint4*)(vs + n * D))[i] = make_uint4(0, 0, 0, 0);
         cp_async_wait_all();
         consumers_sync();
+        long long t1 = CLOCK();
+        DETAIL_ADD(3, t1 - t0);
         // scores: a warp per 16-key tile, keys as the mma's rows and query rows as its columns
         for (int kt = warp; kt * 16 < n; kt += CW)
             for (int c0 = 0; c0 < R; c0 += 8) {
@@ -405,6 +413,8 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
                 }
             }
         consumers_sync();
+        long long t2 = CLOCK();
+        DETAIL_ADD(4, t2 - t1);
         for (int r = warp; r < R; r += CW) {
             float m = run_m[r];
             for (int i = lane; i < n; i += 32) m = fmaxf(m, S[r * SUB16 + i]);
@@ -445,6 +455,7 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
                 }
             }
         }
+        DETAIL_ADD(5, CLOCK() - t2);
     }
     DETAIL(1, globaltimer());
     int part = g * NCH + c;

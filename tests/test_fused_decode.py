@@ -260,6 +260,7 @@ def test_phase_detail_tables_read_the_trace_build_slots():
     d[:, p, 0] = p * 10_000 + 1_000
     d[:, p, 1] = p * 10_000 + 4_000
     d[:, p, 2] = p * 10_000 + 5_000
+    d[:, p, 3:7] = torch.tensor([500., 1000., 1500., 9000.])   # cycles; 9000 in a 9 us phase: 1 GHz
     t[1, p, 1] = p * 10_000 + 9_500                     # each head's merging block ends later
     t[3, p, 1] = p * 10_000 + 9_800
     steps, attn = fused_phase_detail([(t, d)], layers=2, nchunks=2, kv_heads=2)
@@ -268,5 +269,7 @@ def test_phase_detail_tables_read_the_trace_build_slots():
         assert row["barrier wait"] == 1.0 and row["waiting share"] == 0.25
         assert abs(row["SM GHz"] - 1200 / 9000) < 1e-2     # 1200 cycles in a 9 us phase
     a = attn[0]
-    assert (a["queries, new keys"], a["scores to sums"], a["ticket"]) == (1.0, 3.0, 1.0)
+    assert (a["queries, new keys"], a["ticket"], a["last ticket"]) == (1.0, 1.0, 5.0)
+    # the merging blocks' longer phases make their cycles longer; the medians are the others' 0.5 / 1 / 1.5
+    assert (a["K/V wait"], a["scores"], a["softmax, values"]) == (0.5, 1.0, 1.5)
     assert a["merge"] == 4.5            # head 0's 4.5 us and head 1's 4.8 us (torch's median: the lower)
