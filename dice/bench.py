@@ -212,13 +212,11 @@ def bench_fused(args) -> None:
                 rows.append({"step": name, "new tokens": T, "ms / forward": round(ms, 3),
                              "% of roofline": round(100 * roofline_ms / ms, 1), "rel. error vs layers": "-"})
                 print(table(rows[-1:]), file=sys.stderr, flush=True)
+            dec, cache = step.fused, step.cache      # the loop's last step: the fused kernel
             slots = torch.arange(n, n + T, device="cuda")
             ref = model.step_logits(*new, prefilled(), slots, n + T, lf).float()
-            cache = prefilled()
-            got = fused_decode.FusedDecoder(model, cache).step_logits(*new, cache, slots, n + T, lf).float()
+            got = dec.step_logits(*new, cache, slots, n + T, lf).float()
             rows[-1]["rel. error vs layers"] = f"{((got - ref).norm() / ref.norm()).item():.1e}"
-        cache = prefilled()
-        dec = fused_decode.FusedDecoder(model, cache)
         phases = dec.all_phases
         trace = torch.zeros(dec.programs, phases + 1, 2, dtype=torch.int64, device="cuda")
         slots = torch.arange(n, n + 4, device="cuda")

@@ -312,16 +312,25 @@ __device__ void load_kv(const bf16* kc, const bf16* vc, int from, int count, bf1
         cp_async16(ks + SUB16 * D + i * 8, vc + (long long)from * D + i * 8);
     }
 }
+// Block b < NITEMS's attention work item: KV head g = b / NCH and chunk c = b % NCH, the key slots
+// lo .. hi - 1 (a head's NCH chunks split the length + T slots evenly).
+struct Chunk { int g, c, lo, hi; };
+__device__ __forceinline__ Chunk attention_chunk(int length, int T) {
+    const int NCH = NITEMS / HKV;
+    int total = length + T, cs = (total + NCH - 1) / NCH, c = blockIdx.x % NCH;
+    return {(int)blockIdx.x / NCH, c, c * cs, min(c * cs + cs, total)};
+}
+// The committed (cached) slots of the piece of at most SUB slots from `from` below `hi`.
+__device__ __forceinline__ int committed_in_piece(int from, int hi, int length) {
+    return max(min(from + SUB, min(hi, length)) - from, 0);
+}
 // The first piece of this block's attention chunk (see `attention`), issued at the start of the
 // layer's QKV phase so that it arrives while that phase runs.
 __device__ void prefetch_kv(const u64* row, int length, int T, int max_len, char* scratch) {
-    const int NCH = NITEMS / HKV;
-    int item = blockIdx.x;
-    if (item >= NITEMS) return;
-    int g = item / NCH, c = item % NCH, total = length + T, cs = (total + NCH - 1) / NCH;
-    int lo = c * cs, n_old = max(min(min(min(lo + cs, total), length), lo + SUB) - lo, 0);
+    if (blockIdx.x >= NITEMS) return;
+    auto [g, c, lo, hi] = attention_chunk(length, T);
     load_kv((const bf16*)row[8] + (long long)g * max_len * D, (const bf16*)row[9] + (long long)g * max_len * D, lo,
-            n_old, (bf16*)scratch);
+            committed_in_piece(lo, hi, length), (bf16*)scratch);
 }
 
 // Attention of the T new tokens (folded GQA rows r = (head - g*G) * T + t) over the cache's `length`
@@ -334,14 +343,11 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
                           int* tickets, const bf16* cosb, const bf16* sinb, int length, int T, int max_len,
                           float eps, float scale, float* scratch) {
     const int G = H / HKV, NCH = NITEMS / HKV;
-    int item = blockIdx.x;
-    if (item >= NITEMS) return;
-    int g = item / NCH, c = item % NCH, R = G * T;
-    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, tid = threadIdx.x;
+    if (blockIdx.x >= NITEMS) return;
+    auto [g, c, lo, hi] = attention_chunk(length, T);
+    int R = G * T, warp = threadIdx.x / 32, lane = threadIdx.x & 31, tid = threadIdx.x;
     bf16* kc = (bf16*)row[8] + (long long)g * max_len * D;
     bf16* vc = (bf16*)row[9] + (long long)g * max_len * D;
-    int total = length + T, cs = (total + NCH - 1) / NCH;
-    int lo = c * cs, hi = min(lo + cs, total);
     bf16* ks = (bf16*)scratch;                   // [SUB16][D] keys of the current piece (the first: prefetch_kv)
     bf16* vs = ks + SUB16 * D;                   // [SUB16][D] and values
     bf16* kn = vs + SUB16 * D;                   // [NT][D] new keys (normed, rotated) of a later piece
@@ -377,7 +383,7 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
     float acc[MT][2][4] = {};
     for (int from = lo; from < hi; from += SUB) {
         long long t0 = CLOCK();
-        int n = min(SUB, hi - from), n_old = max(min(from + SUB, min(hi, length)) - from, 0), n16 = (n + 15) & ~15;
+        int n = min(SUB, hi - from), n_old = committed_in_piece(from, hi, length), n16 = (n + 15) & ~15;
         if (from != lo) {
             consumers_sync();      // the previous piece's value product has read ks / vs; kn / vn are written
             load_kv(kc, vc, from, n_old, ks);
