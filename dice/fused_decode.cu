@@ -305,11 +305,17 @@ __device__ void norm_rope(const bf16* src, const bf16* w, const bf16* cosb, cons
     }
 }
 
+// Element (row, d) of a piece's key or value rows: 16-byte chunk c of row r sits at c ^ (r % 8), so
+// the eight rows an ldmatrix reads (or a score load's eight key rows) fall on distinct bank groups.
+#define SWZ (D / 8 < 8 ? D / 8 - 1 : 7)
+__device__ __forceinline__ int kv_at(int row, int d) { return row * D + (((d >> 3) ^ (row & SWZ)) << 3) + (d & 7); }
+
 // `count` committed keys and values of one KV head from slot `from` into a piece's buffers (cp.async).
 __device__ void load_kv(const bf16* kc, const bf16* vc, int from, int count, bf16* ks) {
     for (int i = threadIdx.x; i < count * D / 8; i += CT) {
-        cp_async16(ks + i * 8, kc + (long long)from * D + i * 8);
-        cp_async16(ks + SUB16 * D + i * 8, vc + (long long)from * D + i * 8);
+        int at = kv_at(i / (D / 8), i % (D / 8) * 8);
+        cp_async16(ks + at, kc + (long long)from * D + i * 8);
+        cp_async16(ks + SUB16 * D + at, vc + (long long)from * D + i * 8);
     }
 }
 // Block b < NITEMS's attention work item: KV head g = b / NCH and chunk c = b % NCH, the key slots
@@ -349,7 +355,7 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
     bf16* kc = (bf16*)row[8] + (long long)g * max_len * D;
     bf16* vc = (bf16*)row[9] + (long long)g * max_len * D;
     bf16* ks = (bf16*)scratch;                   // [SUB16][D] keys of the current piece (the first: prefetch_kv)
-    bf16* vs = ks + SUB16 * D;                   // [SUB16][D] and values
+    bf16* vs = ks + SUB16 * D;                   // [SUB16][D] and values (both in kv_at order)
     bf16* kn = vs + SUB16 * D;                   // [NT][D] new keys (normed, rotated) of a later piece
     bf16* vn = kn + NT * D;                      // [NT][D] and values
     bf16* qs = vn + NT * D;                      // [RMAX][D] queries (bf16 exactly: norm_rope rounds)
@@ -371,7 +377,7 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
             int d = lane * DL + e;
             bf16 kb = f2bf(k[e]), vb = __ldcg(qkv + j * NQKV + (H + HKV + g) * D + d);
             kc[(long long)s * D + d] = kb; vc[(long long)s * D + d] = vb;
-            if (s - lo < SUB) { ks[(s - lo) * D + d] = kb; vs[(s - lo) * D + d] = vb; }   // the first piece
+            if (s - lo < SUB) { ks[kv_at(s - lo, d)] = kb; vs[kv_at(s - lo, d)] = vb; }   // the first piece
             else { kn[j * D + d] = kb; vn[j * D + d] = vb; }                               // a later one
         }
     }
@@ -389,8 +395,8 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
             load_kv(kc, vc, from, n_old, ks);
             for (int i = tid; i < (n - n_old) * D; i += CT) {  // this piece's new keys, from kn / vn
                 int slot = from + n_old + i / D, d = i % D;
-                ks[(slot - from) * D + d] = kn[(slot - length) * D + d];
-                vs[(slot - from) * D + d] = vn[(slot - length) * D + d];
+                ks[kv_at(slot - from, d)] = kn[(slot - length) * D + d];
+                vs[kv_at(slot - from, d)] = vn[(slot - length) * D + d];
             }
         }
         for (int i = tid; i < (n16 - n) * D / 8; i += CT)    // the last tile's unused values: 0 x 0, not 0 x NaN
@@ -403,10 +409,9 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
         for (int kt = warp; kt * 16 < n; kt += CW)
             for (int c0 = 0; c0 < R; c0 += 8) {
                 float sc[4] = {0.f, 0.f, 0.f, 0.f};
-                const bf16* kt_rows = ks + kt * 16 * D;
                 for (int q = 0; q < D / 32; ++q) {
-                    uint4 klo = *(const uint4*)(kt_rows + gq * D + q * 32 + t4 * 8);
-                    uint4 khi = *(const uint4*)(kt_rows + (gq + 8) * D + q * 32 + t4 * 8);
+                    uint4 klo = *(const uint4*)(ks + kv_at(kt * 16 + gq, q * 32 + t4 * 8));
+                    uint4 khi = *(const uint4*)(ks + kv_at(kt * 16 + gq + 8, q * 32 + t4 * 8));
                     uint4 qv = c0 + gq < R ? *(const uint4*)(qs + (c0 + gq) * D + q * 32 + t4 * 8)
                                            : make_uint4(0, 0, 0, 0);
                     mma(sc, klo, khi, qv.x, qv.y, 0);
@@ -449,7 +454,7 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
                 }
             for (int kt = 0; kt * 16 < n; ++kt) {
                 u32 b[4];                // values [16 keys][16 columns] as two B fragments
-                ldmatrix_x4_trans(b, vs + (kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * D + d0 + (lane >> 4) * 8);
+                ldmatrix_x4_trans(b, vs + kv_at(kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, d0 + (lane >> 4) * 8));
                 for (int mt = 0; mt < MT; ++mt) {
                     int r0 = mt * 16 + gq;
                     const bf16* p = P + r0 * SUB16 + kt * 16 + 2 * t4;
