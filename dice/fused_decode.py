@@ -30,7 +30,8 @@ passes through shared memory in pieces (online softmax); the first is fetched wi
 the QKV phase runs, and a piece holds the whole chunk while 4 ring stages still fit (for SDAR-1.7B
 on an H200, caches up to ~3.8K slots with 4 token rows, ~2.8K with 8), so longer caches take several
 pieces, not a shallower ring. Scores (a 16-key tile as A, the query rows as B) and value sums (the
-probabilities as A, values transposed by ldmatrix as B) are mma.sync products too. The last block
+probabilities as A, values transposed by ldmatrix as B) are mma.sync products too; the piece's key
+and value rows are XOR-swizzled by 16-byte chunk, so those loads are free of bank conflicts. The last block
 of a head to finish (an atomic ticket) merges the
 partial softmaxes (flash-decoding). There are two kernels, for up to 4 and up to 8 token rows: 4
 rows (most denoising steps) leave more shared memory for the ring.
