@@ -245,29 +245,32 @@ def bench_fused(args) -> None:
     print(table(rows))
     print("\nwhere a 4-token forward's time goes (the kernel's timestamps; barrier exit to barrier exit):")
     print(table(parts))
-    steps, attn = fused_phase_detail(details, c.num_hidden_layers, dec.nchunks, c.num_key_value_heads)
+    new_chunk = n // -(-(n + 4) // dec.nchunks)      # the chunk holding the first new slot (attention_chunk)
+    steps, attn = fused_phase_detail(details, c.num_hidden_layers, dec.nchunks, c.num_key_value_heads, new_chunk)
     print("\ninside the phases (the kernel built with TRACE, 3 launches; us, medians over blocks, means over "
           "layers 1-27; the global timer may tick in 1 us steps, so entries under 1 us only say 'short'):")
     print(table(steps))
     print(table(attn))
 
 
-def fused_phase_detail(details, layers: int, nchunks: int, kv_heads: int) -> tuple[list[dict], list[dict]]:
+def fused_phase_detail(details, layers: int, nchunks: int, kv_heads: int,
+                       new_chunk: int) -> tuple[list[dict], list[dict]]:
     """Rows of `bench fused`'s inside-the-phases tables from (trace, detail) pairs of the TRACE
     build (slots: fused_decode.cu): per matrix phase the prologue after the barrier, the wait for
-    the first stage, the block's stages, the tail, the wait at the next barrier and the share of the
-    phase's clock cycles spent waiting for stages (thread 0), and the SM clock (the phase's cycles
-    over its nanoseconds); for attention (the blocks with a work item) the queries and new keys,
-    the wait for the piece's keys and values, the scores, the softmax and value product (these
-    three from clock cycles, summed over pieces), the ticket, the slowest of a head's blocks to take
-    its ticket (from the barrier's exit), the head's merge (its last block) and the wait at the next
-    barrier."""
+    the first stage, the block's stages (and the slowest block's), the tail, the wait at the next
+    barrier and the share of the phase's clock cycles spent waiting for stages (thread 0), and the
+    SM clock (the phase's cycles over its nanoseconds); for attention (the blocks with a work item)
+    the queries and new keys, the wait for the piece's keys and values, the scores, the softmax and
+    value product (these three from clock cycles, summed over pieces), the ticket, the slowest of
+    a head's blocks to take its ticket and the block holding the new tokens (chunk `new_chunk`: it
+    also norms and writes their keys; both from the barrier's exit), the head's merge (its last
+    block) and the wait at the next barrier."""
     def med(x):
         return float(x.median()) / 1e3
     steps = []
     for k, name in ((0, "QKV"), (2, "O"), (3, "UP"), (4, "DOWN")):
-        cols = {key: [] for key in ("prologue", "first stage", "stages", "tail", "barrier wait", "waiting share",
-                                    "SM GHz")}
+        cols = {key: [] for key in ("prologue", "first stage", "stages", "slowest stages", "tail", "barrier wait",
+                                    "waiting share", "SM GHz")}
         for t, d in details:
             for layer in range(1, layers):
                 p = 5 * layer + k
@@ -276,13 +279,14 @@ def fused_phase_detail(details, layers: int, nchunks: int, kv_heads: int) -> tup
                 cols["prologue"].append(med(dp[:, 0] - start))
                 cols["first stage"].append(med(dp[:, 1] - dp[:, 0]))
                 cols["stages"].append(med(dp[:, 2] - dp[:, 1]))
+                cols["slowest stages"].append(float((dp[:, 2] - dp[:, 1]).max()) / 1e3)
                 cols["tail"].append(med(end - dp[:, 2]))
                 cols["barrier wait"].append(med(nxt - end))
                 cols["waiting share"].append(float((dp[:, 3] / dp[:, 6]).median()))
                 cols["SM GHz"].append(float((dp[:, 6] / (end - start)).median()))
         steps.append({"phase": name, **{key: round(sum(v) / len(v), 2) for key, v in cols.items()}})
     cols = {key: [] for key in ("queries, new keys", "K/V wait", "scores", "softmax, values", "ticket",
-                                "last ticket", "merge", "barrier wait")}
+                                "last ticket", "new tokens' ticket", "merge", "barrier wait")}
     for t, d in details:
         for layer in range(1, layers):
             p = 5 * layer + 1
@@ -295,6 +299,7 @@ def fused_phase_detail(details, layers: int, nchunks: int, kv_heads: int) -> tup
                 cols[key].append(float((dp[:, slot] * us_per_cycle).median()))
             cols["ticket"].append(med(dp[:, 2] - dp[:, 1]))
             cols["last ticket"].append(med((dp[:, 2] - start).reshape(-1, nchunks).max(1).values))
+            cols["new tokens' ticket"].append(med((dp[:, 2] - start).reshape(-1, nchunks)[:, new_chunk]))
             cols["merge"].append(med(merge))
             cols["barrier wait"].append(med(nxt - end))
     attn = [{"phase": "ATTN", **{key: round(sum(v) / len(v), 2) for key, v in cols.items()}}]

@@ -254,22 +254,27 @@ def test_phase_detail_tables_read_the_trace_build_slots():
         d[:, p, 1] = p * 10_000 + 2_500                 # first stage after 0.5 us
         d[:, p, 2] = p * 10_000 + 8_000                 # stages 5.5 us, tail 1 us
         d[:, p, 3], d[:, p, 6], d[:, p, 7] = 300, 1200, 8
+    d[2, 8, 2] = 8 * 10_000 + 8_700                     # block 2's gate/up stages end 0.7 us late
     d[3, 7] = 0                                         # no O tile on block 3
     d[3, 7, 0] = 7 * 10_000 + 5_000                     # (would move the medians if it counted)
     p = 6                                               # layer 1's attention
     d[:, p, 0] = p * 10_000 + 1_000
     d[:, p, 1] = p * 10_000 + 4_000
     d[:, p, 2] = p * 10_000 + 5_000
+    d[0, p, 2] = p * 10_000 + 6_500                     # the heads' chunks 0 take their tickets last
+    d[2, p, 2] = p * 10_000 + 6_000
     d[:, p, 3:7] = torch.tensor([500., 1000., 1500., 9000.])   # cycles; 9000 in a 9 us phase: 1 GHz
     t[1, p, 1] = p * 10_000 + 9_500                     # each head's merging block ends later
     t[3, p, 1] = p * 10_000 + 9_800
-    steps, attn = fused_phase_detail([(t, d)], layers=2, nchunks=2, kv_heads=2)
+    steps, attn = fused_phase_detail([(t, d)], layers=2, nchunks=2, kv_heads=2, new_chunk=1)
     for row in steps:
         assert (row["prologue"], row["first stage"], row["stages"], row["tail"]) == (2.0, 0.5, 5.5, 1.0), row
+        assert row["slowest stages"] == (6.2 if row["phase"] == "UP" else 5.5)
         assert row["barrier wait"] == 1.0 and row["waiting share"] == 0.25
         assert abs(row["SM GHz"] - 1200 / 9000) < 1e-2     # 1200 cycles in a 9 us phase
     a = attn[0]
-    assert (a["queries, new keys"], a["ticket"], a["last ticket"]) == (1.0, 1.0, 5.0)
+    assert (a["queries, new keys"], a["ticket"]) == (1.0, 1.0)
+    assert a["last ticket"] == 6.0 and a["new tokens' ticket"] == 5.0   # heads' last: 6.5 and 6 (lower median)
     # the merging blocks' longer phases make their cycles longer; the medians are the others' 0.5 / 1 / 1.5
     assert (a["K/V wait"], a["scores"], a["softmax, values"]) == (0.5, 1.0, 1.5)
     assert a["merge"] == 4.5            # head 0's 4.5 us and head 1's 4.8 us (torch's median: the lower)
