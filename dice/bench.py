@@ -233,7 +233,7 @@ def bench_fused(args) -> None:
     spans = start[1:] - start[:-1]
     parts = []
     for k, name in enumerate(("QKV", "ATTN", "O", "UP", "DOWN")):
-        us = float(spans[[5 * layer + k for layer in range(1, c.num_hidden_layers)]].mean())
+        us = float(spans[[fused_decode.PHASES * layer + k for layer in range(1, c.num_hidden_layers)]].mean())
         parts.append({"phase": name, "us / layer": round(us, 2)})
     parts.append({"phase": "LM (lm_head)", "us / layer": round(float(t[:, -1, 1].max() - start[-1]), 1)})
     k = dec.kernels[4]
@@ -265,6 +265,8 @@ def fused_phase_detail(details, layers: int, nchunks: int, kv_heads: int,
     a head's blocks to take its ticket and the block holding the new tokens (chunk `new_chunk`: it
     also norms and writes their keys; both from the barrier's exit), the head's merge (its last
     block) and the wait at the next barrier."""
+    from .fused_decode import PHASES
+
     def med(x):
         return float(x.median()) / 1e3
     steps = []
@@ -273,7 +275,7 @@ def fused_phase_detail(details, layers: int, nchunks: int, kv_heads: int,
                                     "waiting share", "SM GHz")}
         for t, d in details:
             for layer in range(1, layers):
-                p = 5 * layer + k
+                p = PHASES * layer + k
                 has = d[:, p, 7] > 0                          # blocks with a tile in this phase
                 start, end, nxt, dp = t[has, p, 0], t[has, p, 1], t[has, p + 1, 0], d[has, p]
                 cols["prologue"].append(med(dp[:, 0] - start))
@@ -287,10 +289,10 @@ def fused_phase_detail(details, layers: int, nchunks: int, kv_heads: int,
         steps.append({"phase": name, **{key: round(sum(v) / len(v), 2) for key, v in cols.items()}})
     cols = {key: [] for key in ("queries, new keys", "K/V wait", "scores", "softmax, values", "ticket",
                                 "last ticket", "new tokens' ticket", "merge", "barrier wait")}
+    items = nchunks * kv_heads                           # the blocks with an attention item, head by head
     for t, d in details:
         for layer in range(1, layers):
-            p = 5 * layer + 1
-            items = nchunks * kv_heads                   # the blocks with an attention item, head by head
+            p = PHASES * layer + 1
             start, end, nxt, dp = t[:items, p, 0], t[:items, p, 1], t[:items, p + 1, 0], d[:items, p]
             us_per_cycle = (end - start) / dp[:, 6] / 1e3    # the block's phase in ns over its cycles
             merge = (end - dp[:, 2]).reshape(-1, nchunks).max(1).values

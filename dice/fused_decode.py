@@ -31,16 +31,16 @@ the QKV phase runs, and a piece holds the whole chunk while 4 ring stages still 
 on an H200, caches up to ~3.8K slots with 4 token rows, ~2.8K with 8), so longer caches take several
 pieces, not a shallower ring. Scores (a 16-key tile as A, the query rows as B) and value sums (the
 probabilities as A, values transposed by ldmatrix as B) are mma.sync products too; the piece's key
-and value rows are XOR-swizzled by 16-byte chunk, so those loads are free of bank conflicts. The last block
-of a head to finish (an atomic ticket) merges the
-partial softmaxes (flash-decoding). There are two kernels, for up to 4 and up to 8 token rows: 4
-rows (most denoising steps) leave more shared memory for the ring.
+and value rows are XOR-swizzled by 16-byte chunk, so those loads are free of bank conflicts. The
+last block of a head to finish (an atomic ticket) merges the partial softmaxes (flash-decoding).
+There are two kernels, for up to 4 and up to 8 token rows: 4 rows (most denoising steps) leave
+more shared memory for the ring.
 
 Numerics follow the layer-by-layer bf16 model: activations are rounded to bf16 where it rounds
 them (norm outputs, products, residual sums, RoPE terms); attention keeps scores, softmax sums and
 value sums in float32, rounds the probabilities to bf16 for the value product (so does the
-layer-by-layer decode attention, `dice.attention`) and rounds its output. Accumulation order differs, so logits differ from the
-layer-by-layer step's in the last bits.
+layer-by-layer decode attention, `dice.attention`) and rounds its output. Accumulation order
+differs, so logits differ from the layer-by-layer step's in the last bits.
 
 Scope: bf16 weights, one sequence (batch 1, no padding: a key slot's position is its index), up
 to 8 new tokens per forward (block_size <= 4), head_dim 32, 64 or 128, Qwen3/SDAR layers, an SM90
@@ -176,10 +176,10 @@ class FusedDecoder:
         return kernel
 
     def _tile(self, w: torch.Tensor, kc: int) -> torch.Tensor:
-        """A copy of W [N, K] (zero rows appended up to a multiple of 16) laid out as [N/16][K/kc][16][kc]
-        (kc = min(K, kc)), so that one ring stage
-        is one contiguous bulk copy; in each row the 16-byte pieces c are stored at c ^ (4 * (row & 1)),
-        so that the consumers' reads of rows g and g + 1 fall on different shared-memory banks."""
+        """A copy of W [N, K] (zero rows appended up to a multiple of 16) laid out as
+        [N/16][K/kc][16][kc] (kc = min(K, kc)), so that one ring stage is one contiguous bulk copy;
+        in each row the 16-byte pieces c are stored at c ^ (4 * (row & 1)), so that the consumers'
+        reads of rows g and g + 1 fall on different shared-memory banks."""
         if w.shape[0] % 16:                       # lm_head of a vocabulary that is not a multiple of 16
             w = torch.cat([w, w.new_zeros(16 - w.shape[0] % 16, w.shape[1])])
         n, k = w.shape
