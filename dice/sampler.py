@@ -32,6 +32,7 @@ seed + i; pass one seed per prompt for results independent of the row.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -114,14 +115,29 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def greedy_choice(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax, its softmax probability) per row of [..., V] float logits: the probability of the
+    largest logit m is exp(0) / sum_j exp(l_j - m), so c = 1 / sum_j exp(l_j - m). Each reduction
+    runs over V cut into `pieces` and then over the pieces: a decoding step has a few rows, and a
+    reduction per row would leave all but a few SMs idle (a [4, 151936] softmax takes ~40 us on an
+    H200). The argmax is the first index of the maximum, as `max` gives it."""
+    V = logits.shape[-1]
+    pieces = math.gcd(V, 64)
+    x = logits.view(*logits.shape[:-1], pieces, V // pieces)
+    piece_max, piece_arg = x.max(-1)
+    m, piece = piece_max.max(-1)                     # the first piece that holds the maximum
+    tok = piece * (V // pieces) + piece_arg.gather(-1, piece.unsqueeze(-1)).squeeze(-1)
+    total = (x - m[..., None, None]).exp_().sum(-1).sum(-1)
+    return tok, total.reciprocal_()
+
+
 def choose_tokens(logits: torch.Tensor, mask_token_id: int, temperature: float, top_k: int, top_p: float,
                   uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(token, confidence) per position of [B, T, V] logits; see the module docstring."""
     logits = logits.to(torch.float32, copy=True)   # a copy: the input may be a CUDA graph's output buffer
     logits[..., mask_token_id] = float("-inf")
     if temperature == 0:
-        conf, tok = logits.softmax(-1).max(-1)
-        return tok, conf
+        return greedy_choice(logits)
     scaled = logits / temperature
     probs = scaled.softmax(-1)
     cdf = filter_logits(scaled, top_k, top_p).softmax(-1).cumsum(-1)

@@ -278,3 +278,10 @@ def test_phase_detail_tables_read_the_trace_build_slots():
     # the merging blocks' longer phases make their cycles longer; the medians are the others' 0.5 / 1 / 1.5
     assert (a["K/V wait"], a["scores"], a["softmax, values"]) == (0.5, 1.0, 1.5)
     assert a["merge"] == 4.5            # head 0's 4.5 us and head 1's 4.8 us (torch's median: the lower)
+
+
+def test_short_caches_split_each_kv_head_over_half_as_many_chunks():
+    """132 SMs and 8 KV heads: 16 chunks a head (one per block), 8 up to SHORT_CACHE slots."""
+    from dice.fused_decode import SHORT_CACHE, chunks_per_head
+    assert [chunks_per_head(132, 8, n) for n in (100, SHORT_CACHE, SHORT_CACHE + 1, 20000)] == [8, 8, 16, 16]
+    assert chunks_per_head(132, 128, 100) == 1 and chunks_per_head(4, 8, 100000) == 1

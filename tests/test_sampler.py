@@ -132,6 +132,21 @@ def test_greedy_confidence_leaves_out_the_mask_token_even_when_it_leads():
     assert conf.item() == pytest.approx(torch.tensor([2.0, 1.0]).softmax(0)[0].item(), abs=1e-6)   # 0.731
 
 
+@pytest.mark.parametrize("vocab", [151936, 512, 97])
+def test_greedy_choice_is_softmax_max_with_the_first_of_tied_maxima(vocab):
+    """The piecewise reductions against the softmax's maximum: the same token (the first of two
+    tied maxima in different pieces), the probability to float32 accuracy (against float64)."""
+    from dice.sampler import greedy_choice
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(2, 4, vocab, generator=g) * 4
+    logits[0, 1, [vocab - 1, 5]] = 30.0
+    logits[1, 2, 3] = float("-inf")
+    want_conf, want_tok = logits.double().softmax(-1).max(-1)
+    tok, conf = greedy_choice(logits.clone())
+    assert tok[0, 1].item() == 5 and torch.equal(tok, want_tok)
+    assert torch.allclose(conf.double(), want_conf, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("remasking", ["low_confidence_static", "low_confidence_dynamic"])
 def test_equal_confidences_go_to_the_lower_position(remasking):
     conf = torch.tensor([[0.5, 0.5, 0.2], [0.2, 0.5, 0.5]])
