@@ -12,6 +12,7 @@ typedef unsigned long long u64;
 #define SUB n_sub                      // key slots per attention piece (launch argument)
 #define SUB16 ((n_sub + 15) & ~15)     // its buffers' rows: whole 16-key mma tiles
 __shared__ int n_stage, n_sub;
+__shared__ int tok_pos[NT];            // the new tokens' positions (rows of the RoPE tables)
 #define NTAB 10                        // per-layer pointer table: ln1 qkv qn kn o ln2 gu down kc vc
 #define TIMEOUT 4000000000LL           // clock cycles (~2 s) before a wait gives up with a trap
 #define NEG_INF __int_as_float(0xff800000)
@@ -179,19 +180,25 @@ __device__ void produce(const u64* table, const bf16* lm_w, int phase_lo, int ph
 }
 
 // x (shared) = rmsnorm(h) * w, rounded as the layer-by-layer bf16 model rounds; rows >= T are zero.
-// A warp per row holds its row in registers, so all its loads are in flight at once.
+// A warp per row holds its row in registers, so all its loads are in flight at once. With `ids`
+// (the first layer), the rows are the tokens' embeddings, and block 0 also writes them to h.
 #define HV ((HID / 8 + 31) / 32)     // 16-byte vectors of a hidden row per lane
-__device__ void load_normed(const bf16* h, const bf16* w, int T, float eps, char* xs) {
+__device__ void load_normed(bf16* h, const bf16* w, int T, float eps, char* xs, const long long* ids = 0,
+                            const bf16* embed = 0) {
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     for (int t = warp; t < NT; t += CW) {
         uint4* dst = (uint4*)(xs + t * (HID * 2 + 64));
+        const uint4* src = (const uint4*)(ids && t < T ? embed + ids[t] * HID : h + t * HID);
         uint4 v[HV], wv[HV];
         float ss = 0.f;
         for (int j = 0; j < HV; ++j) {      // the row and the norm's weights: every load before any use
             int k = lane + 32 * j;
-            v[j] = t < T && k < HID / 8 ? __ldcg((const uint4*)(h + t * HID) + k) : make_uint4(0, 0, 0, 0);
+            v[j] = t < T && k < HID / 8 ? __ldcg(src + k) : make_uint4(0, 0, 0, 0);
             wv[j] = k < HID / 8 ? __ldg((const uint4*)w + k) : make_uint4(0, 0, 0, 0);
         }
+        if (ids && blockIdx.x == 0 && t < T)
+            for (int j = 0; j < HV; ++j)
+                if (lane + 32 * j < HID / 8) ((uint4*)(h + t * HID))[lane + 32 * j] = v[j];
         for (int j = 0; j < HV; ++j) {
             const bf16* e = (const bf16*)&v[j];
             for (int i = 0; i < 8; ++i) ss += bf2f(e[i]) * bf2f(e[i]);
@@ -285,16 +292,18 @@ __device__ void consume(Matrix m, int offset, int epi, bf16* out, int T, int lf,
     }
 }
 
-// RMSNorm over one head's D values, then rotate-half RoPE at token t (a warp; DL = D / 32 values
-// per lane, so a value's rotation partner d +- D/2 sits 16 lanes away). All loads are issued first.
+// RMSNorm over one head's D values, then rotate-half RoPE at `position` (cosb / sinb: the RoPE
+// tables, a row of D per position) by a warp: DL = D / 32 values per lane, so a value's rotation
+// partner d +- D/2 sits 16 lanes away. All loads are issued first.
 #define DL (D / 32)
-__device__ void norm_rope(const bf16* src, const bf16* w, const bf16* cosb, const bf16* sinb, int t, float eps,
+__device__ void norm_rope(const bf16* src, const bf16* w, const bf16* cosb, const bf16* sinb, int position, float eps,
                           float* out) {
     int lane = threadIdx.x & 31;
     float x[DL], wv[DL], cs[DL], sn[DL], ss = 0.f;
     for (int e = 0; e < DL; ++e) {
         int d = lane * DL + e;
-        x[e] = bf2f(__ldcg(src + d)); wv[e] = bf2f(w[d]); cs[e] = bf2f(cosb[t * D + d]); sn[e] = bf2f(sinb[t * D + d]);
+        x[e] = bf2f(__ldcg(src + d)); wv[e] = bf2f(w[d]); cs[e] = bf2f(cosb[position * D + d]);
+        sn[e] = bf2f(sinb[position * D + d]);
     }
     for (int e = 0; e < DL; ++e) ss += x[e] * x[e];
     float rstd = rsqrtf(warp_sum(ss) / D + eps);
@@ -366,13 +375,13 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
     float* rescale = run_l + RMAX;
     for (int r = warp; r < R; r += CW) {
         float q[DL];
-        norm_rope(qkv + (r % T) * NQKV + (g * G + r / T) * D, (const bf16*)row[2], cosb, sinb, r % T, eps, q);
+        norm_rope(qkv + (r % T) * NQKV + (g * G + r / T) * D, (const bf16*)row[2], cosb, sinb, tok_pos[r % T], eps, q);
         for (int e = 0; e < DL; ++e) qs[r * D + lane * DL + e] = f2bf(q[e]);
     }
     for (int s = max(lo, length) + warp; s < hi; s += CW) {
         int j = s - length;
         float k[DL];
-        norm_rope(qkv + j * NQKV + (H + g) * D, (const bf16*)row[3], cosb, sinb, j, eps, k);
+        norm_rope(qkv + j * NQKV + (H + g) * D, (const bf16*)row[3], cosb, sinb, tok_pos[j], eps, k);
         for (int e = 0; e < DL; ++e) {
             int d = lane * DL + e;
             bf16 kb = f2bf(k[e]), vb = __ldcg(qkv + j * NQKV + (H + HKV + g) * D + d);
@@ -552,8 +561,8 @@ __device__ void grid_barrier(int* counter, int epoch) {
 
 extern "C" __global__ void __launch_bounds__(CT + 32, 1)
 decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* part_o, float* part_ml,
-            int* counters, const bf16* cosb, const bf16* sinb, const long long* slots, const bf16* final_norm,
-            const bf16* lm_w, bf16* logits, int T, int lf, int phase_lo, int phase_hi, int max_len, float eps,
+            int* counters, const long long* ids, const long long* positions, const bf16* embed, const bf16* cosb,
+            const bf16* sinb, const long long* slots, const bf16* final_norm, const bf16* lm_w, bf16* logits, int T, int lf, int phase_lo, int phase_hi, int max_len, float eps,
             float scale, int nstage, int scratch, int sub, long long* trace) {
     extern __shared__ __align__(128) char smem[];
     u64* full = (u64*)smem;
@@ -567,6 +576,7 @@ decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* p
         for (int s = 0; s < nstage; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], CW); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
+    if (threadIdx.x < NT) tok_pos[threadIdx.x] = threadIdx.x < T ? (int)positions[threadIdx.x] : 0;
     __syncthreads();
     if (threadIdx.x >= CT) {
         if (threadIdx.x == CT) produce(table, lm_w, phase_lo, phase_hi, ring, full, empty, trace);
@@ -588,7 +598,7 @@ decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* p
             if (layer == LAYERS) load_normed(h, final_norm, T, eps, xs);
             else if (kind == QKV) {
                 prefetch_kv(row, length, T, max_len, xs + ATTN_OFFSET);
-                load_normed(h, (const bf16*)row[0], T, eps, xs);
+                load_normed(h, (const bf16*)row[0], T, eps, xs, p == 0 ? ids : 0, embed);
             }
             else if (kind == OPROJ) load_rows(att, H * D, T, xs);
             else if (kind == UP) load_normed(h, (const bf16*)row[5], T, eps, xs);

@@ -114,7 +114,11 @@ class FusedDecoder:
         bf = dict(dtype=torch.bfloat16, device=dev)
         self.h, self.qkv = torch.zeros(NT, hid, **bf), torch.zeros(NT, (H + 2 * hkv) * D, **bf)
         self.att, self.act = torch.zeros(NT, H * D, **bf), torch.zeros(NT, inter, **bf)
-        self.cos, self.sin = torch.zeros(NT, D, **bf), torch.zeros(NT, D, **bf)
+        # RoPE tables for every slot: at batch 1 a token's position is its slot (rope_cos_sin is
+        # elementwise, so a row equals what it gives for that position alone)
+        from .model import rope_cos_sin
+        cos, sin = rope_cos_sin(torch.arange(cache.max_len, device=dev)[None], D, c.rope_theta, torch.bfloat16)
+        self.cos, self.sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()
         rmax = H // hkv * NT
         self.part_o = torch.zeros(self.nchunks * hkv * rmax, D, dtype=torch.float32, device=dev)
         self.part_ml = torch.zeros(self.nchunks * hkv * 2 * rmax, dtype=torch.float32, device=dev)
@@ -197,24 +201,22 @@ class FusedDecoder:
                     detail: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [1, T - logits_from, V] of T new tokens written at `slots` (contiguous, from the
         cache's filled length); attention spans the committed keys and the new ones (`kv_len` and
-        `valid` are implied at batch 1 and unused; `run_layer` does not apply).
+        `valid` are implied at batch 1 and unused; `run_layer` does not apply). The kernel reads the
+        token ids and positions itself (embedding rows, RoPE table rows): positions must lie below
+        the cache's max_len, as at batch 1 where a token's position is its slot.
 
         phases: run phases [lo, hi) only (5 per layer, then the logits; tests). trace: an int64
         [programs, hi + 1, 2] tensor that receives each block's GPU clock (ns) at the start (after
         the barrier) and end of each phase (`python -m dice.bench fused` reads it). detail: an
         int64 [programs, hi + 1, 8] tensor for the slots that the kernel built with TRACE records
         (fused_decode.cu says which); that build, compiled on first use, runs this launch."""
-        from .model import rope_cos_sin
         if cache is not self.cache:
             raise ValueError("this FusedDecoder was built for another cache")
         T = input_ids.shape[1]
         if input_ids.shape[0] != 1 or T > NT:
             raise ValueError(f"fused decoding runs 1 sequence of at most {NT} tokens; got {tuple(input_ids.shape)}")
         c = self.cfg
-        if phases is None or phases[0] == 0:
-            self.h[:T] = self.model.model.embed_tokens(input_ids[0])
-        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, self.h.dtype)
-        self.cos[:T], self.sin[:T] = cos[0, 0], sin[0, 0]
+        ids, positions = (t.reshape(T).to(torch.long).contiguous() for t in (input_ids, position_ids))
         self.counters.zero_()
         lo, hi = phases or (0, self.all_phases)
         k = self.kernels[min(r for r in self.kernels if r >= T)]
@@ -224,7 +226,8 @@ class FusedDecoder:
             out = torch.zeros(self.programs * (hi + 1) * 10, dtype=torch.int64, device=self.h.device)
         p = lambda t: np.uint64(t.data_ptr())  # noqa: E731
         args = (p(self.table), p(self.h), p(self.qkv), p(self.att), p(self.act), p(self.part_o), p(self.part_ml),
-                p(self.counters), p(self.cos), p(self.sin), p(slots), p(self.model.model.norm.weight),
+                p(self.counters), p(ids), p(positions), p(self.model.model.embed_tokens.weight), p(self.cos),
+                p(self.sin), p(slots), p(self.model.model.norm.weight),
                 p(self.lm_tiled), p(self.logits), np.int32(T), np.int32(logits_from), np.int32(lo),
                 np.int32(hi), np.int32(cache.max_len), np.float32(c.rms_norm_eps), np.float32(c.head_dim ** -0.5),
                 *k["layout"], np.uint64(0 if out is None else out.data_ptr()))
