@@ -233,10 +233,31 @@ __device__ void load_rows(const bf16* src, int K, int T, char* xs) {
     }
 }
 
+// A greedy choice in the making: the largest logit m seen, its first vocabulary row, and the sum of
+// exp(l - m) over the logits seen. Combining two is associative, so threads and blocks combine
+// theirs in any order; equal maxima keep the lower row (the first index, as `max` gives it).
+struct Best { float m, s; int row; };
+__device__ __forceinline__ Best combine(Best a, Best b) {
+    float m = fmaxf(a.m, b.m);
+    if (m == NEG_INF) return a;
+    float s = (a.m == NEG_INF ? 0.f : a.s * expf(a.m - m)) + (b.m == NEG_INF ? 0.f : b.s * expf(b.m - m));
+    return {m, s, a.m > b.m ? a.row : b.m > a.m ? b.row : min(a.row, b.row)};
+}
+__device__ __forceinline__ Best warp_combine(Best b) {
+    for (int o = 16; o; o >>= 1) {
+        Best other = {__shfl_xor_sync(0xffffffff, b.m, o), __shfl_xor_sync(0xffffffff, b.s, o),
+                      __shfl_xor_sync(0xffffffff, b.row, o)};
+        b = combine(b, other);
+    }
+    return b;
+}
+
 // One matrix phase: out rows of this block's tiles. epi 0 store, 1 residual add, 2 silu(gate)*up,
-// 3 logits of token rows >= lf.
+// 3 logits of token rows >= lf (with `best`, each epilogue thread also folds the logits it writes,
+// the mask token's left out, into its token's running greedy choice).
 __device__ void consume(Matrix m, int offset, int epi, bf16* out, int T, int lf, const char* xs,
-                        const char* ring, u64* full, u64* empty, float* red, int& it) {
+                        const char* ring, u64* full, u64* empty, float* red, int& it, Best* best = 0,
+                        int mask_id = -1) {
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     int kc = kchunk(m.k), tiles = m.n / 16;
     for (int tile = (blockIdx.x - offset % gridDim.x + gridDim.x) % gridDim.x; tile < tiles; tile += gridDim.x) {
@@ -287,7 +308,10 @@ __device__ void consume(Matrix m, int offset, int epi, bf16* out, int T, int lf,
             else if (epi == 2) {
                 float gte = rnd(y);
                 out[tok * m.n + row] = f2bf(rnd(gte / (1.f + __expf(-gte))) * rnd(u));
-            } else if (tok >= lf && row < VOCAB) out[(long long)(tok - lf) * VOCAB + row] = f2bf(y);
+            } else if (tok >= lf && row < VOCAB) {
+                out[(long long)(tok - lf) * VOCAB + row] = f2bf(y);
+                if (best && row != mask_id) *best = combine(*best, {rnd(y), 1.f, row});
+            }
         }
     }
 }
@@ -543,6 +567,45 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
     }
 }
 
+// The greedy choice of each logit row t >= lf (dice.sampler.greedy_choice): its largest logit's
+// first vocabulary row and that token's softmax probability 1 / sum_j exp(l_j - max). Each block
+// combines its epilogue threads' choices (consume's element e: token (e / 4 % 4) * 2 + e % 2),
+// publishes one per token, and the block that takes the last ticket combines the blocks'.
+__device__ void choose_greedy(Best mine, int T, int lf, float* red, float* part, int* ticket, long long* tok_out,
+                              float* conf_out) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    Best* all = (Best*)red;
+    consumers_sync();                                  // the last tile's epilogue has read `red`
+    if (threadIdx.x < 128) all[threadIdx.x] = mine;
+    consumers_sync();
+    for (int t = warp; t < T; t += CW) {               // token t's 16 threads, a lane each
+        int l = (lane >> 1) * 4 + (t >> 1), i = (lane & 1) * 2 + (t & 1);
+        Best b = warp_combine(lane < 16 ? all[4 * l + i] : Best{NEG_INF, 0.f, 0});
+        if (lane == 0) {
+            float* p = part + (blockIdx.x * NT + t) * 3;
+            p[0] = b.m; p[1] = b.s; p[2] = __int_as_float(b.row);
+        }
+    }
+    consumers_sync();                                  // as attention's ticket: bar.sync, then acq_rel
+    __shared__ int last;
+    if (threadIdx.x == 0) {
+        int old;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(ticket) : "memory");
+        last = old == gridDim.x - 1;
+    }
+    consumers_sync();
+    if (!last) return;
+    for (int t = lf + warp; t < T; t += CW) {
+        Best b = {NEG_INF, 0.f, 0};
+        for (int blk = lane; blk < gridDim.x; blk += 32) {
+            const float* p = part + (blk * NT + t) * 3;
+            b = combine(b, {__ldcg(p), __ldcg(p + 1), __float_as_int(__ldcg(p + 2))});
+        }
+        b = warp_combine(b);
+        if (lane == 0) { tok_out[t - lf] = b.row; conf_out[t - lf] = 1.f / b.s; }
+    }
+}
+
 // Grid barrier number `epoch` (1, 2, ...): each block adds 1 to one counter and waits for all.
 __device__ void grid_barrier(int* counter, int epoch) {
     consumers_sync();                  // every consumer's writes precede the release below
@@ -562,8 +625,9 @@ __device__ void grid_barrier(int* counter, int epoch) {
 extern "C" __global__ void __launch_bounds__(CT + 32, 1)
 decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* part_o, float* part_ml,
             int* counters, const long long* ids, const long long* positions, const bf16* embed, const bf16* cosb,
-            const bf16* sinb, const long long* slots, const bf16* final_norm, const bf16* lm_w, bf16* logits, int T, int lf, int phase_lo, int phase_hi, int max_len, float eps,
-            float scale, int nstage, int scratch, int sub, long long* trace) {
+            const bf16* sinb, const long long* slots, const bf16* final_norm, const bf16* lm_w, bf16* logits,
+            float* greedy_part, long long* greedy_tok, float* greedy_conf, int mask_id, int T, int lf, int phase_lo,
+            int phase_hi, int max_len, float eps, float scale, int nstage, int scratch, int sub, long long* trace) {
     extern __shared__ __align__(128) char smem[];
     u64* full = (u64*)smem;
     u64* empty = full + nstage;
@@ -612,7 +676,11 @@ decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* p
                 DETAIL(0, globaltimer());
                 int epi = layer == LAYERS ? 3 : kind == QKV ? 0 : kind == UP ? 2 : 1;
                 bf16* out = layer == LAYERS ? logits : kind == QKV ? qkv : kind == UP ? act : h;
-                consume(m, offset, epi, out, T, lf, xs, ring, full, empty, red, it);
+                Best best = {NEG_INF, 0.f, 0};
+                bool greedy = layer == LAYERS && greedy_tok;
+                consume(m, offset, epi, out, T, lf, xs, ring, full, empty, red, it, greedy ? &best : 0, mask_id);
+                if (greedy)
+                    choose_greedy(best, T, lf, red, greedy_part, counters + 1 + LAYERS * HKV, greedy_tok, greedy_conf);
             }
             if (trace && threadIdx.x == 0) trace[(blockIdx.x * (phase_hi + 1) + p) * 2 + 1] = globaltimer();
 #ifdef TRACE

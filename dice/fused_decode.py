@@ -77,11 +77,12 @@ class FusedDecoder:
     programs: blocks (default: one per SM); kc: weight columns per ring stage; stages: ring depth
     (default: as many as fit in shared memory); rows: the kernels' token-row counts (a step of T
     tokens takes the smallest >= T); piece: key slots per piece of an attention chunk (default: as
-    many as fit, see `_build`).
+    many as fit, see `_build`); greedy: the kernel also makes each logit row's greedy choice
+    (`greedy_choice`), which spares the sampler at temperature 0 its own pass over the logits.
     """
 
     def __init__(self, model, cache, *, programs: int | None = None, kc: int = KC, stages: int | None = None,
-                 rows: tuple[int, ...] = (4, NT), piece: int | None = None):
+                 rows: tuple[int, ...] = (4, NT), piece: int | None = None, greedy: bool = False):
         c = model.config
         w = model.lm_head.weight
         problem = _unsupported(c, w, cache, kc)
@@ -122,7 +123,12 @@ class FusedDecoder:
         rmax = H // hkv * NT
         self.part_o = torch.zeros(self.nchunks * hkv * rmax, D, dtype=torch.float32, device=dev)
         self.part_ml = torch.zeros(self.nchunks * hkv * 2 * rmax, dtype=torch.float32, device=dev)
-        self.counters = torch.zeros(1 + c.num_hidden_layers * hkv, dtype=torch.int32, device=dev)
+        # the grid barrier's, one attention ticket per (layer, KV head), the greedy choice's ticket
+        self.counters = torch.zeros(2 + c.num_hidden_layers * hkv, dtype=torch.int32, device=dev)
+        self.greedy = greedy
+        self.greedy_part = torch.zeros(self.programs * NT * 3, dtype=torch.float32, device=dev)
+        self.greedy_tok = torch.zeros(NT, dtype=torch.long, device=dev)
+        self.greedy_conf = torch.zeros(NT, dtype=torch.float32, device=dev)
         self.logits = torch.zeros(NT, c.vocab_size, **bf)
         self.all_phases = PHASES * c.num_hidden_layers + 1
 
@@ -227,8 +233,9 @@ class FusedDecoder:
         p = lambda t: np.uint64(t.data_ptr())  # noqa: E731
         args = (p(self.table), p(self.h), p(self.qkv), p(self.att), p(self.act), p(self.part_o), p(self.part_ml),
                 p(self.counters), p(ids), p(positions), p(self.model.model.embed_tokens.weight), p(self.cos),
-                p(self.sin), p(slots), p(self.model.model.norm.weight),
-                p(self.lm_tiled), p(self.logits), np.int32(T), np.int32(logits_from), np.int32(lo),
+                p(self.sin), p(slots), p(self.model.model.norm.weight), p(self.lm_tiled), p(self.logits),
+                p(self.greedy_part), np.uint64(self.greedy_tok.data_ptr() if self.greedy else 0),
+                p(self.greedy_conf), np.int32(c.mask_token_id), np.int32(T), np.int32(logits_from), np.int32(lo),
                 np.int32(hi), np.int32(cache.max_len), np.float32(c.rms_norm_eps), np.float32(c.head_dim ** -0.5),
                 *k["layout"], np.uint64(0 if out is None else out.data_ptr()))
         with self.cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
@@ -239,6 +246,14 @@ class FusedDecoder:
             if trace is not None:
                 trace.view(-1).copy_(out[:split])
         return self.logits[:T - logits_from].unsqueeze(0)
+
+    def greedy_choice(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last launch's greedy choice for its n logit rows (built with greedy=True): tokens
+        [1, n] and confidences [1, n], as `dice.sampler.greedy_choice` gives them for the returned
+        logits with the mask token left out (up to float32 summation order in the confidence)."""
+        if not self.greedy:
+            raise ValueError("this FusedDecoder was built without greedy=True")
+        return self.greedy_tok[:n].unsqueeze(0), self.greedy_conf[:n].unsqueeze(0)
 
 
 def chunks_per_head(programs: int, kv_heads: int, max_len: int) -> int:

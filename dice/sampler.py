@@ -166,10 +166,12 @@ def select_positions(conf: torch.Tensor, masked: torch.Tensor, n: torch.Tensor, 
 
 def denoise(logits: torch.Tensor, x_block: torch.Tensor, step_map_block: torch.Tensor, masked: torch.Tensor,
             n: torch.Tensor, steps: torch.Tensor, uniforms: torch.Tensor | None, *, mask_token_id: int,
-            temperature: float, top_k: int, top_p: float, remasking: str, threshold: float):
+            temperature: float, top_k: int, top_p: float, remasking: str, threshold: float,
+            choice: tuple[torch.Tensor, torch.Tensor] | None = None):
     """One denoising step on a block: choose a token per position, unmask the selected ones.
-    Returns the block's new (tokens, step map, still-masked)."""
-    tok, conf = choose_tokens(logits, mask_token_id, temperature, top_k, top_p, uniforms)
+    Returns the block's new (tokens, step map, still-masked). choice: (tokens, confidences) the
+    forward already chose greedily from these logits (the fused kernel's), used instead."""
+    tok, conf = choice or choose_tokens(logits, mask_token_id, temperature, top_k, top_p, uniforms)
     chosen = select_positions(conf, masked, n, remasking, threshold)
     return (torch.where(chosen, tok, x_block), torch.where(chosen, steps[:, None], step_map_block),
             masked & ~chosen)
@@ -185,19 +187,21 @@ class CachedForward:
     `compile=True` runs every decoder layer through one `torch.compile`d function (fused norms,
     RoPE and casts), with kv_len the whole cache so that each (batch, tokens) shape compiles
     once. `fused=True` replaces the layer-by-layer step by `dice.fused_decode.FusedDecoder`'s
-    single kernel (batch 1), also with kv_len the whole cache. Graphs hold the cache's memory, so
-    `reset` must follow any change of the cache's tensors (dropping finished rows).
+    single kernel (batch 1), also with kv_len the whole cache, and with `greedy` it also makes the
+    greedy choice (`greedy_choice`). Graphs hold the cache's memory, so `reset` must follow any
+    change of the cache's tensors (dropping finished rows).
     """
 
     KV_BUCKET = 256
 
-    def __init__(self, model, cache, use_graphs: bool, compile: bool = False, fused: bool = False):
+    def __init__(self, model, cache, use_graphs: bool, compile: bool = False, fused: bool = False,
+                 greedy: bool = False):
         self.model, self.cache, self.use_graphs = model, cache, use_graphs
         self.run_layer = _compiled_layer() if compile and not fused else None
         self.fused = None
         if fused:
             from .fused_decode import FusedDecoder     # imported when asked for: it needs CuPy and a GPU
-            self.fused = FusedDecoder(model, cache)
+            self.fused = FusedDecoder(model, cache, greedy=greedy)
         self.graphs: dict[tuple, dict] = {}
 
     def step_logits(self, *args) -> torch.Tensor:
@@ -205,6 +209,11 @@ class CachedForward:
         if self.fused is not None:
             return self.fused.step_logits(*args)
         return self.model.step_logits(*args, self.run_layer)
+
+    def greedy_choice(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The last forward's greedy (tokens, confidences) for its n logit rows when the fused
+        kernel made them, else None."""
+        return self.fused.greedy_choice(n) if self.fused is not None and self.fused.greedy else None
 
     def reset(self) -> None:
         self.graphs.clear()
@@ -338,7 +347,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
     forwards = positions_done = 0
     cache = model.new_cache(n_rows, total_len) if use_cache else None
     graphs = use_cache and cuda_graphs and device.type == "cuda"
-    step_forward = CachedForward(model, cache, graphs, compile, fused and n_rows == 1) if use_cache else None
+    step_forward = (CachedForward(model, cache, graphs, compile, fused and n_rows == 1, greedy=temperature == 0)
+                    if use_cache else None)
     if use_cache and F > 0:
         model.forward_cached(x[:, :F * bs], pos[:, :F * bs], cache, commit=F * bs, valid=valid[:, :F * bs],
                              logits_from=F * bs)
@@ -365,15 +375,17 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
             if use_cache:
                 c0 = b0 - bs if pending_commit else b0
                 logits = step_forward(x[:, c0:b1], pos[:, c0:b1], valid[:, c0:b1], b0 - c0, b0 - c0)
+                choice = step_forward.greedy_choice(bs)
                 pending_commit = False
             else:
                 keys_ok = valid[:, None, :b1] | torch.eye(b1, dtype=torch.bool, device=device)
                 logits = model(x[:, :b1], pos[:, :b1], block_causal_mask(pos[:, :b1], bs) & keys_ok)[:, b0:b1]
+                choice = None
             forwards += 1
             steps += active.long()
             u = uniform_noise(seeds, steps, pos[:, b0:b1]) if temperature > 0 else None
             x[:, b0:b1], step_map[:, b0:b1], masked = step(logits, x[:, b0:b1], step_map[:, b0:b1], masked,
-                                                           left.clamp(max=n_s), steps, u, **sampling)
+                                                           left.clamp(max=n_s), steps, u, choice=choice, **sampling)
         pending_commit = True
 
         # a sequence is finished once it has generated enough or its block holds an eos id; only

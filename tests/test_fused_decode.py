@@ -136,15 +136,46 @@ def test_bf16_fused_step_is_as_close_to_float32_as_the_layer_by_layer_step():
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("T,lf", [(4, 0), (8, 4)])
+def test_kernel_greedy_choice_is_the_samplers_on_its_logits(T, lf):
+    """The kernel's greedy choice (every block's epilogue threads, then the last block's combine)
+    against `dice.sampler.greedy_choice` on the logits it returns; then with every lm_head row
+    equal, so that all logits tie: the first row wins and the mask token is left out of the sum
+    (exactly 1 / (V - 1))."""
+    from dice.fused_decode import FusedDecoder
+    from dice.sampler import greedy_choice
+    model = random_model("1.7b", num_hidden_layers=2)
+    c = model.config
+    ids, pos, slots, (_, cache) = two_caches(model, 50, T)
+    with torch.no_grad():
+        dec = FusedDecoder(model, cache, greedy=True)
+        for tie in (False, True):
+            if tie:
+                model.lm_head.weight.copy_(model.lm_head.weight[5].expand_as(model.lm_head.weight))
+                dec = FusedDecoder(model, cache, greedy=True)
+            logits = dec.step_logits(ids, pos, None, cache, slots, 50 + T, lf).float()
+            tok, conf = dec.greedy_choice(T - lf)
+            logits[..., c.mask_token_id] = float("-inf")
+            want_tok, want_conf = greedy_choice(logits)
+            assert torch.equal(tok, want_tok)
+            assert torch.allclose(conf, want_conf, rtol=1e-5, atol=0)
+            if tie:
+                assert tok.eq(0).all() and conf.eq(torch.tensor(1.0) / (c.vocab_size - 1)).all()
+
+
+@pytest.mark.gpu
+@hopper
 @pytest.mark.parametrize("remasking", ["low_confidence_static", "low_confidence_dynamic"])
 def test_every_fused_step_of_generate_matches_the_layer_by_layer_step(remasking, monkeypatch):
     """Inside `generate(fused=True)`: each step's logits against the layer-by-layer step run on a
     copy of the same cache (bf16 greedy choices can differ between any two paths on near-ties, so
-    the steps are compared, not the tokens); then the same generation replayed from CUDA graphs
-    gives the same tokens and step map."""
+    the steps are compared, not the tokens), and the kernel's greedy choice, which the sampler
+    takes, against the sampler's own on those logits; then the same generation replayed from CUDA
+    graphs gives the same tokens and step map."""
     from dice.fused_decode import FusedDecoder
     model = small_model(peaked=3.0)
-    fused_step, errors = FusedDecoder.step_logits, []
+    from dice.sampler import greedy_choice
+    fused_step, errors, choices = FusedDecoder.step_logits, [], []
 
     def checked(self, ids, pos, valid, cache, slots, kv_len, logits_from=0, run_layer=None, **kw):
         ref_cache = model.new_cache(1, cache.max_len)
@@ -154,6 +185,10 @@ def test_every_fused_step_of_generate_matches_the_layer_by_layer_step(remasking,
         ref = model.step_logits(ids, pos, valid, ref_cache, slots, kv_len, logits_from)
         got = fused_step(self, ids, pos, valid, cache, slots, kv_len, logits_from)
         errors.append(rel_err(got, ref))
+        tok, conf = self.greedy_choice(got.shape[1])          # the kernel's choice, on its own logits
+        masked = got.float().index_fill(-1, torch.tensor([model.config.mask_token_id], device="cuda"), float("-inf"))
+        want_tok, want_conf = greedy_choice(masked)
+        choices.append(torch.equal(tok, want_tok) and torch.allclose(conf, want_conf, rtol=1e-5, atol=0))
         return got
 
     prompts = ([5, 6, 7], [9] * 9, list(range(1, 13)))
@@ -161,7 +196,7 @@ def test_every_fused_step_of_generate_matches_the_layer_by_layer_step(remasking,
         m.setattr(FusedDecoder, "step_logits", checked)
         eager = [generate(model, [p], max_new_tokens=30, remasking=remasking, fused=True, cuda_graphs=False)
                  for p in prompts]
-    assert len(errors) >= 3 * 8 and max(errors) < 3e-2
+    assert len(errors) >= 3 * 8 and max(errors) < 3e-2 and all(choices)
     for p, e in zip(prompts, eager):
         graphed = generate(model, [p], max_new_tokens=30, remasking=remasking, fused=True)
         assert graphed.tokens == e.tokens and graphed.step_map == e.step_map
