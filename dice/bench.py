@@ -89,8 +89,9 @@ def bench_sample(args) -> None:
             run("diffusion B=4 S=4", batch, 4, 4, True, compile=compile)
             run("autoregressive", batch, 1, 1, True, compile=compile)
         if batch == 1 and args.fused:
-            run("diffusion B=4 S=4", batch, 4, 4, True, fused=True)
-            run("autoregressive", batch, 1, 1, True, fused=True)
+            for compile in (False, True):         # compile: the sampler's own step (the layers are fused)
+                run("diffusion B=4 S=4", batch, 4, 4, True, compile=compile, fused=True)
+                run("autoregressive", batch, 1, 1, True, compile=compile, fused=True)
     peaked = random_model(args.shape, peaked=12.0)
     for remasking in ("low_confidence_static", "low_confidence_dynamic"):
         run(f"peaked {remasking.split('_')[-1]}", 1, 4, 4, True, remasking, m=peaked)

@@ -243,6 +243,12 @@ __device__ __forceinline__ Best combine(Best a, Best b) {
     float s = (a.m == NEG_INF ? 0.f : a.s * expf(a.m - m)) + (b.m == NEG_INF ? 0.f : b.s * expf(b.m - m));
     return {m, s, a.m > b.m ? a.row : b.m > a.m ? b.row : min(a.row, b.row)};
 }
+// One more logit l at `row` (rows arrive in increasing order, so a tie keeps the earlier row); the
+// first time, m = -inf and s = 0 give s = 0 * exp(-inf) + 1.
+__device__ __forceinline__ void fold(Best& b, float l, int row) {
+    if (l > b.m) { b.s = b.s * __expf(b.m - l) + 1.f; b.m = l; b.row = row; }
+    else b.s += __expf(l - b.m);
+}
 __device__ __forceinline__ Best warp_combine(Best b) {
     for (int o = 16; o; o >>= 1) {
         Best other = {__shfl_xor_sync(0xffffffff, b.m, o), __shfl_xor_sync(0xffffffff, b.s, o),
@@ -253,11 +259,12 @@ __device__ __forceinline__ Best warp_combine(Best b) {
 }
 
 // One matrix phase: out rows of this block's tiles. epi 0 store, 1 residual add, 2 silu(gate)*up,
-// 3 logits of token rows >= lf (with `best`, each epilogue thread also folds the logits it writes,
-// the mask token's left out, into its token's running greedy choice).
-__device__ void consume(Matrix m, int offset, int epi, bf16* out, int T, int lf, const char* xs,
-                        const char* ring, u64* full, u64* empty, float* red, int& it, Best* best = 0,
+// 3 logits of token rows >= lf (with `greedy`, each epilogue thread also folds the logits it writes,
+// the mask token's left out, into its token's running greedy choice, which it returns).
+__device__ Best consume(Matrix m, int offset, int epi, bf16* out, int T, int lf, const char* xs,
+                        const char* ring, u64* full, u64* empty, float* red, int& it, bool greedy = false,
                         int mask_id = -1) {
+    Best best = {NEG_INF, 0.f, 0};
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     int kc = kchunk(m.k), tiles = m.n / 16;
     for (int tile = (blockIdx.x - offset % gridDim.x + gridDim.x) % gridDim.x; tile < tiles; tile += gridDim.x) {
@@ -310,10 +317,11 @@ __device__ void consume(Matrix m, int offset, int epi, bf16* out, int T, int lf,
                 out[tok * m.n + row] = f2bf(rnd(gte / (1.f + __expf(-gte))) * rnd(u));
             } else if (tok >= lf && row < VOCAB) {
                 out[(long long)(tok - lf) * VOCAB + row] = f2bf(y);
-                if (best && row != mask_id) *best = combine(*best, {rnd(y), 1.f, row});
+                if (greedy && row != mask_id) fold(best, rnd(y), row);
             }
         }
     }
+    return best;
 }
 
 // RMSNorm over one head's D values, then rotate-half RoPE at `position` (cosb / sinb: the RoPE
@@ -676,9 +684,8 @@ decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* p
                 DETAIL(0, globaltimer());
                 int epi = layer == LAYERS ? 3 : kind == QKV ? 0 : kind == UP ? 2 : 1;
                 bf16* out = layer == LAYERS ? logits : kind == QKV ? qkv : kind == UP ? act : h;
-                Best best = {NEG_INF, 0.f, 0};
                 bool greedy = layer == LAYERS && greedy_tok;
-                consume(m, offset, epi, out, T, lf, xs, ring, full, empty, red, it, greedy ? &best : 0, mask_id);
+                Best best = consume(m, offset, epi, out, T, lf, xs, ring, full, empty, red, it, greedy, mask_id);
                 if (greedy)
                     choose_greedy(best, T, lf, red, greedy_part, counters + 1 + LAYERS * HKV, greedy_tok, greedy_conf);
             }
