@@ -6,6 +6,7 @@ product pays launch, ramp-up and tail on top of its bytes: 54% of the roofline a
 Performance). Here one kernel (`fused_decode.cu`, compiled by CuPy's NVRTC) runs the forward with
 one block per SM, walking the phases
 
+    first         h = embed[ids]                      (read by the first QKV phase, which writes h)
     per layer l:  QKV   qkv = rmsnorm(h) W_qkv^T                              (input_layernorm)
                   ATTN  q, k = rope(rmsnorm_head(q, k)); write k, v at the new slots;
                         o = softmax(q k^T / sqrt(d) + mask) v, split over (KV head, key chunk)
@@ -13,6 +14,7 @@ one block per SM, walking the phases
                   UP    a = silu(g) * u,  [g; u] = rmsnorm(h) W_gate_up^T   (post_attention_layernorm)
                   DOWN  h += a W_down^T
     then          LM    logits = rmsnorm(h) W_lm^T                           (model.norm)
+                        greedy: argmax over the vocabulary (mask token left out), 1 / sum exp(l - max)
 
 with a grid-wide barrier between phases (one counter: a release add, an acquire poll). The point of
 the design: weights do not depend on the activations, so a producer thread in every block streams
@@ -25,7 +27,9 @@ weights while the consumers synchronise. A stage is one contiguous copy because 
 a tiled copy of every matrix ([N/16][K/kc][16][kc], 16-byte pieces XOR-swizzled against shared-
 memory bank conflicts): the weights' memory, twice.
 
-Attention splits each KV head's keys into programs / HKV contiguous chunks, one per block. A chunk
+RoPE reads tables of every slot's cos / sin, built once per cache. Attention splits each KV head's
+keys into programs / HKV contiguous chunks, one per block (half as many for caches of at most
+SHORT_CACHE slots, where the merge of fewer partials saves more than longer chunks cost). A chunk
 passes through shared memory in pieces (online softmax); the first is fetched with cp.async while
 the QKV phase runs, and a piece holds the whole chunk while 4 ring stages still fit (for SDAR-1.7B
 on an H200, caches up to ~3.8K slots with 4 token rows, ~2.8K with 8), so longer caches take several
@@ -34,7 +38,10 @@ probabilities as A, values transposed by ldmatrix as B) are mma.sync products to
 and value rows are XOR-swizzled by 16-byte chunk, so those loads are free of bank conflicts. The
 last block of a head to finish (an atomic ticket) merges the partial softmaxes (flash-decoding).
 There are two kernels, for up to 4 and up to 8 token rows: 4 rows (most denoising steps) leave
-more shared memory for the ring.
+more shared memory for the ring. With greedy=True the LM phase also makes the sampler's greedy
+choice (temperature 0): each epilogue thread folds the logits it writes into a running (max, first
+row, sum of exp(l - max)) for its token; blocks combine their threads', and the last block to take
+a ticket combines the blocks'.
 
 Numerics follow the layer-by-layer bf16 model: activations are rounded to bf16 where it rounds
 them (norm outputs, products, residual sums, RoPE terms); attention keeps scores, softmax sums and
