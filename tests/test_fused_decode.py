@@ -165,13 +165,15 @@ def test_kernel_greedy_choice_is_the_samplers_on_its_logits(T, lf):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("remasking", ["low_confidence_static", "low_confidence_dynamic"])
-def test_every_fused_step_of_generate_matches_the_layer_by_layer_step(remasking, monkeypatch):
+@pytest.mark.parametrize("remasking,temperature", [("low_confidence_static", 0.0), ("low_confidence_dynamic", 0.0),
+                                                   ("low_confidence_static", 1.0)])
+def test_every_fused_step_of_generate_matches_the_layer_by_layer_step(remasking, temperature, monkeypatch):
     """Inside `generate(fused=True)`: each step's logits against the layer-by-layer step run on a
     copy of the same cache (bf16 greedy choices can differ between any two paths on near-ties, so
-    the steps are compared, not the tokens), and the kernel's greedy choice, which the sampler
-    takes, against the sampler's own on those logits; then the same generation replayed from CUDA
-    graphs gives the same tokens and step map."""
+    the steps are compared, not the tokens), and at temperature 0 the kernel's greedy choice, which
+    the sampler takes, against the sampler's own on those logits (sampling builds the kernel
+    without it); then the same generation replayed from CUDA graphs gives the same tokens and step
+    map."""
     from dice.fused_decode import FusedDecoder
     model = small_model(peaked=3.0)
     from dice.sampler import greedy_choice
@@ -185,6 +187,8 @@ def test_every_fused_step_of_generate_matches_the_layer_by_layer_step(remasking,
         ref = model.step_logits(ids, pos, valid, ref_cache, slots, kv_len, logits_from)
         got = fused_step(self, ids, pos, valid, cache, slots, kv_len, logits_from)
         errors.append(rel_err(got, ref))
+        if not self.greedy:
+            return got
         tok, conf = self.greedy_choice(got.shape[1])          # the kernel's choice, on its own logits
         masked = got.float().index_fill(-1, torch.tensor([model.config.mask_token_id], device="cuda"), float("-inf"))
         want_tok, want_conf = greedy_choice(masked)
@@ -194,11 +198,13 @@ def test_every_fused_step_of_generate_matches_the_layer_by_layer_step(remasking,
     prompts = ([5, 6, 7], [9] * 9, list(range(1, 13)))
     with monkeypatch.context() as m:
         m.setattr(FusedDecoder, "step_logits", checked)
-        eager = [generate(model, [p], max_new_tokens=30, remasking=remasking, fused=True, cuda_graphs=False)
-                 for p in prompts]
-    assert len(errors) >= 3 * 8 and max(errors) < 3e-2 and all(choices)
+        eager = [generate(model, [p], max_new_tokens=30, remasking=remasking, temperature=temperature, seed=3,
+                          fused=True, cuda_graphs=False) for p in prompts]
+    assert len(errors) >= 3 * 8 and max(errors) < 3e-2
+    assert all(choices) and len(choices) == (len(errors) if temperature == 0 else 0)
     for p, e in zip(prompts, eager):
-        graphed = generate(model, [p], max_new_tokens=30, remasking=remasking, fused=True)
+        graphed = generate(model, [p], max_new_tokens=30, remasking=remasking, temperature=temperature, seed=3,
+                           fused=True)
         assert graphed.tokens == e.tokens and graphed.step_map == e.step_map
 
 
