@@ -123,6 +123,10 @@ __device__ __forceinline__ Matrix phase_matrix(const u64* table, const bf16* lm_
     return m;
 }
 __device__ __forceinline__ int kchunk(int k) { return k < KCMAX ? k : KCMAX; }   // k % KCMAX == 0 or k < KCMAX
+// This block's first tile of a phase whose tiles are dealt round-robin, block `offset % grid` first.
+__device__ __forceinline__ int first_tile(int offset) {
+    return (blockIdx.x - offset % gridDim.x + gridDim.x) % gridDim.x;
+}
 
 // A position in the sequence of ring stages of this block: phase p, tile, part, and k0 (a stage is
 // rows tile*16 .. +15 of part `part`, columns k0 .. k0 + kc). Tiles are dealt round-robin over the
@@ -133,7 +137,7 @@ __device__ void seek_phase(Cursor& c, const u64* table, const bf16* lm_w, int ph
     for (; c.p < phase_hi; ++c.p) {
         c.m = phase_matrix(table, lm_w, c.p);
         if (c.m.w && c.p >= phase_lo) {
-            c.tile = (blockIdx.x - c.offset % gridDim.x + gridDim.x) % gridDim.x;
+            c.tile = first_tile(c.offset);
             c.part = c.k0 = 0;
             c.kc = kchunk(c.m.k);
             if (c.tile < c.m.n / 16) return;
@@ -234,7 +238,7 @@ __device__ void load_rows(const bf16* src, int K, int T, char* xs) {
 }
 
 // A greedy choice in the making: the largest logit m seen, its first vocabulary row, and the sum of
-// exp(l - m) over the logits seen. Combining two is associative, so threads and blocks combine
+// exp(l - m) over the logits seen (choose_greedy). Combining two is associative, so threads and blocks combine
 // theirs in any order; equal maxima keep the lower row (the first index, as `max` gives it).
 struct Best { float m, s; int row; };
 __device__ __forceinline__ Best combine(Best a, Best b) {
@@ -259,15 +263,12 @@ __device__ __forceinline__ Best warp_combine(Best b) {
 }
 
 // One matrix phase: out rows of this block's tiles. epi 0 store, 1 residual add, 2 silu(gate)*up,
-// 3 logits of token rows >= lf (with `greedy`, each epilogue thread also folds the logits it writes,
-// the mask token's left out, into its token's running greedy choice, which it returns).
-__device__ Best consume(Matrix m, int offset, int epi, bf16* out, int T, int lf, const char* xs,
-                        const char* ring, u64* full, u64* empty, float* red, int& it, bool greedy = false,
-                        int mask_id = -1) {
-    Best best = {NEG_INF, 0.f, 0};
+// 3 logits of token rows >= lf.
+__device__ void consume(Matrix m, int offset, int epi, bf16* out, int T, int lf, const char* xs,
+                        const char* ring, u64* full, u64* empty, float* red, int& it) {
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     int kc = kchunk(m.k), tiles = m.n / 16;
-    for (int tile = (blockIdx.x - offset % gridDim.x + gridDim.x) % gridDim.x; tile < tiles; tile += gridDim.x) {
+    for (int tile = first_tile(offset); tile < tiles; tile += gridDim.x) {
         float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
         // the residual epilogue's old value, loaded now so that its latency hides behind the stages
         int e = threadIdx.x, l = e >> 2, i = e & 3;
@@ -315,13 +316,9 @@ __device__ Best consume(Matrix m, int offset, int epi, bf16* out, int T, int lf,
             else if (epi == 2) {
                 float gte = rnd(y);
                 out[tok * m.n + row] = f2bf(rnd(gte / (1.f + __expf(-gte))) * rnd(u));
-            } else if (tok >= lf && row < VOCAB) {
-                out[(long long)(tok - lf) * VOCAB + row] = f2bf(y);
-                if (greedy && row != mask_id) fold(best, rnd(y), row);
-            }
+            } else if (tok >= lf && row < VOCAB) out[(long long)(tok - lf) * VOCAB + row] = f2bf(y);
         }
     }
-    return best;
 }
 
 // RMSNorm over one head's D values, then rotate-half RoPE at `position` (cosb / sinb: the RoPE
@@ -577,22 +574,33 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
 
 // The greedy choice of each logit row t >= lf (dice.sampler.greedy_choice): its largest logit's
 // first vocabulary row and that token's softmax probability 1 / sum_j exp(l_j - max). Each block
-// combines its epilogue threads' choices (consume's element e: token (e / 4 % 4) * 2 + e % 2),
-// publishes one per token, and the block that takes the last ticket combines the blocks'.
-__device__ void choose_greedy(Best mine, int T, int lf, float* red, float* part, int* ticket, long long* tok_out,
-                              float* conf_out) {
-    int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    Best* all = (Best*)red;
-    consumers_sync();                                  // the last tile's epilogue has read `red`
-    if (threadIdx.x < 128) all[threadIdx.x] = mine;
+// reads back the logits it wrote (its lm_head tiles, from `first`; every thread's rows in
+// increasing order), combines its threads' choices per token, publishes them, and the block that
+// takes the last ticket combines the blocks'.
+__device__ void choose_greedy(const bf16* logits, int first, int T, int lf, int mask_id, float* red, float* part,
+                              int* ticket, long long* tok_out, float* conf_out) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, n = T - lf;
+    int rows = first < VOCAB_TILED / 16 ? (VOCAB_TILED / 16 - first + gridDim.x - 1) / gridDim.x * 16 : 0;
+    Best b[NT];
+    for (int t = 0; t < NT; ++t) b[t] = {NEG_INF, 0.f, 0};
+    consumers_sync();                                  // the block's logits are written; `red` is free
+    for (int i = threadIdx.x; i < rows; i += CT) {
+        int row = (first + i / 16 * gridDim.x) * 16 + i % 16;
+        if (row < VOCAB && row != mask_id)
+            for (int t = 0; t < NT; ++t)
+                if (t < n) fold(b[t], bf2f(__ldcg(logits + (long long)t * VOCAB + row)), row);
+    }
+    Best* all = (Best*)red;                            // [CW][NT] the warps' choices
+    for (int t = 0; t < NT; ++t) {
+        Best w = warp_combine(b[t]);
+        if (lane == 0) all[warp * NT + t] = w;
+    }
     consumers_sync();
-    for (int t = warp; t < T; t += CW) {               // token t's 16 threads, a lane each
-        int l = (lane >> 1) * 4 + (t >> 1), i = (lane & 1) * 2 + (t & 1);
-        Best b = warp_combine(lane < 16 ? all[4 * l + i] : Best{NEG_INF, 0.f, 0});
-        if (lane == 0) {
-            float* p = part + (blockIdx.x * NT + t) * 3;
-            p[0] = b.m; p[1] = b.s; p[2] = __int_as_float(b.row);
-        }
+    if (threadIdx.x < n) {
+        Best c = all[threadIdx.x];
+        for (int w = 1; w < CW; ++w) c = combine(c, all[w * NT + threadIdx.x]);
+        float* p = part + (blockIdx.x * NT + threadIdx.x) * 3;
+        p[0] = c.m; p[1] = c.s; p[2] = __int_as_float(c.row);
     }
     consumers_sync();                                  // as attention's ticket: bar.sync, then acq_rel
     __shared__ int last;
@@ -603,14 +611,14 @@ __device__ void choose_greedy(Best mine, int T, int lf, float* red, float* part,
     }
     consumers_sync();
     if (!last) return;
-    for (int t = lf + warp; t < T; t += CW) {
-        Best b = {NEG_INF, 0.f, 0};
+    for (int t = warp; t < n; t += CW) {
+        Best c = {NEG_INF, 0.f, 0};
         for (int blk = lane; blk < gridDim.x; blk += 32) {
             const float* p = part + (blk * NT + t) * 3;
-            b = combine(b, {__ldcg(p), __ldcg(p + 1), __float_as_int(__ldcg(p + 2))});
+            c = combine(c, {__ldcg(p), __ldcg(p + 1), __float_as_int(__ldcg(p + 2))});
         }
-        b = warp_combine(b);
-        if (lane == 0) { tok_out[t - lf] = b.row; conf_out[t - lf] = 1.f / b.s; }
+        c = warp_combine(c);
+        if (lane == 0) { tok_out[t] = c.row; conf_out[t] = 1.f / c.s; }
     }
 }
 
@@ -684,10 +692,10 @@ decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* p
                 DETAIL(0, globaltimer());
                 int epi = layer == LAYERS ? 3 : kind == QKV ? 0 : kind == UP ? 2 : 1;
                 bf16* out = layer == LAYERS ? logits : kind == QKV ? qkv : kind == UP ? act : h;
-                bool greedy = layer == LAYERS && greedy_tok;
-                Best best = consume(m, offset, epi, out, T, lf, xs, ring, full, empty, red, it, greedy, mask_id);
-                if (greedy)
-                    choose_greedy(best, T, lf, red, greedy_part, counters + 1 + LAYERS * HKV, greedy_tok, greedy_conf);
+                consume(m, offset, epi, out, T, lf, xs, ring, full, empty, red, it);
+                if (layer == LAYERS && greedy_tok)
+                    choose_greedy(logits, first_tile(offset), T, lf, mask_id, red, greedy_part,
+                                  counters + 1 + LAYERS * HKV, greedy_tok, greedy_conf);
             }
             if (trace && threadIdx.x == 0) trace[(blockIdx.x * (phase_hi + 1) + p) * 2 + 1] = globaltimer();
 #ifdef TRACE

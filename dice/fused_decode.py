@@ -39,9 +39,9 @@ and value rows are XOR-swizzled by 16-byte chunk, so those loads are free of ban
 last block of a head to finish (an atomic ticket) merges the partial softmaxes (flash-decoding).
 There are two kernels, for up to 4 and up to 8 token rows: 4 rows (most denoising steps) leave
 more shared memory for the ring. With greedy=True the LM phase also makes the sampler's greedy
-choice (temperature 0): each epilogue thread folds the logits it writes into a running (max, first
-row, sum of exp(l - max)) for its token; blocks combine their threads', and the last block to take
-a ticket combines the blocks'.
+choice (temperature 0): each block reads back the logits it wrote, folds them into a running (max,
+first row, sum of exp(l - max)) per token and thread, combines its threads', and the last block to
+take a ticket combines the blocks'.
 
 Numerics follow the layer-by-layer bf16 model: activations are rounded to bf16 where it rounds
 them (norm outputs, products, residual sums, RoPE terms); attention keeps scores, softmax sums and
