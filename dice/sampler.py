@@ -123,7 +123,7 @@ def greedy_choice(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     H200). The argmax is the first index of the maximum, as `max` gives it."""
     V = logits.shape[-1]
     pieces = math.gcd(V, 64)
-    x = logits.view(*logits.shape[:-1], pieces, V // pieces)
+    x = logits.reshape(*logits.shape[:-1], pieces, V // pieces)
     piece_max, piece_arg = x.max(-1)
     m, piece = piece_max.max(-1)                     # the first piece that holds the maximum
     tok = piece * (V // pieces) + piece_arg.gather(-1, piece.unsqueeze(-1)).squeeze(-1)
