@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from dice.attention import attend, folded_attention_bias, write_kv
 from dice.bench import random_model
 from dice.model import SDAR, ModelConfig, apply_rope, rope_cos_sin
-from dice.sampler import generate
+from dice.sampler import generate, greedy_choice
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                             reason="needs a Hopper GPU")
@@ -143,7 +143,6 @@ def test_kernel_greedy_choice_is_the_samplers_on_its_logits(T, lf):
     equal, so that all logits tie: the first row wins and the mask token is left out of the sum
     (exactly 1 / (V - 1))."""
     from dice.fused_decode import FusedDecoder
-    from dice.sampler import greedy_choice
     model = random_model("1.7b", num_hidden_layers=2)
     c = model.config
     ids, pos, slots, (_, cache) = two_caches(model, 50, T)
@@ -176,7 +175,6 @@ def test_every_fused_step_of_generate_matches_the_layer_by_layer_step(remasking,
     map."""
     from dice.fused_decode import FusedDecoder
     model = small_model(peaked=3.0)
-    from dice.sampler import greedy_choice
     fused_step, errors, choices = FusedDecoder.step_logits, [], []
 
     def checked(self, ids, pos, valid, cache, slots, kv_len, logits_from=0, run_layer=None, **kw):
