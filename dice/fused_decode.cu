@@ -377,6 +377,22 @@ __device__ void prefetch_kv(const u64* row, int length, int T, int max_len, char
             committed_in_piece(lo, hi, length), (bf16*)scratch);
 }
 
+// True in the block that takes the last of `count` tickets from `counter`, once every block before
+// it has published its writes. bar.sync orders every thread's writes before thread 0's release,
+// whose acquire side orders the last block's loads (CUTLASS's GenericBarrier pattern; no per-thread
+// fences).
+__device__ bool last_ticket(int* counter, int count) {
+    __shared__ int last;
+    consumers_sync();
+    if (threadIdx.x == 0) {
+        int old;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+        last = old == count - 1;
+    }
+    consumers_sync();
+    return last;
+}
+
 // Attention of the T new tokens (folded GQA rows r = (head - g*G) * T + t) over the cache's `length`
 // committed keys plus themselves (block-causal among the new ones). Work item (KV head g, chunk c)
 // takes a contiguous range of key slots and streams it through shared memory SUB keys at a time
@@ -521,16 +537,7 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
         part_ml[part * 2 * RMAX + r] = run_m[r];
         part_ml[part * 2 * RMAX + RMAX + r] = run_l[r];
     }
-    // the ticket: bar.sync orders every thread's partials before thread 0's release, whose acquire
-    // side orders the merge's loads (CUTLASS's GenericBarrier pattern; no per-thread fences)
-    consumers_sync();
-    __shared__ int last;
-    if (tid == 0) {
-        int old;
-        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(tickets + g) : "memory");
-        last = old == NCH - 1;
-    }
-    consumers_sync();
+    bool last = last_ticket(tickets + g, NCH);
     DETAIL(2, globaltimer());
     if (!last) return;
     float* wgt = S;                      // [NCH][RMAX] chunk weights exp(m_c - m) / l
@@ -602,15 +609,7 @@ __device__ void choose_greedy(const bf16* logits, int first, int T, int lf, int 
         float* p = part + (blockIdx.x * NT + threadIdx.x) * 3;
         p[0] = c.m; p[1] = c.s; p[2] = __int_as_float(c.row);
     }
-    consumers_sync();                                  // as attention's ticket: bar.sync, then acq_rel
-    __shared__ int last;
-    if (threadIdx.x == 0) {
-        int old;
-        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(ticket) : "memory");
-        last = old == gridDim.x - 1;
-    }
-    consumers_sync();
-    if (!last) return;
+    if (!last_ticket(ticket, gridDim.x)) return;
     for (int t = warp; t < n; t += CW) {
         Best c = {NEG_INF, 0.f, 0};
         for (int blk = lane; blk < gridDim.x; blk += 32) {
