@@ -246,7 +246,7 @@ def bench_fused(args) -> None:
     print(table(rows))
     print("\nwhere a 4-token forward's time goes (the kernel's timestamps; barrier exit to barrier exit):")
     print(table(parts))
-    new_chunk = n // -(-(n + 4) // dec.nchunks)      # the chunk holding the first new slot (attention_chunk)
+    new_chunk = n // -(-(n + 4 + dec.slack) // dec.nchunks)   # the chunk holding the first new slot (attention_chunk)
     steps, attn = fused_phase_detail(details, c.num_hidden_layers, dec.nchunks, c.num_key_value_heads, new_chunk)
     print("\ninside the phases (the kernel built with TRACE, 3 launches; us, medians over blocks, means over "
           "layers 1-27; the global timer may tick in 1 us steps, so entries under 1 us only say 'short'):")

@@ -357,11 +357,12 @@ __device__ void load_kv(const bf16* kc, const bf16* vc, int from, int count, bf1
     }
 }
 // Block b < NITEMS's attention work item: KV head g = b / NCH and chunk c = b % NCH, the key slots
-// lo .. hi - 1 (a head's NCH chunks split the length + T slots evenly).
+// lo .. hi - 1 (a head's NCH chunks split length + T + SLACK slots evenly, and the last, which holds
+// the new tokens and also norms and writes their keys, gets SLACK fewer).
 struct Chunk { int g, c, lo, hi; };
 __device__ __forceinline__ Chunk attention_chunk(int length, int T) {
     const int NCH = NITEMS / HKV;
-    int total = length + T, cs = (total + NCH - 1) / NCH, c = blockIdx.x % NCH;
+    int total = length + T, cs = (total + SLACK + NCH - 1) / NCH, c = blockIdx.x % NCH;
     return {(int)blockIdx.x / NCH, c, c * cs, min(c * cs + cs, total)};
 }
 // The committed (cached) slots of the piece of at most SUB slots from `from` below `hi`.

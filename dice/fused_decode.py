@@ -89,7 +89,8 @@ class FusedDecoder:
     """
 
     def __init__(self, model, cache, *, programs: int | None = None, kc: int = KC, stages: int | None = None,
-                 rows: tuple[int, ...] = (4, NT), piece: int | None = None, greedy: bool = False):
+                 rows: tuple[int, ...] = (4, NT), piece: int | None = None, greedy: bool = False,
+                 slack: int = 0):
         c = model.config
         w = model.lm_head.weight
         problem = _unsupported(c, w, cache, kc)
@@ -105,7 +106,7 @@ class FusedDecoder:
         hid, inter, D = c.hidden_size, c.intermediate_size, c.head_dim
         H, hkv = c.num_attention_heads, c.num_key_value_heads
         self.nchunks = chunks_per_head(self.programs, hkv, cache.max_len)
-        self.piece = piece
+        self.piece, self.slack = piece, slack
         # one kernel per token-row count: 4 rows (most denoising steps) leave more room for the ring
         self.kernels = {r: self._build(r, kc, stages) for r in sorted(rows)}
         if max(self.kernels) < NT:
@@ -161,7 +162,7 @@ class FusedDecoder:
             attn = (2 * 2 * sub16 * D + 2 * 2 * nt * D + 2 * rmax * D + 2 * rmax * sub16
                     + 4 * max(rmax * sub16 + 3 * rmax, 2 * self.nchunks * rmax))
             return -(-max(nt * (kmax * 2 + 64), attn_offset + attn) // 128) * 128
-        chunk = -(-self.cache.max_len // self.nchunks)          # the longest chunk this cache can have
+        chunk = -(-(self.cache.max_len + self.slack) // self.nchunks)   # the longest chunk this cache can have
         sub = min(self.piece or chunk, chunk)
         if self.piece is None:
             while sub > 16 and room - scratch_bytes(sub) < MIN_RING * stage:
@@ -179,7 +180,7 @@ class FusedDecoder:
         defines = dict(LAYERS=c.num_hidden_layers, HID=hid, INTER=inter, VOCAB=c.vocab_size,
                        VOCAB_TILED=-(-c.vocab_size // 16) * 16, H=H, HKV=hkv, D=D,
                        NQKV=(H + 2 * hkv) * D, BS=c.block_size, NT=nt, CW=CW, KCMAX=kc, KMAX=kmax,
-                       ATTN_OFFSET=attn_offset, NITEMS=self.nchunks * hkv, RMAX=rmax)
+                       ATTN_OFFSET=attn_offset, NITEMS=self.nchunks * hkv, RMAX=rmax, SLACK=self.slack)
         code = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.read_text()
         smem = fixed + nstage * stage
         return dict(kernel=self._compile(code, smem), code=code, smem=smem, stages=nstage, piece=sub,

@@ -263,7 +263,7 @@ def test_shared_memory_layout_keeps_a_ring_and_cuts_long_chunks_into_equal_piece
     cupy = types.SimpleNamespace(RawModule=lambda code, options: types.SimpleNamespace(get_function=lambda n: kernel))
     monkeypatch.setattr(fd, "_KERNELS", {})
     dec = fd.FusedDecoder.__new__(fd.FusedDecoder)
-    dec.cfg, dec.cupy, dec.nchunks, dec.piece = sdar_shape("1.7b"), cupy, 16, None
+    dec.cfg, dec.cupy, dec.nchunks, dec.piece, dec.slack = sdar_shape("1.7b"), cupy, 16, None, 0
     dec.model = types.SimpleNamespace(lm_head=types.SimpleNamespace(weight=torch.zeros(1)))
     dec.cache = types.SimpleNamespace(max_len=max_len)
     chunk = -(-max_len // 16)
