@@ -66,6 +66,7 @@ PHASES = 5         # per layer: QKV, ATTN, O, UP, DOWN; then one LM phase
 KC = 512           # weight columns per ring stage (a stage is 16 rows x KC, one bulk copy)
 MIN_RING = 4       # ring stages kept when an attention chunk does not fit in shared memory whole
 SHORT_CACHE = 2048 # caches up to this many slots split a KV head's keys over half as many chunks
+SLACK = 64         # key slots fewer in the attention chunk of the new tokens (it also norms their keys)
 _SOURCE = Path(__file__).with_name("fused_decode.cu")
 
 
@@ -85,12 +86,14 @@ class FusedDecoder:
     (default: as many as fit in shared memory); rows: the kernels' token-row counts (a step of T
     tokens takes the smallest >= T); piece: key slots per piece of an attention chunk (default: as
     many as fit, see `_build`); greedy: the kernel also makes each logit row's greedy choice
-    (`greedy_choice`), which spares the sampler at temperature 0 its own pass over the logits.
+    (`greedy_choice`), which spares the sampler at temperature 0 its own pass over the logits;
+    slack: key slots that the attention chunk holding the new tokens gets fewer than the others, as
+    its block also norms, rotates and writes the new keys (README Performance: 64 measured best).
     """
 
     def __init__(self, model, cache, *, programs: int | None = None, kc: int = KC, stages: int | None = None,
                  rows: tuple[int, ...] = (4, NT), piece: int | None = None, greedy: bool = False,
-                 slack: int = 0):
+                 slack: int = SLACK):
         c = model.config
         w = model.lm_head.weight
         problem = _unsupported(c, w, cache, kc)

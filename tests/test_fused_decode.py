@@ -70,22 +70,24 @@ def two_caches(model, length, T, max_len=200):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("shape,length,T,lf,piece", [("small", 0, 4, 0, None), ("small", 70, 8, 4, None),
-                                                     ("1.7b", 100, 4, 0, None), ("1.7b", 133, 8, 4, None),
-                                                     ("small", 300, 4, 0, 2), ("1.7b", 1000, 8, 4, 16),
-                                                     ("1.7b", 5000, 8, 4, None), ("vocab 500", 40, 4, 0, None)])
-def test_every_phase_matches_the_layer_by_layer_model(shape, length, T, lf, piece):
+@pytest.mark.parametrize("shape,length,T,lf,piece,slack", [
+    ("small", 0, 4, 0, None, 64), ("small", 70, 8, 4, None, 64), ("small", 75, 8, 4, None, 0),
+    ("1.7b", 100, 4, 0, None, 64), ("1.7b", 133, 8, 4, None, 64), ("small", 300, 4, 0, 2, 64),
+    ("1.7b", 1000, 8, 4, 16, 64), ("1.7b", 1000, 4, 0, None, 0), ("1.7b", 5000, 8, 4, None, 64),
+    ("vocab 500", 40, 4, 0, None, 64)])
+def test_every_phase_matches_the_layer_by_layer_model(shape, length, T, lf, piece, slack):
     """Each phase's buffer after a launch of phases [0, p], against the same step written out
     with the model's modules: bf16 rounding differences only (an indexing slip gives O(1) errors).
     Small pieces, or a chunk too long for shared memory (5000 slots), make attention stream each
-    chunk in several pieces (online softmax), new keys among them."""
+    chunk in several pieces (online softmax), new keys among them. The slack moves the new tokens
+    into an early chunk (length 0), or, without it, short chunks split them (75 + 8 slots)."""
     from dice.fused_decode import FusedDecoder
     model = {"small": small_model, "vocab 500": lambda: small_model(vocab=500)}.get(
         shape, lambda: random_model("1.7b", num_hidden_layers=2))()
     ids, pos, slots, (c_ref, c_got) = two_caches(model, length, T, max_len=length + 16)
     with torch.no_grad():
         ref = layer_by_layer(model, ids, pos, c_ref, slots, lf)
-        dec = FusedDecoder(model, c_got, piece=piece)
+        dec = FusedDecoder(model, c_got, piece=piece, slack=slack)
         assert piece or length < 5000 or dec.kernels[8]["piece"] < -(-c_got.max_len // dec.nchunks)
         for p in range(dec.all_phases):
             logits = dec.step_logits(ids, pos, None, c_got, slots, length + T, lf, phases=(0, p + 1))
