@@ -55,6 +55,7 @@ GPU (Hopper: TMA bulk copies and mbarriers). `phases=(lo, hi)` runs part of the 
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -298,8 +299,9 @@ def _unsupported(c, w, cache, kc: int) -> str | None:
     return None
 
 
+@functools.cache
 def _max_shared(device) -> int:
-    """Opt-in shared memory per block (bytes)."""
+    """Opt-in shared memory per block (bytes); asked once (CuPy reads all the device's properties)."""
     import cupy
     return cupy.cuda.runtime.getDeviceProperties(device.index or 0)["sharedMemPerBlockOptin"]
 
