@@ -357,8 +357,9 @@ __device__ void load_kv(const bf16* kc, const bf16* vc, int from, int count, bf1
     }
 }
 // Block b < NITEMS's attention work item: KV head g = b / NCH and chunk c = b % NCH, the key slots
-// lo .. hi - 1 (a head's NCH chunks split length + T + SLACK slots evenly, and the last, which holds
-// the new tokens and also norms and writes their keys, gets SLACK fewer).
+// lo .. hi - 1: a head's NCH chunks split length + T + SLACK slots evenly and end at length + T, so
+// the last, which holds the new tokens and also norms and writes their keys, gets SLACK fewer (in a
+// short cache, chunks past the end are empty and the new tokens may start an earlier one).
 struct Chunk { int g, c, lo, hi; };
 __device__ __forceinline__ Chunk attention_chunk(int length, int T) {
     const int NCH = NITEMS / HKV;

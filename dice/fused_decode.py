@@ -29,7 +29,8 @@ memory bank conflicts): the weights' memory, twice.
 
 RoPE reads tables of every slot's cos / sin, built once per cache. Attention splits each KV head's
 keys into programs / HKV contiguous chunks, one per block (half as many for caches of at most
-SHORT_CACHE slots, where the merge of fewer partials saves more than longer chunks cost). A chunk
+SHORT_CACHE slots, where the merge of fewer partials saves more than longer chunks cost); the chunk
+that holds the new tokens is SLACK slots shorter, as its block also norms and writes their keys. A chunk
 passes through shared memory in pieces (online softmax); the first is fetched with cp.async while
 the QKV phase runs, and a piece holds the whole chunk while 4 ring stages still fit (for SDAR-1.7B
 on an H200, caches up to ~3.8K slots with 4 token rows, ~2.8K with 8), so longer caches take several
