@@ -226,7 +226,7 @@ def bench_fused(args) -> None:
         torch.cuda.synchronize()
         details = []
         for _ in range(3):
-            t2, d = torch.zeros_like(trace), torch.zeros_like(trace[..., :1]).expand(-1, -1, 8).contiguous()
+            t2, d = torch.zeros_like(trace), trace.new_zeros(*trace.shape[:2], 8)
             dec.step_logits(ids[:, n:n + 4], pos[:, n:n + 4], None, cache, slots, n + 4, trace=t2, detail=d)
             details.append((t2.double().cpu(), d.double().cpu()))
     t = trace[:, :phases].double().cpu() / 1e3

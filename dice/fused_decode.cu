@@ -47,6 +47,10 @@ __device__ __forceinline__ long long globaltimer() {
 // scores, in the softmax and value product (summed over pieces), 6 the phase's clock cycles.
 #ifdef TRACE
 __shared__ long long* detail;
+// This block's 8 detail slots for phase p: behind the trace's 2 slots per (block, phase)
+__device__ __forceinline__ long long* detail_slots(long long* trace, int p, int phase_hi) {
+    return trace + (gridDim.x * (phase_hi + 1)) * 2 + (blockIdx.x * (phase_hi + 1) + p) * 8;
+}
 #define DETAIL(i, v) do { if (threadIdx.x == 0 && detail) detail[i] = (v); } while (0)
 #define DETAIL_ADD(i, v) do { if (threadIdx.x == 0 && detail) detail[i] += (v); } while (0)
 #define CLOCK() clock64()
@@ -174,7 +178,7 @@ __device__ void produce(const u64* table, const bf16* lm_w, int phase_lo, int ph
         bulk_copy(ring + st * STAGE, stage_src(c), 16 * c.kc * 2, &full[st]);
 #ifdef TRACE
         if (trace) {
-            long long* d = trace + (gridDim.x * (phase_hi + 1)) * 2 + (blockIdx.x * (phase_hi + 1) + c.p) * 8;
+            long long* d = detail_slots(trace, c.p, phase_hi);
             if (!d[4]) d[4] = globaltimer();
             d[5] = globaltimer();
         }
@@ -673,7 +677,7 @@ decode_step(const u64* table, bf16* h, bf16* qkv, bf16* att, bf16* act, float* p
             if (trace && threadIdx.x == 0) trace[(blockIdx.x * (phase_hi + 1) + p) * 2] = globaltimer();
 #ifdef TRACE
             if (threadIdx.x == 0)
-                detail = trace ? trace + (gridDim.x * (phase_hi + 1)) * 2 + (blockIdx.x * (phase_hi + 1) + p) * 8 : 0;
+                detail = trace ? detail_slots(trace, p, phase_hi) : 0;
             long long c0 = clock64();
 #endif
             if (layer == LAYERS) load_normed(h, final_norm, T, eps, xs);

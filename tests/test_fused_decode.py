@@ -140,7 +140,7 @@ def test_bf16_fused_step_is_as_close_to_float32_as_the_layer_by_layer_step():
 @hopper
 @pytest.mark.parametrize("T,lf", [(4, 0), (8, 4)])
 def test_kernel_greedy_choice_is_the_samplers_on_its_logits(T, lf):
-    """The kernel's greedy choice (every block's epilogue threads, then the last block's combine)
+    """The kernel's greedy choice (each block's pass over its own logits, then the last block's combine)
     against `dice.sampler.greedy_choice` on the logits it returns; then with every lm_head row
     equal, so that all logits tie: the first row wins and the mask token is left out of the sum
     (exactly 1 / (V - 1))."""
