@@ -1,6 +1,6 @@
 """Train a DICE model: `python train.py --phase init|sft|infill|e2e --model DIR --data FILE --out DIR ...`.
 
-Every flag is a field of `dice.trainer.TrainConfig`; README lists them. Under
+Every flag is a field of `dice.config.TrainConfig`; README lists them. Under
 `torchrun --nproc_per_node N train.py ...` the model is sharded with FSDP2.
 """
 import sys
@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from dice.cli import fail_cleanly
-from dice.trainer import config_from_args, init_model_folder, train_sft
+from dice.config import config_from_args
+from dice.sft import init_model_folder, train_sft
 
 
 def main(argv=None) -> None:

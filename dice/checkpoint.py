@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .errors import UserError
 from .model import SDAR, ModelConfig
 
 CONFIG = "config.json"
@@ -28,7 +29,7 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A model folder that cannot be loaded; the message names the file and the fix."""
 
 

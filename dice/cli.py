@@ -6,12 +6,9 @@ import math
 import sys
 import time
 
-from .checkpoint import CheckpointError
-from .data import DataError
-from .fused_decode import FusedDecodingError
-from .tokenizer import TokenizerError
+from .errors import UserError
 
-USER_ERRORS = (CheckpointError, DataError, TokenizerError, FusedDecodingError, FileNotFoundError)
+USER_ERRORS = (UserError, FileNotFoundError)
 
 
 def fail_cleanly(main) -> None:

@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
+from .errors import UserError
 from .prompts import chat_prompt, chat_response, kernel_prompt
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A data or task file, a record, or a flag that does not fit them, that cannot be used; the
     message names the file, record or flag and the fix."""
 

@@ -290,3 +290,13 @@ def sdar_shape(name: str, **overrides) -> ModelConfig:
     base = dict(vocab_size=151936, head_dim=128, mask_token_id=151669, block_size=4, rms_norm_eps=1e-6,
                 rope_theta=1e6, max_position_embeddings=32768)
     return ModelConfig(**{**base, **SDAR_SHAPES[name.lower()], **overrides})
+
+
+def random_model(shape: str, device="cuda", dtype=torch.bfloat16, seed: int = 0, peaked: float = 1.0, **overrides):
+    """A random-weight SDAR of a public shape; `peaked` scales lm_head so that outputs are confident."""
+    with torch.device("meta"):
+        model = SDAR(sdar_shape(shape, **overrides))
+    model = model.to_empty(device=device).tie_weights().float().init_weights(seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(peaked)
+    return model.to(dtype).eval()

@@ -39,14 +39,14 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .attention import block_diffusion_mask, flex_block_diffusion_mask
 from .prompts import keeps_skeleton
 from .rollout import Completion, complete, one_shot_style, task_prompt_ids
 from .checkpoint import load_model
 from .data import DataError
+from .diffusion import doubled_logits
 from .tasks import Task, load_tasks
 from .tokenizer import load_tokenizer
-from .trainer import (MetricsLog, build_model, make_logger, make_optimizer, progress_line, refuse_to_mix_runs, resume,
+from .runtime import (MetricsLog, build_model, make_logger, make_optimizer, progress_line, refuse_to_mix_runs, resume,
                       save_checkpoint, save_final, setup_runtime)
 
 
@@ -143,61 +143,62 @@ def build_round_batch(items: list[tuple[int, Completion, Round]], block_size: in
 
 
 def round_logprobs(model, batch: RoundBatch, use_flex: bool = False) -> torch.Tensor:
-    """log p(x_0 token | x_t) at every loss position, in `loss_at` order: [N].
+    """log p(x_0 token | x_t) at every loss position, in `loss_at` order: [N], from the doubled
+    forward that SFT uses too (`dice.diffusion.doubled_logits`).
 
     The RL update uses dense masks: round batches change length and row count every micro-batch,
     and compiled FlexAttention recompiles for each new shape (tens of seconds each)."""
     device = next(model.parameters()).device
     to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-    pos, sample = to(batch.position_ids), to(batch.sample_ids)
-    mask = (flex_block_diffusion_mask if use_flex else block_diffusion_mask)(pos, model.config.block_size, sample)
-    ids = torch.cat([to(batch.noisy), to(batch.clean)], 1)
-    logits_at = torch.cat([to(batch.loss_at), torch.zeros_like(to(batch.loss_at))], 1)
-    logits = model(ids, torch.cat([pos, pos], 1), mask, logits_at=logits_at).float()
+    logits = doubled_logits(model, to(batch.noisy), to(batch.clean), to(batch.position_ids), to(batch.sample_ids),
+                            to(batch.loss_at), use_flex).float()
     return -F.cross_entropy(logits, to(batch.clean)[to(batch.loss_at)], reduction="none")
 
 
 # ---------------------------------------------------------------- rewards
 
-RewardFn = Callable[[list[Task], list[Completion]], list[float]]
+@dataclass
+class Scores:
+    """What a reward returns: one reward per completion, and the verifier's results behind them
+    (None for a completion it never ran: no code block, a dropped skeleton, a broken task), or
+    `results=None` for a reward without a verifier."""
+    rewards: list[float]
+    results: list | None = None
+
+
+RewardFn = Callable[[list[Task], list[Completion]], "Scores | list[float]"]
+
+
+def score(reward_fn: RewardFn, tasks: list[Task], completions: list[Completion]) -> Scores:
+    """`reward_fn` on a batch; a plain Python reward's list of floats becomes Scores without results."""
+    out = reward_fn(tasks, completions)
+    return out if isinstance(out, Scores) else Scores([float(r) for r in out])
 
 
 def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = False, trials: int = 3,
-                    timeout_s: float = 60.0) -> Callable:
+                    timeout_s: float = 60.0) -> Callable[[list[Task], list[Completion]], Scores]:
     """Reward through the kernel verifier: 1 if compiled and correct (infill: and the program
     keeps the task's prefix and suffix), else 0; kind "speedup" adds 0.5 * clamp(log2 speedup,
-    0, 2). Returns a function that also leaves each call's VerifyResults (None for an item not
-    verified) on `fn.last_results`, where `scored` reads them."""
-    def reward(tasks: list[Task], completions: list[Completion]) -> list[float]:
+    0, 2)."""
+    def reward(tasks: list[Task], completions: list[Completion]) -> Scores:
         pairs, index = [], []
         for i, (t, c) in enumerate(zip(tasks, completions)):
             if c.code is None or (phase == "infill" and not keeps_skeleton(c.code, t.prefix, t.suffix)):
                 continue
             pairs.append((t.source, c.code))
             index.append(i)
-        results = verifier.map(pairs, on_broken_task=_warn_broken_task, trials=trials, timeout_s=timeout_s,
-                               timing=timing or kind == "speedup")
-        by_item = dict(zip(index, results))
-        reward.last_results = [by_item.get(i) for i in range(len(tasks))]
-        out = []
-        for i in range(len(tasks)):
-            r = by_item.get(i)
+        verified = verifier.map(pairs, on_broken_task=_warn_broken_task, trials=trials, timeout_s=timeout_s,
+                                timing=timing or kind == "speedup")
+        by_item = dict(zip(index, verified))
+        results = [by_item.get(i) for i in range(len(tasks))]
+        rewards = []
+        for r in results:
             value = float(r is not None and r.correct)
             if value and kind == "speedup" and r.speedup:
                 value += 0.5 * min(max(math.log2(r.speedup), 0.0), 2.0)
-            out.append(value)
-        return out
-    reward.last_results = []
+            rewards.append(value)
+        return Scores(rewards, results)
     return reward
-
-
-def scored(reward_fn: RewardFn, tasks: list[Task], completions: list[Completion]) -> tuple[list[float], list]:
-    """(rewards, verifier results) of one reward call. The results are read from
-    `reward_fn.last_results` right after the call, before the next call replaces them; a reward
-    without them (a Python reward) gives None for every item."""
-    rewards = reward_fn(tasks, completions)
-    results = getattr(reward_fn, "last_results", None)
-    return rewards, list(results) if results is not None else [None] * len(rewards)
 
 
 def _warn_broken_task(index: int, error: ValueError) -> None:
@@ -242,7 +243,7 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
     thread while the next one generates. Sample j of the task in slot k of the step uses seed
     seed + k * group_size + j, so rollouts do not depend on how tasks are spread over processes.
     Returns (completions, rewards, results, timings): `results` are the verifier results of every
-    batch, in order (None where the reward leaves none, see `scored`)."""
+    completion, in order (None where the reward has none, see `Scores`)."""
     prompts, owners, seeds = [], [], []
     style = one_shot_style(model)
     for t, k in zip(tasks, slots):
@@ -254,9 +255,9 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
     futures, verify_seconds = [], [0.0]
     gen_seconds = 0.0
 
-    def score(ts, cs):
+    def timed_score(ts, cs):
         t0 = time.perf_counter()
-        out = scored(reward_fn, ts, cs)
+        out = score(reward_fn, ts, cs)
         verify_seconds[0] += time.perf_counter() - t0
         return out
 
@@ -269,10 +270,10 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
                              temperature=cfg.temperature)
             gen_seconds += time.perf_counter() - t0
             completions += chunk
-            futures.append(pool.submit(score, owners[start:start + len(chunk)], chunk))
+            futures.append(pool.submit(timed_score, owners[start:start + len(chunk)], chunk))
         batches = [f.result() for f in futures]
-    rewards = [r for batch_rewards, _ in batches for r in batch_rewards]
-    results = [r for _, batch_results in batches for r in batch_results]
+    rewards = [r for b in batches for r in b.rewards]
+    results = [r for b in batches for r in (b.results or [None] * len(b.rewards))]
     return completions, rewards, results, {"generate_s": gen_seconds, "verify_s": verify_seconds[0]}
 
 
@@ -345,9 +346,11 @@ def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, inf
                            batch_size=cfg.rollout_batch, seed=mine, max_new_tokens=cfg.max_new_tokens,
                            steps_per_block=cfg.steps_per_block, remasking=cfg.remasking, threshold=cfg.threshold,
                            temperature=0.0)
-    rewards, results = scored(reward_fn, [tasks[i] for i in mine], completions) if mine else ([], [])
-    out = {"eval_reward": rt.all_sum(sum(rewards)) / len(tasks)}
-    if hasattr(reward_fn, "last_results"):   # the verifier's reward, on every process alike
+    scores = score(reward_fn, [tasks[i] for i in mine], completions) if mine else Scores([])
+    out = {"eval_reward": rt.all_sum(sum(scores.rewards)) / len(tasks)}
+    # a process without eval tasks cannot tell a verifier's reward from a plain one: ask all of them
+    if rt.all_max(float(scores.results is not None)):
+        results = scores.results or []
         # a result is None where no kernel ran (no code block, broken skeleton, broken task)
         counts = {"eval_compiled": sum(bool(r and r.compiled) for r in results),
                   "eval_correct": sum(bool(r and r.correct) for r in results),

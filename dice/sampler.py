@@ -29,6 +29,10 @@ ids start at 0 at each sequence's first real token, and sampling noise is a hash
 step, position), so a batch does not change a sequence's result: exactly in float32; in bf16 a
 different batch shape rounds differently and may flip near-ties. An int seed gives row i the seed
 seed + i; pass one seed per prompt for results independent of the row.
+Decoding paths: `use_cache=False` recomputes the whole sequence at every step (the brute-force
+reference); the cached step (`CachedForward`) runs a block against the KV cache, replayed from CUDA
+graphs on CUDA and optionally `torch.compile`d; `fused=True` hands a single prompt's steps to the
+optional persistent kernel (`dice.fused.FusedForward`, the one hook into the fast path).
 """
 from __future__ import annotations
 
@@ -45,19 +49,42 @@ REMASKING = ("low_confidence_static", "low_confidence_dynamic")
 
 
 @dataclass
+class Generated:
+    """One prompt's generation. `tail_tokens` / `tail_step_map`: the last block's positions after the
+    cut, which were context for every step of that block (TraceRL replays them, DESIGN.md §7)."""
+    tokens: list[int]
+    step_map: list[int]
+    denoising_steps: int
+    tail_tokens: list[int] = field(default_factory=list)
+    tail_step_map: list[int] = field(default_factory=list)
+
+
+@dataclass
 class GenerationResult:
-    tokens: list[list[int]]
-    step_map: list[list[int]]
+    sequences: list[Generated]
     forwards: int = 0                     # model forwards run (prefill, steps; fused commits count once)
     seconds: float = 0.0
-    denoising_steps: list[int] = field(default_factory=list)   # per sequence
-    # per sequence, the last block's positions after the cut, and the steps that unmasked them
-    tail_tokens: list[list[int]] = field(default_factory=list)
-    tail_step_map: list[list[int]] = field(default_factory=list)
+
+    tokens = property(lambda self: [s.tokens for s in self.sequences])
+    step_map = property(lambda self: [s.step_map for s in self.sequences])
+    denoising_steps = property(lambda self: [s.denoising_steps for s in self.sequences])
+    tail_tokens = property(lambda self: [s.tail_tokens for s in self.sequences])
+    tail_step_map = property(lambda self: [s.tail_step_map for s in self.sequences])
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
+        return sum(len(s.tokens) for s in self.sequences)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a step chooses tokens (`choose_tokens`) and which it unmasks (`unmask`)."""
+    mask_token_id: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    remasking: str = "low_confidence_static"
+    threshold: float = 0.9
 
 
 def tokens_per_step(block_size: int, steps: int) -> list[int]:
@@ -164,64 +191,81 @@ def select_positions(conf: torch.Tensor, masked: torch.Tensor, n: torch.Tensor, 
     return torch.where((confident.sum(-1) >= n)[:, None], confident, top_n)
 
 
-def denoise(logits: torch.Tensor, x_block: torch.Tensor, step_map_block: torch.Tensor, masked: torch.Tensor,
-            n: torch.Tensor, steps: torch.Tensor, uniforms: torch.Tensor | None, *, mask_token_id: int,
-            temperature: float, top_k: int, top_p: float, remasking: str, threshold: float,
-            choice: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """One denoising step on a block: choose a token per position, unmask the selected ones.
-    Returns the block's new (tokens, step map, still-masked). choice: (tokens, confidences) the
-    forward already chose greedily from these logits (the fused kernel's), used instead."""
-    tok, conf = choice or choose_tokens(logits, mask_token_id, temperature, top_k, top_p, uniforms)
+def unmask(tok: torch.Tensor, conf: torch.Tensor, x_block: torch.Tensor, step_map_block: torch.Tensor,
+           masked: torch.Tensor, n: torch.Tensor, steps: torch.Tensor, remasking: str, threshold: float):
+    """A step's commit on a block: the positions `select_positions` picks take their chosen token
+    and the row's step count. Returns the block's new (tokens, step map, still-masked)."""
     chosen = select_positions(conf, masked, n, remasking, threshold)
     return (torch.where(chosen, tok, x_block), torch.where(chosen, steps[:, None], step_map_block),
             masked & ~chosen)
 
 
-class CachedForward:
-    """`model.forward_cached`, or on CUDA its replay from CUDA graphs captured once per shape.
+_COMPILED: dict[str, Callable] = {}
+
+
+def _compiled(name: str, fn: Callable) -> Callable:
+    """`torch.compile(fn)`, made once per process so that its compilations are reused."""
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(fn, dynamic=False)
+    return _COMPILED[name]
+
+
+class BruteForce:
+    """The no-cache reference: every step recomputes the whole sequence up to the block's end."""
+
+    def __init__(self, model, compile: bool = False):
+        self.model = model
+        self.choose_tokens = _compiled("choose", choose_tokens) if compile else choose_tokens
+
+    def block_logits(self, rows: "Rows", b0: int, b1: int, commit_previous: bool) -> torch.Tensor:
+        x, pos, valid = rows.x[:, :b1], rows.pos[:, :b1], rows.valid[:, :b1]
+        keys_ok = valid[:, None, :] | torch.eye(b1, dtype=torch.bool, device=x.device)
+        return self.model(x, pos, block_causal_mask(pos, self.model.config.block_size) & keys_ok)[:, b0:b1]
+
+    def choose(self, logits: torch.Tensor, uniforms, s: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.choose_tokens(logits, s.mask_token_id, s.temperature, s.top_k, s.top_p, uniforms)
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        pass
+
+
+class CachedForward(BruteForce):
+    """`model.forward_cached` against a KV cache, or on CUDA its replay from CUDA graphs captured once per shape.
 
     A block step is a few hundred small kernels; at batch 1 launching them costs more than the
     math, so the step is captured with the write position passed as a device tensor and the
     attention spanning a fixed `kv_len`: the cache's filled length rounded up to `KV_BUCKET`
     slots (one graph per bucket, so a batch-64 step does not read the empty end of the cache).
     `compile=True` runs every decoder layer through one `torch.compile`d function (fused norms,
-    RoPE and casts), with kv_len the whole cache so that each (batch, tokens) shape compiles
-    once. `fused=True` replaces the layer-by-layer step by `dice.fused_decode.FusedDecoder`'s
-    single kernel (batch 1), also with kv_len the whole cache, and with `greedy` it also makes the
-    greedy choice (`greedy_choice`). Graphs hold the cache's memory, so `reset` must follow any
-    change of the cache's tensors (dropping finished rows).
+    RoPE and casts), with kv_len the whole cache (`full_cache`) so that each (batch, tokens) shape
+    compiles once. A finished block's keys/values are committed in the same forward as the next
+    block's first step. Graphs hold the cache's memory, so they are dropped with `keep_rows`.
     """
 
     KV_BUCKET = 256
 
-    def __init__(self, model, cache, use_graphs: bool, compile: bool = False, fused: bool = False,
-                 greedy: bool = False):
-        self.model, self.cache, self.use_graphs = model, cache, use_graphs
-        self.run_layer = _compiled_layer() if compile and not fused else None
-        self.fused = None
-        if fused:
-            from .fused_decode import FusedDecoder     # imported when asked for: it needs CuPy and a GPU
-            self.fused = FusedDecoder(model, cache, greedy=greedy)
+    def __init__(self, model, cache, use_graphs: bool, compile: bool = False):
+        super().__init__(model, compile)
+        self.cache, self.use_graphs = cache, use_graphs
+        # one compiled call serves all layers: they differ only in their weights, the compiler's inputs
+        self.run_layer = _compiled("layer", lambda layer, *args: layer(*args)) if compile else None
+        self.full_cache = compile
         self.graphs: dict[tuple, dict] = {}
 
     def step_logits(self, *args) -> torch.Tensor:
-        """`model.step_logits`, or the fused kernel's equivalent."""
-        if self.fused is not None:
-            return self.fused.step_logits(*args)
         return self.model.step_logits(*args, self.run_layer)
 
-    def greedy_choice(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The last forward's greedy (tokens, confidences) for its n logit rows when the fused
-        kernel made them, else None."""
-        return self.fused.greedy_choice(n) if self.fused is not None and self.fused.greedy else None
+    def block_logits(self, rows: "Rows", b0: int, b1: int, commit_previous: bool) -> torch.Tensor:
+        c0 = b0 - self.model.config.block_size if commit_previous else b0
+        return self(rows.x[:, c0:b1], rows.pos[:, c0:b1], rows.valid[:, c0:b1], b0 - c0, b0 - c0)
 
-    def reset(self) -> None:
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        self.cache.keep_rows(keep)
         self.graphs.clear()
 
     def __call__(self, ids, pos, valid, commit: int, logits_from: int) -> torch.Tensor:
         cache = self.cache
-        # compiled or fused: one kv_len, so each (batch, tokens) shape compiles (or is captured) once
-        kv_len = cache.max_len if self.run_layer is not None or self.fused is not None else None
+        kv_len = cache.max_len if self.full_cache else None
         cache.check_room(ids.shape[1])
         if not self.use_graphs:
             slots = torch.arange(cache.length, cache.length + ids.shape[1], device=ids.device)
@@ -262,20 +306,62 @@ class CachedForward:
         return g
 
 
-_COMPILED: dict[str, Callable] = {}
+class Rows:
+    """The sequences still in the batch. Prompts are left-padded by whole blocks so that every
+    row's first generated block has the same index F; per row: tokens `x`, positions (0 at the
+    first real token), `valid` (not padding), `generated` (still to be sampled), the step map,
+    its denoising-step count and noise seed; on the host its prompt's index `index`, the prompt's
+    remainder `rem` and its first generated position `g0`, which decide a static block's step
+    count and every finish by length without reading the GPU."""
 
+    def __init__(self, prompts, block_size: int, max_new_tokens: int, mask_id: int, seeds: list[int], device):
+        bs, lens = block_size, torch.tensor([len(p) for p in prompts])
+        full, rem = lens // bs, lens % bs
+        self.F = int(full.max())
+        self.blocks = int((1 + (max_new_tokens - (bs - rem)).clamp(min=0).add(bs - 1).div(bs, rounding_mode="floor")).max())
+        total, pad = (self.F + self.blocks) * bs, (self.F - full) * bs
+        x = torch.full((len(prompts), total), mask_id, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            x[i, int(pad[i]):int(pad[i]) + len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        idx = torch.arange(total)
+        g0 = self.F * bs + rem
+        self.x, self.pos = x.to(device), (idx[None] - pad[:, None]).clamp(min=0).to(device)
+        self.valid, self.generated = (idx[None] >= pad[:, None]).to(device), (idx[None] >= g0[:, None]).to(device)
+        self.step_map = torch.zeros_like(self.x)
+        self.steps = torch.zeros(len(prompts), dtype=torch.long, device=device)
+        self.seeds = torch.tensor(seeds, dtype=torch.long, device=device)
+        self.index, self.rem, self.g0 = list(range(len(prompts))), rem.tolist(), g0.tolist()
+        self.done = [False] * len(prompts)
 
-def _compiled(name: str, fn: Callable) -> Callable:
-    """`torch.compile(fn)`, made once per process so that its compilations are reused."""
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(fn, dynamic=False)
-    return _COMPILED[name]
+    def masks_in_block(self, j: int, block_size: int) -> list[int]:
+        return [0 if d else block_size - (r if j == 0 else 0) for d, r in zip(self.done, self.rem)]
 
+    def finished(self, b0: int, b1: int, max_new_tokens: int, eos: torch.Tensor | None) -> list[int]:
+        """Rows that finish with the block [b0, b1): enough positions, or an eos id in the block
+        (only this reads the GPU, once a block, and only when there are eos ids)."""
+        ends = [not d and b1 - g0 >= max_new_tokens for d, g0 in zip(self.done, self.g0)]
+        if eos is not None:
+            has_eos = (torch.isin(self.x[:, b0:b1], eos) & self.generated[:, b0:b1]).any(-1).tolist()
+            ends = [f or (e and not d) for f, e, d in zip(ends, has_eos, self.done)]
+        return [r for r, f in enumerate(ends) if f]
 
-def _compiled_layer():
-    """One compiled decoder-layer call: the layers differ only in their weights, which the
-    compiler takes as inputs, so a shape compiles once for all layers (and all models)."""
-    return _compiled("layer", lambda layer, *args: layer(*args))
+    def result(self, r: int, b1: int, max_new_tokens: int, eos_ids: Sequence[int]) -> Generated:
+        """Row r's tokens cut after the first eos id (kept) or at max_new_tokens; it leaves sampling."""
+        toks, smap = self.x[r, self.g0[r]:b1].tolist(), self.step_map[r, self.g0[r]:b1].tolist()
+        cut = min(max_new_tokens, next((k + 1 for k, t in enumerate(toks) if t in eos_ids), len(toks)))
+        self.done[r] = True
+        self.generated[r] = False
+        return Generated(toks[:cut], smap[:cut], int(self.steps[r]), toks[cut:], smap[cut:])
+
+    def drop_done(self) -> torch.Tensor:
+        """Remove finished rows; returns the kept rows' indices for the cache."""
+        kept = [r for r, d in enumerate(self.done) if not d]
+        keep = torch.tensor(kept, device=self.x.device)
+        for name in ("x", "pos", "valid", "generated", "step_map", "steps", "seeds"):
+            setattr(self, name, getattr(self, name)[keep])
+        for name in ("index", "rem", "g0", "done"):
+            setattr(self, name, [getattr(self, name)[r] for r in kept])
+        return keep
 
 
 @torch.inference_mode()
@@ -286,15 +372,74 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
              fused: bool = False, progress: Callable[[int], None] | None = None) -> GenerationResult:
     """Generate a response for every prompt (lists of token ids); see the module docstring.
 
-    use_cache=False recomputes the whole sequence at every step: the brute-force reference.
-    seed: an int (row i uses seed + i) or one seed per prompt; None draws one from torch's RNG.
-    cuda_graphs: replay block steps from CUDA graphs (CUDA with use_cache only; same results).
-    compile: run decoder layers and the token choice through `torch.compile` (use_cache only;
-    worth it for long runs at fixed shapes, such as benchmarks: each new shape compiles first).
-    fused: run each denoising step of a single prompt as one persistent CUDA kernel
-    (`dice.fused_decode`; use_cache only, batches of several prompts take the layer-by-layer path).
-    progress: called after every block with the number of positions generated so far.
+    use_cache=False: the brute-force reference. seed: an int (row i uses seed + i) or one seed per
+    prompt; None draws one from torch's RNG. cuda_graphs: replay block steps from CUDA graphs (CUDA
+    with use_cache only; same results). compile: `torch.compile` the decoder layers and the token
+    choice (use_cache only; each new shape compiles first). fused: a single prompt's steps as one
+    persistent CUDA kernel (`dice.fused`; a batch takes the layer-by-layer path). progress: called
+    after every block with the number of positions generated so far.
     """
+    _check_arguments(model, prompts, max_new_tokens, steps_per_block, remasking, temperature, top_k, top_p, threshold)
+    cfg, device, started = model.config, next(model.parameters()).device, time.perf_counter()
+    bs, schedule = cfg.block_size, tokens_per_step(cfg.block_size, steps_per_block)
+    s = Sampling(cfg.mask_token_id, temperature, top_k, top_p, remasking, threshold)
+    rows = Rows(prompts, bs, max_new_tokens, cfg.mask_token_id, _row_seeds(seed, len(prompts)), device)
+    step, forwards = _make_step(model, rows, use_cache, cuda_graphs, compile, fused, temperature)
+    commit = _compiled("unmask", unmask) if compile else unmask
+    eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device) if eos_token_ids else None
+    out: dict[int, Generated] = {}
+    positions_done = 0
+    for j in range(rows.blocks):
+        b0, b1 = (rows.F + j) * bs, (rows.F + j + 1) * bs
+        masked, masks = rows.generated[:, b0:b1].clone(), rows.masks_in_block(j, bs)
+        positions_done += sum(masks)
+        for k, n_k in enumerate(schedule):
+            # static: a row with m masks is complete once the schedule has unmasked m; dynamic
+            # unmasks a data-dependent number, so it asks the GPU (one sync a step)
+            if (sum(schedule[:k]) >= max(masks)) if remasking == "low_confidence_static" else not masked.any():
+                break
+            left = masked.sum(-1)
+            logits = step.block_logits(rows, b0, b1, commit_previous=j > 0 and k == 0)
+            forwards += 1
+            rows.steps += (left > 0).long()
+            u = uniform_noise(rows.seeds, rows.steps, rows.pos[:, b0:b1]) if temperature > 0 else None
+            tok, conf = step.choose(logits, u, s)
+            rows.x[:, b0:b1], rows.step_map[:, b0:b1], masked = commit(
+                tok, conf, rows.x[:, b0:b1], rows.step_map[:, b0:b1], masked, left.clamp(max=n_k), rows.steps,
+                remasking, threshold)
+        finished = rows.finished(b0, b1, max_new_tokens, eos)
+        out.update({rows.index[r]: rows.result(r, b1, max_new_tokens, eos_token_ids) for r in finished})
+        if progress is not None:
+            progress(positions_done)
+        if len(out) == len(prompts):
+            break
+        # with graphs, drop finished rows only once half the batch is done (each drop re-captures)
+        if finished and (not getattr(step, "use_graphs", False) or 2 * sum(rows.done) >= len(rows.done)):
+            step.keep_rows(rows.drop_done())
+    return GenerationResult([out[i] for i in range(len(prompts))], forwards, time.perf_counter() - started)
+
+
+def _make_step(model, rows: Rows, use_cache: bool, cuda_graphs: bool, compile: bool, fused: bool,
+               temperature: float) -> tuple[BruteForce, int]:
+    """The step runner for `generate` and the forwards it ran already (the prompts' full blocks,
+    prefilled into a new KV cache)."""
+    if not use_cache:
+        return BruteForce(model, compile), 0
+    cache = model.new_cache(len(rows.index), rows.x.shape[1])
+    graphs = cuda_graphs and rows.x.device.type == "cuda"
+    if fused and len(rows.index) == 1:
+        from .fused import FusedForward      # the optional fast path: CuPy, a Hopper GPU
+        step = FusedForward(model, cache, graphs, compile, greedy=temperature == 0)
+    else:
+        step = CachedForward(model, cache, graphs, compile)
+    n = rows.F * model.config.block_size
+    if n:
+        model.forward_cached(rows.x[:, :n], rows.pos[:, :n], cache, commit=n, valid=rows.valid[:, :n], logits_from=n)
+    return step, int(n > 0)
+
+
+def _check_arguments(model, prompts, max_new_tokens, steps_per_block, remasking, temperature, top_k, top_p,
+                     threshold) -> None:
     if remasking not in REMASKING:
         raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -304,121 +449,6 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
     if temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or not 0 <= threshold <= 1:
         raise ValueError(f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1 and 0 <= threshold <= 1; got "
                          f"{temperature}, {top_k}, {top_p}, {threshold}")
-    cfg = model.config
-    bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
+    bad = [t for p in prompts for t in p if not 0 <= t < model.config.vocab_size]
     if bad:
-        raise ValueError(f"prompt token id {bad[0]} is outside the model's vocabulary [0, {cfg.vocab_size})")
-    bs, mask_id, device = cfg.block_size, cfg.mask_token_id, next(model.parameters()).device
-    schedule = tokens_per_step(bs, steps_per_block)
-    n_rows = len(prompts)
-    start = time.perf_counter()
-
-    lens = torch.tensor([len(p) for p in prompts])
-    full, rem = lens // bs, lens % bs
-    F = int(full.max())
-    blocks_needed = 1 + (max_new_tokens - (bs - rem)).clamp(min=0).add(bs - 1).div(bs, rounding_mode="floor")
-    total_len = (F + int(blocks_needed.max())) * bs
-    pad = (F - full) * bs
-
-    x = torch.full((n_rows, total_len), mask_id, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        x[i, int(pad[i]):int(pad[i]) + len(p)] = torch.as_tensor(list(p), dtype=torch.long)
-    idx = torch.arange(total_len)
-    pos = (idx[None] - pad[:, None]).clamp(min=0)
-    valid = idx[None] >= pad[:, None]
-    gen_start = F * bs + rem                          # index of each row's first generated position
-    generated = (idx[None] >= gen_start[:, None]).to(device)
-    x, pos, valid = x.to(device), pos.to(device), valid.to(device)
-    step_map = torch.zeros(n_rows, total_len, dtype=torch.long, device=device)
-    steps = torch.zeros(n_rows, dtype=torch.long, device=device)
-    seeds = torch.tensor(_row_seeds(seed, n_rows), dtype=torch.long, device=device)
-    eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
-
-    # Host-side row state: which original row each batch row is, its prompt remainder, its first
-    # generated index, whether it is done. With it, a static block's step count and every row's
-    # finish by length are known without reading the GPU, so the host enqueues steps ahead of it.
-    rows, row_rem, row_g0 = list(range(n_rows)), rem.tolist(), gen_start.tolist()
-    row_done = [False] * n_rows
-    out_tokens: list[list[int]] = [[] for _ in range(n_rows)]
-    out_steps: list[list[int]] = [[] for _ in range(n_rows)]
-    out_n_steps = [0] * n_rows
-    out_tail_tokens: list[list[int]] = [[] for _ in range(n_rows)]
-    out_tail_steps: list[list[int]] = [[] for _ in range(n_rows)]
-    forwards = positions_done = 0
-    cache = model.new_cache(n_rows, total_len) if use_cache else None
-    graphs = use_cache and cuda_graphs and device.type == "cuda"
-    step_forward = (CachedForward(model, cache, graphs, compile, fused and n_rows == 1, greedy=temperature == 0)
-                    if use_cache else None)
-    if use_cache and F > 0:
-        model.forward_cached(x[:, :F * bs], pos[:, :F * bs], cache, commit=F * bs, valid=valid[:, :F * bs],
-                             logits_from=F * bs)
-        forwards += 1
-    pending_commit = False
-    step = _compiled("denoise", denoise) if compile else denoise
-    static = remasking == "low_confidence_static"
-    sampling = dict(mask_token_id=mask_id, temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking,
-                    threshold=threshold)
-
-    for j in range(int(blocks_needed.max())):
-        b0, b1 = (F + j) * bs, (F + j + 1) * bs
-        masked = generated[:, b0:b1].clone()
-        masks = [0 if d else bs - (r if j == 0 else 0) for d, r in zip(row_done, row_rem)]
-        positions_done += sum(masks)
-        for s, n_s in enumerate(schedule):
-            # static: a row with m masks is complete once the schedule has unmasked m; dynamic
-            # unmasks a data-dependent number, so it asks the GPU (one sync a step)
-            complete = sum(schedule[:s]) >= max(masks) if static else not masked.any()
-            if complete:
-                break
-            left = masked.sum(-1)
-            active = left > 0
-            if use_cache:
-                c0 = b0 - bs if pending_commit else b0
-                logits = step_forward(x[:, c0:b1], pos[:, c0:b1], valid[:, c0:b1], b0 - c0, b0 - c0)
-                choice = step_forward.greedy_choice(bs)
-                pending_commit = False
-            else:
-                keys_ok = valid[:, None, :b1] | torch.eye(b1, dtype=torch.bool, device=device)
-                logits = model(x[:, :b1], pos[:, :b1], block_causal_mask(pos[:, :b1], bs) & keys_ok)[:, b0:b1]
-                choice = None
-            forwards += 1
-            steps += active.long()
-            u = uniform_noise(seeds, steps, pos[:, b0:b1]) if temperature > 0 else None
-            x[:, b0:b1], step_map[:, b0:b1], masked = step(logits, x[:, b0:b1], step_map[:, b0:b1], masked,
-                                                           left.clamp(max=n_s), steps, u, choice=choice, **sampling)
-        pending_commit = True
-
-        # a sequence is finished once it has generated enough or its block holds an eos id; only
-        # the eos check reads the GPU (once a block), and only when there are eos ids
-        finished = [not d and b1 - g0 >= max_new_tokens for d, g0 in zip(row_done, row_g0)]
-        if eos_token_ids:
-            has_eos = (torch.isin(x[:, b0:b1], eos) & generated[:, b0:b1]).any(-1)
-            finished = [f or (e and not d) for f, e, d in zip(finished, has_eos.tolist(), row_done)]
-        newly = [r for r, f in enumerate(finished) if f]
-        for r in newly:
-            g0 = row_g0[r]
-            toks, smap = x[r, g0:b1].tolist(), step_map[r, g0:b1].tolist()
-            cut = min(max_new_tokens, next((k + 1 for k, t in enumerate(toks) if t in eos_token_ids), len(toks)))
-            out_tokens[rows[r]], out_steps[rows[r]], out_n_steps[rows[r]] = toks[:cut], smap[:cut], int(steps[r])
-            out_tail_tokens[rows[r]], out_tail_steps[rows[r]] = toks[cut:], smap[cut:]
-            row_done[r] = True
-        if progress is not None:
-            progress(positions_done)
-        if all(row_done):
-            break
-        if not newly:
-            continue
-        generated[newly] = False    # a finished row still in the batch is never sampled again
-        # drop finished rows; with graphs only once half the batch is done (each drop re-captures)
-        if not graphs or 2 * sum(row_done) >= len(row_done):
-            keep_rows = [r for r, d in enumerate(row_done) if not d]
-            keep = torch.tensor(keep_rows, device=device)
-            x, pos, valid, generated, step_map, steps, seeds = (
-                t[keep] for t in (x, pos, valid, generated, step_map, steps, seeds))
-            rows, row_rem, row_g0, row_done = ([v[r] for r in keep_rows] for v in (rows, row_rem, row_g0, row_done))
-            if cache is not None:
-                cache.keep_rows(keep)
-                step_forward.reset()
-
-    return GenerationResult(out_tokens, out_steps, forwards, time.perf_counter() - start, out_n_steps,
-                            out_tail_tokens, out_tail_steps)
+        raise ValueError(f"prompt token id {bad[0]} is outside the model's vocabulary [0, {model.config.vocab_size})")

@@ -23,6 +23,8 @@ from pathlib import Path
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 
+from .errors import UserError
+
 # Qwen2's split, the same string as in the `pre_tokenizer` of Qwen2 / SDAR tokenizer.json files.
 QWEN2_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -38,7 +40,7 @@ MASK_SPELLINGS = (MASK, "<MASK>")
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, MASK)
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError):
     """A tokenizer folder that cannot be used; the message names the folder and the fix."""
 
 

@@ -118,7 +118,7 @@ def test_rl_bad_data_is_a_data_error(tmp_path, phase, data, message):
     import json
     from dice.data import DataError
     from dice.rl import train_rl
-    from dice.trainer import TrainConfig
+    from dice.config import TrainConfig
     if not isinstance(data, Path):
         data, records = tmp_path / "data.json", data
         data.write_text(json.dumps(records))
@@ -148,7 +148,8 @@ def test_rl_with_fewer_tasks_per_step_than_processes_is_a_data_error(tmp_path, m
     from dice.cli import USER_ERRORS
     from dice.data import DataError
     from dice.rl import train_rl
-    from dice.trainer import Runtime, TrainConfig
+    from dice.config import TrainConfig
+    from dice.runtime import Runtime
     monkeypatch.setattr("dice.rl.setup_runtime", lambda: Runtime(torch.device("cpu"), rank=0, world=2))
     cfg = TrainConfig(phase="e2e", model="unused", data="unused", out=str(tmp_path / "o"), steps=1, tasks_per_step=1)
     with pytest.raises(DataError, match="pass --tasks-per-step 2 or more") as caught:
@@ -158,7 +159,7 @@ def test_rl_with_fewer_tasks_per_step_than_processes_is_a_data_error(tmp_path, m
 
 def test_learning_rate_defaults_follow_the_phase():
     """DESIGN.md §7: BiC-RL uses AdamW lr 1e-6; SFT keeps 1e-5; an explicit --lr wins."""
-    from dice.trainer import TrainConfig, config_from_args
+    from dice.config import TrainConfig, config_from_args
     assert TrainConfig(phase="infill").lr == TrainConfig(phase="e2e").lr == 1e-6
     assert TrainConfig(phase="sft").lr == 1e-5
     assert config_from_args(["--phase", "e2e", "--lr", "3e-4"]).lr == 3e-4
@@ -229,7 +230,7 @@ def test_train_flag_errors_are_one_line(tmp_path, capsys, args, message):
 
 def test_train_config_rejects_unknown_reward_and_remasking():
     """dice.rl only tests reward == "speedup": any other word silently meant "correct"."""
-    from dice.trainer import TrainConfig
+    from dice.config import TrainConfig
     with pytest.raises(ValueError, match="--reward must be one of correct, speedup"):
         TrainConfig(phase="e2e", reward="foo")
     with pytest.raises(ValueError, match="--remasking must be one of"):
@@ -300,7 +301,7 @@ def test_help_shows_defaults(capsys, monkeypatch, name, argv, shown):
     if name == "bench":
         from dice.bench import main
     elif name == "train":
-        from dice.trainer import config_from_args as main
+        from dice.config import config_from_args as main
     else:
         main = command(name).parse_args
     with pytest.raises(SystemExit) as stop:
@@ -455,7 +456,7 @@ def _command_parsers(monkeypatch) -> dict:
     import dice.bench_verify
     import dice.metrics
     import dice.taskgen
-    from dice.trainer import config_from_args
+    from dice.config import config_from_args
     bench = _parser_of(dice.bench.main, [], monkeypatch)
     subcommands = next(a for a in bench._actions if a.choices and "sample" in a.choices).choices
     return {"sample.py": _parser_of(command("sample").parse_args, [], monkeypatch),

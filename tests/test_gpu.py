@@ -6,7 +6,7 @@ import torch
 
 from dice import load_model
 from dice.attention import block_diffusion_mask, flex_block_diffusion_mask
-from dice.bench import random_model
+from dice.model import random_model
 from dice.sampler import generate
 
 pytestmark = pytest.mark.gpu

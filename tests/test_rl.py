@@ -12,7 +12,7 @@ from dice.rl import (build_round_batch, group_advantages, policy_loss, round_log
 from dice.rollout import Completion
 from dice.sampler import generate
 from dice.tasks import Task
-from dice.trainer import TrainConfig
+from dice.config import TrainConfig
 
 from conftest import make_tiny_model_folder
 
@@ -156,7 +156,7 @@ def test_later_updates_of_a_step_are_measured_against_the_rollout_policy(updates
     """--updates-per-step U: every minibatch's ratio is to the log-probs the rollout policy gave, taken
     before the first update; with U = 1 the one update is on-policy (ratio 1, no KL to itself)."""
     from dice.rl import policy_update
-    from dice.trainer import Runtime
+    from dice.runtime import Runtime
     torch.manual_seed(0)
     model = load_model(TINY)
     prompt = list(range(10, 17))
@@ -315,7 +315,7 @@ def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():
              Task("c", 1, "ok", prefix="good", suffix="end"), Task("d", 1, "ok", prefix="good", suffix="end")]
     codes = ["good\nx\nend", "good\nx\nend", "bad\nx\nend", None]
     comps = [Completion([1], [2], [1], "", c) for c in codes]
-    assert verifier_reward(FakeVerifier(), "e2e")(tasks, comps) == [1.0, 0.0, 0.0, 0.0]
-    assert verifier_reward(FakeVerifier(), "e2e", kind="speedup")(tasks, comps)[0] == pytest.approx(1.5)
+    assert verifier_reward(FakeVerifier(), "e2e")(tasks, comps).rewards == [1.0, 0.0, 0.0, 0.0]
+    assert verifier_reward(FakeVerifier(), "e2e", kind="speedup")(tasks, comps).rewards[0] == pytest.approx(1.5)
     comps[0] = Completion([1], [2], [1], "", "good\nx\nchanged end")
-    assert verifier_reward(FakeVerifier(), "infill")(tasks, comps)[0] == 0.0   # the suffix was not kept
+    assert verifier_reward(FakeVerifier(), "infill")(tasks, comps).rewards[0] == 0.0   # the suffix was not kept

@@ -1,7 +1,7 @@
 """Worker processes for the kernel verifier: spawn, call with a deadline, kill, respawn (DESIGN.md §8).
 
 A `WorkerProcess` is one fresh interpreter (multiprocessing "spawn": never a fork of a process
-that may hold a CUDA context) running `dice.verifier_worker.serve`. The parent talks to it over a
+that may hold a CUDA context) running `dice.verifier.worker.serve`. The parent talks to it over a
 pipe, one request dict -> one reply dict at a time; replies are decoded with `plain_loads`
 (built-in types only), so a tampered worker cannot run code in the parent. When a request overruns
 its deadline the worker's process group is killed (SIGKILL: the worker and whatever it started);
@@ -27,7 +27,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from dice.verifier_worker import plain_loads, serve
+from .protocol import plain_loads
+from .worker import serve
 
 STARTUP_TIMEOUT_S = 300.0  # importing torch + cupy and creating a CUDA context on a busy host
 LOG_TAIL_LINES = 40
@@ -92,7 +93,7 @@ class WorkerProcess:
 
     def _kill(self) -> None:
         if self._process is not None and self._process.pid is not None:
-            try:  # the worker leads its own process group (verifier_worker.serve)
+            try:  # the worker leads its own process group (worker.serve)
                 os.killpg(self._process.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass

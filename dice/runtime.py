@@ -1,6 +1,5 @@
 """What every training phase shares: devices and FSDP2, the optimiser and its schedule,
-checkpoints that are written atomically and resumed exactly, metrics and the progress line;
-and the SFT loop itself (DESIGN.md §4).
+checkpoints that are written atomically and resumed exactly, metrics and the progress line.
 
 Run directory layout (`--out DIR`):
     DIR/metrics.jsonl                 one JSON object per optimiser step
@@ -17,7 +16,6 @@ resumed from step k continues exactly as the unbroken run would, on any number o
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import gc
 import json
 import math
@@ -33,138 +31,12 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import CheckpointError, from_published, has_weights, load_model, read_config, save_model
-from .cli import ArgumentParser
-from .data import RowStream, collate, read_records, record_texts, tokenize_records
-from .diffusion import count_samples, diffusion_loss
-from .model import SDAR, ModelConfig
-from .rollout import one_shot_style
-from .sampler import REMASKING
-from .tokenizer import load_tokenizer
+from .config import TrainConfig
+from .model import SDAR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "added_tokens.json",
                    "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
 
-
-@dataclass
-class TrainConfig:
-    """Flags of `python train.py`: every field is a `--flag`; CHOICES and AT_LEAST below bound their
-    values, HELP is their --help text (see also README)."""
-    phase: str = "sft"
-    model: str = ""
-    data: str = ""
-    out: str = ""
-    steps: int = 0
-    epochs: float = 0.0
-    batch_size: int = 8
-    grad_accum: int = 1
-    lr: float = 0.0
-    min_lr_ratio: float = 0.1
-    warmup: int = 0
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    max_len: int = 2048
-    dtype: str = "auto"
-    save_every: int = 0
-    keep_checkpoints: int = 2
-    resume: bool = False
-    seed: int = 0
-    gradient_checkpointing: bool = False
-    sft_infill: bool = False
-    attention: str = "auto"
-    # --phase init: a from-scratch model folder (tokenizer trained on --data, config, no weights)
-    vocab_size: int = 4096
-    hidden_size: int = 256
-    num_layers: int = 6
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 768
-    block_size: int = 4
-    # BiC-RL (dice.rl)
-    tasks_per_step: int = 64
-    group_size: int = 16
-    max_new_tokens: int = 4096
-    temperature: float = 1.0
-    remasking: str = "low_confidence_dynamic"
-    threshold: float = 0.9
-    steps_per_block: int = 4
-    rollout_batch: int = 64
-    updates_per_step: int = 1
-    clip_eps: float = 0.2
-    kl_beta: float = 0.01
-    reference_model: bool = False
-    reward: str = "correct"
-    eval_every: int = 0
-    eval_data: str = ""
-    verifier_workers: int = 8
-    verify_timeout: float = 15.0
-
-    def __post_init__(self):
-        for name, allowed in CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
-                                 f"not {getattr(self, name)!r}")
-        for name, low in AT_LEAST.items():
-            if getattr(self, name) < low:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
-        if not self.lr:
-            self.lr = 1e-6 if self.phase in ("infill", "e2e") else 1e-5
-
-
-CHOICES = {"phase": ("init", "sft", "infill", "e2e"), "dtype": ("auto", "bf16", "fp32"),
-           "attention": ("auto", "flex", "dense"), "remasking": REMASKING, "reward": ("correct", "speedup")}
-AT_LEAST = {"steps": 0, "epochs": 0, "batch_size": 1, "grad_accum": 1, "tasks_per_step": 1, "group_size": 1,
-            "max_new_tokens": 1, "temperature": 0, "steps_per_block": 1, "rollout_batch": 1, "updates_per_step": 1}
-HELP = {
-    "phase": "init: a from-scratch model folder; sft: masked-diffusion SFT; infill, e2e: the BiC-RL phases",
-    "model": "the model folder to train (not for --phase init)",
-    "data": "SFT records (.json/.jsonl), RL tasks (DICE .json or a KernelBench folder), or init's corpus",
-    "out": "run folder (metrics.jsonl, checkpoints/, final/); for --phase init the new model folder",
-    "steps": "optimiser steps (SFT: this or --epochs; RL: required)",
-    "epochs": "SFT passes over the data, when --steps is 0",
-    "batch_size": "rows per process per micro-batch (RL: trace rounds per micro-batch)",
-    "grad_accum": "SFT micro-batches per optimiser step",
-    "lr": "peak learning rate; 0 = 1e-5 for SFT / 1e-6 for RL (DESIGN.md §7)",
-    "min_lr_ratio": "the cosine schedule decays to this fraction of --lr",
-    "warmup": "linear warm-up steps",
-    "weight_decay": "AdamW weight decay of the matrices",
-    "grad_clip": "gradient-norm clipping",
-    "max_len": "SFT row length in tokens (rounded down to the block size)",
-    "dtype": "auto: bf16 autocast on CUDA, fp32 on CPU",
-    "save_every": "write a checkpoint every N steps (0: only final/)",
-    "keep_checkpoints": "checkpoints kept, newest first (0: all)",
-    "resume": "continue from the newest checkpoint in --out",
-    "seed": "seed of the initialisation, data order and noise",
-    "gradient_checkpointing": "recompute each layer's forward in the backward pass (less memory)",
-    "sft_infill": "also teach kernel records under the infilling prompt",
-    "attention": "SFT masks: flex (FlexAttention, CUDA only) or dense; auto: flex on CUDA",
-    "vocab_size": "--phase init: BPE vocabulary size",
-    "hidden_size": "--phase init: hidden size",
-    "num_layers": "--phase init: decoder layers",
-    "num_heads": "--phase init: attention heads",
-    "num_kv_heads": "--phase init: key/value heads",
-    "intermediate_size": "--phase init: MLP width",
-    "block_size": "--phase init: diffusion block size",
-    "tasks_per_step": "RL: tasks per step, in curriculum order",
-    "group_size": "RL: samples per task (one advantage group)",
-    "max_new_tokens": "RL: tokens generated per sample",
-    "temperature": "RL: sampling temperature",
-    "remasking": "RL: the sampler's remasking rule",
-    "threshold": "RL: confidence threshold of low_confidence_dynamic",
-    "steps_per_block": "RL: denoising steps per block",
-    "rollout_batch": "RL: sequences generated per batch",
-    "updates_per_step": "RL: optimiser steps per RL step",
-    "clip_eps": "RL: PPO clip range",
-    "kl_beta": "RL: weight of the k3 KL term",
-    "reference_model": "RL: KL against a frozen copy of --model instead of the rollout policy",
-    "reward": "RL: correct (1 for a correct kernel, else 0) or speedup (adds 0.5 * clamp(log2 speedup, 0, 2))",
-    "eval_every": "RL: greedy evaluation on --eval-data every N steps (0: never)",
-    "eval_data": "RL: held-out tasks for --eval-every",
-    "verifier_workers": "RL: kernel verifier worker processes",
-    "verify_timeout": "RL: seconds a sampled kernel may run before it is a timeout",
-}
-
-
-# ---------------------------------------------------------------- devices and processes
 
 @dataclass
 class Runtime:
@@ -394,69 +266,6 @@ def make_logger(rt: Runtime):
     return log
 
 
-# ---------------------------------------------------------------- SFT
-
-def train_sft(cfg: TrainConfig) -> Path:
-    """Masked block-diffusion SFT (DESIGN.md §4); returns the final model folder."""
-    rt = setup_runtime()
-    log = make_logger(rt)
-    out = Path(cfg.out)
-    refuse_to_mix_runs(out, cfg.resume)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = load_tokenizer(cfg.model)
-    model = build_model(cfg, rt, log)
-    bs = model.config.block_size
-    row_len = cfg.max_len - cfg.max_len % bs
-    examples, skipped = tokenize_records(read_records(cfg.data), tok, row_len, source=cfg.data,
-                                         one_shot=one_shot_style(model), infill_copies=cfg.sft_infill)
-    if skipped:
-        log(f"skipped {skipped} examples longer than --max-len {cfg.max_len} (prompt + response)")
-    stream = RowStream(examples, row_len, bs, tok.pad_token_id, cfg.seed)
-    rows_per_step = cfg.batch_size * cfg.grad_accum * rt.world
-    total = cfg.steps or math.ceil(max(cfg.epochs, 1e-9) * stream.epoch_length(0) / rows_per_step)
-    optimizer = make_optimizer(model, cfg)
-    start = resume(out, model, optimizer, log)[0] if cfg.resume else 0
-    metrics = MetricsLog(out, start, rt.main)
-    mask_id = model.config.mask_token_id
-    log(f"SFT: {len(examples)} examples, {stream.epoch_length(0)} rows of {row_len} tokens per epoch, "
-        f"{rows_per_step} rows per step, steps {start}..{total}, device {rt.device} x{rt.world}")
-    use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and rt.device.type == "cuda")
-    started = time.perf_counter()
-    for step in range(start, total):
-        t0 = time.perf_counter()
-        lr = lr_at(step, total, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        step_rows = stream.rows(step * rows_per_step, rows_per_step)
-        global_samples = sum(count_samples(r["loss_mask"][None], r["sample_ids"][None]) for r in step_rows)
-        loss_sum, tokens = 0.0, 0
-        for micro in range(cfg.grad_accum):
-            first = (micro * rt.world + rt.rank) * cfg.batch_size
-            rows = step_rows[first:first + cfg.batch_size]
-            gens = [row_generator(cfg.seed, step, step * rows_per_step + first + i) for i in range(len(rows))]
-            with rt.autocast(cfg.dtype):
-                loss = diffusion_loss(model, collate(rows), gens, mask_id, use_flex=use_flex)
-            # FSDP averages gradients over processes: scale so the step's gradient is the mean
-            # over the global batch's samples
-            (loss * rt.world / global_samples).backward()
-            loss_sum += loss.item()
-            tokens += sum(int((r["sample_ids"] >= 0).sum()) for r in rows)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = rt.all_sum(loss_sum) / global_samples
-        tokens = int(rt.all_sum(tokens))
-        dt = time.perf_counter() - t0
-        record = {"step": step + 1, "loss": loss_value, "lr": lr, "tokens_per_s": tokens / dt,
-                  "grad_norm": float(grad_norm), "step_time_s": dt}
-        metrics.write(record)
-        log(progress_line(step, total, started, start, {"loss": loss_value, "lr": lr,
-                                                        "tok/s": round(tokens / dt)}))
-        if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == total):
-            save_checkpoint(out, step + 1, model, optimizer, cfg.model, rt, cfg.keep_checkpoints)
-    return save_final(model, optimizer, out, cfg.model, rt, log)
-
-
 def save_final(model, optimizer, out: Path, tokenizer_dir: str, rt: Runtime, log) -> Path:
     """DIR/final: the trained model folder, written once (by rank 0) from the full state."""
     state, _ = full_state_dicts(model, optimizer)
@@ -465,40 +274,3 @@ def save_final(model, optimizer, out: Path, tokenizer_dir: str, rt: Runtime, log
         log(f"wrote {out / 'final'}")
     rt.barrier()
     return out / "final"
-
-
-def init_model_folder(cfg: TrainConfig) -> Path:
-    """`--phase init`: train a byte-level BPE on the prompts and responses of --data and write a
-    model folder with it and a config.json (no weights: SFT then starts from scratch). Prompts
-    carry no one-shot example (`dice_one_shot: null`), which keeps them short for small models."""
-    from .tokenizer import train_tokenizer
-    out = Path(cfg.out)
-    texts = ["".join(record_texts(r, f"{cfg.data}: record {i}", one_shot=None)[0])
-             for i, r in enumerate(read_records(cfg.data))]
-    tok = train_tokenizer(texts, cfg.vocab_size, out)
-    config = ModelConfig(
-        vocab_size=tok.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.hidden_size // cfg.num_heads, mask_token_id=tok.mask_token_id, block_size=cfg.block_size,
-        tie_word_embeddings=True, max_position_embeddings=8192,
-        extra={"dice_one_shot": None, "eos_token_id": tok.im_end_id, "pad_token_id": tok.pad_token_id})
-    (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    print(f"wrote {out}: tokenizer of {tok.vocab_size} tokens trained on {len(texts)} records, config with "
-          f"{config.num_parameters() / 1e6:.2f}M parameters (no weights)", file=sys.stderr)
-    return out
-
-
-def config_from_args(argv: list[str] | None = None) -> TrainConfig:
-    """argparse over the TrainConfig fields: `--batch-size 8`, `--resume`, ..."""
-    parser = ArgumentParser(prog="train.py", description="SFT and BiC-RL training (see README)")
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", default=f.default, help=HELP[f.name])
-        else:
-            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            parser.add_argument(flag, type=kind, default=f.default, choices=CHOICES.get(f.name), help=HELP[f.name])
-    try:
-        return TrainConfig(**vars(parser.parse_args(argv)))
-    except ValueError as e:
-        parser.error(str(e))

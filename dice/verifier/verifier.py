@@ -8,9 +8,9 @@
 A task is KernelBench source (`Model`, `get_inputs`, `get_init_inputs`); a candidate is source
 defining `ModelNew` with the same constructor, computing with its own CUDA kernels: CuPy
 (`cupy.RawModule`, NVRTC) or `torch.utils.cpp_extension.load_inline` (built once per distinct
-source, see `verifier_build.BuildCache`). Candidate code only ever runs in worker processes
-(`verifier_pool`, `verifier_worker`); reference outputs live in a separate trusted judge process.
-The rules themselves are plain functions in `verifier_checks`.
+source, see `build.BuildCache`). Candidate code only ever runs in worker processes
+(`process`, `worker`); reference outputs live in a separate trusted judge process.
+The rules themselves are plain functions in `checks`; what crosses the pipes is in `protocol`.
 
 Stages, first failure wins:
 1. static, in the parent: the source parses (else compile_error); it defines ModelNew, contains
@@ -71,11 +71,10 @@ from typing import Callable, Iterable
 
 import torch
 
-from dice.tasks import check_task_source
-from dice.verifier_checks import fallback_problem, kernel_names, matching_kernels
-from dice.verifier_pool import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, describe_exit
-
-STATUSES = ("correct", "incorrect", "compile_error", "runtime_error", "timeout", "invalid")
+from ..tasks import check_task_source
+from .checks import fallback_problem, kernel_names, matching_kernels
+from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, describe_exit
+from .protocol import STATUSES, malformed_reply
 NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is False); run on a GPU "
           "machine, or use Verifier(device='cpu') to exercise the pool with pure-PyTorch candidates")
 PROFILER_BROKEN = ("the CUDA profiler in the verifier's worker records no kernels (CUPTI unavailable?), so it "
@@ -487,33 +486,6 @@ class Verifier:
             except (WorkerTimeout, WorkerDied):
                 pass  # the worker has already been replaced
         self._idle.put(worker)
-
-
-def malformed_reply(op: str, reply: dict) -> str | None:
-    """Why a candidate worker's reply does not fit its op's schema, or None. The parent reads
-    nothing else from a reply, so a tampered worker can lie within these types (a false time)
-    but cannot crash the caller or hand it a NaN."""
-    def ints(x, n=None):
-        return isinstance(x, list) and all(type(i) is int for i in x) and (n is None or len(x) == n)
-
-    status, message = reply.get("status"), reply.get("message", "")
-    if status not in (*STATUSES, "ok") or not isinstance(message, str):
-        return f"has status {str(status)[:40]!r}"
-    if status != "ok" or op in ("load", "unload"):
-        return None
-    if op == "run":
-        outputs, second, kernels = reply.get("outputs"), reply.get("second"), reply.get("kernels")
-        if not (isinstance(outputs, list) and all(isinstance(o, bytes) for o in outputs)
-                and (second is None or isinstance(second, list) and all(isinstance(o, bytes) for o in second))
-                and (kernels is None or isinstance(kernels, list) and all(isinstance(k, str) for k in kernels))
-                and ints(reply.get("mutated")) and isinstance(reply.get("aliased"), list)
-                and all(ints(pair, 2) for pair in reply["aliased"])):
-            return "has fields of the wrong types"
-    if op == "time":
-        times = [reply.get("runtime_ms"), reply.get("wall_ms")]
-        if not all(type(t) is float and math.isfinite(t) and t > 0 for t in times):
-            return f"has times {times!r:.80}"
-    return None
 
 
 def _log_summary(log_tail: str, max_lines: int = 8) -> str:

@@ -62,6 +62,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import UserError
+
 NT = 8             # token rows per forward, at most (the mma's N)
 CW = 8             # consumer warps per block
 PHASES = 5         # per layer: QKV, ATTN, O, UP, DOWN; then one LM phase
@@ -72,7 +74,7 @@ SLACK = 64         # key slots fewer in the attention chunk of the new tokens (i
 _SOURCE = Path(__file__).with_name("fused_decode.cu")
 
 
-class FusedDecodingError(ValueError):
+class FusedDecodingError(UserError):
     """A model, cache or GPU the fused step cannot run (the message says why)."""
 
 
@@ -130,7 +132,7 @@ class FusedDecoder:
         self.att, self.act = torch.zeros(NT, H * D, **bf), torch.zeros(NT, inter, **bf)
         # RoPE tables for every slot: at batch 1 a token's position is its slot (rope_cos_sin is
         # elementwise, so a row equals what it gives for that position alone)
-        from .model import rope_cos_sin
+        from ..model import rope_cos_sin
         cos, sin = rope_cos_sin(torch.arange(cache.max_len, device=dev)[None], D, c.rope_theta, torch.bfloat16)
         self.cos, self.sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()
         rmax = H // hkv * NT
@@ -305,25 +307,3 @@ def _max_shared(device) -> int:
     """Opt-in shared memory per block (bytes); asked once (CuPy reads all the device's properties)."""
     import cupy
     return cupy.cuda.runtime.getDeviceProperties(device.index or 0)["sharedMemPerBlockOptin"]
-
-
-def _profile_launch() -> None:
-    """`python -m dice.fused_decode` (CUDA): one fused step of a random SDAR-1.7B against 1024
-    cached tokens, for Nsight Compute (`ncu --clock-control none -k decode_step python -m
-    dice.fused_decode`)."""
-    from .bench import random_model
-    torch.manual_seed(0)
-    model = random_model("1.7b")
-    n = 1024
-    ids = torch.randint(0, 150000, (1, n + 4), device="cuda")
-    pos = torch.arange(n + 4, device="cuda")[None]
-    cache = model.new_cache(1, n + 16)
-    with torch.inference_mode():
-        model.forward_cached(ids[:, :n], pos[:, :n], cache, commit=n)
-        dec = FusedDecoder(model, cache)
-        dec.step_logits(ids[:, n:], pos[:, n:], None, cache, torch.arange(n, n + 4, device="cuda"), n + 4)
-        torch.cuda.synchronize()
-
-
-if __name__ == "__main__":
-    _profile_launch()

@@ -1,4 +1,4 @@
-"""The persistent fused decoding kernel (`dice.fused_decode`) against the layer-by-layer model,
+"""The persistent fused decoding kernel (`dice.fused`) against the layer-by-layer model,
 phase by phase (GPU tests: a Hopper GPU and CuPy, `pytest -m gpu`); on the CPU, the errors for
 models it cannot run and the layout of its tiled weight copies."""
 import pytest
@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from dice.attention import attend, folded_attention_bias, write_kv
-from dice.bench import random_model
+from dice.model import random_model
 from dice.model import SDAR, ModelConfig, apply_rope, rope_cos_sin
 from dice.sampler import generate, greedy_choice
 
@@ -81,7 +81,7 @@ def test_every_phase_matches_the_layer_by_layer_model(shape, length, T, lf, piec
     Small pieces, or a chunk too long for shared memory (5000 slots), make attention stream each
     chunk in several pieces (online softmax), new keys among them. The slack moves the new tokens
     into an early chunk (length 0), or, without it, short chunks split them (75 + 8 slots)."""
-    from dice.fused_decode import FusedDecoder
+    from dice.fused import FusedDecoder
     model = {"small": small_model, "vocab 500": lambda: small_model(vocab=500)}.get(
         shape, lambda: random_model("1.7b", num_hidden_layers=2))()
     ids, pos, slots, (c_ref, c_got) = two_caches(model, length, T, max_len=length + 16)
@@ -104,7 +104,7 @@ def test_one_launch_equals_a_launch_per_phase_and_both_row_kernels_agree():
     """The ring across phases, the grid barriers and the attention tickets: one persistent launch
     gives the bits of one launch per phase (which crosses no barrier and starts a fresh ring); and
     the 4-row kernel gives the bits of the 8-row one on a 4-token step."""
-    from dice.fused_decode import FusedDecoder
+    from dice.fused import FusedDecoder
     model = random_model("1.7b", num_hidden_layers=2)
     results = []
     for split, rows in ((False, (4, 8)), (True, (4, 8)), (False, (8,))):
@@ -123,7 +123,7 @@ def test_one_launch_equals_a_launch_per_phase_and_both_row_kernels_agree():
 @pytest.mark.gpu
 @hopper
 def test_bf16_fused_step_is_as_close_to_float32_as_the_layer_by_layer_step():
-    from dice.fused_decode import FusedDecoder
+    from dice.fused import FusedDecoder
     model = random_model("1.7b", num_hidden_layers=4, dtype=torch.float32)
     ids, pos, slots, (c32, _) = two_caches(model, 60, 4)
     with torch.no_grad():
@@ -144,7 +144,7 @@ def test_kernel_greedy_choice_is_the_samplers_on_its_logits(T, lf):
     against `dice.sampler.greedy_choice` on the logits it returns; then with every lm_head row
     equal, so that all logits tie: the first row wins and the mask token is left out of the sum
     (exactly 1 / (V - 1))."""
-    from dice.fused_decode import FusedDecoder
+    from dice.fused import FusedDecoder
     model = random_model("1.7b", num_hidden_layers=2)
     c = model.config
     ids, pos, slots, (_, cache) = two_caches(model, 50, T)
@@ -175,7 +175,7 @@ def test_every_fused_step_of_generate_matches_the_layer_by_layer_step(remasking,
     the sampler takes, against the sampler's own on those logits (sampling builds the kernel
     without it); then the same generation replayed from CUDA graphs gives the same tokens and step
     map."""
-    from dice.fused_decode import FusedDecoder
+    from dice.fused import FusedDecoder
     model = small_model(peaked=3.0)
     fused_step, errors, choices = FusedDecoder.step_logits, [], []
 
@@ -223,7 +223,7 @@ def tiny_config(**overrides):
     ({}, torch.bfloat16, "Hopper"),                 # a fine model, on the CPU
 ])
 def test_fused_decoder_says_what_it_needs(overrides, dtype, message):
-    from dice.fused_decode import FusedDecoder
+    from dice.fused import FusedDecoder
     model = SDAR(tiny_config(**overrides)).to(dtype)
     with pytest.raises(ValueError, match=message):
         FusedDecoder(model, model.new_cache(1, 16))
@@ -234,7 +234,7 @@ def test_tiled_weights_put_each_piece_where_the_kernel_reads_it(n):
     """fused_decode.cu reads stage (tile, k0) of W at offset (tile*16) * K + 16 * k0 of the tiled
     copy, and there the 8 columns k0 + 8c .. +7 of row r at r * kc + 8 * (c ^ 4 * (r & 1)); rows
     past N (a vocabulary that is not a multiple of 16) read zeros."""
-    from dice.fused_decode import FusedDecoder
+    from dice.fused import FusedDecoder
     k, kc = 256, 128
     w = torch.arange(n * k, dtype=torch.float32).reshape(n, k) + 1
     holder = type("Holder", (), {"tiled": []})()
@@ -257,8 +257,8 @@ def test_shared_memory_layout_keeps_a_ring_and_cuts_long_chunks_into_equal_piece
     chunks per head): it fits, a chunk of ceil(max_len / 16) slots is one piece while that leaves 4
     ring stages, else equal pieces that cover it, and the ring then keeps at least 4 stages."""
     import types
-    from dice import fused_decode as fd
-    from dice.bench import sdar_shape
+    from dice.fused import decoder as fd
+    from dice.model import sdar_shape
     limit = 232448
     monkeypatch.setattr(fd, "_max_shared", lambda device: limit)
     kernel = types.SimpleNamespace(max_dynamic_shared_size_bytes=0)
@@ -283,7 +283,7 @@ def test_shared_memory_layout_keeps_a_ring_and_cuts_long_chunks_into_equal_piece
 def test_phase_detail_tables_read_the_trace_build_slots():
     """`bench fused`'s inside-the-phases rows from hand-made slots: 2 layers, 4 blocks (2 chunks
     per KV head), every phase 10 us apart; block 3 has no tile in the O phase and is left out."""
-    from dice.bench import fused_phase_detail
+    from dice.fused.trace import phase_detail
     P = 11
     t = torch.zeros(4, P + 1, 2, dtype=torch.float64)
     d = torch.zeros(4, P + 1, 8, dtype=torch.float64)
@@ -307,7 +307,7 @@ def test_phase_detail_tables_read_the_trace_build_slots():
     d[:, p, 3:7] = torch.tensor([500., 1000., 1500., 9000.])   # cycles; 9000 in a 9 us phase: 1 GHz
     t[1, p, 1] = p * 10_000 + 9_500                     # each head's merging block ends later
     t[3, p, 1] = p * 10_000 + 9_800
-    steps, attn = fused_phase_detail([(t, d)], layers=2, nchunks=2, kv_heads=2, new_chunk=1)
+    steps, attn = phase_detail([(t, d)], layers=2, nchunks=2, kv_heads=2, new_chunk=1)
     for row in steps:
         assert (row["prologue"], row["first stage"], row["stages"], row["tail"]) == (2.0, 0.5, 5.5, 1.0), row
         assert row["slowest stages"] == (6.2 if row["phase"] == "UP" else 5.5)
@@ -323,6 +323,6 @@ def test_phase_detail_tables_read_the_trace_build_slots():
 
 def test_short_caches_split_each_kv_head_over_half_as_many_chunks():
     """132 SMs and 8 KV heads: 16 chunks a head (one per block), 8 up to SHORT_CACHE slots."""
-    from dice.fused_decode import SHORT_CACHE, chunks_per_head
+    from dice.fused.decoder import SHORT_CACHE, chunks_per_head
     assert [chunks_per_head(132, 8, n) for n in (100, SHORT_CACHE, SHORT_CACHE + 1, 20000)] == [8, 8, 16, 16]
     assert chunks_per_head(132, 128, 100) == 1 and chunks_per_head(4, 8, 100000) == 1

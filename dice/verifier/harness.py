@@ -1,0 +1,101 @@
+"""What both worker roles do with task and candidate source: modules from source, seeded models
+and inputs, the CUDA context (DESIGN.md §8). Runs only inside worker processes."""
+from __future__ import annotations
+
+import linecache
+import random
+import sys
+import traceback
+import types
+
+import numpy
+import torch
+from torch import nn
+
+from .checks import trusted
+
+TASK_IMPORT_SEED = 0            # module-level randomness of a task is the same in every process
+
+
+def init_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
+        torch.cuda.set_device(device)
+        torch.zeros(1, device=device)  # create the CUDA context now, not inside the first candidate
+    return device
+
+
+def cuda_context_broken(device: torch.device) -> bool:
+    """True once a kernel fault (illegal address, device-side assert) has made this process's
+    CUDA context unusable: every later CUDA call would fail, so the process must be replaced."""
+    if device.type != "cuda":
+        return False
+    try:
+        trusted.cuda_synchronize(device)
+        torch.ones(1, device=device).add_(1).item()
+        return False
+    except Exception:
+        return True
+
+
+def load_module(source: str, filename: str, module_name: str) -> types.ModuleType:
+    """Execute `source` as a fresh module; tracebacks then show its lines under `filename`."""
+    code = compile(source, filename, "exec")
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    module = types.ModuleType(module_name)
+    module.__file__ = filename
+    sys.modules[module_name] = module  # some libraries (dataclasses, pickling) look modules up here
+    exec(code, module.__dict__)
+    return module
+
+
+def load_task(source: str, module_name: str) -> types.ModuleType:
+    """The task module, imported under a fixed seed. Some tasks draw their inputs at import time
+    (`x = torch.randn(...)` at module level, returned by get_inputs); unseeded, the judge and each
+    candidate worker would hold different tensors and compare outputs of different inputs."""
+    trusted.manual_seed(TASK_IMPORT_SEED)
+    random.seed(TASK_IMPORT_SEED)
+    numpy.random.seed(TASK_IMPORT_SEED)
+    return load_module(source, "task.py", module_name)
+
+
+def describe_exception(exc: BaseException, filename: str = "candidate.py") -> str:
+    """`Type: message` (first lines) plus the deepest line of `filename` in the traceback."""
+    lines = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    text = "\n".join(lines[:3])  # CUDA errors append generic debugging hints after these
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == filename]
+    if frames:
+        text += f"\n  at {filename} line {frames[-1].lineno}: {frames[-1].line}"
+    return text
+
+
+def to_device(values, device: torch.device) -> list:
+    return [v.to(device) if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def build_model(task: types.ModuleType, cls: type, init_seed: int, device: torch.device) -> nn.Module:
+    """cls(*get_init_inputs()) with weights drawn after manual_seed(init_seed), as for the reference."""
+    with trusted.no_grad():
+        trusted.manual_seed(init_seed)
+        init_inputs = to_device(task.get_init_inputs(), device)
+        trusted.manual_seed(init_seed)
+        return cls(*init_inputs).to(device)
+
+
+def make_inputs(task: types.ModuleType, seed: int, device: torch.device) -> list:
+    trusted.manual_seed(seed)
+    return to_device(list(task.get_inputs()), device)
+
+
+
+def same_layout(a: list, b: list) -> bool:
+    """Whether two input lists hold tensors of the same shapes and dtypes at the same places."""
+    return len(a) == len(b) and all(
+        (x.shape, x.dtype, x.device) == (y.shape, y.dtype, y.device) if isinstance(x, torch.Tensor) else
+        not isinstance(y, torch.Tensor) for x, y in zip(a, b))
+
+
+def nbytes(values: list) -> int:
+    return sum(x.numel() * x.element_size() for x in values if isinstance(x, torch.Tensor))
+

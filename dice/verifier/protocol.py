@@ -1,0 +1,102 @@
+"""Everything that crosses the pipe between the trainer and a worker, and between a candidate
+worker and the judge (DESIGN.md §8).
+
+Requests are plain dicts sent by the trusted side. Replies from a worker are decoded by
+`plain_loads` (built-in types only: no class or function is ever looked up, so a reply cannot run
+code in the trainer) and then checked field by field by `malformed_reply` (the trainer reads no
+other field). Candidate outputs reach the judge as bytes that `import_tensor` decodes: a CUDA tensor
+through torch's CUDA-IPC rebuild (no copy) or a CPU tensor from its raw bytes, nothing else.
+"""
+from __future__ import annotations
+
+import io
+import math
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+import torch.multiprocessing  # noqa: F401 - registers the CUDA IPC reductions on ForkingPickler
+
+from .checks import trusted
+
+STATUSES = ("correct", "incorrect", "compile_error", "runtime_error", "timeout", "invalid")
+
+
+def export_tensor(t: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+    """(bytes for `import_tensor` in the judge, tensor to keep alive meanwhile)."""
+    t = t.detach()
+    if not t.is_cuda:
+        raw = trusted.clone(t.reshape(-1)).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        return pickle.dumps(("cpu", str(t.dtype), list(t.shape), raw.numpy().tobytes())), t
+    try:
+        return bytes(ForkingPickler.dumps(t)), t
+    except Exception:
+        # Memory from another allocator (e.g. CuPy's pool) cannot be IPC-shared by torch: copy it.
+        t = trusted.clone(t)
+        return bytes(ForkingPickler.dumps(t)), t
+
+
+class _StrictUnpickler(pickle.Unpickler):
+    """Looks up only the globals in `allowed`: unpickling then cannot call anything else."""
+
+    def __init__(self, data: bytes, allowed: frozenset):
+        super().__init__(io.BytesIO(data))
+        self.allowed = allowed
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed here")
+        return super().find_class(module, name)
+
+
+_DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+_CUDA_TENSOR_GLOBALS = frozenset(
+    {("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), ("torch", "Tensor"), ("torch", "Size"),
+     ("torch", "device"), ("torch.storage", "TypedStorage")} | {("torch", str(d)[6:]) for d in _DTYPES.values()})
+
+
+def plain_loads(data: bytes):
+    """Unpickle built-in data (dict, list, tuple, str, bytes, numbers, bool, None) and nothing else."""
+    return _StrictUnpickler(data, frozenset()).load()
+
+
+def import_tensor(data: bytes) -> torch.Tensor:
+    """The judge's side of `export_tensor`: a CUDA tensor through torch's IPC rebuild, or a CPU
+    tensor from its raw bytes; anything else raises."""
+    value = _StrictUnpickler(data, _CUDA_TENSOR_GLOBALS).load()
+    if isinstance(value, tuple) and len(value) == 4 and value[0] == "cpu":
+        _, dtype, shape, raw = value
+        if dtype not in _DTYPES or not isinstance(raw, bytes) or not all(type(n) is int for n in shape):
+            raise ValueError("malformed CPU tensor from the candidate worker")
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        value = flat.view(_DTYPES[dtype]).reshape(shape)
+    if type(value) is not torch.Tensor:
+        raise ValueError(f"the candidate worker sent a {type(value).__name__}, not a tensor")
+    return value
+
+
+def malformed_reply(op: str, reply: dict) -> str | None:
+    """Why a candidate worker's reply does not fit its op's schema, or None. The parent reads
+    nothing else from a reply, so a tampered worker can lie within these types (a false time)
+    but cannot crash the caller or hand it a NaN."""
+    def ints(x, n=None):
+        return isinstance(x, list) and all(type(i) is int for i in x) and (n is None or len(x) == n)
+
+    status, message = reply.get("status"), reply.get("message", "")
+    if status not in (*STATUSES, "ok") or not isinstance(message, str):
+        return f"has status {str(status)[:40]!r}"
+    if status != "ok" or op in ("load", "unload"):
+        return None
+    if op == "run":
+        outputs, second, kernels = reply.get("outputs"), reply.get("second"), reply.get("kernels")
+        if not (isinstance(outputs, list) and all(isinstance(o, bytes) for o in outputs)
+                and (second is None or isinstance(second, list) and all(isinstance(o, bytes) for o in second))
+                and (kernels is None or isinstance(kernels, list) and all(isinstance(k, str) for k in kernels))
+                and ints(reply.get("mutated")) and isinstance(reply.get("aliased"), list)
+                and all(ints(pair, 2) for pair in reply["aliased"])):
+            return "has fields of the wrong types"
+    if op == "time":
+        times = [reply.get("runtime_ms"), reply.get("wall_ms")]
+        if not all(type(t) is float and math.isfinite(t) and t > 0 for t in times):
+            return f"has times {times!r:.80}"
+    return None

@@ -1,0 +1,309 @@
+"""The worker processes' main loop and the candidate role (DESIGN.md §8).
+
+A worker serves one role (see `process.WorkerProcess`): "candidate" runs untrusted code
+(`CandidateHandler`: build one candidate at a time, run its forward on seeded inputs, check the
+rules that need the live process, ship outputs to the judge, time itself when asked); "judge" is
+trusted and runs only task code (`judge.JudgeHandler`). What crosses the pipes is in `protocol`.
+
+Trust: the harness calls torch through `checks.trusted` (captured before any candidate code
+runs). The candidate worker reports `invalid` (and is recycled) when a candidate replaced one of
+`checks.WATCHED` or any function of the harness itself (`HarnessSnapshot`), or left threads
+running. Each worker leads its own process group, so a kill also ends what a candidate started
+(compilers, subprocesses). Workers are a boundary against crashes, hangs and reward hacks, not an
+OS sandbox (README, limits). A candidate can never make the judge accept outputs it did not produce.
+"""
+from __future__ import annotations
+
+import faulthandler
+import gc
+import multiprocessing.connection
+import os
+import pickle
+import resource
+import statistics
+import sys
+import threading
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import build, checks, harness as harness_module, judge, protocol, timing
+from .build import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
+from .checks import aliased_outputs, flatten, modified_inputs, replaced_functions, same_bits, trusted
+from .harness import build_model, cuda_context_broken, describe_exception, init_device, load_module, load_task, make_inputs, same_layout
+from .judge import JudgeHandler
+from .protocol import export_tensor
+from .timing import TimedInputs, launched_kernels, time_forward
+
+WORKER_FILE_BYTES = 2**30       # largest file a worker may write (its log, a build): stops output floods
+
+
+def serve(conn, role: str, config: dict, log_path: str) -> None:
+    """Worker main loop: one request dict in, one reply dict out, until None or EOF."""
+    os.setsid()  # its own process group: the parent's kill reaches everything a candidate started
+    resource.setrlimit(resource.RLIMIT_FSIZE, (WORKER_FILE_BYTES, WORKER_FILE_BYTES))
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.stdout.reconfigure(line_buffering=True)
+    faulthandler.enable()  # a segfault leaves a Python traceback in the log for the parent to quote
+    handler = CandidateHandler(config) if role == "candidate" else JudgeHandler(config)
+    # bound now: a candidate that later replaces HarnessSnapshot.changed does not reach this call
+    harness_changed = HarnessSnapshot(handler).changed if role == "candidate" else list
+    send = multiprocessing.connection.Connection.send
+    send(conn, handler.info)
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        if request is None:
+            return
+        try:
+            reply = getattr(handler, request["op"])(request)
+        except Exception as exc:  # a failure outside the candidate's code paths; keep serving
+            reply = {"status": "runtime_error", "recycle": True,
+                     "message": f"verifier {role} worker failed: {describe_exception(exc)}"}
+        changed = harness_changed()
+        if changed:
+            reply = {"status": "invalid", "recycle": True, "message": f"the candidate replaced "
+                     f"{', '.join(changed[:5])} in the verifier's worker; candidates must not modify the harness"}
+        send(conn, reply)
+
+
+class HarnessSnapshot:
+    """What a candidate worker's replies and later candidates depend on, captured before any
+    candidate code runs: every name in the harness modules, the handler class (and no instance
+    attribute shadowing its methods), `trusted`, the pipe and the pickler, and the functions of
+    torch's main namespaces (a candidate that patched torch.Tensor.clamp_min would change the next
+    candidate's results). `changed()` names those a candidate has since replaced or deleted."""
+
+    def __init__(self, handler: object):
+        self.handler = handler   # an instance attribute named like a method would shadow it
+        modules = (sys.modules[__name__], build, checks, harness_module, judge, protocol, timing)
+        harness = {module.__name__: module for module in modules}
+        harness.update({"CandidateHandler": CandidateHandler, "checks.trusted": trusted, "statistics": statistics,
+                        "Connection": multiprocessing.connection.Connection, "ForkingPickler": ForkingPickler,
+                        "pickle": pickle})
+        torch_spaces = {"torch": torch, "torch.Tensor": torch.Tensor, "torch.nn.functional": torch.nn.functional,
+                        "torch.nn.Module": nn.Module}
+        self.harness, self.torch_spaces = harness, torch_spaces
+        self.objects = {(label, name): value for label, space in harness.items() for name, value in vars(space).items()}
+        for label, space in torch_spaces.items():   # dir(): methods a class inherits (Tensor's live in C)
+            for name in dir(space):
+                value = getattr(space, name, None)
+                if callable(value):
+                    self.objects[label, name] = value
+
+    def changed(self) -> list[str]:
+        missing = object()
+        changed = []
+        for (label, name), value in self.objects.items():
+            if label in self.harness:
+                now = vars(self.harness[label]).get(name, missing)
+            else:
+                now = getattr(self.torch_spaces[label], name, missing)
+            if now is not value and now != value:   # `!=`: a classmethod is a new bound method each time
+                changed.append(f"{label}.{name}")
+        methods = vars(type(self.handler))
+        changed += [f"the handler's {name}" for name in vars(self.handler) if name in methods]
+        changed += [name for name in replaced_functions() if name not in changed]   # checks.WATCHED
+        return changed
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers: modules from source, seeded models and inputs, transport, timing.
+# ---------------------------------------------------------------------------------------------
+# The candidate role.
+
+class CandidateHandler:
+    """Loads, runs and times one candidate at a time (requests: load, run, time, unload)."""
+
+    def __init__(self, config: dict):
+        self.device = init_device(config["device"])
+        self.cuda = self.device.type == "cuda"
+        self.builds = BuildCache(Path(config["cache_dir"]) / "torch_extensions", self.device)
+        self.builds.install()
+        self.warmup, self.timing_trials = config["warmup"], config["timing_trials"]
+        self.task = self.model = None
+        self.timed: TimedInputs | None = None   # the last timing's inputs, for the trial after it
+        self.pending: list[torch.Tensor] = []  # shipped to the judge; alive until the next request
+        self.loads = 0
+        if self.cuda:
+            try:
+                import cupy  # noqa: F401 - warm import; CuPy candidates then start fast
+            except ImportError:
+                pass
+        # Starts CUPTI once, here, and checks that the profiler sees kernels at all.
+        probe = lambda: torch.ones(1, device=self.device).add_(1)  # noqa: E731
+        profiler_works = self.cuda and any(launched_kernels(probe, self.device)[1] for _ in range(2))
+        self.info = {"device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
+                     "profiler_works": profiler_works}
+        self.flags = _global_flags()
+        self.threads = set(threading.enumerate())  # the harness's own; any other is a candidate's
+
+    def load(self, request: dict) -> dict:
+        if self.task is not None:  # the previous candidate was not unloaded (its worker kept running)
+            self._drop_candidate()
+        self.task = load_task(request["task_src"], "dice_task")
+        self.builds.install()  # again: an earlier candidate may have replaced load_inline
+        self.loads += 1
+        try:
+            module = load_module(request["candidate_src"], "candidate.py", f"dice_candidate_{self.loads}")
+        except Exception as exc:
+            return self._finish(self._load_error(exc))
+        cls = getattr(module, "ModelNew", None)
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            return self._finish({"status": "invalid", "message": "the candidate defines no ModelNew "
+                                 "nn.Module subclass; name the optimized class ModelNew"})
+        if any(c is self.task.Model or c.__name__ == "Model" for c in cls.__mro__[1:]):
+            return self._finish({"status": "invalid", "message": "ModelNew subclasses the reference Model; "
+                                 "ModelNew must derive from nn.Module and compute forward with its own kernels"})
+        try:
+            self.model = build_model(self.task, cls, request["init_seed"], self.device)
+        except Exception as exc:
+            return self._finish(self._run_error(exc, "ModelNew(*get_init_inputs())"))
+        return self._finish(self._threads_left("loading the module or ModelNew(*get_init_inputs())")
+                            or {"status": "ok"})
+
+    def run(self, request: dict) -> dict:
+        """One correctness trial: forward on inputs from `seed` (twice if `repeat`), checks, export.
+        With `timed_buffers` the inputs are written into the buffers the last timing used."""
+        self.pending = []
+        seed = request["seed"]
+        inputs = make_inputs(self.task, seed, self.device)
+        if request.get("timed_buffers") and self.timed is not None and same_layout(self.timed.buffers, inputs):
+            inputs = [b.copy_(x) if isinstance(x, torch.Tensor) else x for b, x in zip(self.timed.buffers, inputs)]
+        originals = [trusted.clone(x) if isinstance(x, torch.Tensor) else None for x in inputs]
+        kernels, second = None, None
+        try:
+            if request["profile"] and self.cuda:
+                outputs, not_ready, kernels = self._profiled_call(inputs, seed)
+            else:
+                outputs, not_ready = self._call(inputs, seed)
+            if request["repeat"]:
+                second, late = self._call(inputs, seed)
+                not_ready = not_ready or late
+        except Exception as exc:
+            return self._finish(self._run_error(exc, "forward"))
+        for i, t in enumerate(outputs + (second or [])):
+            if type(t) is not torch.Tensor:
+                return self._finish({"status": "invalid", "message": f"output {i % len(outputs)} is a "
+                                     f"{type(t).__name__}; forward must return torch.Tensor outputs"})
+        left = self._threads_left("forward")
+        if left:
+            return self._finish(left)
+        if not_ready:
+            return self._finish({"status": "invalid", "message": f"output {not_ready[0]} was still being "
+                                 "written after torch's current stream finished: forward launched work on "
+                                 "another stream without making the current stream wait for it"})
+        shipped = [export_tensor(t) for t in outputs]
+        shipped_second = [export_tensor(t) for t in second] if second is not None else None
+        self.pending = [t for _, t in shipped + (shipped_second or [])]
+        return self._finish({
+            "status": "ok",
+            "outputs": [data for data, _ in shipped],
+            "second": [data for data, _ in shipped_second] if shipped_second is not None else None,
+            "kernels": kernels,
+            "mutated": modified_inputs(originals, inputs),
+            "aliased": aliased_outputs(outputs, inputs),
+        })
+
+    def time(self, request: dict) -> dict:
+        self.pending = []
+        try:
+            self.timed = TimedInputs(self.task, request["seed"], self.device)
+            stats = time_forward(self.model, self.timed, self.device, self.warmup, self.timing_trials)
+        except Exception as exc:
+            return self._finish(self._run_error(exc, "forward (while timing)"))
+        return self._finish({"status": "ok", **stats})
+
+    def unload(self, request: dict) -> dict:
+        self._drop_candidate()
+        return {"status": "ok"}
+
+    def _call(self, inputs: list, seed: int) -> tuple[list, list[int]]:
+        """Forward once; on CUDA also report outputs that changed after torch's stream was done."""
+        stream = torch.cuda.current_stream(self.device) if self.cuda else None
+        trusted.manual_seed(seed)
+        with trusted.no_grad():
+            outputs = flatten(self.model(*inputs))
+        if not self.cuda:
+            return outputs, []
+        stream.synchronize()
+        with torch.cuda.stream(stream):
+            snapshot = [trusted.clone(t) if type(t) is torch.Tensor and t.is_cuda else None for t in outputs]
+        trusted.cuda_synchronize(self.device)
+        late = [i for i, s in enumerate(snapshot) if s is not None and not same_bits(s, outputs[i])]
+        return outputs, late
+
+    def _profiled_call(self, inputs: list, seed: int) -> tuple[list, list[int], list[str]]:
+        def forward():
+            trusted.manual_seed(seed)
+            with trusted.no_grad():
+                return flatten(self.model(*inputs))
+        outputs, kernels = launched_kernels(forward, self.device)
+        return outputs, [], kernels
+
+    def _threads_left(self, where: str) -> dict | None:
+        """The verdict when candidate code left threads running (they outlive the candidate, so
+        the worker is replaced), else None."""
+        started = [t.name for t in threading.enumerate() if t not in self.threads and t.is_alive()]
+        if not started:
+            return None
+        return {"status": "invalid", "recycle": True, "message": f"{where} left background threads running "
+                f"({', '.join(started[:5])}); all work must finish inside forward"}
+
+    def _load_error(self, exc: Exception) -> dict:
+        if isinstance(exc, SyntaxError):
+            message = f"candidate.py line {exc.lineno}: SyntaxError: {exc.msg}"
+        elif isinstance(exc, BuildError):
+            message = str(exc)
+        elif is_nvrtc_error(exc):
+            message = nvrtc_error_message(exc)
+        else:
+            message = "the candidate module failed to load: " + describe_exception(exc)
+        return {"status": "compile_error", "message": message}
+
+    def _run_error(self, exc: Exception, what: str) -> dict:
+        if is_nvrtc_error(exc) or isinstance(exc, BuildError):  # CuPy compiles lazily, at first launch
+            return self._load_error(exc)
+        return {"status": "runtime_error", "message": f"{what} raised {describe_exception(exc)}"}
+
+    def _finish(self, reply: dict) -> dict:
+        # replaced torch or harness functions are caught for every reply in `serve` (HarnessSnapshot)
+        if reply["status"] in ("runtime_error", "compile_error") and cuda_context_broken(self.device):
+            reply["recycle"] = True  # e.g. an illegal address: this CUDA context is unusable now
+        return reply
+
+    def _drop_candidate(self) -> None:
+        self.pending, self.model, self.task, self.timed = [], None, None, None
+        for name in [m for m in sys.modules if m.startswith("dice_candidate_") or m == "dice_task"]:
+            del sys.modules[name]
+        _restore_global_flags(self.flags)
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
+def _global_flags() -> dict:
+    """Process-wide torch settings a candidate may change; restored between candidates."""
+    return {"default_dtype": torch.get_default_dtype(),
+            "matmul_precision": torch.get_float32_matmul_precision(),
+            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+            "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "cudnn_deterministic": torch.backends.cudnn.deterministic}
+
+
+def _restore_global_flags(flags: dict) -> None:
+    torch.set_default_dtype(flags["default_dtype"])
+    torch.set_float32_matmul_precision(flags["matmul_precision"])
+    torch.backends.cuda.matmul.allow_tf32 = flags["tf32_matmul"]
+    torch.backends.cudnn.allow_tf32 = flags["tf32_cudnn"]
+    torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
+    torch.backends.cudnn.deterministic = flags["cudnn_deterministic"]
+
+
