@@ -453,7 +453,7 @@ def _command_parsers(monkeypatch) -> dict:
     """The parser of every command README shows, by program: sample.py, evaluate.py, train.py,
     dice.taskgen, dice.metrics, and "dice.bench <subcommand>"."""
     import dice.bench
-    import dice.bench_verify
+    import dice.bench.verify
     import dice.metrics
     import dice.taskgen
     from dice.config import config_from_args
@@ -464,7 +464,7 @@ def _command_parsers(monkeypatch) -> dict:
             "train.py": _parser_of(config_from_args, [], monkeypatch),
             "dice.taskgen": _parser_of(dice.taskgen.main, [], monkeypatch),
             "dice.metrics": _parser_of(dice.metrics.main, [], monkeypatch),
-            "dice.bench verify": _parser_of(dice.bench_verify.main, [], monkeypatch),
+            "dice.bench verify": _parser_of(dice.bench.verify.main, [], monkeypatch),
             **{f"dice.bench {name}": p for name, p in subcommands.items() if name != "verify"}}
 
 
@@ -500,11 +500,14 @@ def test_readme_command_table_matches_the_parsers(monkeypatch):
                 f"README shows {flag} {value} as the default, the parser's is {action.default!r}: {line}"
 
 
+DOCS = ("README.md", "dice/PERFORMANCE.md", "dice/assets/dice-tiny/README.md", "dice/fused/NOTES.md")
+
+
 def _readme_commands(programs):
-    """Every command README shows (code blocks, with `RL="..."`-style variables expanded, and inline
+    """Every command README and the notes files (DOCS) show (code blocks, with `RL="..."`-style variables expanded, and inline
     code) of the given programs (`_command_parsers`' keys), as (program, its arguments)."""
     import re
-    text = (ROOT / "README.md").read_text()
+    text = "\n".join((ROOT / doc).read_text() for doc in DOCS)
     pieces = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         lines = [re.sub(r"\s#.*$", "", line) for line in block.splitlines()]
