@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dice.verifier import BaselineCache, TaskError, Verifier, VerifyResult, static_check, trial_seeds, verify
-from dice.verifier_build import BuildCache, BuildError, build_error_message, nvrtc_error_message
-from dice.verifier_checks import (aliased_outputs, compare_outputs, fallback_problem, fingerprint, kernel_names,
+from dice.verifier import TaskError, Verifier, VerifyResult, verify
+from dice.verifier.verifier import BaselineCache, static_check, trial_seeds
+from dice.verifier.build import BuildCache, BuildError, build_error_message, nvrtc_error_message
+from dice.verifier.checks import (aliased_outputs, compare_outputs, fallback_problem, fingerprint, kernel_names,
                                   matching_kernels, modified_inputs, replaced_functions)
-from dice.verifier_pool import GpuLock
+from dice.verifier.process import GpuLock
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
 RELU_TASK = (FIXTURES / "relu_task.py").read_text()
@@ -386,7 +387,7 @@ def test_a_reply_marked_recycle_replaces_the_worker_before_anyone_else_can_call_
     old = judge._process
     reply = judge.call({"op": "no_such_op"}, timeout=60)
     assert reply["recycle"] and "verifier judge worker failed" in reply["message"]
-    assert judge._process is not old and not old.is_alive()
+    assert judge._process is not old and old.poll() is not None
     assert cpu_verifier.verify(RELU_TASK, GOOD, timing=False).correct     # the new judge serves
 
 
@@ -485,7 +486,7 @@ def test_candidates_load_inline_goes_through_the_build_cache(cpu_verifier):
 def test_reference_check_reports_a_broken_task_and_goes_on(tmp_path, capsys):
     """`python -m dice.bench verify --check`: a task whose own reference fails is one `task_error`
     line, and every other solution is still verified."""
-    from dice.bench_verify import check_reference_solutions
+    from dice.bench.verify import check_reference_solutions
     broken = RELU_TASK.replace("return [torch.randn(256, 1024)]", "raise RuntimeError('broken task')")
     records = [{"pytorch_code": RELU_TASK, "cuda_code": GOOD, "level": 1},
                {"pytorch_code": broken, "cuda_code": GOOD, "level": 1},
@@ -569,4 +570,4 @@ def test_a_verifier_closes_its_workers_one_by_one_where_python_refuses_threads(t
     monkeypatch.setattr(threading.Thread, "start", refuse)
     verifier.close()
     monkeypatch.undo()
-    assert processes and not any(p.is_alive() for p in processes)
+    assert processes and not any(p.poll() is None for p in processes)

@@ -3,7 +3,10 @@ the judge's reference outputs, to beat the clock with cached results, or to outl
 
 Each attack here succeeded against an earlier version of the verifier (a review's reproductions)."""
 
+import os
 import pickle
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,9 +14,11 @@ import pytest
 import torch
 
 from dice.metrics import format_summary, summarize
-from dice.verifier import TaskError, Verifier, VerifyOptions, VerifyResult, static_check
-from dice.verifier_worker import export_tensor, import_tensor, plain_loads
+from dice.verifier import TaskError, Verifier, VerifyOptions, VerifyResult
+from dice.verifier.verifier import static_check
+from dice.verifier.protocol import export_tensor, import_tensor, plain_loads
 
+ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
 RELU_TASK = (FIXTURES / "relu_task.py").read_text()
 GOOD = ("import torch\nimport torch.nn as nn\n\nclass ModelNew(nn.Module):\n"
@@ -65,7 +70,7 @@ def test_a_reply_that_would_run_code_in_the_trainer_is_refused(cpu_verifier, tmp
     marker = tmp_path / "ran-in-trainer"
     source = GOOD + (f"\nclass RunsCode:\n    def __reduce__(self):\n"
                      f"        return (open, ({str(marker)!r}, 'w'))\n"
-                     "import dice.verifier_checks as c\n"
+                     "import dice.verifier.checks as c\n"
                      "c.RunsCode = RunsCode\n"
                      "def evil(originals, inputs):\n    return [RunsCode()]\n"
                      # a new code object in the same function object: the harness snapshot cannot see it
@@ -77,10 +82,10 @@ def test_a_reply_that_would_run_code_in_the_trainer_is_refused(cpu_verifier, tmp
 
 
 @pytest.mark.parametrize("patch, name", [
-    ("import dice.verifier_worker as w\nw.export_tensor = lambda t: (b'', t)", "export_tensor"),
+    ("import dice.verifier.worker as w\nw.export_tensor = lambda t: (b'', t)", "export_tensor"),
     ("import statistics\nstatistics.median = lambda values: 1e-6", "statistics.median"),
     ("torch.Tensor.clamp_min = lambda self, m: self.abs()", "torch.Tensor.clamp_min"),   # would skew the next
-    ("import dice.verifier_worker as w\nw.CandidateHandler.time = lambda self, r: "
+    ("import dice.verifier.worker as w\nw.CandidateHandler.time = lambda self, r: "
      "{'status': 'ok', 'runtime_ms': 1e-6, 'wall_ms': 1e-6, 'trials': 1}", "CandidateHandler.time"),
 ])
 def test_replacing_the_harness_is_invalid(cpu_verifier, patch, name):
@@ -250,3 +255,62 @@ def test_outputs_recorded_by_one_candidate_do_not_answer_another(cpu_verifier, t
     assert cpu_verifier.verify(RELU_TASK, recorder).correct
     result = cpu_verifier.verify(RELU_TASK, lookup)          # with timing: fresh seeds per candidate there
     assert result.status in ("incorrect", "invalid") and "after timing" in result.message, result
+
+
+def test_a_detached_daemon_ends_with_its_candidate(cpu_verifier, tmp_path):
+    """setsid + double fork: the daemon is no child of the worker, but the worker is a child
+    subreaper, so the daemon is adopted by it and ended when the candidate is unloaded."""
+    pid_file = tmp_path / "daemon.pid"
+    daemon = GOOD.replace("        return x.clamp_min(0)\n",
+                          "        import os, time\n"
+                          "        if os.fork() == 0:\n"
+                          "            os.setsid()\n"
+                          "            if os.fork() == 0:\n"
+                          f"                open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                          "                time.sleep(300)\n"
+                          "            os._exit(0)\n"
+                          "        time.sleep(0.5)\n"
+                          "        return x.clamp_min(0)\n")
+    cpu_verifier.verify(RELU_TASK, daemon, timing=False, trials=1)
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "a detached daemon outlived its candidate"
+
+
+HANGING_OWNER = '''import os, sys
+from dice.verifier import Verifier
+task, candidate, marker = open(sys.argv[1]).read(), open(sys.argv[2]).read(), sys.argv[3]
+v = Verifier(workers=1, judges=1, device="cpu", cache_dir=os.path.dirname(marker))
+v.verify(task, candidate, timing=False, timeout_s=600)
+'''
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGTERM"])
+def test_no_worker_outlives_a_killed_owner_even_while_a_candidate_hangs(tmp_path, signal_name):
+    """A script without a __main__ guard owns a Verifier whose candidate spins in Python; the
+    script is killed: within 2 s no process of its workers is left (the keepers watch it)."""
+    import signal
+    marker = tmp_path / "forward.pid"
+    spin = GOOD.replace("        return x.clamp_min(0)\n",
+                        f"        import os\n        open({str(marker)!r}, 'w').write(str(os.getpid()))\n"
+                        "        while True:\n            pass\n")
+    (tmp_path / "task.py").write_text(RELU_TASK)
+    (tmp_path / "candidate.py").write_text(spin)
+    (tmp_path / "owner.py").write_text(HANGING_OWNER)
+    owner = subprocess.Popen([sys.executable, str(tmp_path / "owner.py"), str(tmp_path / "task.py"),
+                              str(tmp_path / "candidate.py"), str(marker)], cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while not marker.exists() and time.monotonic() < deadline and owner.poll() is None:
+        time.sleep(0.1)
+    assert marker.exists(), "the candidate never ran"
+    from dice.verifier.keeper import descendants
+    tree = descendants(owner.pid)
+    assert int(marker.read_text()) in tree
+    os.kill(owner.pid, getattr(signal, signal_name))
+    owner.wait(timeout=30)
+    deadline = time.monotonic() + 2
+    while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in tree), [p for p in tree if _alive(p)]

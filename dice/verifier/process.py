@@ -1,13 +1,16 @@
-"""Worker processes for the kernel verifier: spawn, call with a deadline, kill, respawn (DESIGN.md §8).
+"""Worker processes for the kernel verifier: start, call with a deadline, kill, restart (DESIGN.md §8).
 
-A `WorkerProcess` is one fresh interpreter (multiprocessing "spawn": never a fork of a process
-that may hold a CUDA context) running `dice.verifier.worker.serve`. The parent talks to it over a
-pipe, one request dict -> one reply dict at a time; replies are decoded with `plain_loads`
+A `WorkerProcess` is a fresh interpreter started with `subprocess` (never a fork of a process that
+may hold a CUDA context, and never a re-import of the caller's script, so `verify()` needs no
+`if __name__ == "__main__":` guard): the keeper (`keeper.py`: child subreaper, watches the trainer)
+and below it the worker running `dice.verifier.worker.serve`. The parent talks to the worker over a
+socket pair, one request dict -> one reply dict at a time; replies are decoded with `plain_loads`
 (built-in types only), so a tampered worker cannot run code in the parent. When a request overruns
-its deadline the worker's process group is killed (SIGKILL: the worker and whatever it started);
-when the process dies (segfault, os._exit, CUDA abort) the pipe reports EOF. Either way the
-caller gets `WorkerTimeout` / `WorkerDied` and the handle has already started a replacement, so a
-bad candidate costs one process, never the pool.
+its deadline the keeper's whole subtree is killed (`keeper.kill_tree`: the worker, whatever it
+started, detached daemons included); when the worker dies (segfault, os._exit, CUDA abort) the
+pipe reports EOF. Either way the caller gets `WorkerTimeout` / `WorkerDied` and the handle has
+already started a replacement, so a bad candidate costs one process, never the pool. If the
+trainer itself dies, every keeper notices within ~0.1 s and ends its subtree.
 
 Worker stdout/stderr (including C-level output: nvcc logs, CUDA asserts, faulthandler tracebacks)
 go to a per-worker log file; `WorkerDied` carries the tail written during the failed request.
@@ -18,17 +21,24 @@ exclusive, so no other work of this pool runs on the GPU while a kernel is being
 
 from __future__ import annotations
 
-import multiprocessing
+import json
 import os
 import signal
+import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
+from multiprocessing.connection import Connection
 from pathlib import Path
 
+from .keeper import kill_tree
 from .protocol import plain_loads
-from .worker import serve
+
+KEEPER = Path(__file__).with_name("keeper.py")
+PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 
 STARTUP_TIMEOUT_S = 300.0  # importing torch + cupy and creating a CUDA context on a busy host
 LOG_TAIL_LINES = 40
@@ -82,25 +92,24 @@ class WorkerProcess:
                 os.unlink(self.log_path)
         except FileNotFoundError:
             pass
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=serve, args=(child_conn, self.role, self.config, str(self.log_path)),
-                                    name=f"dice-verifier-{self.role}", daemon=True)
-        self._process.start()
-        child_conn.close()  # so that the worker's death reads as EOF here
+        ours, theirs = socket.socketpair()
+        self._process = subprocess.Popen(
+            [sys.executable, str(KEEPER), str(theirs.fileno()), self.role, json.dumps(self.config),
+             str(self.log_path), str(os.getpid()), PROJECT_ROOT],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
+        theirs.close()   # so that the worker's death reads as EOF here
+        self._conn = Connection(ours.detach())
         self._ready = False
         self.jobs = 0
 
     def _kill(self) -> None:
-        if self._process is not None and self._process.pid is not None:
-            try:  # the worker leads its own process group (worker.serve)
-                os.killpg(self._process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        if self._process is not None and self._process.is_alive():
-            self._process.kill()
         if self._process is not None:
-            self._process.join(timeout=30)
+            kill_tree(self._process.pid)   # the keeper's subtree, then the keeper
+            try:
+                self._process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
         if self._conn is not None:
             self._conn.close()
 
@@ -116,11 +125,11 @@ class WorkerProcess:
 
     def close(self) -> None:
         with self._lock:
-            if self._process is not None and self._process.is_alive() and self._ready:
+            if self._process is not None and self._process.poll() is None and self._ready:
                 try:
                     self._conn.send(None)  # polite shutdown lets CUDA tear down cleanly
-                    self._process.join(timeout=5)
-                except (OSError, BrokenPipeError):
+                    self._process.wait(timeout=5)
+                except (OSError, BrokenPipeError, subprocess.TimeoutExpired):
                     pass
             self._kill()
             self._process = None
@@ -172,8 +181,11 @@ class WorkerProcess:
         return reply
 
     def _died(self, log_start: int) -> WorkerDied:
-        self._process.join(timeout=30)
-        error = WorkerDied(self._process.exitcode, self._log_tail(log_start))
+        try:   # the keeper exits with the worker's status once it has ended what the worker left
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        error = WorkerDied(self._process.returncode, self._log_tail(log_start))
         self._kill()
         self._start()
         return error

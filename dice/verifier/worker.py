@@ -34,6 +34,7 @@ from .build import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
 from .checks import aliased_outputs, flatten, modified_inputs, replaced_functions, same_bits, trusted
 from .harness import build_model, cuda_context_broken, describe_exception, init_device, load_module, load_task, make_inputs, same_layout
 from .judge import JudgeHandler
+from .keeper import kill_tree, reap, set_child_subreaper
 from .protocol import export_tensor
 from .timing import TimedInputs, launched_kernels, time_forward
 
@@ -41,8 +42,10 @@ WORKER_FILE_BYTES = 2**30       # largest file a worker may write (its log, a bu
 
 
 def serve(conn, role: str, config: dict, log_path: str) -> None:
-    """Worker main loop: one request dict in, one reply dict out, until None or EOF."""
-    os.setsid()  # its own process group: the parent's kill reaches everything a candidate started
+    """Worker main loop (under `keeper.py`): one request dict in, one reply dict out, until None or EOF.
+    The worker is a child subreaper too, so that what a candidate leaves running, a detached
+    daemon included, stays below it and ends with the candidate (`_drop_candidate`)."""
+    set_child_subreaper()
     resource.setrlimit(resource.RLIMIT_FSIZE, (WORKER_FILE_BYTES, WORKER_FILE_BYTES))
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
@@ -279,6 +282,8 @@ class CandidateHandler:
         return reply
 
     def _drop_candidate(self) -> None:
+        kill_tree(os.getpid(), include_root=False)   # processes the candidate started, daemons included
+        reap()
         self.pending, self.model, self.task, self.timed = [], None, None, None
         for name in [m for m in sys.modules if m.startswith("dice_candidate_") or m == "dice_task"]:
             del sys.modules[name]
