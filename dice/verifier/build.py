@@ -1,8 +1,15 @@
 """Compiling candidates: a load_inline build cache and compiler messages a person can act on (DESIGN.md §8).
 
-Runs inside candidate workers. `BuildCache.install()` replaces
-`torch.utils.cpp_extension.load_inline` so that candidate code building an extension goes through
-the cache; CuPy (NVRTC) keeps its own kernel cache and only needs its errors worded here.
+Runs inside candidate workers (and `prebuild.BuildPool`'s children). `BuildCache.install()`
+replaces `torch.utils.cpp_extension.load_inline` so that candidate code building an extension goes
+through the cache; CuPy (NVRTC) keeps its own kernel cache and only needs its errors worded here.
+
+Two ways to build (`build=`, default the environment's DICE_INLINE_BUILD, else "fast"): "torch"
+is torch's own load_inline; "fast" first tries `fastbuild.fast_build` (the program split into a
+device unit without torch's headers and one host unit on a precompiled header, ~10x less CPU)
+and falls back to torch's load_inline whenever the split is refused or its build fails, so the
+verdict is always the one torch's build gives (an error in main.cpp's own lines is the one
+failure reported without the fallback: torch's main.cpp is that text).
 """
 
 from __future__ import annotations
@@ -23,6 +30,11 @@ from pathlib import Path
 import torch
 import torch.utils.cpp_extension
 
+from .cxx import normalise
+from .fastbuild import CompilerSlots, FastBuildFailed, MainCppError, fast_build
+from .inline import Unsplittable
+
+BUILDS = ("fast", "torch")
 STALE_BUILD_S = 3600.0  # build-* folders older than this were left by killed builds
 MAX_MESSAGE_LINES = 25
 
@@ -36,10 +48,18 @@ class BuildCache:
 
     Each build runs in its own fresh `build-*` folder (torch's FileBaton lock lives there, so a
     killed build never blocks a later one) under a unique module name `dice_ext_<hash>`; the .so
-    is then moved into the cache with an atomic rename. Identical sources reuse it."""
+    is then moved into the cache with an atomic rename. Sources equal up to comments and
+    whitespace (`cxx.normalise`) reuse it. `capability` (the GPU's, from `device` if not given)
+    picks the fast build's one architecture; `history` records how each build went."""
 
-    def __init__(self, root: Path, device: torch.device):
-        self.root = root
+    def __init__(self, root: Path, device: torch.device | None = None, *, capability: tuple[int, int] | None = None,
+                 build: str | None = None):
+        self.build = build or os.environ.get("DICE_INLINE_BUILD") or "fast"
+        if self.build not in BUILDS:
+            raise ValueError(f"build={self.build!r}: choose one of {', '.join(BUILDS)}")
+        if capability is None and device is not None and device.type == "cuda":
+            capability = tuple(torch.cuda.get_device_capability(device))
+        self.root, self.capability = root, capability
         root.mkdir(parents=True, exist_ok=True)
         now = time.time()
         for stale in root.glob("build-*"):
@@ -49,10 +69,11 @@ class BuildCache:
             except FileNotFoundError:  # another worker removed it first
                 pass
         self.toolchain = [torch.__version__, torch.version.cuda, sys.version.split()[0],
-                          list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
-                          os.environ.get("TORCH_CUDA_ARCH_LIST")]
+                          list(capability) if capability else None, os.environ.get("TORCH_CUDA_ARCH_LIST")]
         self.loaded: dict[str, types.ModuleType] = {}
         self.failed: dict[str, str] = {}  # torch will not rebuild a name it saw before in this process
+        self.history: list[dict] = []
+        self.slots = CompilerSlots(root)
         self.real_load_inline = torch.utils.cpp_extension.load_inline
 
     def install(self) -> None:
@@ -60,12 +81,8 @@ class BuildCache:
         torch.utils.cpp_extension.load_inline = self.load_inline
 
     def load_inline(self, *args, **kwargs):
-        bound = inspect.signature(self.real_load_inline).bind(*args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        recipe = {k: v for k, v in arguments.items() if k not in ("name", "build_directory", "verbose")}
-        key = hashlib.sha256(json.dumps([self.toolchain, recipe], sort_keys=True, default=repr).encode()).hexdigest()
-        name = f"dice_ext_{key[:24]}"
+        arguments = self.arguments(*args, **kwargs)
+        name = self.name(arguments)
         if name in self.failed:
             raise BuildError(self.failed[name])
         if name not in self.loaded:
@@ -76,19 +93,68 @@ class BuildCache:
                 self.loaded[name] = self._build(name, arguments, library)
         return self.loaded[name]
 
+    def arguments(self, *args, **kwargs) -> dict:
+        """load_inline's arguments by name, defaults filled in."""
+        bound = inspect.signature(self.real_load_inline).bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    def name(self, arguments: dict) -> str:
+        """`dice_ext_<key>`: the key hashes the toolchain and the recipe, sources normalised."""
+        recipe = {k: v for k, v in arguments.items() if k not in ("name", "build_directory", "verbose")}
+        for k in ("cpp_sources", "cuda_sources"):
+            text = [recipe[k]] if isinstance(recipe[k], str) else recipe[k]
+            recipe[k] = [normalise(t) for t in text] if isinstance(text, (list, tuple)) and \
+                all(isinstance(t, str) for t in text) else text
+        key = hashlib.sha256(json.dumps([self.toolchain, recipe], sort_keys=True, default=repr).encode()).hexdigest()
+        return f"dice_ext_{key[:24]}"
+
     def _build(self, name: str, arguments: dict, library: Path):
         build_dir = tempfile.mkdtemp(prefix="build-", dir=self.root)
+        start, reason = time.perf_counter(), "build=torch"
         try:
+            if self.build == "fast":
+                try:
+                    return self._fast(name, arguments, library, Path(build_dir), start)
+                except (Unsplittable, FastBuildFailed) as exc:
+                    reason = f"{type(exc).__name__}: {str(exc)[:300]}"
             # load_inline also imports what it built; the rename keeps that mapping valid.
-            loaded = self.real_load_inline(**{**arguments, "name": name, "build_directory": build_dir,
-                                              "verbose": False})
-            os.replace(Path(build_dir) / f"{name}.so", library)
+            torch_dir = os.path.join(build_dir, "torch")
+            loaded = self._torch_load_inline(**{**arguments, "name": name, "build_directory": torch_dir,
+                                                "verbose": False})
+            os.replace(Path(torch_dir) / f"{name}.so", library)
+            self.history.append({"name": name, "how": "torch", "reason": reason,
+                                 "wall_s": time.perf_counter() - start})
             return loaded if arguments["is_python_module"] else str(library)
+        except (BuildError, MainCppError) as exc:
+            self.failed[name] = str(exc) if isinstance(exc, BuildError) else build_error_message(str(exc), build_dir)
+            raise BuildError(self.failed[name]) from None
         except Exception as exc:
-            self.failed[name] = build_error_message(str(exc), build_dir)
+            self.failed[name] = build_error_message(str(exc), torch_dir)
             raise BuildError(self.failed[name]) from None
         finally:
             shutil.rmtree(build_dir, ignore_errors=True)
+
+    def _fast(self, name: str, arguments: dict, library: Path, build_dir: Path, start: float):
+        """The fast build, imported from build_dir (an import failure is a FastBuildFailed too)."""
+        built, report = fast_build(arguments, name, build_dir, self.root, self.capability, self.slots)
+        try:
+            loaded = _load_library(name, built, arguments["is_python_module"])
+        except Exception as exc:
+            raise FastBuildFailed(f"the split build did not import: {exc}") from None
+        os.replace(built, library)
+        self.history.append({"name": name, "how": "fast", "wall_s": time.perf_counter() - start, **report})
+        return loaded if arguments["is_python_module"] else str(library)
+
+    def _torch_load_inline(self, **arguments):
+        """torch's load_inline; without visible GPUs (a prebuild) torch needs the architecture list."""
+        if os.environ.get("TORCH_CUDA_ARCH_LIST") or self.capability is None or torch.cuda.device_count():
+            return self.real_load_inline(**arguments)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{self.capability[0]}.{self.capability[1]}+PTX"
+        try:
+            return self.real_load_inline(**arguments)
+        finally:
+            del os.environ["TORCH_CUDA_ARCH_LIST"]
 
 
 def _load_library(name: str, library: Path, is_python_module: bool):
