@@ -85,6 +85,10 @@ def flex_block_diffusion_mask(position_ids: torch.Tensor, block_size: int,
 
 
 _compiled_flex = None
+# Compiled FlexAttention compiles once per shape. The RL update's bucketed round batches
+# (`dice.rl.flex_shape`) meet about a dozen shapes, past dynamo's default of 8 recompiles, after
+# which every new shape would run the uncompiled kernel, which materialises the full score matrix.
+FLEX_RECOMPILES = 64
 # A float-bias (decoding) call uses explicit products when it has at most DECODE_ROWS folded query
 # rows and fewer than DECODE_PAIRS (batch row, KV head) pairs: SDPA spreads its work over those
 # pairs and query tiles, so with few of them most of the GPU's 132 SMs idle (H200).
@@ -104,6 +108,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
     if BlockMask is not None and isinstance(mask, BlockMask):
         if q.is_cuda and _compiled_flex is None:
             # Uncompiled flex_attention materialises the full score matrix; compiling fuses it.
+            _allow_recompiles(FLEX_RECOMPILES)
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         flex = _compiled_flex if q.is_cuda else flex_attention
         return flex(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
@@ -130,6 +135,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
         mask = mask.expand(*mask.shape[:-3], 1, Lq, mask.shape[-1]).unsqueeze(-3)
         mask = mask.expand(*mask.shape[:-3], groups, Lq, mask.shape[-1]).flatten(-3, -2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, Lq, D)
+
+
+def _allow_recompiles(limit: int) -> None:
+    """Raise dynamo's per-function recompile limit to at least `limit` (its name since torch 2.6:
+    recompile_limit; before: cache_size_limit)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), limit))
 
 
 def folded_attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -203,6 +216,10 @@ class KVCache:
         self.length += commit
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Drop finished sequences from the batch (rows: indices to keep)."""
-        self.k, self.v = [k[rows] for k in self.k], [v[rows] for v in self.v]
+        """Drop finished sequences from the batch (rows: indices to keep). One layer at a time, so
+        that each old buffer is freed before the next is copied: the peak is the cache plus one
+        layer's kept rows, not two caches (which would size the largest rollout batch)."""
+        for i in range(len(self.k)):
+            self.k[i] = self.k[i][rows]
+            self.v[i] = self.v[i][rows]
         self.valid = self.valid[rows]

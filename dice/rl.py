@@ -31,7 +31,6 @@ import math
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -40,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from .prompts import keeps_skeleton
-from .rollout import Completion, complete, one_shot_style, task_prompt_ids
+from .rollout import (Completion, auto_rollout_batch, complete, generate_and_score, generation_copy, one_shot_style,
+                      task_prompt_ids)
 from .checkpoint import load_model
 from .data import DataError
 from .diffusion import doubled_logits
@@ -142,13 +142,42 @@ def build_round_batch(items: list[tuple[int, Completion, Round]], block_size: in
                       torch.tensor(weights), torch.tensor(adv))
 
 
-def round_logprobs(model, batch: RoundBatch, use_flex: bool = False) -> torch.Tensor:
+def flex_shape(rows: int, n: int) -> tuple[int, int]:
+    """The padded shape of a round batch on the FlexAttention path: rows up to a power of two, the
+    length up to a multiple of 128 up to 1024, then of a quarter octave (1280, 1536, 1792, 2048,
+    2560, ...: under 25% padding, about 10% on average). Compiled FlexAttention compiles once per
+    shape; round batches of every length then cost a dozen compiles per process, all reused by
+    later steps, instead of one compile (tens of seconds) per micro-batch."""
+    step = 128 if n <= 1024 else 1 << ((n - 1).bit_length() - 3)
+    return 1 << (rows - 1).bit_length(), -(-n // step) * step
+
+
+def pad_round_batch(batch: RoundBatch, rows: int, n: int) -> RoundBatch:
+    """`batch` padded to [rows, n] with padding (token 0, sample -1: never attended, no loss), so
+    its loss positions and their order are unchanged."""
+    def pad(t: torch.Tensor, value) -> torch.Tensor:
+        out = t.new_full((rows, n), value)
+        out[:t.shape[0], :t.shape[1]] = t
+        return out
+
+    positions = torch.arange(n).expand(rows, n).clone()   # padding goes on along the grid
+    positions[:batch.position_ids.shape[0], :batch.position_ids.shape[1]] = batch.position_ids
+    return RoundBatch(pad(batch.noisy, 0), pad(batch.clean, 0), positions, pad(batch.sample_ids, -1),
+                      pad(batch.loss_at, False), batch.token_weight, batch.advantage)
+
+
+def round_logprobs(model, batch: RoundBatch, use_flex: bool | None = None) -> torch.Tensor:
     """log p(x_0 token | x_t) at every loss position, in `loss_at` order: [N], from the doubled
     forward that SFT uses too (`dice.diffusion.doubled_logits`).
 
-    The RL update uses dense masks: round batches change length and row count every micro-batch,
-    and compiled FlexAttention recompiles for each new shape (tens of seconds each)."""
+    use_flex (None: on CUDA) attends through the block-sparse FlexAttention mask, which skips the
+    ~3/4 of [x_t ; x_0]'s query-key blocks the rule hides (a dense mask computes them all), after
+    padding the batch to `flex_shape` so that the compiled kernel meets only a few shapes."""
     device = next(model.parameters()).device
+    if use_flex is None:
+        use_flex = device.type == "cuda"
+    if use_flex:
+        batch = pad_round_batch(batch, *flex_shape(*batch.clean.shape))
     to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
     logits = doubled_logits(model, to(batch.noisy), to(batch.clean), to(batch.position_ids), to(batch.sample_ids),
                             to(batch.loss_at), use_flex).float()
@@ -238,12 +267,19 @@ class _FullParameters:
             m.set_reshard_after_forward(True)
 
 
-def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: RewardFn, seed: int, infill: bool):
-    """Generate `group_size` responses per task in batches, rewarding each batch on a background
-    thread while the next one generates. Sample j of the task in slot k of the step uses seed
-    seed + k * group_size + j, so rollouts do not depend on how tasks are spread over processes.
-    Returns (completions, rewards, results, timings): `results` are the verifier results of every
-    completion, in order (None where the reward has none, see `Scores`)."""
+def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: RewardFn, seed: int, infill: bool, *,
+            overlap: str = "stream", low_precision: bool = True, auto_batch: bool = False,
+            lengths: Sequence[int] | None = None):
+    """Generate `group_size` responses per task and reward them while generation goes on
+    (`dice.rollout.generate_and_score`; overlap "stream": each block's finished responses go to
+    the reward at once, up to `verifier_workers` calls at a time). Sample j of the task in slot k
+    of the step uses seed seed + k * group_size + j, so rollouts do not depend on how tasks are
+    spread over processes. Responses come from `generation_copy` (bf16 on CUDA under bf16
+    autocast; low_precision=False: the model itself) in batches of `rollout_batch`, or with
+    auto_batch as many as fit in memory (`auto_rollout_batch`). lengths: one forced response
+    length per response, in that order (`python -m dice.bench rl`). Returns (completions,
+    rewards, results, timings): `results` are the verifier results of every completion, in order
+    (None where the reward has none, see `Scores`); timings also name the rollout batch used."""
     prompts, owners, seeds = [], [], []
     style = one_shot_style(model)
     for t, k in zip(tasks, slots):
@@ -251,30 +287,15 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
         prompts += [ids] * cfg.group_size
         owners += [t] * cfg.group_size
         seeds += [seed + k * cfg.group_size + j for j in range(cfg.group_size)]
-    completions: list[Completion] = []
-    futures, verify_seconds = [], [0.0]
-    gen_seconds = 0.0
-
-    def timed_score(ts, cs):
-        t0 = time.perf_counter()
-        out = score(reward_fn, ts, cs)
-        verify_seconds[0] += time.perf_counter() - t0
-        return out
-
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        for start in range(0, len(prompts), cfg.rollout_batch):
-            t0 = time.perf_counter()
-            chunk = complete(model, tok, prompts[start:start + cfg.rollout_batch], batch_size=cfg.rollout_batch,
-                             seed=seeds[start:start + cfg.rollout_batch], max_new_tokens=cfg.max_new_tokens,
-                             steps_per_block=cfg.steps_per_block, remasking=cfg.remasking, threshold=cfg.threshold,
-                             temperature=cfg.temperature)
-            gen_seconds += time.perf_counter() - t0
-            completions += chunk
-            futures.append(pool.submit(timed_score, owners[start:start + len(chunk)], chunk))
-        batches = [f.result() for f in futures]
-    rewards = [r for b in batches for r in b.rewards]
-    results = [r for b in batches for r in (b.results or [None] * len(b.rewards))]
-    return completions, rewards, results, {"generate_s": gen_seconds, "verify_s": verify_seconds[0]}
+    policy = generation_copy(model, cfg.dtype) if low_precision else model
+    size = auto_rollout_batch(policy, [len(p) for p in prompts], cfg.max_new_tokens) if auto_batch \
+        else cfg.rollout_batch
+    completions, rewards, results, timings = generate_and_score(
+        policy, tok, prompts, owners, seeds, lambda ts, cs: score(reward_fn, ts, cs), batch_size=size,
+        overlap=overlap, lanes=cfg.verifier_workers, lengths=lengths, max_new_tokens=cfg.max_new_tokens,
+        steps_per_block=cfg.steps_per_block, remasking=cfg.remasking, threshold=cfg.threshold,
+        temperature=cfg.temperature)
+    return completions, rewards, results, {**timings, "rollout_batch": size}
 
 
 def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer, pad_id: int) -> dict:
@@ -296,19 +317,20 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     filler = (0, completions[0], Round([], []))
     batches = [[build_round_batch(chunk or [filler], bs, mask_id, pad_id, advantages, n_responses)
                 for chunk in chunks] for chunks in plan]
+    flex = {"flex": True, "dense": False}.get(cfg.attention)   # auto (None): FlexAttention on CUDA
     old = None
     if U > 1:   # the rollout policy's log-probs, before the first update
         with torch.no_grad(), rt.autocast(cfg.dtype):
-            old = [[round_logprobs(model, b) for b in minibatch] for minibatch in batches]
+            old = [[round_logprobs(model, b, flex) for b in minibatch] for minibatch in batches]
     stats = {"loss": 0.0, "kl": [], "clip_fraction": []}
     for u, minibatch in enumerate(batches):
         for i, batch in enumerate(minibatch):
             with rt.autocast(cfg.dtype):
-                logp = round_logprobs(model, batch)
+                logp = round_logprobs(model, batch, flex)
                 logp_ref = None
                 if ref_model is not None:
                     with torch.no_grad():
-                        logp_ref = round_logprobs(ref_model, batch)
+                        logp_ref = round_logprobs(ref_model, batch, flex)
             logp_old = old[u][i] if old else logp.detach()
             tok_loss, s = policy_loss(logp, logp_old, batch.advantage.to(logp.device),
                                       clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta, logp_ref=logp_ref)
@@ -328,8 +350,9 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
 
 
 def _micro(items: list, size: int):
-    # sort by length so that padded batches waste little
-    items = sorted(items, key=lambda it: len(it[1].prompt_ids) + len(it[1].tokens))
+    """Micro-batches of `size` rounds sorted by row length (prompt + response + tail), so that
+    padding (to the longest row, or to `flex_shape`) wastes little and similar lengths share a shape."""
+    items = sorted(items, key=lambda it: len(it[1].prompt_ids) + len(it[1].tokens) + len(it[1].tail_tokens))
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 

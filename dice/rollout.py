@@ -1,4 +1,5 @@
-"""From kernel tasks to generated programs: prompt ids, batched generation, code extraction.
+"""From kernel tasks to generated programs: prompt ids, batched generation, code extraction, and
+the BiC-RL rollout machinery that overlaps generation with scoring.
 
 One path used by `sample.py`, `evaluate.py` and BiC-RL rollouts (DESIGN.md §5, §6): the prompt
 comes from `dice.prompts` (the one-shot example style a model was trained with is recorded in its
@@ -6,15 +7,31 @@ config.json as `dice_one_shot`; DICE/SDAR folders lack the key and get KernelBen
 example), the token ids and step maps come straight from the sampler and are kept, never
 re-tokenised, together with the sampler's last-block tail after the cut that the TraceRL replay
 needs (DESIGN.md §7).
+
+A rollout step (`generate_and_score`, called by `dice.rl.rollout`) keeps the GPU generating while
+the verifier works: every finished sequence goes to the reward at once, from a bf16 copy of the
+policy (`generation_copy`) in batches as large as the KV caches leave room for
+(`auto_rollout_batch`); `python -m dice.bench rl` measures it.
 """
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import torch
+
+from .model import SDAR
 from .prompts import chat_prompt, extract_code, kernel_prompt
-from .sampler import generate
+from .sampler import CachedForward, Generated, generate
 from .tasks import Task
+
+OVERLAP = ("stream", "batch", "none")
+# of the free GPU memory that `auto_rollout_batch` plans the sampler into; the rest is for the
+# verifier's GPU work meanwhile (its judges cache reference outputs, up to 4 GiB each)
+MEMORY_SHARE = 0.7
 
 
 def one_shot_style(model) -> str | None:
@@ -43,12 +60,21 @@ class Completion:
     tail_step_map: list[int] = field(default_factory=list)
 
 
+def _completion(tokenizer, prompt: Sequence[int], g: Generated) -> Completion:
+    body = g.tokens[:-1] if g.tokens and g.tokens[-1] in tokenizer.eos_token_ids else g.tokens
+    text = tokenizer.decode(body)
+    return Completion(list(prompt), g.tokens, g.step_map, text, extract_code(text), g.tail_tokens, g.tail_step_map)
+
+
 def complete(model, tokenizer, prompts: Sequence[Sequence[int]], *, batch_size: int = 64,
              seed: int | Sequence[int] = 0, progress: Callable[[int], None] | None = None,
+             lengths: Sequence[int] | None = None, on_done: Callable[[int, Completion], None] | None = None,
              **generate_kwargs) -> list[Completion]:
     """Generate for every prompt in batches of `batch_size` (prompts sorted by length for tighter
     batches; the sampler is batch-invariant and prompt i always uses its own seed, seed + i or
-    seed[i], so the grouping does not change any result)."""
+    seed[i], so the grouping does not change any result). lengths: per prompt, the sampler's
+    forced response length (`generate`). on_done(i, completion): called as prompt i finishes,
+    before that block's `progress` call."""
     seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed + i for i in range(len(prompts))]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[Completion | None] = [None] * len(prompts)
@@ -56,12 +82,159 @@ def complete(model, tokenizer, prompts: Sequence[Sequence[int]], *, batch_size: 
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
         report = None if progress is None else (lambda n, base=done: progress(base + n))
+
+        def finished(row: int, generated: Generated, chunk=chunk) -> None:
+            out[chunk[row]] = _completion(tokenizer, prompts[chunk[row]], generated)
+            if on_done is not None:
+                on_done(chunk[row], out[chunk[row]])
+
         result = generate(model, [prompts[i] for i in chunk], eos_token_ids=tokenizer.eos_token_ids,
-                          seed=[seeds[i] for i in chunk], progress=report, **generate_kwargs)
-        for i, tokens, step_map, tail, tail_steps in zip(chunk, result.tokens, result.step_map, result.tail_tokens,
-                                                         result.tail_step_map):
-            body = tokens[:-1] if tokens and tokens[-1] in tokenizer.eos_token_ids else tokens
-            text = tokenizer.decode(body)
-            out[i] = Completion(list(prompts[i]), tokens, step_map, text, extract_code(text), tail, tail_steps)
-            done += len(tokens)
+                          seed=[seeds[i] for i in chunk], progress=report, on_finish=finished,
+                          lengths=None if lengths is None else [lengths[i] for i in chunk], **generate_kwargs)
+        done += result.num_tokens
     return out
+
+
+# ---------------------------------------------------------------- BiC-RL rollouts
+
+def generation_copy(model, dtype: str):
+    """The model to sample rollouts from. On CUDA, when the update runs under bf16 autocast
+    (`--dtype auto` or `bf16`), a bf16 copy of the float32 master weights: a decoding forward
+    reads half the bytes, multiplies on bf16 tensor cores (float32 products run several times
+    slower) and keeps a bf16 KV cache, so twice the rollouts fit a batch. Only sampling sees the
+    rounding: the update recomputes every log-prob with the master weights (DESIGN.md §7).
+    Elsewhere (CPU, `--dtype fp32`, weights already bf16, FSDP-sharded parameters) the model itself."""
+    first = next(model.parameters())
+    if first.device.type != "cuda" or dtype == "fp32" or first.dtype != torch.float32 or _sharded(model):
+        return model
+    return bf16_copy(model)
+
+
+def bf16_copy(model) -> SDAR:
+    """An inference copy of `model` with every weight in bf16 (tied weights stay one tensor)."""
+    with torch.device("meta"):
+        copy = SDAR(model.config)
+    converted: dict[int, torch.Tensor] = {}
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in converted:
+            converted[tensor.data_ptr()] = tensor.detach().to(torch.bfloat16)
+        state[name] = converted[tensor.data_ptr()]
+    copy.load_state_dict(state, assign=True)
+    return copy.tie_weights().eval().requires_grad_(False)
+
+
+def _sharded(model) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def auto_rollout_batch(model, prompt_lens: Sequence[int], max_new_tokens: int) -> int:
+    """The largest rollout batch whose sampler state fits in MEMORY_SHARE of the free GPU memory
+    (all prompts on the CPU). A sequence holds every layer's keys and values for its longest
+    prompt + max_new_tokens (the sampler allocates the whole length up front, DESIGN.md §5),
+    plus its share of a step's logits work: float32 copies of a block's [block, vocab] logits
+    in the token choice, and a bf16 logits buffer in each CUDA graph the sampler captures (one
+    per KV_BUCKET of cache length)."""
+    first = next(model.parameters())
+    if first.device.type != "cuda":
+        return len(prompt_lens)
+    c, bs = model.config, model.config.block_size
+    length = (max(prompt_lens) // bs + 1 + -(-max_new_tokens // bs)) * bs
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * length * first.element_size()
+    logits = bs * c.vocab_size
+    scratch = 8 * logits * 4 + (length // CachedForward.KV_BUCKET + 1) * logits * first.element_size()
+    free = torch.cuda.mem_get_info(first.device)[0] + torch.cuda.memory_reserved(first.device) \
+        - torch.cuda.memory_allocated(first.device)
+    return max(1, min(len(prompt_lens), int(MEMORY_SHARE * free // (kv + scratch))))
+
+
+class _Scorer:
+    """Scoring calls on `lanes` background threads; `busy_s` is the time with at least one running."""
+
+    def __init__(self, score: Callable, lanes: int):
+        self.score, self.calls = score, []
+        self.pool = ThreadPoolExecutor(max_workers=max(1, lanes), thread_name_prefix="dice-score")
+        self.lock, self.running, self.since, self.busy_s = threading.Lock(), 0, 0.0, 0.0
+
+    def submit(self, indices: list[int], owners: Sequence, completions: list) -> None:
+        args = ([owners[i] for i in indices], [completions[i] for i in indices])
+        self.calls.append((list(indices), self.pool.submit(self._run, *args)))
+
+    def _run(self, owners, completions):
+        with self.lock:
+            if self.running == 0:
+                self.since = time.perf_counter()
+            self.running += 1
+        try:
+            return self.score(owners, completions)
+        finally:
+            with self.lock:
+                self.running -= 1
+                if self.running == 0:
+                    self.busy_s += time.perf_counter() - self.since
+
+    def collect(self, n: int) -> tuple[list[float], list]:
+        rewards, results = [0.0] * n, [None] * n
+        for indices, call in self.calls:
+            scores = call.result()
+            for i, reward, result in zip(indices, scores.rewards, scores.results or [None] * len(indices)):
+                rewards[i], results[i] = reward, result
+        return rewards, results
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def generate_and_score(model, tokenizer, prompts: Sequence[Sequence[int]], owners: Sequence, seeds: Sequence[int],
+                       score: Callable, *, batch_size: int, overlap: str = "stream", lanes: int = 1,
+                       lengths: Sequence[int] | None = None, **generate_kwargs):
+    """Completions for `prompts` (generated `batch_size` at a time) scored by `score(owners,
+    completions)`, which returns a `dice.rl.Scores` for the owners (tasks) and completions it is given.
+
+    overlap: "stream" scores every block's newly finished sequences as one call on a pool of
+    `lanes` threads (the verifier's workers) while the batch goes on, so the verifier starts on
+    the first finished rollout, not on the batch's last; "batch" scores each rollout batch as one
+    call once it is generated, one call at a time, while the next batch generates (the earlier
+    way); "none" scores everything after the last batch (no overlap; for measurements).
+    Returns (completions, rewards, results, timings), in prompt order; timings: generate_s (the
+    generating thread), verify_s (time with a scoring call running) and verify_wait_s (scoring
+    left after the last batch: the part generation did not hide)."""
+    if overlap not in OVERLAP:
+        raise ValueError(f"overlap must be one of {OVERLAP}, got {overlap!r}")
+    n = len(prompts)
+    completions: list = [None] * n
+    scorer = _Scorer(score, lanes if overlap == "stream" else 1)
+    generate_s = 0.0
+    try:
+        for start in range(0, n, batch_size):
+            batch, pending = list(range(start, min(n, start + batch_size))), []
+
+            def finished(j: int, completion: Completion, batch=batch, pending=pending) -> None:
+                completions[batch[j]] = completion
+                pending.append(batch[j])
+
+            def flush(_positions: int, pending=pending) -> None:
+                if pending:
+                    scorer.submit(pending, owners, completions)
+                    pending.clear()
+
+            t0 = time.perf_counter()
+            complete(model, tokenizer, [prompts[i] for i in batch], batch_size=len(batch),
+                     seed=[seeds[i] for i in batch], lengths=None if lengths is None else [lengths[i] for i in batch],
+                     on_done=finished, progress=flush if overlap == "stream" else None, **generate_kwargs)
+            generate_s += time.perf_counter() - t0
+            if overlap == "batch":
+                scorer.submit(batch, owners, completions)
+        if overlap == "none":
+            scorer.submit(list(range(n)), owners, completions)
+        t0 = time.perf_counter()
+        rewards, results = scorer.collect(n)
+        wait_s = time.perf_counter() - t0
+    finally:
+        scorer.close()
+    return completions, rewards, results, {"generate_s": generate_s, "verify_s": scorer.busy_s,
+                                           "verify_wait_s": wait_s}

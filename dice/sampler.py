@@ -311,10 +311,12 @@ class Rows:
     row's first generated block has the same index F; per row: tokens `x`, positions (0 at the
     first real token), `valid` (not padding), `generated` (still to be sampled), the step map,
     its denoising-step count and noise seed; on the host its prompt's index `index`, the prompt's
-    remainder `rem` and its first generated position `g0`, which decide a static block's step
-    count and every finish by length without reading the GPU."""
+    remainder `rem`, its first generated position `g0` and its length limit `limit` (max_new_tokens,
+    or less where `lengths` says so), which decide a static block's step count and every finish by
+    length without reading the GPU."""
 
-    def __init__(self, prompts, block_size: int, max_new_tokens: int, mask_id: int, seeds: list[int], device):
+    def __init__(self, prompts, block_size: int, max_new_tokens: int, mask_id: int, seeds: list[int], device,
+                 lengths: Sequence[int] | None = None):
         bs, lens = block_size, torch.tensor([len(p) for p in prompts])
         full, rem = lens // bs, lens % bs
         self.F = int(full.max())
@@ -331,24 +333,25 @@ class Rows:
         self.steps = torch.zeros(len(prompts), dtype=torch.long, device=device)
         self.seeds = torch.tensor(seeds, dtype=torch.long, device=device)
         self.index, self.rem, self.g0 = list(range(len(prompts))), rem.tolist(), g0.tolist()
+        self.limit = [min(max_new_tokens, n) for n in lengths] if lengths is not None else [max_new_tokens] * len(prompts)
         self.done = [False] * len(prompts)
 
     def masks_in_block(self, j: int, block_size: int) -> list[int]:
         return [0 if d else block_size - (r if j == 0 else 0) for d, r in zip(self.done, self.rem)]
 
-    def finished(self, b0: int, b1: int, max_new_tokens: int, eos: torch.Tensor | None) -> list[int]:
+    def finished(self, b0: int, b1: int, eos: torch.Tensor | None) -> list[int]:
         """Rows that finish with the block [b0, b1): enough positions, or an eos id in the block
         (only this reads the GPU, once a block, and only when there are eos ids)."""
-        ends = [not d and b1 - g0 >= max_new_tokens for d, g0 in zip(self.done, self.g0)]
+        ends = [not d and b1 - g0 >= limit for d, g0, limit in zip(self.done, self.g0, self.limit)]
         if eos is not None:
             has_eos = (torch.isin(self.x[:, b0:b1], eos) & self.generated[:, b0:b1]).any(-1).tolist()
             ends = [f or (e and not d) for f, e, d in zip(ends, has_eos, self.done)]
         return [r for r, f in enumerate(ends) if f]
 
-    def result(self, r: int, b1: int, max_new_tokens: int, eos_ids: Sequence[int]) -> Generated:
-        """Row r's tokens cut after the first eos id (kept) or at max_new_tokens; it leaves sampling."""
+    def result(self, r: int, b1: int, eos_ids: Sequence[int]) -> Generated:
+        """Row r's tokens cut after the first eos id (kept) or at its limit; it leaves sampling."""
         toks, smap = self.x[r, self.g0[r]:b1].tolist(), self.step_map[r, self.g0[r]:b1].tolist()
-        cut = min(max_new_tokens, next((k + 1 for k, t in enumerate(toks) if t in eos_ids), len(toks)))
+        cut = min(self.limit[r], next((k + 1 for k, t in enumerate(toks) if t in eos_ids), len(toks)))
         self.done[r] = True
         self.generated[r] = False
         return Generated(toks[:cut], smap[:cut], int(self.steps[r]), toks[cut:], smap[cut:])
@@ -359,7 +362,7 @@ class Rows:
         keep = torch.tensor(kept, device=self.x.device)
         for name in ("x", "pos", "valid", "generated", "step_map", "steps", "seeds"):
             setattr(self, name, getattr(self, name)[keep])
-        for name in ("index", "rem", "g0", "done"):
+        for name in ("index", "rem", "g0", "limit", "done"):
             setattr(self, name, [getattr(self, name)[r] for r in kept])
         return keep
 
@@ -369,7 +372,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
              remasking: str = "low_confidence_static", threshold: float = 0.9, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, eos_token_ids: Sequence[int] = (), use_cache: bool = True,
              seed: int | Sequence[int] | None = None, cuda_graphs: bool = True, compile: bool = False,
-             fused: bool = False, progress: Callable[[int], None] | None = None) -> GenerationResult:
+             fused: bool = False, progress: Callable[[int], None] | None = None,
+             lengths: Sequence[int] | None = None,
+             on_finish: Callable[[int, Generated], None] | None = None) -> GenerationResult:
     """Generate a response for every prompt (lists of token ids); see the module docstring.
 
     use_cache=False: the brute-force reference. seed: an int (row i uses seed + i) or one seed per
@@ -377,13 +382,20 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
     with use_cache only; same results). compile: `torch.compile` the decoder layers and the token
     choice (use_cache only; each new shape compiles first). fused: a single prompt's steps as one
     persistent CUDA kernel (`dice.fused`; a batch takes the layer-by-layer path). progress: called
-    after every block with the number of positions generated so far.
+    after every block with the number of positions generated so far. lengths: per prompt, the
+    response length at which its sequence ends as if it had sampled an eos there (capped at
+    max_new_tokens; the KV cache is sized by max_new_tokens as without it): benchmarks give a
+    random-weight model, which never samples an eos, real response lengths. on_finish(i, generated):
+    called as prompt i's sequence finishes and leaves the batch, e.g. to verify it while the others
+    still generate (BiC-RL rollouts, DESIGN.md §7).
     """
     _check_arguments(model, prompts, max_new_tokens, steps_per_block, remasking, temperature, top_k, top_p, threshold)
+    if lengths is not None and (len(lengths) != len(prompts) or min(lengths) < 1):
+        raise ValueError(f"lengths needs one length >= 1 per prompt; got {len(lengths)} for {len(prompts)} prompts")
     cfg, device, started = model.config, next(model.parameters()).device, time.perf_counter()
     bs, schedule = cfg.block_size, tokens_per_step(cfg.block_size, steps_per_block)
     s = Sampling(cfg.mask_token_id, temperature, top_k, top_p, remasking, threshold)
-    rows = Rows(prompts, bs, max_new_tokens, cfg.mask_token_id, _row_seeds(seed, len(prompts)), device)
+    rows = Rows(prompts, bs, max_new_tokens, cfg.mask_token_id, _row_seeds(seed, len(prompts)), device, lengths)
     step, forwards = _make_step(model, rows, use_cache, cuda_graphs, compile, fused, temperature)
     commit = _compiled("unmask", unmask) if compile else unmask
     eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device) if eos_token_ids else None
@@ -407,8 +419,11 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
             rows.x[:, b0:b1], rows.step_map[:, b0:b1], masked = commit(
                 tok, conf, rows.x[:, b0:b1], rows.step_map[:, b0:b1], masked, left.clamp(max=n_k), rows.steps,
                 remasking, threshold)
-        finished = rows.finished(b0, b1, max_new_tokens, eos)
-        out.update({rows.index[r]: rows.result(r, b1, max_new_tokens, eos_token_ids) for r in finished})
+        finished = rows.finished(b0, b1, eos)
+        for r in finished:
+            out[rows.index[r]] = rows.result(r, b1, eos_token_ids)
+            if on_finish is not None:
+                on_finish(rows.index[r], out[rows.index[r]])
         if progress is not None:
             progress(positions_done)
         if len(out) == len(prompts):

@@ -221,12 +221,12 @@ def test_tiny_run_with_python_reward_raises_the_reward(tmp_path):
 
 
 def test_step_metrics_count_the_results_of_every_rollout_batch(tmp_path, monkeypatch):
-    """2 tasks x 4 samples in rollout batches of 4: the reward runs once per batch, and every sample
-    is compiled, correct and 2x faster, so each rate is 100% (counting only the last batch gave 50%)."""
-    import dataclasses
+    """2 tasks x 4 samples in rollout batches of 4: the reward runs once per block in which samples
+    finish (here once per batch: a batch's samples finish together), and every sample is compiled,
+    correct and 2x faster, so each rate is 100% (counting only the last batch gave 50%)."""
     from types import SimpleNamespace
 
-    import dice.rl
+    import dice.rollout
     from dice.rl import verifier_reward
 
     class AllCorrect:
@@ -236,9 +236,7 @@ def test_step_metrics_count_the_results_of_every_rollout_batch(tmp_path, monkeyp
             AllCorrect.calls += 1
             return [SimpleNamespace(compiled=True, correct=True, speedup=2.0) for _ in pairs]
 
-    generate_completions = dice.rl.complete
-    monkeypatch.setattr(dice.rl, "complete", lambda *a, **k: [dataclasses.replace(c, code="code")   # any code block
-                                                              for c in generate_completions(*a, **k)])
+    monkeypatch.setattr(dice.rollout, "extract_code", lambda text: "code")   # any code block
     cfg = TrainConfig(phase="e2e", model=str(rl_model_folder(tmp_path / "model")), out=str(tmp_path / "out"),
                       steps=1, tasks_per_step=2, group_size=4, rollout_batch=4, max_new_tokens=8, reward="speedup")
     train_rl(cfg, reward_fn=verifier_reward(AllCorrect(), "e2e", kind="speedup"), tasks=TASKS[:2])
