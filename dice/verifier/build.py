@@ -111,6 +111,7 @@ class BuildCache:
 
     def _build(self, name: str, arguments: dict, library: Path):
         build_dir = tempfile.mkdtemp(prefix="build-", dir=self.root)
+        torch_dir = os.path.join(build_dir, "torch")   # a folder of its own: the fast build's files stay apart
         start, reason = time.perf_counter(), "build=torch"
         try:
             if self.build == "fast":
@@ -119,7 +120,7 @@ class BuildCache:
                 except (Unsplittable, FastBuildFailed) as exc:
                     reason = f"{type(exc).__name__}: {str(exc)[:300]}"
             # load_inline also imports what it built; the rename keeps that mapping valid.
-            torch_dir = os.path.join(build_dir, "torch")
+            os.mkdir(torch_dir)
             loaded = self._torch_load_inline(**{**arguments, "name": name, "build_directory": torch_dir,
                                                 "verbose": False})
             os.replace(Path(torch_dir) / f"{name}.so", library)

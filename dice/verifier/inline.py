@@ -127,6 +127,7 @@ def split_program(cpp_sources: list[str], cuda_sources: list[str], functions, wi
         raise Unsplittable("unreadable source", str(exc)) from None
     kernels = _kernels(parsed)
     _check_sides(parsed, kernels, torch_macros, cpp_names, cpp_includes)
+    _prune_device(parsed)
     host, device = _units(source, parsed, kernels)
     line = f'#line {len(TORCH_PREFIX) + 1} "{cuda_file}"'
     host_unit = "\n".join([main, *cuda_defines, "#include <cuda_runtime.h>", *TORCH_PREFIX, "#include <cuda_fp16.h>",
@@ -290,6 +291,21 @@ def _cpp_declarations(text: str) -> tuple[set[str], set[str]]:
             raise Unsplittable("cpp_sources not only declarations", " ".join(words)[:80])
         names.add(item.name)
     return names, includes
+
+
+def _prune_device(parts: list[_Part]) -> None:
+    """Types, aliases and constants both units could hold go to the device unit only when device
+    code names them (a deleter struct over cuDNN types is host code); `using` directives and
+    declarations always do, since they change lookup without being named."""
+    needed = set().union(*(p.item.ids for p in parts if p.side == "device"))
+    for part in reversed(parts):
+        words = [t.text for t in part.item.tokens]
+        if part.side != "both" or part.item.directive or words[:1] == ["using"] and "=" not in words:
+            continue
+        if part.names & needed:
+            needed |= part.item.ids
+        else:
+            part.side = "host"
 
 
 def _units(source: str, parts: list[_Part], kernels: dict[str, Kernel]) -> tuple[str, str]:

@@ -1,0 +1,361 @@
+"""The fast load_inline build on the CPU: torch's generated files, the device/host split (what it
+accepts, what it refuses, the launch shims), cache keys, torch's flags, the fallback to torch's
+build, and (slow: nvcc and g++ here) compiling split programs and a BuildPool prebuild."""
+import inspect
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils.cpp_extension as cpp_extension
+
+from dice.prompts import EXAMPLE_LOAD_INLINE
+from dice.verifier import build as build_module
+from dice.verifier.build import BuildCache, BuildError
+from dice.verifier.cxx import normalise
+from dice.verifier.fastbuild import CompilerSlots, FastBuildFailed, Flags, MainCppError
+from dice.verifier.inline import Unsplittable, cuda_cu, main_cpp, split_program
+
+HAVE_NVCC = Path("/usr/local/cuda/bin/nvcc").exists() and shutil.which("c++") is not None
+HEADER = "#include <torch/extension.h>\n"
+MANY = HEADER + r'''
+#include <cuda_runtime.h>
+#define BLOCK 256
+#define CHECK_INPUT(x) TORCH_CHECK(x.is_cuda(), #x " must be a CUDA tensor")
+constexpr int WARP = 32;
+struct Scale { float a, b; };
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = WARP / 2; o > 0; o /= 2) v += __shfl_down_sync(0xffffffff, v, o);
+    return v;
+}
+
+__global__ void affine(const float* __restrict__ x, float* y, Scale s, int64_t n) {
+    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = s.a * x[i] + s.b;
+}
+
+__global__ void total(const float* x, float* out, int n) {
+    extern __shared__ float buf[];
+    float v = threadIdx.x < n ? x[threadIdx.x] : 0.0f;
+    v = warp_sum(v);
+    if (threadIdx.x % WARP == 0) atomicAdd(out, v);
+}
+
+torch::Tensor run(torch::Tensor x, double a, double b) {
+    CHECK_INPUT(x);
+    auto y = torch::empty_like(x);
+    auto out = torch::zeros({1}, x.options());
+    int64_t n = x.numel();
+    affine<<<(n + BLOCK - 1) / BLOCK, BLOCK>>>(x.data_ptr<float>(), y.data_ptr<float>(), Scale{(float)a, (float)b}, n);
+    total<<<1, BLOCK, BLOCK * sizeof(float)>>>(y.data_ptr<float>(), out.data_ptr<float>(), (int)n);
+    cudaStream_t stream = nullptr;
+    total<<<dim3(1), dim3(BLOCK), 0, stream>>>(y.data_ptr<float>(), out.data_ptr<float>(), 1);
+    return out;
+}
+'''
+CPP = "torch::Tensor run(torch::Tensor x, double a, double b);"
+
+
+def load_inline_calls(program: str) -> list[dict]:
+    """The keyword arguments of each load_inline call a program makes at import."""
+    calls = []
+
+    def record(**kwargs):
+        calls.append(kwargs)
+        raise StopIteration
+
+    namespace = {}
+    original = cpp_extension.load_inline
+    cpp_extension.load_inline = record
+    try:
+        exec(program, namespace)
+    except StopIteration:
+        pass
+    finally:
+        cpp_extension.load_inline = original
+    return calls
+
+
+def split(cuda: str, cpp: str = CPP, functions=("run",)) -> object:
+    functions = functions if isinstance(functions, dict) else list(functions)
+    return split_program([cpp], [cuda], functions, True, "/build/cuda.cu")
+
+
+def refused(cuda: str, cpp: str = CPP, functions=("run",)) -> str:
+    with pytest.raises(Unsplittable) as info:
+        split(cuda, cpp, functions)
+    return info.value.reason
+
+
+def test_generated_files_are_torchs(tmp_path, monkeypatch):
+    """main.cpp and cuda.cu as torch's load_inline writes them (list and dict functions)."""
+    def stop(*args, **kwargs):
+        raise StopIteration
+    monkeypatch.setattr(cpp_extension, "_jit_compile", stop)
+    for functions, handling in ((["run"], True), ({"run": "Run it.", "other": "two"}, True), (["run"], False)):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        with pytest.raises(StopIteration):
+            cpp_extension.load_inline("x", [CPP], cuda_sources=[MANY], functions=functions, build_directory=str(folder),
+                                      with_pytorch_error_handling=handling)
+        assert (folder / "main.cpp").read_text() == main_cpp([CPP], functions, handling)
+        assert (folder / "cuda.cu").read_text() == cuda_cu([MANY])
+
+
+def test_example_splits():
+    call = load_inline_calls(EXAMPLE_LOAD_INLINE)[0]
+    s = split_program([call["cpp_sources"]], [call["cuda_sources"]], call["functions"], True, "/b/cuda.cu")
+    assert s.host.startswith(main_cpp([call["cpp_sources"]], call["functions"]) + "\n")
+    assert "__dice_config_add_kernel(blocks, threads)(a.data_ptr<float>()" in s.host
+    assert "<<<" not in s.host and "__global__" not in s.host
+    assert "add_kernel<<<__dice_g, __dice_b, __dice_s, __dice_t>>>(a, b, out, n)" in s.device
+    assert "torch" not in s.device.replace("torch/extension.h", "") and "empty_like" not in s.device
+    assert s.kernels == ["add_kernel"]
+
+
+def test_split_keeps_line_numbers():
+    s = split(MANY)
+    device_lines = s.device.split('#line 4 "/build/cuda.cu"\n', 1)[1].splitlines()
+    host_lines = s.host.split('#line 4 "/build/cuda.cu"\n', 1)[1].splitlines()
+    source = MANY.splitlines()
+    assert len(device_lines) == len(host_lines) == len(source)
+    at = next(i for i, line in enumerate(source) if "atomicAdd" in line)
+    assert device_lines[at] == source[at] and host_lines[at] == ""
+
+
+def test_many_kernels_macros_structs_and_launches():
+    s = split(MANY)
+    assert s.kernels == ["affine", "total"]
+    assert "__dice_config_affine((n + BLOCK - 1) / BLOCK, BLOCK)(x.data_ptr<float>()" in s.host
+    assert "__dice_config_total(1, BLOCK, BLOCK * sizeof(float))(" in s.host
+    assert "__dice_config_total(dim3(1), dim3(BLOCK), 0, stream)(" in s.host
+    assert "struct Scale { float a, b; };" in s.device and "struct Scale { float a, b; };" in s.host
+    assert "constexpr int WARP = 32;" in s.device and "#define BLOCK 256" in s.device
+    assert "warp_sum" not in s.host and "torch::empty_like" not in s.device
+
+
+def test_shim_declarations():
+    s = split(MANY)
+    assert ("void __dice_launch_affine(dim3, dim3, size_t, cudaStream_t, const float * __restrict__ x, float * y, "
+            "Scale s, int64_t n); struct __dice_call_affine { dim3 __dice_g, __dice_b; size_t __dice_s; "
+            "cudaStream_t __dice_t; void operator()(const float * __restrict__ x, float * y, Scale s, int64_t n) const "
+            "{ __dice_launch_affine(__dice_g, __dice_b, __dice_s, __dice_t, x, y, s, n); } }; inline __dice_call_affine "
+            "__dice_config_affine(dim3 __dice_g, dim3 __dice_b, size_t __dice_s = 0, cudaStream_t __dice_t = 0) "
+            "{ return {__dice_g, __dice_b, __dice_s, __dice_t}; }") in s.host
+    assert ("void __dice_launch_affine(dim3 __dice_g, dim3 __dice_b, size_t __dice_s, cudaStream_t __dice_t, "
+            "const float * __restrict__ x, float * y, Scale s, int64_t n) { affine<<<__dice_g, __dice_b, __dice_s, "
+            "__dice_t>>>(x, y, s, n); }") in s.device
+
+
+def test_dict_functions_and_prototype_kernels():
+    cuda = HEADER + "__global__ void k(float* y);\nvoid go(torch::Tensor y) { k<<<1, 1>>>(y.data_ptr<float>()); }\n" \
+        "__global__ void k(float* y) { y[0] = 1.0f; }\n"
+    s = split(cuda, "void go(torch::Tensor y);", {"go": "Set y[0] to one."})
+    assert 'm.def("go", torch::wrap_pybind_function(go), "Set y[0] to one.");' in s.host
+    assert s.host.count("struct __dice_call_k") == 1 and s.device.count("void __dice_launch_k(") == 1
+
+
+@pytest.mark.parametrize("cuda, reason", [
+    ("template <typename T> __global__ void k(T* y) { y[0] = 1; }\n", "templated kernel"),
+    ("__constant__ float c[4];\n__global__ void k(float* y) { y[0] = c[0]; }\n"
+     "void run2(torch::Tensor w) { cudaMemcpyToSymbol(c, w.data_ptr<float>(), 16); }\n", "device symbol used by host code"),
+    ("__global__ void k(float* y) { y[0] = 1; }\nvoid run2() { cudaFuncSetAttribute(k, "
+     "cudaFuncAttributeMaxDynamicSharedMemorySize, 1 << 16); }\n", "kernel used outside a <<<>>> launch"),
+    ("__global__ void k(at::Half* y) { }\n", "device code uses torch/ATen/c10"),
+    ("__device__ float f(c10::Half h) { return h; }\n", "device code uses torch/ATen/c10"),
+    ("__global__ void k(float* y) { y[0] = torch::kFloat32; }\n", "device code uses torch/ATen/c10"),
+    ("#ifdef FAST\n#define N 4\n#endif\n", "preprocessor conditional or directive at file scope"),
+    ("namespace { __global__ void k(float* y) {} }\n", "namespace or extern block"),
+    ("void run2(float* y) {\n#ifdef __CUDACC__\n y[0] = 1;\n#endif\n}\n", "CUDA device code in host code"),
+    ("__global__ void k(float*) {}\n", "kernel parameters"),
+    ("#define GO(y) k<<<1, 1>>>(y)\n", "launch inside a macro"),
+    ("template <int N> __global__ void k(float* y) {}\nvoid run2(float* y) { k<4><<<1, 1>>>(y); }\n",
+     "templated kernel"),
+])
+def test_refusals(cuda, reason):
+    assert refused(HEADER + cuda) == reason
+
+
+def test_refusals_of_cpp_sources_and_order():
+    assert refused(MANY, CPP + "\nint helper() { return 1; }") == "cpp_sources not only declarations"
+    assert refused(MANY, "torch::Tensor run(torch::Tensor x, double a, double b = 1.0);") == \
+        "cpp_sources not only declarations"
+    assert refused(MANY, "#define X 1\n" + CPP) == "cpp_sources not only declarations"
+    early = HEADER + "torch::Tensor g(torch::Tensor x) { return run(x, 1, 0); }\n" + MANY.replace(HEADER, "")
+    assert refused(early) == "cpp_sources declares a function cuda_sources uses before declaring it"
+    assert refused(MANY.replace(HEADER, "") + HEADER) == "host code before #include <torch/extension.h>"
+    assert refused(MANY, "#include <vector>\n" + CPP) == "cpp_sources includes a header cuda_sources does not"
+    assert refused(MANY.replace("blockDim.x", "blockDim.x + __dice")) == "reserved names"
+
+
+def test_torch_macros_in_device_code():
+    cuda = HEADER + "__global__ void k(float* y) { y[0] = CUDA_KERNEL_ASSERT(1); }\n"
+    with pytest.raises(Unsplittable, match="CUDA_KERNEL_ASSERT"):
+        split_program([CPP], [cuda], ["run"], True, "/b/cuda.cu", frozenset({"CUDA_KERNEL_ASSERT"}))
+    own = HEADER + "#define CHECK(x) x\n__global__ void k(float* y) { y[0] = CHECK(1); }\n"
+    split_program([CPP], [own], ["run"], True, "/b/cuda.cu", frozenset({"CHECK"}))   # the program's own macro
+
+
+def test_normalise():
+    a = "int  f(int x) {\n  // add one\n  return x + 1; /* done */\n}\n"
+    assert normalise(a) == normalise("int f(int x) {\n\n\n  return x + 1;\n}")
+    assert normalise(a) != normalise(a.replace("x + 1", "x + 2"))
+    assert normalise('printf("a  b");') != normalise('printf("a b");')
+    assert normalise("#define F(x) x\nF(1)") != normalise("#define F (x) x\nF(1)")
+    assert normalise("#define A 1 /* c\n */ + 2\nA") == normalise("#define A 1 + 2\nA")
+
+
+def test_cache_key(tmp_path):
+    cache = BuildCache(tmp_path, capability=(9, 0), build="torch")
+    base = dict(name="a", cpp_sources=CPP, cuda_sources=MANY, functions=["run"])
+    name = cache.name(cache.arguments(**base))
+    assert cache.name(cache.arguments(**{**base, "name": "b", "cuda_sources": "// v2\n" + MANY})) == name
+    assert cache.name(cache.arguments(**{**base, "cuda_sources": MANY.replace("BLOCK 256", "BLOCK 128")})) != name
+    assert cache.name(cache.arguments(**{**base, "extra_cuda_cflags": ["-O3"]})) != name
+    other_gpu = BuildCache(tmp_path, capability=(8, 0), build="torch")
+    assert other_gpu.name(other_gpu.arguments(**base)) != name
+
+
+@pytest.fixture
+def cuda_home(monkeypatch):
+    """torch's CUDA_HOME, which the CPU wheel leaves unset, pointed at the local toolkit."""
+    if not HAVE_NVCC:
+        pytest.skip("needs nvcc and g++")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+
+
+def test_flags_are_torchs_but_one_architecture(cuda_home):
+    arguments = {"extra_cflags": None, "extra_cuda_cflags": ["-O3", "--use_fast_math", "-U__CUDA_NO_HALF_OPERATORS__"],
+                 "extra_ldflags": ["-lcublas"], "extra_include_paths": None}
+    flags = Flags(arguments, "ext", (9, 0))
+    assert "-gencode=arch=compute_90,code=sm_90" in flags.device() and not any("code=compute" in f for f in flags.device())
+    assert "-DTORCH_EXTENSION_NAME=ext" in flags.host() and "-DTORCH_EXTENSION_NAME=ext" not in flags.pch()
+    assert flags.host_defines[:1] == ["#define __CUDA_NO_HALF_OPERATORS__ 1"]
+    assert flags.host_defines[-1] == "#undef __CUDA_NO_HALF_OPERATORS__"
+    assert flags.ldflags[:2] == ["-shared", "-lcublas"] and "-ltorch_python" in flags.ldflags
+    for bad in (["-Xcompiler", "-fopenmp"], ["-DNDEBUG"], ["-I/opt/x"], ["-O3 $(HOME)"]):
+        with pytest.raises(Unsplittable):
+            Flags({**arguments, "extra_cuda_cflags": bad}, "ext", (9, 0))
+    with pytest.raises(Unsplittable):
+        Flags({**arguments, "extra_cflags": ["-std=c++17"]}, "ext", (9, 0))
+
+
+def test_compiler_slots_bound_concurrency(tmp_path):
+    slots, inside, most = CompilerSlots(tmp_path, 2), [0], [0]
+    lock = threading.Lock()
+
+    def work():
+        with slots.hold():
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.1)
+            with lock:
+                inside[0] -= 1
+
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 2
+
+
+class _FakeTorchBuild:
+    """torch's load_inline standing in for a real build: writes a file named like the library."""
+
+    def __init__(self):
+        self.calls = 0
+        self.__signature__ = inspect.signature(cpp_extension.load_inline)   # BuildCache binds by it
+
+    def __call__(self, **arguments):
+        self.calls += 1
+        Path(arguments["build_directory"]).mkdir(parents=True, exist_ok=True)
+        (Path(arguments["build_directory"]) / f"{arguments['name']}.so").write_bytes(b"")
+        return "module"
+
+
+def test_fallback_to_torch(tmp_path, monkeypatch, cuda_home):
+    cache = BuildCache(tmp_path, capability=(9, 0), build="fast")
+    cache.real_load_inline = fake = _FakeTorchBuild()
+    templated = HEADER + "template <typename T> __global__ void k(T* y) {}\n"
+    assert cache.load_inline("x", CPP, cuda_sources=templated, functions=["run"]) == "module"
+    assert fake.calls == 1 and cache.history[-1]["how"] == "torch"
+    assert "templated kernel" in cache.history[-1]["reason"]
+
+    def failing(*args):
+        raise FastBuildFailed("nvcc: error")
+    monkeypatch.setattr(build_module, "fast_build", failing)
+    assert cache.load_inline("x", CPP, cuda_sources=MANY, functions=["run"]) == "module"
+    assert fake.calls == 2 and "FastBuildFailed" in cache.history[-1]["reason"]
+
+    def main_cpp_error(*args):
+        raise MainCppError(f"{tmp_path}/main.cpp:2:1: error: 'Tensr' does not name a type")
+    monkeypatch.setattr(build_module, "fast_build", main_cpp_error)
+    with pytest.raises(BuildError, match="does not name a type"):
+        cache.load_inline("x", "Tensr f();", cuda_sources=MANY, functions=["f"])
+    assert fake.calls == 2   # torch's main.cpp is that text: no rebuild
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """One cache folder (so one precompiled header) for the compiling tests."""
+    return tmp_path_factory.mktemp("inline-cache")
+
+
+def _compile_only(tmp_path, call: dict, root: Path):
+    """The fast build of one call, linked without the CUDA libraries the CPU wheel lacks."""
+    from dice.verifier import fastbuild
+    cache = BuildCache(root, capability=(9, 0), build="fast")
+    arguments = cache.arguments(**call)
+    flags = Flags(arguments, "ext", (9, 0))
+    flags.ldflags = [f for f in flags.ldflags if f not in ("-lc10_cuda", "-ltorch_cuda")]
+    slots = CompilerSlots(root)
+    unit = split_program([arguments["cpp_sources"]], [arguments["cuda_sources"]], arguments["functions"], True,
+                         str(tmp_path / "cuda.cu"), fastbuild.torch_macros(root, flags), tuple(flags.host_defines))
+    pch = fastbuild.precompiled_header(root, flags, slots)
+    return fastbuild._compile_and_link(unit, flags, tmp_path, pch, slots)
+
+
+@pytest.mark.slow
+def test_split_units_compile(tmp_path, cuda_home, shared_cache):
+    """EXAMPLE_LOAD_INLINE and MANY compile the split way on a precompiled header; an error in
+    cpp_sources is torch's own (MainCppError), one in a kernel only fails the fast build."""
+    library, report = _compile_only(tmp_path, load_inline_calls(EXAMPLE_LOAD_INLINE)[0], shared_cache)
+    assert library.exists() and report["pch"] and report["host_cpu_s"] + report["device_cpu_s"] < 30
+    many = dict(name="many", cpp_sources=CPP, cuda_sources=MANY, functions=["run"])
+    (tmp_path / "m").mkdir()
+    assert _compile_only(tmp_path / "m", many, shared_cache)[1]["kernels"] == ["affine", "total"]
+    (tmp_path / "e").mkdir()
+    with pytest.raises(MainCppError, match="main.cpp:2"):
+        _compile_only(tmp_path / "e", {**many, "cpp_sources": "torch::Tensr run(torch::Tensor x, double a, double b);"},
+                      shared_cache)
+    (tmp_path / "k").mkdir()
+    with pytest.raises(FastBuildFailed, match="cuda.cu"):
+        _compile_only(tmp_path / "k", {**many, "cuda_sources": MANY.replace("y[i] = s.a", "y[i] = s.c")}, shared_cache)
+
+
+@pytest.mark.slow
+def test_build_pool_prebuilds_into_the_cache(tmp_path):
+    """A BuildPool child builds (here: a C++-only extension, which takes torch's path) into the
+    cache the workers use, so a later BuildCache.load_inline imports it without building; a
+    candidate that hangs is killed at the timeout."""
+    from dice.verifier.prebuild import BuildPool
+    program = ("from torch.utils.cpp_extension import load_inline\n"
+               "ext = load_inline('plus', 'int plus(int a, int b) { return a + b; }', functions=['plus'])\n"
+               "raise SystemExit('not reached')\n")
+    with BuildPool(tmp_path, processes=2, timeout_s=600, capability=(9, 0)) as pool:
+        report = pool.submit(program).result()
+        assert report["status"] == "built" and report["builds"][0]["how"] == "torch", report
+        assert pool.submit("import os\nos._exit(3)  # load_inline").result()["status"] == "error"
+        assert pool.submit("x = 1").result()["status"] == "no build"
+        pool.timeout_s = 2
+        assert pool.submit("while True: pass  # load_inline").result()["status"] == "timeout"
+    cache = BuildCache(tmp_path / "torch_extensions", capability=(9, 0))
+    cache.real_load_inline = _FakeTorchBuild()
+    ext = cache.load_inline("plus", "int plus(int a, int b) { return a + b; }", functions=["plus"])
+    assert ext.plus(2, 3) == 5 and cache.history == []
