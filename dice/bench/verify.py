@@ -2,15 +2,20 @@
 
 `bench_verify(args)`: kernels verified per minute for the same elementwise tasks written as CuPy
 (NVRTC) and as load_inline (nvcc) candidates: CuPy with a cold pool (worker start-up and NVRTC
-compiles included) and a warm one, with and without timing; load_inline with a warm pool and a
-cold then warm build cache; the warm no-timing CuPy row again with two judges; and load_inline
-evaluated KernelBench's way, one fresh Python process per kernel, one at a time. Every kernel is a
-new source (salted), so no cache helps unless the row says so. "judge busy" is the fraction of the
-row's time each judge spent answering: near 100%, the judges bound the throughput.
+compiles included) and a warm one, with and without timing; load_inline built each way
+(`--build`, default both: torch's load_inline, and the split build of `verifier.fastbuild`) with
+a warm pool and a cold then warm build cache (the fast build also with its precompiled header
+already made, and prebuilt by a `prebuild.BuildPool` before verifying); the warm no-timing CuPy
+row again with two judges; and load_inline evaluated KernelBench's way, one fresh Python process
+per kernel, one at a time. Every kernel is a new source (salted), so no cache helps unless the row
+says so. "judge busy" is the fraction of the row's time each judge spent answering: near 100%, the
+judges bound the throughput.
 
 `check_reference_solutions(path, workers)`: runs the verifier over the reference solutions
 (`cuda_code`) of a DICE JSON file and prints how many it calls correct and every rejection
-(resumable through a verdict log).
+(resumable through a verdict log). `compare_builds(path, workers, builds)` verifies them once per
+build way, each with a fresh build cache, and prints each way's throughput and every solution
+whose verdict differs between them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -30,6 +36,9 @@ import torch
 from dice.cli import ArgumentParser
 from dice.tasks import load_tasks
 from dice.verifier import Verifier
+from dice.verifier.prebuild import BuildPool
+
+BUILDS = {"torch": ("torch",), "fast": ("fast",), "both": ("torch", "fast")}
 
 TASK = '''import torch
 import torch.nn as nn
@@ -184,11 +193,8 @@ def bench_verify(args) -> None:
                          busy * seconds / total))
         rows.append(_row("cupy, warm pool, timing", n_cupy, *_timed_map(verifier, cupy_b)))
         rows.append(_row("cupy, warm pool, no timing (RL reward)", n_cupy, *_timed_map(verifier, cupy_c, timing=False)))
-        if n_inline:
-            rows.append(_row("load_inline, warm pool, cold build cache, timing", n_inline,
-                             *_timed_map(verifier, inline)))
-            rows.append(_row("load_inline, warm pool, warm build cache, timing", n_inline,
-                             *_timed_map(verifier, inline)))
+    for build in BUILDS[args.build] if n_inline else ():
+        rows += _inline_rows(build, workers, n_inline, salt, os.path.join(scratch, f"cache-{build}"))
     with Verifier(workers=workers, judges=2, cache_dir=os.path.join(scratch, "cache")) as verifier:
         _timed_map(verifier, cupy_a, timing=False)   # warm: start-up, and NVRTC from CuPy's disk cache
         rows.append(_row("cupy, warm pool, no timing, 2 judges", n_cupy, *_timed_map(verifier, cupy_d, timing=False)))
@@ -203,6 +209,76 @@ def bench_verify(args) -> None:
         rows.append(_row("load_inline, one process per kernel (KernelBench), timing", n_inline,
                          time.perf_counter() - start, statuses))
     _print_table(rows)
+
+
+@contextmanager
+def build_way(build: str | None):
+    """Workers started inside build their load_inline extensions this way (`build.BuildCache`
+    reads DICE_INLINE_BUILD; the workers inherit the environment)."""
+    before = os.environ.get("DICE_INLINE_BUILD")
+    if build:
+        os.environ["DICE_INLINE_BUILD"] = build
+    try:
+        yield
+    finally:
+        os.environ.pop("DICE_INLINE_BUILD", None)
+        if before is not None:
+            os.environ["DICE_INLINE_BUILD"] = before
+
+
+def _inline_rows(build: str, workers: int, n: int, salt: str, cache_dir: str) -> list[dict]:
+    """The load_inline rows for one build way, in a fresh build cache."""
+    inline = [(task, INLINE_CANDIDATE.format(**f)) for task, f in variants(n, salt + "i" + build)]
+    rows = []
+    with build_way(build), Verifier(workers=workers, judges=1, cache_dir=cache_dir) as verifier:
+        first = "cold build cache" + (" and precompiled header" if build == "fast" else "")
+        rows.append(_row(f"load_inline ({build} build), warm pool, {first}, timing", n, *_timed_map(verifier, inline)))
+        rows.append(_row(f"load_inline ({build} build), warm pool, warm build cache, timing", n,
+                         *_timed_map(verifier, inline)))
+        if build == "fast":
+            again = [(task, INLINE_CANDIDATE.format(**f)) for task, f in variants(n, salt + "j")]
+            rows.append(_row("load_inline (fast build), warm pool, cold build cache, timing", n,
+                             *_timed_map(verifier, again)))
+            prebuilt = [(task, INLINE_CANDIDATE.format(**f)) for task, f in variants(n, salt + "p")]
+            start = time.perf_counter()
+            with BuildPool(cache_dir, timeout_s=900) as pool:
+                reports = [f.result() for f in [pool.submit(candidate) for _, candidate in prebuilt]]
+            built = time.perf_counter() - start
+            seconds, statuses, busy = _timed_map(verifier, prebuilt)
+            statuses.update(f"prebuild {r['status']}" for r in reports)
+            rows.append(_row(f"load_inline (fast build), BuildPool prebuild ({built:.0f} s) then verify, timing", n,
+                             built + seconds, statuses, busy * seconds / (built + seconds)))
+    return rows
+
+
+def compare_builds(path: str, workers: int, builds: tuple[str, ...], timing: bool = False, limit: int | None = None,
+                   **verifier_options) -> None:
+    """Verify the reference solutions of a DICE JSON file once per build way, each in a fresh
+    build cache; print each way's verdicts and throughput, then every solution they disagree on."""
+    tasks = [t for t in load_tasks(path) if t.solution][:limit]
+    if not tasks:
+        raise SystemExit(f"{path}: no records with a cuda_code reference solution")
+    verdicts = {}
+    for build in builds:
+        with tempfile.TemporaryDirectory(prefix=f"dice-check-{build}-") as cache, build_way(build), \
+                Verifier(workers=workers, cache_dir=cache, **verifier_options) as verifier:
+            start = time.perf_counter()
+            results = verifier.map([(t.source, t.solution) for t in tasks], timing=timing,
+                                   on_broken_task=lambda i, e: None)
+            seconds = time.perf_counter() - start
+        verdicts[build] = [r.status if r else "task_error" for r in results]
+        statuses = collections.Counter(verdicts[build])
+        print(f"{build} build: {len(tasks)} solutions in {seconds:.0f} s ({60 * len(tasks) / seconds:.1f} kernels/min; "
+              f"{', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))})", flush=True)
+        for t, r in zip(tasks, results):
+            if r is not None and not r.correct:
+                print(f"  - {t.name}: {r.status}: " + "\n      ".join(r.message.splitlines()[:4]), flush=True)
+    if len(builds) > 1:
+        differ = [(t.name, *(verdicts[b][i] for b in builds)) for i, t in enumerate(tasks)
+                  if len({verdicts[b][i] for b in builds}) > 1]
+        print(f"verdicts equal on {len(tasks) - len(differ)}/{len(tasks)} solutions ({' vs '.join(builds)})")
+        for name, *statuses in differ:
+            print(f"  - {name}: " + " vs ".join(statuses))
 
 
 def check_reference_solutions(path: str, workers: int, timing: bool = False, limit: int | None = None,
@@ -280,13 +356,22 @@ def main(argv=None) -> None:
     parser.add_argument("--judges", type=int, help="with --check: reference processes (default: one per 8 workers)")
     parser.add_argument("--log", metavar="JSONL", help="with --check: append each verdict here; solutions "
                         "already logged are skipped (continue a run that was cut short; delete the file to start over)")
+    parser.add_argument("--build", choices=BUILDS, help="how load_inline extensions are built: torch's load_inline, "
+                        "the fast split build, or both side by side (default: both for the bench; for --check the "
+                        "verifier's default, fast, and both compares the verdicts)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("python -m dice.bench verify needs a CUDA GPU; this machine has none")
-    if args.check:
+    if args.check and args.build:
+        if args.log:
+            parser.error("--log resumes one run; with --build each way is verified afresh, so leave --log out")
+        compare_builds(args.check, args.workers, BUILDS[args.build], timing=args.timing, limit=args.limit,
+                       judges=args.judges)
+    elif args.check:
         check_reference_solutions(args.check, args.workers, timing=args.timing, limit=args.limit, log=args.log,
                                   judges=args.judges)
     else:
+        args.build = args.build or "both"
         bench_verify(args)
 
 

@@ -199,23 +199,22 @@ def run_compiler(argv: list[str], log: Path, slots: CompilerSlots) -> tuple[int,
 
 
 def _locked_artifact(root: Path, key: str, make) -> Path | None:
-    """root/key built once by make(tmp_folder) -> bool under root/key.lock, renamed into place."""
+    """root/key, made once by make(tmp_folder) -> bool under root/key.lock and renamed into place;
+    None if making it failed (remembered: a failure is not retried for this key)."""
     final = root / key
-    if final.exists():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if final.exists():
-            return final
-        tmp = Path(tempfile.mkdtemp(prefix=f"tmp-{key[:8]}-", dir=root))
-        try:
-            if not make(tmp):
-                return None
-            os.replace(tmp, final)
-            return final
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    if not final.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / f"{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not final.exists():
+                tmp = Path(tempfile.mkdtemp(prefix=f"tmp-{key[:8]}-", dir=root))
+                try:
+                    if make(tmp):
+                        (tmp / "ok").touch()
+                    os.replace(tmp, final)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+    return final if (final / "ok").exists() else None
 
 
 def precompiled_header(root: Path, flags: Flags, slots: CompilerSlots) -> Path | None:

@@ -1,0 +1,119 @@
+"""The fast load_inline build on a GPU: through the Verifier it gives torch's verdict on correct,
+incorrect, compile-broken, crashing and unsplittable programs, and a BuildPool prebuild is what the
+workers then load. Run with `pytest -m gpu tests/test_inline_build_gpu.py` (torch's builds take
+about a minute each)."""
+import os
+
+import pytest
+
+from dice.bench.verify import build_way
+from dice.verifier import Verifier
+from dice.verifier.prebuild import BuildPool
+
+pytestmark = pytest.mark.gpu
+
+TASK = '''import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.relu(x * 2.0 + 1.0)
+
+
+def get_inputs():
+    return [torch.randn(1000, 999)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+CANDIDATE = '''import torch
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+cuda_source = r"""
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#define THREADS 256
+struct Affine { float scale, shift; };
+
+__device__ __forceinline__ float relu(float v) { return v > 0.0f ? v : 0.0f; }
+
+__global__ void affine_relu(const float* __restrict__ x, float* y, Affine a, int64_t n) {
+    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = relu(a.scale * x[i] + a.shift)BODY;
+}
+
+__global__ void copy(const float* x, float* y, int64_t n) {
+    extern __shared__ float tile[];
+    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    tile[threadIdx.x] = i < n ? x[i] : 0.0f;
+    __syncthreads();
+    if (i < n) y[i] = tile[threadIdx.x];
+}
+
+torch::Tensor run(torch::Tensor x) {
+    auto xc = x.contiguous();
+    auto tmp = torch::empty_like(xc);
+    auto y = torch::empty_like(xc);
+    int64_t n = xc.numel();
+    int blocks = (n + THREADS - 1) / THREADS;
+    affine_relu<<<blocks, THREADS>>>(xc.data_ptr<float>(), tmp.data_ptr<float>(), Affine{2.0f, 1.0f}, n);
+    copy<<<blocks, THREADS, THREADS * sizeof(float), at::cuda::getCurrentCUDAStream()>>>(
+        tmp.data_ptr<float>(), y.data_ptr<float>(), n);
+    return y;
+}
+"""
+
+ext = load_inline(name="affine_relu", cpp_sources="CPP", cuda_sources=cuda_source, functions=["run"])
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        return ext.run(x)
+'''
+
+PROGRAMS = {
+    "correct": ({}, "correct"),
+    "incorrect": ({"BODY": " * 0.5f"}, "incorrect"),
+    "kernel does not compile": ({"BODY": " + undefined_name"}, "compile_error"),
+    "cpp_sources do not compile": ({"CPP": "torch::Tensr run(torch::Tensor x);"}, "compile_error"),
+    "crashes": ({"BODY": "; y[i + (1ll << 40)] = 1.0f"}, "runtime_error"),
+    "templated kernel (torch's build)": ({"__global__ void copy(": "template <typename T> __global__ void copy_t(T* p) {}\n"
+                                          "__global__ void copy("}, "correct"),
+}
+
+
+def program(edits: dict) -> str:
+    text = CANDIDATE.replace("BODY", edits.get("BODY", "")).replace('"CPP"', repr(
+        edits.get("CPP", "torch::Tensor run(torch::Tensor x);")))
+    for old, new in edits.items():
+        if old not in ("BODY", "CPP"):
+            text = text.replace(old, new)
+    return text
+
+
+def verdicts(build: str, cache_dir) -> list:
+    with build_way(build), Verifier(workers=4, cache_dir=cache_dir) as verifier:
+        return verifier.map([(TASK, program(edits)) for edits, _ in PROGRAMS.values()], timing=False, trials=2)
+
+
+def test_fast_build_gives_torchs_verdicts(tmp_path):
+    fast = verdicts("fast", tmp_path / "fast")
+    assert (tmp_path / "fast" / "torch_extensions" / "pch").is_dir()
+    torch_way = verdicts("torch", tmp_path / "torch")
+    for (name, (_, expected)), f, t in zip(PROGRAMS.items(), fast, torch_way):
+        assert f.status == t.status == expected, (name, f.message, t.message)
+
+
+def test_prebuilt_extension_is_loaded(tmp_path):
+    candidate = program({})
+    with BuildPool(tmp_path, processes=2) as pool:
+        report = pool.submit(candidate).result()
+    assert report["status"] == "built" and report["builds"][0]["how"] == "fast", report
+    libraries = sorted(os.listdir(tmp_path / "torch_extensions"))
+    with build_way("fast"), Verifier(workers=1, cache_dir=tmp_path) as verifier:
+        assert verifier.verify(TASK, candidate, timing=False, trials=2).status == "correct"
+    assert sorted(os.listdir(tmp_path / "torch_extensions")) == libraries   # no new build
