@@ -252,9 +252,10 @@ def _inline_rows(build: str, workers: int, n: int, salt: str, cache_dir: str) ->
 
 
 def compare_builds(path: str, workers: int, builds: tuple[str, ...], timing: bool = False, limit: int | None = None,
-                   **verifier_options) -> None:
+                   prebuild: bool = False, **verifier_options) -> None:
     """Verify the reference solutions of a DICE JSON file once per build way, each in a fresh
-    build cache; print each way's verdicts and throughput, then every solution they disagree on."""
+    build cache; print each way's verdicts and throughput, then every solution they disagree on.
+    prebuild: build every solution with a BuildPool (one process per core) before verifying."""
     tasks = [t for t in load_tasks(path) if t.solution][:limit]
     if not tasks:
         raise SystemExit(f"{path}: no records with a cuda_code reference solution")
@@ -263,6 +264,8 @@ def compare_builds(path: str, workers: int, builds: tuple[str, ...], timing: boo
         with tempfile.TemporaryDirectory(prefix=f"dice-check-{build}-") as cache, build_way(build), \
                 Verifier(workers=workers, cache_dir=cache, **verifier_options) as verifier:
             start = time.perf_counter()
+            if prebuild:
+                _prebuild_all(cache, [t.solution for t in tasks], build)
             results = verifier.map([(t.source, t.solution) for t in tasks], timing=timing,
                                    on_broken_task=lambda i, e: None)
             seconds = time.perf_counter() - start
@@ -279,6 +282,25 @@ def compare_builds(path: str, workers: int, builds: tuple[str, ...], timing: boo
         print(f"verdicts equal on {len(tasks) - len(differ)}/{len(tasks)} solutions ({' vs '.join(builds)})")
         for name, *statuses in differ:
             print(f"  - {name}: " + " vs ".join(statuses))
+
+
+def _prebuild_all(cache_dir: str, candidates: list[str], build: str) -> None:
+    """Prebuild every candidate; print the build throughput, how each extension was built, and
+    why the fast build fell back where it did."""
+    start = time.perf_counter()
+    with BuildPool(cache_dir, build=build) as pool:
+        reports = [f.result() for f in [pool.submit(c) for c in candidates]]
+    seconds = time.perf_counter() - start
+    builds = [b for r in reports for b in r["builds"]]
+    cpu = [b["host_cpu_s"] + b["device_cpu_s"] + b["link_cpu_s"] for b in builds if b["how"] == "fast"]
+    print(f"prebuild ({build}): {len(candidates)} solutions in {seconds:.0f} s ({60 * len(candidates) / seconds:.1f}/min); "
+          f"reports {dict(collections.Counter(r['status'] for r in reports))}; builds "
+          f"{dict(collections.Counter(b['how'] for b in builds))}" +
+          (f"; fast build CPU s per program: median {sorted(cpu)[len(cpu) // 2]:.2f}, mean {sum(cpu) / len(cpu):.2f}, "
+           f"max {max(cpu):.2f}; precompiled header used {sum(b['pch'] for b in builds if b['how'] == 'fast')}"
+           f"/{len(cpu)}" if cpu else ""), flush=True)
+    for reason, count in collections.Counter(b["reason"] for b in builds if b["how"] == "torch").most_common():
+        print(f"  torch's build {count}x: {reason[:200]}")
 
 
 def check_reference_solutions(path: str, workers: int, timing: bool = False, limit: int | None = None,
@@ -356,6 +378,8 @@ def main(argv=None) -> None:
     parser.add_argument("--judges", type=int, help="with --check: reference processes (default: one per 8 workers)")
     parser.add_argument("--log", metavar="JSONL", help="with --check: append each verdict here; solutions "
                         "already logged are skipped (continue a run that was cut short; delete the file to start over)")
+    parser.add_argument("--prebuild", action="store_true", help="with --check --build: build every solution "
+                        "with a BuildPool (a process per core) before verifying it; prints build throughput and fallbacks")
     parser.add_argument("--build", choices=BUILDS, help="how load_inline extensions are built: torch's load_inline, "
                         "the fast split build, or both side by side (default: both for the bench; for --check the "
                         "verifier's default, fast, and both compares the verdicts)")
@@ -366,7 +390,7 @@ def main(argv=None) -> None:
         if args.log:
             parser.error("--log resumes one run; with --build each way is verified afresh, so leave --log out")
         compare_builds(args.check, args.workers, BUILDS[args.build], timing=args.timing, limit=args.limit,
-                       judges=args.judges)
+                       prebuild=args.prebuild, judges=args.judges)
     elif args.check:
         check_reference_solutions(args.check, args.workers, timing=args.timing, limit=args.limit, log=args.log,
                                   judges=args.judges)

@@ -117,8 +117,11 @@ class BuildCache:
             if self.build == "fast":
                 try:
                     return self._fast(name, arguments, library, Path(build_dir), start)
-                except (Unsplittable, FastBuildFailed) as exc:
-                    reason = f"{type(exc).__name__}: {str(exc)[:300]}"
+                except Unsplittable as exc:
+                    reason = f"split refused: {exc.reason}"
+                except FastBuildFailed as exc:
+                    first = next((line for line in str(exc).splitlines() if "error" in line), str(exc)[:200])
+                    reason = f"fast build failed: {first.replace(build_dir + os.sep, '')[:300]}"
             # load_inline also imports what it built; the rename keeps that mapping valid.
             os.mkdir(torch_dir)
             loaded = self._torch_load_inline(**{**arguments, "name": name, "build_directory": torch_dir,
