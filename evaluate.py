@@ -13,6 +13,17 @@ and writes per-level compiled %, correct %, fast_0/1/2, geometric-mean speedup a
 `--infill` is DICE's kernel-infilling evaluation: tasks must carry a prefix/middle/suffix split
 (DICE .json), the prompt shows the skeleton (prefix and suffix around a gap), and a program that
 does not keep the skeleton is `invalid` without being run, as the infill RL phase scores it 0.
+
+`--protocol dice` generates as DICE's published KernelBench numbers were (its
+`training/RL/configs/rl_sdar_kernel_*.yaml` evaluation block): one greedy sample per task, static
+low-confidence remasking, 4,096 new tokens, blocks of 4 with 4 denoising steps each. DICE's greedy
+is top_k=1 at temperature 1, whose confidence after the top-k filter is always 1, so static
+remasking unmasks left to right; ours is temperature 0 with the softmax confidence (DESIGN.md §5),
+so the order follows the model's confidence.
+
+Inputs are checked and solutions generated on any machine (a CPU generates in float32); only running
+the kernels needs a CUDA GPU: without one, `--save-solutions DIR` keeps what was generated for
+`--solutions DIR` on a GPU machine.
 """
 import json
 import sys
@@ -22,12 +33,22 @@ from pathlib import Path
 
 import torch
 
-from dice.cli import ArgumentParser, ProgressLine, at_least, fail_cleanly
-from dice.data import DataError
+from dice.cli import ArgumentParser, ProgressLine, at_least, eta, fail_cleanly
+from dice.data import DataError, read_text
 from dice.metrics import format_summary, summarize
 from dice.prompts import keeps_skeleton
 from dice.sampler import REMASKING
 from dice.tasks import load_tasks
+
+# the generation settings each --protocol fixes (a flag given with another value is an error; the
+# default protocol only fills in what was not given)
+PROTOCOLS = {
+    "default": {"samples": 1, "max_new_tokens": 2048, "steps_per_block": 4, "remasking": "low_confidence_dynamic"},
+    "dice": {"samples": 1, "max_new_tokens": 4096, "steps_per_block": 4, "remasking": "low_confidence_static",
+             "temperature": 0.0},
+}
+# DICE's models and evaluation decode blocks of this size
+DICE_BLOCK_SIZE = 4
 
 
 def parse_args(argv=None):
@@ -37,7 +58,7 @@ def parse_args(argv=None):
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="generate solutions with this model folder")
     source.add_argument("--solutions", help="a folder of solutions, or 'reference' for the tasks' cuda_code")
-    p.add_argument("--samples", type=at_least(1), default=1, help="solutions generated per task (pass@k)")
+    p.add_argument("--samples", type=at_least(1), default=None, help="solutions generated per task (pass@k; default: 1)")
     p.add_argument("--infill", action="store_true",
                    help="kernel infilling: prompt with the task's skeleton; a program that drops it is invalid")
     p.add_argument("--out", default=None, help="write the summary and every verdict here (JSON)")
@@ -49,17 +70,35 @@ def parse_args(argv=None):
     p.add_argument("--no-timing", action="store_true", help="skip timing (no speedups, no fast_p)")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a candidate may run before it is called a timeout (a hanging kernel costs this)")
-    p.add_argument("--max-new-tokens", type=at_least(1), default=2048, help="with --model: tokens per solution")
+    p.add_argument("--protocol", choices=tuple(PROTOCOLS), default="default",
+                   help="with --model: default (the flags below) or dice (DICE's evaluation settings: one greedy "
+                        "sample, low_confidence_static, 4096 tokens, 4 steps per block; see the docstring)")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=None,
+                   help="with --model: tokens per solution (default: 2048)")
+    p.add_argument("--steps-per-block", type=at_least(1), default=None,
+                   help="with --model: denoising steps per block (default: 4)")
     p.add_argument("--temperature", type=at_least(0.0, float), default=None,
                    help="with --model: sampling temperature (default: 0 for one sample, else 1)")
-    p.add_argument("--remasking", choices=REMASKING, default="low_confidence_dynamic",
-                   help="with --model: the sampler's remasking rule")
+    p.add_argument("--remasking", choices=REMASKING, default=None,
+                   help="with --model: the sampler's remasking rule (default: low_confidence_dynamic)")
     p.add_argument("--batch-size", type=at_least(1), default=64, help="with --model: sequences generated per batch")
     p.add_argument("--seed", type=int, default=0, help="with --model: sampling seed")
     p.add_argument("--limit", type=at_least(1), default=None, help="evaluate only the first N tasks")
     args = p.parse_args(argv)
     if args.save_solutions and not args.model:
         p.error("argument --save-solutions: only with --model (it saves what the model generates)")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        p.error(f"argument --out: the folder of {args.out} does not exist; create it or choose another path")
+    fixed = PROTOCOLS[args.protocol]
+    for name, value in fixed.items():
+        given = getattr(args, name)
+        if given is not None and given != value and args.protocol != "default":
+            p.error(f"argument --{name.replace('_', '-')}: --protocol {args.protocol} generates with "
+                    f"{value}; drop --{name.replace('_', '-')} or use --protocol default")
+        if given is None:
+            setattr(args, name, value)
+    if args.temperature is None:
+        args.temperature = 0.0 if args.samples == 1 else 1.0
     return args
 
 
@@ -75,11 +114,12 @@ def read_solutions(args, tasks) -> list[tuple[object, str | None]]:
         return pairs
     root = Path(args.solutions)
     if not root.is_dir():
-        raise FileNotFoundError(f"solutions folder {root} does not exist")
+        raise FileNotFoundError(f"solutions folder {root} does not exist; pass --solutions DIR (DIR/<task name>.py "
+                                "files, as --save-solutions writes them) or --solutions reference")
     for t in tasks:
         single, folder = root / f"{t.name}.py", root / t.name
         files = [single] if single.is_file() else sorted(folder.glob("*.py")) if folder.is_dir() else []
-        pairs += [(t, f.read_text()) for f in files] or [(t, None)]
+        pairs += [(t, read_text(f)) for f in files] or [(t, None)]
     return pairs
 
 
@@ -98,27 +138,34 @@ def write_solutions(root: Path, pairs: list[tuple[object, str | None]], samples:
 
 
 def generate_solutions(args, tasks) -> list[tuple[object, str | None]]:
+    """Generate --samples programs per task with --model (CUDA in bf16, else the CPU in float32)."""
     from dice import load_model, load_tokenizer
     from dice.rollout import complete, one_shot_style, task_prompt_ids
-    model = load_model(args.model, device="cuda", dtype=torch.bfloat16)
+    cuda = torch.cuda.is_available()
+    model = load_model(args.model, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
+    if args.protocol == "dice" and model.config.block_size != DICE_BLOCK_SIZE:
+        raise DataError(f"--protocol dice decodes blocks of {DICE_BLOCK_SIZE} and {args.model} has block_size "
+                        f"{model.config.block_size} in its config.json; use --protocol default for this model")
     tok = load_tokenizer(args.model)
     prompts, owners = [], []
     for t in tasks:
         ids = task_prompt_ids(tok, t, infill=args.infill, one_shot=one_shot_style(model))
         prompts += [ids] * args.samples
         owners += [t] * args.samples
-    temperature = args.temperature if args.temperature is not None else (0.0 if args.samples == 1 else 1.0)
     started, total, line = time.perf_counter(), len(prompts) * args.max_new_tokens, ProgressLine()
 
     def show(n):
         rate = n / max(time.perf_counter() - started, 1e-9)
-        line.update(f"generating: {n} tokens | {rate:.0f} tokens/s (at most {total})")
+        line.update(f"generating: {n}/{total} tokens at most | {rate:.0f} tokens/s | "
+                    f"ETA at most {eta(total - n, rate)}")
 
     completions = complete(model, tok, prompts, batch_size=args.batch_size, seed=args.seed, progress=show,
-                           max_new_tokens=args.max_new_tokens, remasking=args.remasking, temperature=temperature)
+                           max_new_tokens=args.max_new_tokens, steps_per_block=args.steps_per_block,
+                           remasking=args.remasking, temperature=args.temperature)
     line.close()
     del model
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     pairs = [(t, c.code) for t, c in zip(owners, completions)]
     if args.save_solutions:   # before verifying: a crash there keeps the generations
         write_solutions(Path(args.save_solutions), pairs, args.samples)
@@ -149,14 +196,12 @@ def infill_tasks(tasks: list, where: str) -> list:
     return kept
 
 
+NO_GPU = "evaluate.py: running the kernels needs a CUDA GPU (and cupy), which this machine lacks"
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("evaluate.py runs the generated kernels, which needs a CUDA GPU (and cupy); this machine has none")
-    try:
-        tasks = load_tasks(args.tasks)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    tasks = load_tasks(args.tasks)
     if args.level:
         tasks = [t for t in tasks if t.level in args.level]
     if args.infill and tasks:
@@ -164,7 +209,17 @@ def main(argv=None) -> None:
     tasks = tasks[:args.limit] if args.limit else tasks
     if not tasks:
         sys.exit(f"error: no tasks in {args.tasks}" + (f" at level(s) {args.level}" if args.level else ""))
+    gpu = torch.cuda.is_available()
+    if args.model and not gpu and not args.save_solutions:
+        sys.exit(f"{NO_GPU}; pass --save-solutions DIR to generate the programs here and verify them later "
+                 "with --solutions DIR on a GPU machine")
     pairs = read_solutions(args, tasks) if args.solutions else generate_solutions(args, tasks)
+    if not gpu:
+        if args.solutions:
+            sys.exit(f"{NO_GPU}; run this command on a GPU machine (its {len(pairs)} solutions were read fine)")
+        print(f"{NO_GPU}; verify the programs later with `python evaluate.py --tasks {args.tasks} --solutions "
+              f"{args.save_solutions}` on a GPU machine", file=sys.stderr)
+        return
     from dice.verifier import Verifier
     early = [verdict_without_running(t, code, args.infill) for t, code in pairs]
     runnable = [(t.source, code) for (t, code), v in zip(pairs, early) if v is None]
@@ -172,10 +227,10 @@ def main(argv=None) -> None:
 
     def show(i, result):
         done[0] += 1
-        width = 30
+        width, rate = 30, done[0] / (time.perf_counter() - started)
         bar = "#" * (width * done[0] // len(runnable))
-        line.update(f"verifying [{bar:<{width}}] {done[0]}/{len(runnable)} "
-                    f"({done[0] / (time.perf_counter() - started):.1f}/s)")
+        line.update(f"verifying [{bar:<{width}}] {done[0]}/{len(runnable)} ({rate:.1f}/s) | "
+                    f"ETA {eta(len(runnable) - done[0], rate)}")
 
     broken = {}   # task source -> why its reference fails
     with Verifier(workers=args.workers) as verifier:

@@ -15,7 +15,7 @@ import torch
 
 import dice
 from dice import load_model, load_tokenizer
-from dice.cli import ArgumentParser, ProgressLine, at_least, fail_cleanly
+from dice.cli import ArgumentParser, ProgressLine, at_least, eta, fail_cleanly
 from dice.rollout import complete, one_shot_style, task_prompt_ids
 from dice.sampler import REMASKING
 from dice.tasks import load_tasks
@@ -57,6 +57,8 @@ def parse_args(argv=None):
         p.error("argument --fused: the fused kernel runs on a CUDA GPU; drop --fused or use --device cuda")
     if args.device != "cpu" and int(args.device.partition(":")[2] or 0) >= torch.cuda.device_count():
         p.error(f"argument --device: this machine has no {args.device} GPU; use --device cpu")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        p.error(f"argument --out: the folder of {args.out} does not exist; create it or choose another path")
     return args
 
 
@@ -66,10 +68,7 @@ def main(argv=None) -> None:
     if not model_dir.is_dir():
         sys.exit(f"error: model folder {model_dir} does not exist; pass --model DIR (a downloaded "
                  "SDAR/DICE checkpoint or a folder written by train.py)")
-    try:
-        tasks = load_tasks(args.prompt)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    tasks = load_tasks(args.prompt)
     if not tasks:
         sys.exit(f"error: {args.prompt} holds no task; give --prompt a task .py file or a non-empty DICE .json file")
     task = tasks[0]
@@ -83,9 +82,10 @@ def main(argv=None) -> None:
     print(f"model {model_dir} on {args.device}; task {task.name}; prompt {len(prompt)} tokens", file=sys.stderr)
     started, line = time.perf_counter(), ProgressLine()
 
-    def show(n):
+    def show(n):   # generation stops at the end of the answer, so the total and the ETA are bounds
         rate = n / max(time.perf_counter() - started, 1e-9)
-        line.update(f"generating: {n} tokens | {rate:.0f} tokens/s")
+        line.update(f"generating: {n}/{args.max_new_tokens} tokens at most | {rate:.0f} tokens/s | "
+                    f"ETA at most {eta(args.max_new_tokens - n, rate)}")
 
     completion = complete(model, tok, [prompt], max_new_tokens=args.max_new_tokens,
                           steps_per_block=args.steps_per_block, remasking=args.remasking,

@@ -1,4 +1,8 @@
-"""What the commands share: their argument parser, and turning the errors a user can act on into one line."""
+"""What the commands share: their argument parser, and turning the errors a user can act on into one line.
+
+Exit status: 2 for a usage error (a wrong, missing or conflicting flag: argparse's own errors and
+`usage_error`), 1 for a failure (a file, model or machine that does not fit: `fail_cleanly`).
+"""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +13,12 @@ import time
 from .errors import UserError
 
 USER_ERRORS = (UserError, FileNotFoundError)
+
+
+def usage_error(prog: str, message: str):
+    """Print `prog: error: message (see prog --help)` and exit with status 2."""
+    print(f"{prog}: error: {message} (see {prog} --help)", file=sys.stderr)
+    sys.exit(2)
 
 
 def fail_cleanly(main) -> None:
@@ -38,7 +48,7 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        usage_error(self.prog, message)
 
 
 def at_least(low, kind=int):
@@ -74,3 +84,9 @@ class ProgressLine:
             print(file=sys.stderr, flush=True)
         elif self.text != self.written:
             print(self.text, file=sys.stderr, flush=True)
+
+
+def eta(left: float, rate: float) -> str:
+    """`left` units at `rate` per second, as 1m05s."""
+    seconds = int(left / rate) if rate > 0 else 0
+    return f"{seconds // 60}m{seconds % 60:02d}s"

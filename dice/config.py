@@ -1,13 +1,25 @@
 """The configuration of `python train.py`: one dataclass whose fields are the flags (DESIGN.md §4, §7).
 
 Every field of `TrainConfig` is a `--flag` (`config_from_args`); CHOICES and AT_LEAST bound the
-values, HELP is the --help text. Phase defaults that depend on the phase (the learning rate) are
-filled in `__post_init__`.
+values, HELP is the --help text. Defaults that depend on the phase (learning rate, loss
+normalisation) are filled in `__post_init__`; those that depend on the machine (SFT batch and row
+length: 0 = auto) in `dice.sft`. The defaults are the originals' (DESIGN.md §4, §7): AdamW betas
+(0.9, 0.999) and SFT lr 1e-5 constant after warm-up (DICE's LLaMA-Factory `sdar_*_full.yaml`:
+`lr_scheduler_type: constant_with_warmup`), SDAR's per-micro-batch token mean for SFT, TraceRL's
+per-step L1 normalisation and one optimiser step per 256 round rows for RL (DICE's
+`training/RL/configs/rl_sdar_kernel_*.yaml`).
+
+EMBEDDED is what `python train.py --phase sft|infill|e2e` runs with neither --model nor --data:
+the shipped dice-tiny on tasks `dice.taskgen` generates with a fixed seed, short enough for a demo
+(minutes); every flag given still wins.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from .cli import ArgumentParser
 from .sampler import REMASKING
@@ -23,18 +35,23 @@ class TrainConfig:
     out: str = ""
     steps: int = 0
     epochs: float = 0.0
-    batch_size: int = 8
+    batch_size: int = 0
     grad_accum: int = 1
     lr: float = 0.0
+    schedule: str = "constant"
     min_lr_ratio: float = 0.1
     warmup: int = 0
     weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
     grad_clip: float = 1.0
-    max_len: int = 2048
+    loss_norm: str = ""
+    max_len: int = 0
     dtype: str = "auto"
     save_every: int = 0
     keep_checkpoints: int = 2
     resume: bool = False
+    overwrite: bool = False
     seed: int = 0
     gradient_checkpointing: bool = False
     sft_infill: bool = False
@@ -56,7 +73,8 @@ class TrainConfig:
     threshold: float = 0.9
     steps_per_block: int = 4
     rollout_batch: int = 64
-    updates_per_step: int = 1
+    updates_per_step: int = 0
+    rows_per_update: int = 256
     clip_eps: float = 0.2
     kl_beta: float = 0.01
     reference_model: bool = False
@@ -74,33 +92,57 @@ class TrainConfig:
         for name, low in AT_LEAST.items():
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        rl = self.phase in ("infill", "e2e")
         if not self.lr:
-            self.lr = 1e-6 if self.phase in ("infill", "e2e") else 1e-5
+            self.lr = 1e-6 if rl else 1e-5
+        if rl and not self.batch_size:
+            self.batch_size = 8
+        norms = ("step", "response") if rl else ("batch", "sample")
+        self.loss_norm = self.loss_norm or norms[0]
+        if self.loss_norm not in norms:
+            raise ValueError(f"--loss-norm for --phase {self.phase} must be one of {', '.join(norms)}, "
+                             f"not {self.loss_norm!r}")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
 
 
 CHOICES = {"phase": ("init", "sft", "infill", "e2e"), "dtype": ("auto", "bf16", "fp32"),
-           "attention": ("auto", "flex", "dense"), "remasking": REMASKING, "reward": ("correct", "speedup")}
-AT_LEAST = {"steps": 0, "epochs": 0, "batch_size": 1, "grad_accum": 1, "tasks_per_step": 1, "group_size": 1,
-            "max_new_tokens": 1, "temperature": 0, "steps_per_block": 1, "rollout_batch": 1, "updates_per_step": 1}
+           "schedule": ("constant", "cosine"), "attention": ("auto", "flex", "dense"), "remasking": REMASKING,
+           "reward": ("correct", "speedup")}
+AT_LEAST = {"steps": 0, "epochs": 0, "batch_size": 0, "grad_accum": 1, "max_len": 0, "tasks_per_step": 1,
+            "group_size": 1, "max_new_tokens": 1, "temperature": 0, "steps_per_block": 1, "rollout_batch": 1,
+            "updates_per_step": 0, "rows_per_update": 1}
 HELP = {
     "phase": "init: a from-scratch model folder; sft: masked-diffusion SFT; infill, e2e: the BiC-RL phases",
-    "model": "the model folder to train (not for --phase init)",
-    "data": "SFT records (.json/.jsonl), RL tasks (DICE .json or a KernelBench folder), or init's corpus",
-    "out": "run folder (metrics.jsonl, checkpoints/, final/); for --phase init the new model folder",
-    "steps": "optimiser steps (SFT: this or --epochs; RL: required)",
+    "model": "the model folder to train; required with --data (neither: the embedded default, dice-tiny)",
+    "data": "SFT records (.json/.jsonl), RL tasks (DICE .json or a KernelBench folder), or init's corpus; "
+            "required with --model and for --phase init (neither: tasks generated by dice.taskgen)",
+    "out": "run folder (metrics.jsonl, checkpoints/, final/; default: a new runs/<phase>-<time>/); "
+           "required for --phase init (the new model folder) and with --resume",
+    "steps": "optimiser steps (SFT) or RL steps; required with --data (SFT: this or --epochs)",
     "epochs": "SFT passes over the data, when --steps is 0",
-    "batch_size": "rows per process per micro-batch (RL: trace rounds per micro-batch)",
+    "batch_size": "rows per process per micro-batch; 0 = SFT 8 on CUDA, 1 on a CPU; RL 8 trace rounds",
     "grad_accum": "SFT micro-batches per optimiser step",
-    "lr": "peak learning rate; 0 = 1e-5 for SFT / 1e-6 for RL (DESIGN.md §7)",
-    "min_lr_ratio": "the cosine schedule decays to this fraction of --lr",
+    "lr": "peak learning rate; 0 = 1e-5 for SFT / 1e-6 for RL (DESIGN.md §4, §7)",
+    "schedule": "SFT learning rate after the warm-up: constant (DICE's) or cosine to --min-lr-ratio",
+    "min_lr_ratio": "--schedule cosine decays to this fraction of --lr",
     "warmup": "linear warm-up steps",
     "weight_decay": "AdamW weight decay of the matrices",
+    "adam_beta1": "AdamW beta1",
+    "adam_beta2": "AdamW beta2 (DICE/LLaMA-Factory: 0.999)",
     "grad_clip": "gradient-norm clipping",
-    "max_len": "SFT row length in tokens (rounded down to the block size)",
+    "loss_norm": "SFT: batch (SDAR: each micro-batch's masked-token CE/p sum over its response tokens) or "
+                 "sample (a mean over samples); RL: step (TraceRL/DICE: each round's sum over the step's "
+                 "response width L1) or response (each response over its own length); default the first",
+    "max_len": "SFT row length in tokens (rounded down to the block size); 0 = 2048 on CUDA, 1024 on a CPU",
     "dtype": "auto: bf16 autocast on CUDA, fp32 on CPU",
     "save_every": "write a checkpoint every N steps (0: only final/)",
     "keep_checkpoints": "checkpoints kept, newest first (0: all)",
-    "resume": "continue from the newest checkpoint in --out",
+    "resume": "continue the run in --out from its newest checkpoint (its settings must match)",
+    "overwrite": "replace the earlier run in --out (its final/, metrics.jsonl, checkpoints/, run.json)",
     "seed": "seed of the initialisation, data order and noise",
     "gradient_checkpointing": "recompute each layer's forward in the backward pass (less memory)",
     "sft_infill": "also teach kernel records under the infilling prompt",
@@ -120,7 +162,8 @@ HELP = {
     "threshold": "RL: confidence threshold of low_confidence_dynamic",
     "steps_per_block": "RL: denoising steps per block",
     "rollout_batch": "RL: sequences generated per batch",
-    "updates_per_step": "RL: optimiser steps per RL step",
+    "updates_per_step": "RL: optimiser steps per RL step; 0 = one per --rows-per-update trace rounds (DICE)",
+    "rows_per_update": "RL: trace rounds per optimiser step when --updates-per-step is 0 (DICE: 8 GPUs x 32)",
     "clip_eps": "RL: PPO clip range",
     "kl_beta": "RL: weight of the k3 KL term",
     "reference_model": "RL: KL against a frozen copy of --model instead of the rollout policy",
@@ -131,18 +174,45 @@ HELP = {
     "verify_timeout": "RL: seconds a sampled kernel may run before it is a timeout",
 }
 
+EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "dice-tiny"
+# dice-tiny's recipe (its card); a rollout of a quarter of DICE's 64 x 16 samples takes an optimiser
+# step per a quarter of DICE's 256 trace rounds, so the ratio and KL act as in DICE
+_RL_DEMO = {"steps": 6, "tasks_per_step": 32, "group_size": 8, "max_new_tokens": 704, "lr": 2e-5,
+            "rows_per_update": 64, "rollout_batch": 256, "batch_size": 64, "verify_timeout": 5.0, "save_every": 2,
+            "verifier_workers": max(1, min(14, (os.cpu_count() or 4) - 2))}
+# per phase: the flags' values, then (taskgen split, tasks drawn); dice-tiny's card has its recipe
+EMBEDDED = {"sft": ({"steps": 30, "save_every": 10}, ("train", 200)),
+            "infill": (_RL_DEMO, ("rl", 200)), "e2e": (_RL_DEMO, ("rl", 200))}
 
-def config_from_args(argv: list[str] | None = None) -> TrainConfig:
-    """argparse over the TrainConfig fields: `--batch-size 8`, `--resume`, ..."""
-    parser = ArgumentParser(prog="train.py", description="SFT and BiC-RL training (see README)")
+
+def _parser(with_defaults: bool) -> ArgumentParser:
+    parser = ArgumentParser(prog="train.py", description="SFT and BiC-RL training (see README)",
+                            argument_default=None if with_defaults else argparse.SUPPRESS)
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
+        default = {"default": f.default} if with_defaults else {}
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", default=f.default, help=HELP[f.name])
+            parser.add_argument(flag, action="store_true", help=HELP[f.name], **default)
         else:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            parser.add_argument(flag, type=kind, default=f.default, choices=CHOICES.get(f.name), help=HELP[f.name])
+            parser.add_argument(flag, type=kind, choices=CHOICES.get(f.name), help=HELP[f.name], **default)
+    return parser
+
+
+def config_from_args(argv: list[str] | None = None) -> tuple[TrainConfig, set[str]]:
+    """argparse over the TrainConfig fields (`--batch-size 8`, `--resume`, ...): the config, and the
+    names of the fields given on the command line."""
+    parser = _parser(with_defaults=True)
+    args = parser.parse_args(argv)
+    given = set(vars(_parser(with_defaults=False).parse_args(argv)))
     try:
-        return TrainConfig(**vars(parser.parse_args(argv)))
+        return TrainConfig(**vars(args)), given
     except ValueError as e:
         parser.error(str(e))
+
+
+def with_embedded_defaults(cfg: TrainConfig, given: set[str]) -> TrainConfig:
+    """`cfg` with the embedded default's model and flags (EMBEDDED) wherever the command line gave none."""
+    flags, _ = EMBEDDED[cfg.phase]
+    return dataclasses.replace(cfg, model=str(EMBEDDED_MODEL),
+                               **{name: value for name, value in flags.items() if name not in given})

@@ -7,8 +7,9 @@ Accepted records (a JSON list or JSONL, one object per line):
                                                               the assistant's response
   {"pytorch_code": ..., "cuda_code": ...}                     a kernel task and its solution,
                                                               through the DICE prompt builder
-Each becomes ChatML text `chat_prompt(user)` + `chat_response(answer)`; prompt and response are
-tokenised separately, as at inference, where the response starts right after the prompt.
+Each becomes ChatML text `chat_prompt(user)` + `chat_response(answer, think)` (think: DICE's empty
+think block first, for SDAR/DICE models, `dice.prompts.thinks`); prompt and response are tokenised
+separately, as at inference, where the response starts right after the prompt.
 
 Packing: every example is padded to a multiple of the block size (padding belongs to no
 sample: it is never attended to and never trained) and examples are laid greedily into rows of
@@ -33,17 +34,40 @@ class DataError(UserError):
     message names the file, record or flag and the fix."""
 
 
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file; one that is not is a DataError naming it and the first bad byte."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); "
+                        "save it as UTF-8") from None
+
+
 def read_records(path: str | Path) -> list[dict]:
+    """The records of a JSON list or a JSONL file (one object per line; blank lines skipped); a line
+    that does not parse is reported with its line number in the file."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"data file {path} not found")
-    text = path.read_text()
+        raise DataError(f"data file {path} not found; pass --data FILE (.json or .jsonl records)")
+    text = read_text(path)
+    if path.suffix == ".jsonl":
+        records = []
+        for number, line in enumerate(text.splitlines(), 1):
+            try:
+                record = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} line {number} is not valid JSON ({e.msg} at column {e.colno}); "
+                                "fix that line (JSONL holds one record per line)") from None
+            if line.strip() and not isinstance(record, dict):
+                raise DataError(f"{path} line {number} holds a {type(record).__name__}, not a record object; "
+                                "write one JSON object per line")
+            records += [record] if line.strip() else []
+        return records
     try:
-        if path.suffix == ".jsonl":
-            return [json.loads(line) for line in text.splitlines() if line.strip()]
         records = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not valid {'JSONL' if path.suffix == '.jsonl' else 'JSON'}: {e}") from None
+        raise DataError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); fix it there, "
+                        "or write one record per line in a .jsonl file") from None
     if not isinstance(records, list):
         raise DataError(f"{path} must hold a JSON list of records (or be .jsonl with one record per line)")
     return records
@@ -53,7 +77,7 @@ def _messages_prompt(messages: list[dict]) -> tuple[str, str]:
     roles = [m.get("role") for m in messages]
     asked = [r for r in roles[:-1] if r != "system"]
     if len(roles) < 2 or roles[-1] != "assistant" or not asked or asked[-1] != "user":
-        raise KeyError("messages must end with a user turn answered by an assistant turn")
+        raise ValueError("its messages must end with a user turn answered by an assistant turn")
     *context, last = messages
     system = "".join(f"<|im_start|>system\n{m['content']}<|im_end|>\n" for m in context if m["role"] == "system")
     turns = [m for m in context if m["role"] != "system"]
@@ -61,15 +85,18 @@ def _messages_prompt(messages: list[dict]) -> tuple[str, str]:
     return system + history + chat_prompt(turns[-1]["content"]), last["content"]
 
 
-def record_to_text(record: dict, *, one_shot: str | None = "load_inline", infill: bool = False) -> tuple[str, str]:
+def record_to_text(record: dict, *, one_shot: str | None = "load_inline", infill: bool = False,
+                   think: bool = False) -> tuple[str, str]:
     """(ChatML prompt text, response text ending with <|im_end|>) of one record; `infill` uses the
-    infilling prompt (the record's prefix and suffix around the gap) for a kernel record."""
+    infilling prompt (the record's prefix and suffix around the gap) for a kernel record, `think`
+    DICE's response format (`dice.prompts.chat_response`)."""
     if "messages" in record:
         prompt, answer = _messages_prompt(record["messages"])
-        return prompt, chat_response(answer)
-    if "pytorch_code" in record and "cuda_code" in record:
-        if not record["cuda_code"].strip():   # DICE's end-to-end RL file: tasks without solutions
-            raise ValueError("its cuda_code is empty: a task for RL (--phase e2e), not an SFT example")
+        return prompt, chat_response(answer, think)
+    if "pytorch_code" in record:
+        if not str(record.get("cuda_code", "")).strip():   # DICE's end-to-end RL file: tasks without solutions
+            raise ValueError("it has a pytorch_code task but no cuda_code solution (or an empty one): a task for "
+                             "RL (--phase e2e), not an SFT example; add its solution as cuda_code or leave it out")
         skeleton = {"prefix": record["prefix"], "suffix": record["suffix"]} if infill else {}
         user = kernel_prompt(record["pytorch_code"], one_shot=one_shot, **skeleton)
         answer = f"```python\n{record['cuda_code'].strip()}\n```"
@@ -80,20 +107,22 @@ def record_to_text(record: dict, *, one_shot: str | None = "load_inline", infill
         user, answer = record["prompt"], record["response"]
     if not isinstance(user, str) or not isinstance(answer, str):
         raise TypeError("its prompt and response must be strings")
-    return chat_prompt(user), chat_response(answer)
+    return chat_prompt(user), chat_response(answer, think)
 
 
 def record_texts(record: dict, where: str, *, one_shot: str | None = "load_inline",
-                 infill_copies: bool = False) -> list[tuple[str, str]]:
+                 infill_copies: bool = False, think: bool = False) -> list[tuple[str, str]]:
     """`record_to_text` of a record, plus its infilling copy with `infill_copies` (see
     `tokenize_records`); a record of no known format is a DataError naming `where`."""
     try:
-        texts = [record_to_text(record, one_shot=one_shot)]
+        texts = [record_to_text(record, one_shot=one_shot, think=think)]
         if infill_copies and "prefix" in record and "cuda_code" in record:
-            texts.append(record_to_text(record, one_shot=one_shot, infill=True))
-    except (KeyError, TypeError, AttributeError, ValueError) as e:
+            texts.append(record_to_text(record, one_shot=one_shot, infill=True, think=think))
+    except (KeyError, AttributeError) as e:
         raise DataError(f"{where} is not a prompt/response, alpaca, messages or pytorch_code/cuda_code "
-                        f"record ({e!r})") from None
+                        f"record (it has no {e}); fix the record or leave it out") from None
+    except (TypeError, ValueError) as e:
+        raise DataError(f"{where} is not usable: {e}") from None
     return texts
 
 
@@ -104,7 +133,8 @@ class Example:
 
 
 def tokenize_records(records: list[dict], tokenizer, max_len: int, *, source: str = "data",
-                     one_shot: str | None = "load_inline", infill_copies: bool = False) -> tuple[list[Example], int]:
+                     one_shot: str | None = "load_inline", infill_copies: bool = False,
+                     think: bool = False) -> tuple[list[Example], int]:
     """Tokenise records. With `infill_copies`, kernel records that carry a prefix/middle/suffix
     split are also taught under the infilling prompt (the prompt of BiC-RL's first phase).
     Returns (examples, number of examples skipped because prompt + response exceed `max_len`:
@@ -112,7 +142,7 @@ def tokenize_records(records: list[dict], tokenizer, max_len: int, *, source: st
     examples, skipped = [], 0
     for i, record in enumerate(records):
         for prompt, response in record_texts(record, f"{source}: record {i}", one_shot=one_shot,
-                                             infill_copies=infill_copies):
+                                             infill_copies=infill_copies, think=think):
             p, r = tokenizer.encode(prompt), tokenizer.encode(response)
             if len(p) + len(r) > max_len:
                 skipped += 1
@@ -167,8 +197,6 @@ class RowStream:
     on exactly the data it would have seen."""
 
     def __init__(self, examples: list[Example], row_len: int, block_size: int, pad_id: int, seed: int):
-        if not examples:
-            raise DataError("no training examples left (all prompts longer than --max-len?)")
         self.examples, self.row_len, self.block_size, self.pad_id, self.seed = examples, row_len, block_size, pad_id, seed
         self._lengths: dict[int, int] = {}
         self._cached: tuple[int, list[dict]] = (-1, [])

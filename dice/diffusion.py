@@ -5,11 +5,14 @@ Forward process, per (packed) sample: t ~ U(0, 1), p = (1 - eps) t + eps with ep
 each response token is replaced by MASK independently with probability p (the prompt never is;
 at least one response token always is). The model sees `[x_t ; x_0]` (both halves at positions
 0..n-1) under the block-diffusion mask, so every noisy block is denoised given the clean blocks
-before it, exactly the state the sampler is in. The loss is the ELBO weighting
+before it, exactly the state the sampler is in. The loss is the ELBO weighting, read from the
+noisy half only (logits are computed just for the masked positions), normalised one of two ways:
 
-    L = mean over samples of  (1 / |response|) * sum over masked response tokens of CE(x_0 | x_t) / p
-
-read from the noisy half only: logits are computed just for the masked positions.
+    batch   (SDAR, `modeling_sdar.py`: CE with reduction='sum', then `/ answer_len`)
+            L = sum over the micro-batch's masked response tokens of CE(x_0 | x_t) / p,
+                divided by the number of response tokens in the micro-batch: every token weighs the same;
+    sample  L = sum over samples of (1 / |response|) * sum over its masked tokens of CE / p,
+            to be divided by the number of samples: each sample weighs the same, a long one's tokens less.
 """
 from __future__ import annotations
 
@@ -48,8 +51,11 @@ def add_noise(input_ids: torch.Tensor, loss_mask: torch.Tensor, sample_ids: torc
     return input_ids.masked_fill(masked, mask_token_id), masked, p
 
 
-def token_weights(loss_mask: torch.Tensor, sample_ids: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """1 / (p * |response of the token's sample|) for every token: [B, n] (0 where no response)."""
+def token_weights(loss_mask: torch.Tensor, sample_ids: torch.Tensor, p: torch.Tensor, norm: str) -> torch.Tensor:
+    """Each token's weight in the loss (module docstring), [B, n], 0 where no response: `batch`,
+    1 / (p * response tokens of the whole batch); `sample`, 1 / (p * |response of its sample|)."""
+    if norm == "batch":
+        return loss_mask.float() / (p * loss_mask.sum().clamp(min=1))
     B, n = loss_mask.shape
     key = sample_ids.clamp(min=0) + torch.arange(B, device=loss_mask.device)[:, None] * n
     resp_len = torch.zeros(B * n, device=loss_mask.device).index_add_(0, key.flatten(), loss_mask.flatten().float())
@@ -72,17 +78,18 @@ def doubled_logits(model, noisy_ids, clean_ids, position_ids, sample_ids, logits
 
 
 def diffusion_loss(model, batch: dict, generators: list[torch.Generator], mask_token_id: int, *,
-                   use_flex: bool = False, eps: float = EPS) -> torch.Tensor:
-    """Sum over the batch's samples of the per-sample loss (module docstring).
+                   norm: str = "batch", use_flex: bool = False, eps: float = EPS) -> torch.Tensor:
+    """The loss of one micro-batch (module docstring): `batch`, SDAR's mean over its response
+    tokens; `sample`, the sum over its samples (divide by the step's number of samples).
 
     batch: `input_ids`, `position_ids`, `sample_ids`, `loss_mask` [B, n] CPU tensors (dice.data);
     row i is noised with generators[i], so a row's noise does not depend on how rows are split
-    into micro-batches or processes. Divide by the step's global number of samples before backward.
+    into micro-batches or processes.
     """
     noised = [add_noise(*(batch[k][i:i + 1] for k in ("input_ids", "loss_mask", "sample_ids")), mask_token_id, g, eps)
               for i, g in enumerate(generators)]
     noisy, masked, p = (torch.cat(t) for t in zip(*noised))
-    weights = token_weights(batch["loss_mask"], batch["sample_ids"], p)[masked]
+    weights = token_weights(batch["loss_mask"], batch["sample_ids"], p, norm)[masked]
     device = next(model.parameters()).device
     to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
     logits = doubled_logits(model, to(noisy), to(batch["input_ids"]), to(batch["position_ids"]),

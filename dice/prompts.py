@@ -5,12 +5,13 @@ DESIGN.md §4 and §6. The model's input for a KernelBench-style task is always
     chat_prompt(kernel_prompt(task_src))                         # end to end
     chat_prompt(kernel_prompt(task_src, prefix=p, suffix=s))     # infilling (RL phase 1)
 
-and a training target is chat_response(answer). kernel_prompt carries the content of
+and a training target is chat_response(answer), or chat_response(answer, think=True) for a model
+whose chat template writes a think block (`thinks`: SDAR/DICE). kernel_prompt carries the content of
 KernelBench's prompt (instruction, a one-shot elementwise-add example, the task's `Model`,
 the request for `ModelNew`) in our own words, except for its first sentence and the closing
 request, which keep KernelBench's wording (DICE's prompts are KernelBench's). extract_code
-takes the program out of an answer; keeps_skeleton tells whether an infilling answer kept
-the given prefix and suffix.
+takes the program out of an answer (after its think block, if it starts with one); keeps_skeleton
+tells whether an infilling answer kept the given prefix and suffix.
 '''
 from __future__ import annotations
 
@@ -151,14 +152,30 @@ ONE_SHOT_EXAMPLES = {
 }
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# DICE's SFT answers (LLaMA-Factory's qwen3 template with thinking on adds it to the response)
+EMPTY_THINK = f"{THINK_OPEN}\n\n{THINK_CLOSE}\n\n"
+
+
 def chat_prompt(user_text: str) -> str:
     """A ChatML user turn followed by the opening of the assistant's turn (DESIGN.md §4)."""
     return f"{IM_START}user\n{user_text}{IM_END}\n{IM_START}assistant\n"
 
 
-def chat_response(text: str) -> str:
-    """The assistant side of a training example: the answer closed by <|im_end|>."""
-    return f"{text}{IM_END}"
+def chat_response(text: str, think: bool = False) -> str:
+    """The assistant side of a training example: the answer closed by <|im_end|>; with `think`,
+    DICE's format (DESIGN.md §4; LLaMA-Factory qwen3: `<think>\n\n</think>\n\n` + answer +
+    `<|im_end|>\n`, all of it trained)."""
+    return f"{EMPTY_THINK}{text}{IM_END}\n" if think else f"{text}{IM_END}"
+
+
+def thinks(tokenizer) -> bool:
+    """Whether a model is trained with DICE's think block: its chat template writes <think> (SDAR's
+    and DICE's, Qwen3's), or, when the folder has no template, its vocabulary has a <think> token.
+    Models trained from scratch here (dice-tiny) have neither."""
+    if tokenizer.chat_template:
+        return THINK_OPEN in tokenizer.chat_template
+    return tokenizer.token_to_id(THINK_OPEN) is not None
 
 
 def kernel_prompt(
@@ -213,9 +230,14 @@ def _fenced(code: str) -> str:
 _CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)(?:^[ \t]*```|```[ \t]*$|\Z)", re.DOTALL | re.MULTILINE)
 
 
+_THINK_BLOCK = re.compile(rf"\s*{THINK_OPEN}.*?{THINK_CLOSE}", re.DOTALL)
+
+
 def extract_code(response: str) -> str | None:
-    """The first fenced code block of `response` (unclosed: the rest of it), or None."""
-    match = _CODE_BLOCK.search(response)
+    """The first fenced code block of `response` after its leading think block, if it has one
+    (DICE's answers start with one, empty), an unclosed block to the end; None without a block."""
+    think = _THINK_BLOCK.match(response)
+    match = _CODE_BLOCK.search(response, think.end() if think else 0)
     return None if match is None else match.group(1).rstrip()
 
 

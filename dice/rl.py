@@ -20,25 +20,34 @@ is not a round.
 Objective per loss token (ids kept from generation, never re-tokenised):
     rho = exp(logp_new - logp_old)
     l   = -min(rho A, clip(rho, 1 - eps, 1 + eps) A) + beta * k3,   k3 = e^(lr - ln) - (lr - ln) - 1
-with lr the reference log-prob (a frozen reference model, or the rollout policy), ln = logp_new;
-summed over a response's loss tokens, divided by its length, averaged over responses.
+with lr the reference log-prob (a frozen reference model, or the rollout policy), ln = logp_new.
+Normalisation (`--loss-norm`, DESIGN.md §7): `step` (default; TraceRL/DICE `train/rl_sdar.py`:
+`surrogate_tok.sum(dim=1) / L1`, then `sum() / B` over the round rows) makes an optimiser step's
+loss the mean over its round rows of (the row's token terms summed) / L1, L1 the longest kept
+response of the RL step, so every loss token weighs the same; `response` divides each response by
+its own length and averages over responses (GRPO-style: 100 tokens weigh as much as 1,000).
+DICE takes one optimiser step per 256 round rows (`total_batch_size_lm` = batch_size_lm 1 x 8 GPUs
+x 32 accumulation steps, one epoch; `training/RL/configs/rl_sdar_kernel_*.yaml`), the ratio always
+against the rollout policy's log-probs from before the first: `--updates-per-step 0` (default)
+does the same with `--rows-per-update 256`, so after the first update clipping and KL act.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import json
 import math
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .prompts import keeps_skeleton
+from .rewards import RewardFn, Scores, score, verifier_reward
 from .rollout import (Completion, auto_rollout_batch, complete, generate_and_score, generation_copy, one_shot_style,
                       task_prompt_ids)
 from .checkpoint import load_model
@@ -46,8 +55,14 @@ from .data import DataError
 from .diffusion import doubled_logits
 from .tasks import Task, load_tasks
 from .tokenizer import load_tokenizer
-from .runtime import (MetricsLog, build_model, make_logger, make_optimizer, progress_line, refuse_to_mix_runs, resume,
-                      save_checkpoint, save_final, setup_runtime)
+from .runtime import (MetricsLog, build_model, check_resume, check_run_folder, checkpoint_step, make_logger,
+                      make_optimizer, progress_line, resume, run_settings, save_checkpoint, save_final, setup_runtime,
+                      start_run)
+
+# what a resumed RL run must keep (besides the tasks and the model)
+RESUME_FIELDS = ("phase", "seed", "tasks_per_step", "group_size", "max_new_tokens", "temperature", "remasking",
+                 "threshold", "steps_per_block", "updates_per_step", "rows_per_update", "loss_norm", "clip_eps",
+                 "kl_beta", "reference_model", "reward", "lr", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip")
 
 
 @dataclass
@@ -112,34 +127,46 @@ class RoundBatch:
     position_ids: torch.Tensor
     sample_ids: torch.Tensor   # 0 for prompt, response and tail, -1 for padding (never attended)
     loss_at: torch.Tensor      # [B, n] bool
-    token_weight: torch.Tensor  # [N] 1 / (response length * responses) for every loss token, in loss_at order
+    token_weight: torch.Tensor  # [N] each loss token's weight in its optimiser step's loss (`row_weights`)
     advantage: torch.Tensor    # [N]
 
 
+def row_weights(items: list[tuple[int, Completion, Round]], norm: str, *, width: int, rows: int, responses: int,
+                updates: int) -> list[float]:
+    """The weight of every loss token of each row (module docstring): `step`, 1 / (width * rows), with
+    `rows` the round rows of the whole optimiser step (all processes) and `width` the step's L1;
+    `response`, updates / (its response's length * responses), so each of the `updates` minibatches
+    (every updates-th row) is a full-batch step. The tail is not part of the response: no weight
+    in its length."""
+    if norm == "step":
+        return [1.0 / (width * rows)] * len(items)
+    return [updates / (len(c.tokens) * responses) for _, c, _ in items]
+
+
 def build_round_batch(items: list[tuple[int, Completion, Round]], block_size: int, mask_id: int, pad_id: int,
-                      advantages: Sequence[float], n_responses: int) -> RoundBatch:
+                      advantages: Sequence[float], weights: Sequence[float]) -> RoundBatch:
     """One row per (response k, completion, round): prompt + response + tail, MASK at the round's
-    masked positions in the noisy half. The tail is context of its own sample, as it was to the
-    sampler, but it is not part of the response: no loss, and no weight in the response length."""
+    masked positions in the noisy half; every loss token of row i weighs weights[i]. The tail is
+    context of its own sample, as it was to the sampler, but never in the loss."""
     n = max(len(c.prompt_ids) + len(c.tokens) + len(c.tail_tokens) for _, c, _ in items)
     n = -(-n // block_size) * block_size
     B = len(items)
     clean = torch.full((B, n), pad_id, dtype=torch.long)
     sample = torch.full((B, n), -1, dtype=torch.long)
     loss_at = torch.zeros(B, n, dtype=torch.bool)
-    weights, adv = [], []
+    token_weight, adv = [], []
     for row, (k, c, rnd) in enumerate(items):
         seq = c.prompt_ids + c.tokens + c.tail_tokens
         clean[row, :len(seq)] = torch.tensor(seq)
         sample[row, :len(seq)] = 0
         loss_at[row, rnd.loss] = True
-        weights += [1.0 / (len(c.tokens) * n_responses)] * len(rnd.loss)
+        token_weight += [weights[row]] * len(rnd.loss)
         adv += [advantages[k]] * len(rnd.loss)
     noisy = clean.clone()
     for row, (_, _, rnd) in enumerate(items):
         noisy[row, rnd.masked] = mask_id
     return RoundBatch(noisy, clean, torch.arange(n).expand(B, n).clone(), sample, loss_at,
-                      torch.tensor(weights), torch.tensor(adv))
+                      torch.tensor(token_weight), torch.tensor(adv))
 
 
 def flex_shape(rows: int, n: int) -> tuple[int, int]:
@@ -182,57 +209,6 @@ def round_logprobs(model, batch: RoundBatch, use_flex: bool | None = None) -> to
     logits = doubled_logits(model, to(batch.noisy), to(batch.clean), to(batch.position_ids), to(batch.sample_ids),
                             to(batch.loss_at), use_flex).float()
     return -F.cross_entropy(logits, to(batch.clean)[to(batch.loss_at)], reduction="none")
-
-
-# ---------------------------------------------------------------- rewards
-
-@dataclass
-class Scores:
-    """What a reward returns: one reward per completion, and the verifier's results behind them
-    (None for a completion it never ran: no code block, a dropped skeleton, a broken task), or
-    `results=None` for a reward without a verifier."""
-    rewards: list[float]
-    results: list | None = None
-
-
-RewardFn = Callable[[list[Task], list[Completion]], "Scores | list[float]"]
-
-
-def score(reward_fn: RewardFn, tasks: list[Task], completions: list[Completion]) -> Scores:
-    """`reward_fn` on a batch; a plain Python reward's list of floats becomes Scores without results."""
-    out = reward_fn(tasks, completions)
-    return out if isinstance(out, Scores) else Scores([float(r) for r in out])
-
-
-def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = False, trials: int = 3,
-                    timeout_s: float = 60.0) -> Callable[[list[Task], list[Completion]], Scores]:
-    """Reward through the kernel verifier: 1 if compiled and correct (infill: and the program
-    keeps the task's prefix and suffix), else 0; kind "speedup" adds 0.5 * clamp(log2 speedup,
-    0, 2)."""
-    def reward(tasks: list[Task], completions: list[Completion]) -> Scores:
-        pairs, index = [], []
-        for i, (t, c) in enumerate(zip(tasks, completions)):
-            if c.code is None or (phase == "infill" and not keeps_skeleton(c.code, t.prefix, t.suffix)):
-                continue
-            pairs.append((t.source, c.code))
-            index.append(i)
-        verified = verifier.map(pairs, on_broken_task=_warn_broken_task, trials=trials, timeout_s=timeout_s,
-                                timing=timing or kind == "speedup")
-        by_item = dict(zip(index, verified))
-        results = [by_item.get(i) for i in range(len(tasks))]
-        rewards = []
-        for r in results:
-            value = float(r is not None and r.correct)
-            if value and kind == "speedup" and r.speedup:
-                value += 0.5 * min(max(math.log2(r.speedup), 0.0), 2.0)
-            rewards.append(value)
-        return Scores(rewards, results)
-    return reward
-
-
-def _warn_broken_task(index: int, error: ValueError) -> None:
-    """A task whose own reference fails scores 0 for that sample (its result is None)."""
-    print(f"warning: skipping a broken task: {error}", file=sys.stderr)
 
 
 def curriculum(tasks: list[Task]) -> list[Task]:
@@ -299,12 +275,15 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
 
 
 def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer, pad_id: int) -> dict:
-    """`updates_per_step` optimiser steps (default one) over the kept responses' trace rounds.
+    """U optimiser steps over the kept responses' trace rounds (module docstring): U =
+    `updates_per_step`, or with 0 one per `rows_per_update` round rows of all processes, as in DICE.
 
-    Minibatch u holds every U-th round, cut into micro-batches of similar length. Under FSDP every
-    backward is a collective, so each rank runs as many micro-batches as the busiest rank, padding
-    with empty ones (a forward and backward with no loss token)."""
-    bs, mask_id, U = model.config.block_size, model.config.mask_token_id, cfg.updates_per_step
+    Minibatch u holds every U-th round, cut into micro-batches of similar length; the token weights
+    (`row_weights`) count rows and responses over all processes, so a micro-batch's backward is
+    already its share of the step. Under FSDP every backward is a collective, so each rank runs as
+    many micro-batches as the busiest rank, padding with empty ones (a forward and backward with no
+    loss token)."""
+    bs, mask_id = model.config.block_size, model.config.mask_token_id
     kept = [k for k, a in enumerate(advantages) if a is not None and completions[k].tokens]
     n_responses = rt.all_sum(len(kept))
     if n_responses == 0:   # every group had equal rewards: no signal, and Adam's momentum must not move us
@@ -312,11 +291,19 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     items = [(k, completions[k], rnd) for k in kept
              for rnd in trace_rounds(completions[k].step_map, len(completions[k].prompt_ids), bs,
                                      completions[k].tail_step_map)]
+    U = cfg.updates_per_step or max(1, math.ceil(rt.all_sum(len(items)) / cfg.rows_per_update))
+    width = int(rt.all_max(max((len(completions[k].tokens) for k in kept), default=0)))   # L1
+    rows = [rt.all_sum(len(items[u::U])) for u in range(U)]
     plan = [_micro(items[u::U], cfg.batch_size) for u in range(U)]
     plan = [chunks + [[]] * (int(rt.all_max(len(chunks))) - len(chunks)) for chunks in plan]
-    filler = (0, completions[0], Round([], []))
-    batches = [[build_round_batch(chunk or [filler], bs, mask_id, pad_id, advantages, n_responses)
-                for chunk in chunks] for chunks in plan]
+
+    def round_batch(chunk, u: int) -> RoundBatch:
+        if not chunk:   # an empty micro-batch: one row without loss tokens
+            return build_round_batch([(0, completions[0], Round([], []))], bs, mask_id, pad_id, advantages, [0.0])
+        weights = row_weights(chunk, cfg.loss_norm, width=width, rows=rows[u], responses=n_responses, updates=U)
+        return build_round_batch(chunk, bs, mask_id, pad_id, advantages, weights)
+
+    batches = [[round_batch(chunk, u) for chunk in chunks] for u, chunks in enumerate(plan)]
     flex = {"flex": True, "dense": False}.get(cfg.attention)   # auto (None): FlexAttention on CUDA
     old = None
     if U > 1:   # the rollout policy's log-probs, before the first update
@@ -334,8 +321,7 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
             logp_old = old[u][i] if old else logp.detach()
             tok_loss, s = policy_loss(logp, logp_old, batch.advantage.to(logp.device),
                                       clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta, logp_ref=logp_ref)
-            # weights sum to ~1/U per minibatch: scale so that each update is a full-batch step
-            loss = (tok_loss * batch.token_weight.to(logp.device)).sum() * U
+            loss = (tok_loss * batch.token_weight.to(logp.device)).sum()
             (loss * rt.world).backward()   # FSDP averages over ranks; weights already use the global count
             stats["loss"] += loss.item() / U
             if batch.advantage.numel():
@@ -389,8 +375,7 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
     rt = setup_runtime()
     log = make_logger(rt)
     out = Path(cfg.out)
-    refuse_to_mix_runs(out, cfg.resume)
-    out.mkdir(parents=True, exist_ok=True)
+    check_run_folder(out, cfg.resume, cfg.overwrite)
     infill = cfg.phase == "infill"
     if cfg.tasks_per_step < rt.world:
         raise DataError(f"--tasks-per-step {cfg.tasks_per_step} is below the {rt.world} processes; pass "
@@ -407,7 +392,15 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
     model = build_model(cfg, rt, log)
     ref_model = load_model(cfg.model, device=rt.device).eval().requires_grad_(False) if cfg.reference_model else None
     optimizer = make_optimizer(model, cfg)
-    start = resume(out, model, optimizer, log)[0] if cfg.resume else 0
+    tasks_sha = hashlib.sha256(json.dumps([dataclasses.astuple(t) for t in ordered]).encode()).hexdigest()
+    settings = run_settings(cfg, RESUME_FIELDS, **{"the tasks' sha256": tasks_sha,
+                                                   "the model": str(Path(cfg.model).resolve())})
+    start = checkpoint_step(out) if cfg.resume else 0
+    if cfg.resume:
+        check_resume(out, settings, start, cfg.steps)
+    start_run(out, cfg.overwrite, settings, rt)
+    if cfg.resume:
+        resume(out, model, optimizer, log)
     metrics = MetricsLog(out, start, rt.main)
     verifier, eval_reward = None, reward_fn
     if reward_fn is None:
@@ -427,7 +420,7 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
         log(f"{label}: " + json.dumps(ev))
 
     log(f"BiC-RL {cfg.phase}: {len(ordered)} tasks (levels {sorted({t.level for t in ordered}, key=str)}), "
-        f"{cfg.tasks_per_step} tasks x {cfg.group_size} samples per step, steps {start}..{total}")
+        f"{cfg.tasks_per_step} tasks x {cfg.group_size} samples per step, steps {start + 1}..{total}")
     started = time.perf_counter()
     try:
         for step in range(start, total):

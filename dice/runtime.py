@@ -9,7 +9,10 @@ Run directory layout (`--out DIR`):
                                       a half-written checkpoint
     DIR/checkpoints/latest            the name of the newest complete checkpoint
     DIR/final/                        the model folder after the last step
-A run without --resume refuses an --out that already holds checkpoints.
+    DIR/run.json                      the settings a --resume must match (data hash, batch, seed, ...)
+A run never overwrites another: an --out holding any of these is refused, untouched, unless
+--resume (continue it; every setting in run.json must match, --steps may grow) or --overwrite
+(delete them, just before the first step) says what to do with it.
 Randomness is a function of (seed, step, global row), never of a running generator, so a run
 resumed from step k continues exactly as the unbroken run would, on any number of processes.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import hashlib
 import json
 import math
 import os
@@ -32,6 +36,7 @@ import torch.distributed as dist
 
 from .checkpoint import CheckpointError, from_published, has_weights, load_model, read_config, save_model
 from .config import TrainConfig
+from .errors import UserError
 from .model import SDAR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "added_tokens.json",
@@ -126,13 +131,17 @@ def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     fused = decay[0].device.type == "cuda"
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), fused=fused)
+                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr,
+                             betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
-    """Linear warm-up over `warmup` steps, then cosine decay to min_lr_ratio * lr at `total`."""
+    """Linear warm-up over `warmup` steps, then `constant` (DICE's LLaMA-Factory
+    `constant_with_warmup`) or `cosine` decay to min_lr_ratio * lr at `total`."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
+    if cfg.schedule == "constant":
+        return cfg.lr
     frac = (step - cfg.warmup) / max(1, total - cfg.warmup)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
@@ -185,13 +194,66 @@ def checkpoint_folders(ckpts: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def refuse_to_mix_runs(out: Path, resuming: bool) -> None:
-    """A run without --resume must not start in an --out holding checkpoints: its own would be
-    pruned and named by `latest` among the earlier run's, and a later --resume could pick either."""
-    ckpts = out / "checkpoints"
-    if not resuming and ((ckpts / "latest").exists() or checkpoint_folders(ckpts)):
-        raise CheckpointError(f"{ckpts} holds checkpoints of an earlier run; pass --resume to continue it "
-                              "or choose another --out")
+class RunFolderError(UserError):
+    """An --out whose earlier run this one would overwrite or not continue exactly."""
+
+
+RUN_ENTRIES = ("final", "metrics.jsonl", "checkpoints", "run.json")
+
+
+def check_run_folder(out: Path, resuming: bool, overwriting: bool) -> None:
+    """Refuse, touching nothing, an --out holding an earlier run unless --resume or --overwrite says
+    what to do with it, and a --resume of a run that left no checkpoint to continue from."""
+    found = [name for name in RUN_ENTRIES if (out / name).exists()]
+    if found and not (resuming or overwriting):
+        raise RunFolderError(f"{out} holds an earlier run ({', '.join(found)}); pass --resume to continue it, "
+                             "--overwrite to replace it, or choose another --out")
+    if resuming and found and latest_checkpoint(out) is None:
+        raise RunFolderError(f"{out} holds a run without checkpoints (it ran with --save-every 0), so --resume "
+                             "has nothing to continue from; pass --overwrite to replace it or choose another --out")
+
+
+def digest(path: str | Path) -> str:
+    """sha256 of a data file, or of a folder's .py files (a KernelBench folder) with their paths."""
+    path, h = Path(path), hashlib.sha256()
+    for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+        h.update(str(f.relative_to(path)).encode() if path.is_dir() else b"")
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def run_settings(cfg: TrainConfig, names: tuple[str, ...], **derived) -> dict:
+    """What a --resume must match, keyed as the user sees it: `--flag` for fields, else a phrase."""
+    return {"--" + name.replace("_", "-"): getattr(cfg, name) for name in names} | derived
+
+
+def check_resume(out: Path, settings: dict, start: int, total: int) -> None:
+    """--resume at checkpoint step `start`: every setting must be the one in run.json (a run started
+    before run.json existed is not checked), and `total` steps must reach the checkpoint."""
+    saved_file = out / "run.json"
+    saved = json.loads(saved_file.read_text()) if saved_file.is_file() else settings
+    for key, value in settings.items():
+        if saved.get(key) != value:
+            raise RunFolderError(f"{saved_file}: the run was started with {key} {saved.get(key)}, this one has "
+                                 f"{value}; resume with the same setting, or start a new run in another --out")
+    if total < start:
+        raise RunFolderError(f"--steps {total} is below step {start}, where the newest checkpoint in "
+                             f"{out / 'checkpoints'} stands; pass --steps {start} or more to continue the run")
+
+
+def start_run(out: Path, overwrite: bool, settings: dict, rt: Runtime) -> None:
+    """Just before the first step: with --overwrite delete the earlier run's entries; create --out
+    and write run.json (kept as it is by a resumed run)."""
+    if rt.main:
+        for path in [out / name for name in RUN_ENTRIES] if overwrite else []:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / "run.json").exists():
+            (out / "run.json").write_text(json.dumps(settings, indent=1) + "\n")
+    rt.barrier()
 
 
 def write_model_folder(model, path: Path, tokenizer_dir: str, state_dict: dict | None = None) -> None:
@@ -216,13 +278,19 @@ def latest_checkpoint(out: Path) -> Path | None:
     return path
 
 
+def checkpoint_step(out: Path) -> int:
+    """The step of the checkpoint `latest` names (its folder is step_N), 0 without one."""
+    path = latest_checkpoint(out)
+    return 0 if path is None else int(path.name.removeprefix("step_"))
+
+
 def resume(out: Path, model, optimizer, log) -> tuple[int, dict]:
-    """Load the newest checkpoint into model and optimiser; returns (next step, trainer state)."""
+    """Load the newest checkpoint into model and optimiser; returns (steps done, trainer state)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     from safetensors.torch import load_file
     path = latest_checkpoint(out)
     if path is None:
-        log(f"--resume: no checkpoint in {out / 'checkpoints'}; starting at step 0")
+        log(f"--resume: no checkpoint in {out / 'checkpoints'}; starting at step 1")
         return 0, {}
     state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
     weights = {}
@@ -233,7 +301,7 @@ def resume(out: Path, model, optimizer, log) -> tuple[int, dict]:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=state["optimizer"],
                    options=StateDictOptions(full_state_dict=True))
-    log(f"resumed from {path} (next step {state['step']})")
+    log(f"resumed from {path} after step {state['step']}; next step {state['step'] + 1}")
     return state["step"], state
 
 

@@ -3,9 +3,17 @@
 The loop: rows of packed examples from a reproducible stream (`dice.data.RowStream`), each row
 noised with its own generator (seed, step, row), the doubled-sequence loss (`dice.diffusion`),
 AdamW with warm-up, checkpoints and metrics through `dice.runtime`.
+
+A step's loss, as LLaMA-Factory/HF Trainer run SDAR with gradient accumulation and DDP:
+`--loss-norm batch` (default) is the mean over the step's micro-batches (all processes) of SDAR's
+per-micro-batch loss (its masked-token CE/p sum over its response tokens), so `--grad-accum G` on
+one process gives what G processes give with the same --batch-size, and `--batch-size 1` with
+G x processes = 8 micro-batches is DICE's setting (`per_device_train_batch_size: 1` on 8 GPUs);
+`--loss-norm sample` is the mean over the step's samples of each sample's own token mean.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -15,13 +23,51 @@ from pathlib import Path
 import torch
 
 from .config import TrainConfig
-from .data import RowStream, collate, read_records, record_texts, tokenize_records
+from .data import DataError, RowStream, collate, read_records, record_texts, tokenize_records
 from .diffusion import count_samples, diffusion_loss
 from .model import ModelConfig
+from .prompts import thinks
 from .rollout import one_shot_style
-from .runtime import (MetricsLog, build_model, lr_at, make_logger, make_optimizer, progress_line, refuse_to_mix_runs,
-                      resume, row_generator, save_checkpoint, save_final, setup_runtime)
+from .runtime import (MetricsLog, build_model, check_resume, check_run_folder, checkpoint_step, digest, lr_at,
+                      make_logger, make_optimizer, progress_line, resume, row_generator, run_settings, save_checkpoint,
+                      save_final, setup_runtime, start_run)
 from .tokenizer import load_tokenizer
+
+# what a resumed SFT run must keep (besides data, model, row length and micro-batches per step)
+RESUME_FIELDS = ("phase", "seed", "batch_size", "loss_norm", "lr", "schedule", "warmup", "min_lr_ratio",
+                 "weight_decay", "adam_beta1", "adam_beta2", "grad_clip", "sft_infill")
+
+
+def sft_sizes(cfg: TrainConfig, device: torch.device) -> tuple[TrainConfig, str | None]:
+    """`cfg` with --batch-size and --max-len resolved (0 = auto): 8 x 2048 on CUDA; on a CPU 1 x
+    1024, and the line that says so. A CPU builds dense masks and attention over the doubled row,
+    memory ~ batch x (2 x length)^2: for dice-tiny 1 x 1024 takes about 1.5 GB, 8 x 2048 17 GB."""
+    cuda = device.type == "cuda"
+    batch, length = cfg.batch_size or (8 if cuda else 1), cfg.max_len or (2048 if cuda else 1024)
+    picked = [f"--batch-size {batch}"] * (not cfg.batch_size) + [f"--max-len {length}"] * (not cfg.max_len)
+    note = None if cuda or not picked else (f"no CUDA GPU: {' '.join(picked)}, which fit in a few GB of memory "
+                                            "on a CPU (pass the flag to change it)")
+    return dataclasses.replace(cfg, batch_size=batch, max_len=length), note
+
+
+def load_examples(cfg: TrainConfig, tok, row_len: int, one_shot: str | None, log) -> list:
+    """The tokenised examples of --data, in DICE's think-block format when the model's chat template
+    has one (`dice.prompts.thinks`); a file without records, or whose records are all too long, is
+    an error that says so."""
+    records = read_records(cfg.data)
+    if not records:
+        raise DataError(f"{cfg.data} holds no records; give --data a JSON list (or JSONL lines) of SFT records")
+    think = thinks(tok)
+    if think:
+        log("answers are trained in DICE's format (an empty <think> block first), as the model's chat template has it")
+    examples, skipped = tokenize_records(records, tok, row_len, source=cfg.data, one_shot=one_shot,
+                                         infill_copies=cfg.sft_infill, think=think)
+    if not examples:
+        raise DataError(f"all {skipped} examples of {cfg.data} are longer than --max-len {row_len} tokens "
+                        "(prompt + response); pass a larger --max-len")
+    if skipped:
+        log(f"skipped {skipped} examples longer than --max-len {row_len} (prompt + response)")
+    return examples
 
 
 def train_sft(cfg: TrainConfig) -> Path:
@@ -29,25 +75,34 @@ def train_sft(cfg: TrainConfig) -> Path:
     rt = setup_runtime()
     log = make_logger(rt)
     out = Path(cfg.out)
-    refuse_to_mix_runs(out, cfg.resume)
-    out.mkdir(parents=True, exist_ok=True)
+    check_run_folder(out, cfg.resume, cfg.overwrite)
+    cfg, size_note = sft_sizes(cfg, rt.device)
     tok = load_tokenizer(cfg.model)
     model = build_model(cfg, rt, log)
     bs = model.config.block_size
     row_len = cfg.max_len - cfg.max_len % bs
-    examples, skipped = tokenize_records(read_records(cfg.data), tok, row_len, source=cfg.data,
-                                         one_shot=one_shot_style(model), infill_copies=cfg.sft_infill)
-    if skipped:
-        log(f"skipped {skipped} examples longer than --max-len {cfg.max_len} (prompt + response)")
+    examples = load_examples(cfg, tok, row_len, one_shot_style(model), log)
     stream = RowStream(examples, row_len, bs, tok.pad_token_id, cfg.seed)
     rows_per_step = cfg.batch_size * cfg.grad_accum * rt.world
     total = cfg.steps or math.ceil(max(cfg.epochs, 1e-9) * stream.epoch_length(0) / rows_per_step)
+    settings = run_settings(cfg, RESUME_FIELDS, **{"the data's sha256": digest(cfg.data),
+                                                   "the model": str(Path(cfg.model).resolve()),
+                                                   "the row length": row_len,
+                                                   "micro-batches per step (--grad-accum x processes)":
+                                                       cfg.grad_accum * rt.world})
+    start = checkpoint_step(out) if cfg.resume else 0
+    if cfg.resume:
+        check_resume(out, settings, start, total)
     optimizer = make_optimizer(model, cfg)
-    start = resume(out, model, optimizer, log)[0] if cfg.resume else 0
+    start_run(out, cfg.overwrite, settings, rt)
+    if cfg.resume:
+        resume(out, model, optimizer, log)
     metrics = MetricsLog(out, start, rt.main)
     mask_id = model.config.mask_token_id
+    if size_note:
+        log(size_note)
     log(f"SFT: {len(examples)} examples, {stream.epoch_length(0)} rows of {row_len} tokens per epoch, "
-        f"{rows_per_step} rows per step, steps {start}..{total}, device {rt.device} x{rt.world}")
+        f"{rows_per_step} rows per step, steps {start + 1}..{total}, device {rt.device} x{rt.world}")
     use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and rt.device.type == "cuda")
     started = time.perf_counter()
     for step in range(start, total):
@@ -56,23 +111,23 @@ def train_sft(cfg: TrainConfig) -> Path:
         for group in optimizer.param_groups:
             group["lr"] = lr
         step_rows = stream.rows(step * rows_per_step, rows_per_step)
-        global_samples = sum(count_samples(r["loss_mask"][None], r["sample_ids"][None]) for r in step_rows)
-        loss_sum, tokens = 0.0, 0
+        # each micro-batch's share of the step's loss (module docstring)
+        share = (1 / (cfg.grad_accum * rt.world) if cfg.loss_norm == "batch" else
+                 1 / sum(count_samples(r["loss_mask"][None], r["sample_ids"][None]) for r in step_rows))
+        loss_value, tokens = 0.0, 0
         for micro in range(cfg.grad_accum):
             first = (micro * rt.world + rt.rank) * cfg.batch_size
             rows = step_rows[first:first + cfg.batch_size]
             gens = [row_generator(cfg.seed, step, step * rows_per_step + first + i) for i in range(len(rows))]
             with rt.autocast(cfg.dtype):
-                loss = diffusion_loss(model, collate(rows), gens, mask_id, use_flex=use_flex)
-            # FSDP averages gradients over processes: scale so the step's gradient is the mean
-            # over the global batch's samples
-            (loss * rt.world / global_samples).backward()
-            loss_sum += loss.item()
+                loss = diffusion_loss(model, collate(rows), gens, mask_id, norm=cfg.loss_norm, use_flex=use_flex)
+            (loss * share * rt.world).backward()   # FSDP averages gradients over processes
+            loss_value += loss.item() * share
             tokens += sum(int((r["sample_ids"] >= 0).sum()) for r in rows)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loss_value = rt.all_sum(loss_sum) / global_samples
+        loss_value = rt.all_sum(loss_value)
         tokens = int(rt.all_sum(tokens))
         dt = time.perf_counter() - t0
         record = {"step": step + 1, "loss": loss_value, "lr": lr, "tokens_per_s": tokens / dt,

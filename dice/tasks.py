@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .data import DataError
+from .data import DataError, read_text
 
 REQUIRED_NAMES = ("Model", "get_inputs", "get_init_inputs")
 
@@ -100,7 +100,7 @@ def _sorted_py_files(folder: Path) -> list[Path]:
 
 
 def _load_py(path: Path, level: int | None) -> Task:
-    source = path.read_text()
+    source = read_text(path)
     check_task_source(source, str(path))
     name = f"level{level}/{path.stem}" if level is not None else path.stem
     return Task(name=name, level=level, source=source)
@@ -108,7 +108,7 @@ def _load_py(path: Path, level: int | None) -> Task:
 
 def _load_json(path: Path) -> list[Task]:
     try:
-        records = json.loads(path.read_text())
+        records = json.loads(read_text(path))
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
     if not isinstance(records, list):

@@ -11,7 +11,9 @@ A folder is read from `tokenizer.json` when it has one, else the same tokenizer 
 `added_tokens_decoder` of `tokenizer_config.json`. One id can have two spellings there: SDAR's
 mask is `<MASK>` in added_tokens.json and `<|MASK|>` in tokenizer_config.json. The `tokenizers`
 library keeps one spelling per id, so the other is kept here as an alias that `encode` and
-`token_to_id` accept too.
+`token_to_id` accept too. The folder's chat template (`chat_template.jinja`, or the
+`chat_template` of tokenizer_config.json) is kept as text: `dice.prompts.thinks` reads from it
+whether the model answers after a think block (SDAR/DICE: Qwen3's template).
 """
 from __future__ import annotations
 
@@ -58,8 +60,10 @@ class Tokenizer:
         aliases: dict[str, str] | None = None,
         mask_token_id: int | None = None,
         source: str = "tokenizer",
+        chat_template: str = "",
     ) -> None:
         self.backend = backend
+        self.chat_template = chat_template
         self.aliases = dict(aliases or {})  # second spelling -> the backend's spelling of that id
         self.source = source  # where it came from, for error messages
         self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
@@ -136,7 +140,11 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     folder = Path(path)
     declared = _declared_added_tokens(folder)
     if (folder / "tokenizer.json").is_file():
-        backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:   # the Rust side raises a bare Exception ("EOF while parsing ...")
+            raise TokenizerError(f"{folder / 'tokenizer.json'} cannot be read ({e}); it is truncated or "
+                                 "corrupt: copy or download it again") from None
     elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
         backend = _from_vocab_and_merges(folder, declared)
     else:
@@ -150,7 +158,17 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         name: added[i].content for name, i in declared if i in added and added[i].content != name
     }
     mask_token_id = _read_json(folder / "config.json").get("mask_token_id")
-    return Tokenizer(backend, aliases=aliases, mask_token_id=mask_token_id, source=str(folder))
+    return Tokenizer(backend, aliases=aliases, mask_token_id=mask_token_id, source=str(folder),
+                     chat_template=_chat_template(folder))
+
+
+def _chat_template(folder: Path) -> str:
+    """The folder's chat template as text ("" when it has none)."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    template = _read_json(folder / "tokenizer_config.json").get("chat_template", "")
+    # Hugging Face also allows a list of named templates
+    return template if isinstance(template, str) else "\n".join(t.get("template", "") for t in template)
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | os.PathLike) -> Tokenizer:

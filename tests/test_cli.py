@@ -1,4 +1,7 @@
-"""The shipped commands on a CPU-only machine: README's main command and the one-line errors."""
+"""The shipped commands on a CPU-only machine: README's commands and the one-line errors."""
+import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,19 +18,20 @@ def run(*args):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
-def test_readme_main_command_generates_a_kernel_without_downloads(tmp_path):
+def test_readme_sample_command_generates_a_kernel_without_downloads(tmp_path):
     out = tmp_path / "kernel.py"
     res = run("sample.py", "--prompt", str(EXAMPLES[0]), "--verify", "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert "class ModelNew" in res.stdout and "__global__" in res.stdout
     assert out.read_text().strip() == res.stdout.strip()
     assert "generating:" in res.stderr and "tokens/s" in res.stderr
+    assert re.search(r"generating: \d+/1024 tokens at most \| \d+ tokens/s \| ETA at most \d+m\d\ds", res.stderr)
     assert "\r" not in res.stderr            # a log (no TTY) gets whole lines, not one redrawn line
     assert "verification needs a CUDA GPU" in res.stdout + res.stderr
 
 
 def test_embedded_model_writes_the_generators_solution_for_the_held_out_example(tmp_path):
-    """README's main command on the CPU: greedy `dice-tiny` writes, for the held-out level-3 example,
+    """README's sample command on the CPU: greedy `dice-tiny` writes, for the held-out level-3 example,
     exactly the CuPy solution the curriculum generator made for that task (found by its PyTorch
     source in the seed-0 split), so prompt builder, tokenizer, sampler, model and code extraction
     still work together as when the model was measured. (The model is robust to small prompt
@@ -60,10 +64,43 @@ def test_bad_task_and_missing_model_are_one_line_errors(tmp_path):
     assert res.returncode != 0 and "does not exist" in res.stderr and res.stderr.strip().count("\n") == 0
 
 
+def taskgen_file(tmp_path, n=2):
+    """A DICE .json task file with reference solutions (the curriculum generator's)."""
+    from dice.taskgen import generate_split
+    path = tmp_path / "tasks.json"
+    path.write_text(json.dumps(generate_split(n, 0, 0, seed=0)[0]))
+    return path
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
-def test_evaluate_without_gpu_is_one_line(tmp_path):
-    res = run("evaluate.py", "--tasks", str(EXAMPLES[0]), "--solutions", "reference")
-    assert res.returncode != 0 and "needs a CUDA GPU" in res.stderr and res.stderr.strip().count("\n") == 0
+def test_evaluate_without_gpu_checks_its_inputs_first_and_says_a_gpu_runs_the_kernels(tmp_path):
+    """Issue 29: every input got "needs a CUDA GPU" on a CPU before it was looked at."""
+    res = run("evaluate.py", "--tasks", str(taskgen_file(tmp_path)), "--solutions", "reference")
+    assert res.returncode == 1 and res.stderr.strip().count("\n") == 0, res.stderr
+    assert "running the kernels needs a CUDA GPU" in res.stderr and "2 solutions were read" in res.stderr
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text('[{"code": "x"}]')
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    for tasks, message in ((tmp_path / "nope", "no such task file or folder"), (empty, f"no tasks in {empty}"),
+                           (wrong, "record 0: no 'pytorch_code' string")):
+        res = run("evaluate.py", "--tasks", str(tasks), "--solutions", "reference")
+        assert res.returncode == 1 and message in res.stderr and "GPU" not in res.stderr, res.stderr
+    res = run("evaluate.py", "--tasks", str(EXAMPLES[0]), "--model", str(ROOT / "dice" / "assets" / "dice-tiny"))
+    assert res.returncode == 1 and res.stderr.strip().count("\n") == 0 and "pass --save-solutions DIR" in res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_evaluate_generates_on_a_cpu_for_verifying_later(tmp_path):
+    """`--model ... --save-solutions DIR` generates without a GPU, then says how to verify on one."""
+    tasks = taskgen_file(tmp_path, n=1)
+    res = run("evaluate.py", "--tasks", str(tasks), "--model", str(ROOT / "dice" / "assets" / "dice-tiny"),
+              "--save-solutions", str(tmp_path / "sol"), "--max-new-tokens", "64")
+    assert res.returncode == 0, res.stderr
+    (name,) = [t["id"] for t in json.loads(tasks.read_text())]
+    assert (tmp_path / "sol" / "tasks" / f"{name}.py").is_file()
+    assert f"--solutions {tmp_path / 'sol'}` on a GPU machine" in res.stderr
 
 
 def test_evaluate_reads_solution_files_and_reference_code(tmp_path):
@@ -100,7 +137,7 @@ def test_train_flags_that_would_silently_do_nothing_are_one_line_errors(tmp_path
     one step; an unknown --dtype meant fp32; --steps -1 wrote an untrained final/; an unknown
     --reward meant correct."""
     res = run("train.py", *args, "--model", str(tmp_path), "--data", str(tmp_path / "d.json"), "--out", str(tmp_path / "o"))
-    assert res.returncode != 0 and message in res.stderr and res.stderr.strip().count("\n") == 0
+    assert res.returncode == 2 and message in res.stderr and res.stderr.strip().count("\n") == 0
     assert not (tmp_path / "o").exists()
 
 
@@ -129,8 +166,11 @@ def test_rl_bad_data_is_a_data_error(tmp_path, phase, data, message):
 
 
 @pytest.mark.parametrize("phase, data, message", [
-    ("init", [SYSTEM_AND_ASSISTANT], "record 0 is not a prompt/response"),
-    ("sft", [SYSTEM_AND_ASSISTANT], "record 0 is not a prompt/response"),
+    ("init", [SYSTEM_AND_ASSISTANT], "record 0 is not usable: its messages must end with a user turn"),
+    ("sft", [SYSTEM_AND_ASSISTANT], "record 0 is not usable: its messages must end with a user turn"),
+    ("sft", [{"pytorch_code": "class Model: pass"}], "record 0 is not usable: it has a pytorch_code task but no "
+                                                     "cuda_code solution"),
+    ("sft", [], "holds no records; give --data a JSON list"),
 ])
 def test_train_bad_data_is_a_one_line_error(tmp_path, phase, data, message):
     """A chat record without a user turn ended in a traceback."""
@@ -162,7 +202,7 @@ def test_learning_rate_defaults_follow_the_phase():
     from dice.config import TrainConfig, config_from_args
     assert TrainConfig(phase="infill").lr == TrainConfig(phase="e2e").lr == 1e-6
     assert TrainConfig(phase="sft").lr == 1e-5
-    assert config_from_args(["--phase", "e2e", "--lr", "3e-4"]).lr == 3e-4
+    assert config_from_args(["--phase", "e2e", "--lr", "3e-4"])[0].lr == 3e-4
 
 
 def one_line_error(main, argv, capsys) -> str:
@@ -216,7 +256,7 @@ def test_empty_task_file_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--phase", "sft", "--steps", "1", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--phase", "sft", "--steps", "1", "--batch-size", "-1"], "--batch-size must be >= 0, got -1"),
     (["--phase", "sft", "--epochs", "-1"], "--epochs must be >= 0, got -1.0"),
     (["--phase", "e2e", "--steps", "1", "--remasking", "foo"], "--remasking: invalid choice: 'foo'"),
     (["--phase", "e2e", "--steps", "1", "--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
@@ -534,3 +574,98 @@ def test_every_command_readme_shows_takes_its_flags(monkeypatch):
         takes = {opt for a in parsers[program]._actions for opt in a.option_strings}
         for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", args):
             assert flag in takes, f"README runs {program} with {flag}, which it does not take: {program}{args}"
+
+
+DICE_TINY = ROOT / "dice" / "assets" / "dice-tiny"
+
+
+def test_a_truncated_tokenizer_json_is_one_line_naming_the_file(tmp_path, capsys):
+    """Issue 29: `head -c 3000` of the tokenizer printed a traceback naming no file."""
+    folder = tmp_path / "model"
+    shutil.copytree(DICE_TINY, folder)
+    (folder / "tokenizer.json").write_bytes((DICE_TINY / "tokenizer.json").read_bytes()[:3000])
+    err = one_line_error(command("sample").main, ["--prompt", str(EXAMPLES[0]), "--model", str(folder)], capsys)
+    assert f"{folder / 'tokenizer.json'} cannot be read (" in err and "truncated or corrupt: copy or download it" in err
+
+
+def test_a_task_file_that_is_not_utf8_is_one_line_naming_the_file(tmp_path, capsys):
+    bad = tmp_path / "task.py"
+    bad.write_bytes(EXAMPLES[0].read_bytes().replace(b"import torch", b"import torch  # caf\xe9", 1))
+    err = one_line_error(command("sample").main, ["--prompt", str(bad)], capsys)
+    assert f"{bad} is not UTF-8 text (byte " in err and "save it as UTF-8" in err
+
+
+@pytest.mark.parametrize("name", ["sample", "evaluate"])
+def test_out_into_a_missing_folder_is_a_usage_error_before_any_work(tmp_path, capsys, name):
+    """sample.py --out no/such/dir/x.py failed only after the whole generation."""
+    target = tmp_path / "no" / "such" / "x.py"
+    source = ["--prompt", str(EXAMPLES[0])] if name == "sample" else ["--tasks", str(EXAMPLES[0]), "--solutions", "x"]
+    with pytest.raises(SystemExit) as stop:
+        command(name).main([*source, "--out", str(target)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and f"argument --out: the folder of {target} does not exist" in err
+    assert "generating" not in err
+
+
+def test_evaluate_protocol_dice_generates_with_dices_settings(tmp_path, monkeypatch):
+    """--protocol dice: one greedy sample, low_confidence_static, 4096 tokens, 4 steps per block (DICE's
+    evaluation config), whatever the defaults are; a flag that contradicts it is a usage error."""
+    import dice.rollout
+    evaluate = command("evaluate")
+    seen = {}
+
+    def fake_complete(model, tok, prompts, **kwargs):
+        seen.update(kwargs, prompts=len(prompts), block=model.config.block_size)
+        return [dice.rollout.Completion(list(p), [], [], "", None) for p in prompts]
+
+    monkeypatch.setattr(dice.rollout, "complete", fake_complete)
+    tasks = taskgen_file(tmp_path, n=3)
+    args = evaluate.parse_args(["--tasks", str(tasks), "--model", str(DICE_TINY), "--protocol", "dice"])
+    evaluate.generate_solutions(args, evaluate.load_tasks(tasks))
+    assert (seen["temperature"], seen["remasking"], seen["max_new_tokens"], seen["steps_per_block"]) == \
+           (0.0, "low_confidence_static", 4096, 4)
+    assert seen["prompts"] == 3 and seen["block"] == 4
+    default = evaluate.parse_args(["--tasks", str(tasks), "--model", str(DICE_TINY)])
+    assert (default.samples, default.temperature, default.remasking, default.max_new_tokens) == \
+           (1, 0.0, "low_confidence_dynamic", 2048)
+    assert evaluate.parse_args(["--tasks", str(tasks), "--model", str(DICE_TINY), "--samples", "4"]).temperature == 1.0
+    for flag, value in (("--samples", "5"), ("--remasking", "low_confidence_dynamic"), ("--max-new-tokens", "2048"),
+                        ("--temperature", "1")):
+        with pytest.raises(SystemExit) as stop:
+            evaluate.parse_args(["--tasks", str(tasks), "--model", str(DICE_TINY), "--protocol", "dice", flag, value])
+        assert stop.value.code == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_train_rl_without_flags_on_a_cpu_says_the_reward_needs_a_gpu(tmp_path):
+    """Issue 28: `python train.py --phase e2e` said "--model is required"; now it is the embedded
+    default, and on a machine without a GPU one line says why it cannot run."""
+    for phase in ("e2e", "infill"):
+        res = subprocess.run([sys.executable, str(ROOT / "train.py"), "--phase", phase], capture_output=True,
+                             text=True, cwd=tmp_path, timeout=300)
+        assert res.returncode == 1 and res.stderr.strip().count("\n") == 0, res.stderr
+        assert "rewards kernels with the verifier, which needs a CUDA GPU" in res.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--phase", "sft", "--data", "d.json"], "--model is required with --data (give neither to run the embedded"),
+    (["--phase", "sft", "--model", "m"], "--data is required with --model"),
+    (["--phase", "init", "--data", "d.json"], "--phase init needs --out"),
+    (["--phase", "sft", "--resume"], "--resume needs --out DIR"),
+    (["--phase", "sft", "--resume", "--overwrite", "--out", "o"], "--resume continues the run in --out and --overwrite"),
+    (["--phase", "e2e", "--loss-norm", "batch"], "--loss-norm for --phase e2e must be one of step, response"),
+])
+def test_train_usage_errors_exit_2(tmp_path, args, message):
+    res = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300)
+    assert res.returncode == 2 and message in res.stderr and res.stderr.strip().count("\n") == 0, res.stderr
+
+
+def test_train_help_marks_the_required_flags(capsys, monkeypatch):
+    from dice.config import config_from_args
+    monkeypatch.setenv("COLUMNS", "300")
+    helps = {opt: a.help for a in _parser_of(config_from_args, [], monkeypatch)._actions for opt in a.option_strings}
+    for flag, rule in (("--model", "required with --data"), ("--data", "required with --model and for --phase init"),
+                       ("--out", "required for --phase init"), ("--steps", "required with --data")):
+        assert rule in helps[flag], (flag, helps[flag])

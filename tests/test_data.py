@@ -78,7 +78,8 @@ def test_messages_without_a_last_user_turn_are_a_data_error(messages):
 
 
 @pytest.mark.parametrize("record, text", [
-    ({"pytorch_code": "class Model: pass", "cuda_code": "  \n"}, "cuda_code is empty"),   # DICE's e2e RL file
+    ({"pytorch_code": "class Model: pass", "cuda_code": "  \n"}, "no cuda_code solution"),   # DICE's e2e RL file
+    ({"pytorch_code": "class Model: pass"}, r"record 0 is not usable: it has a pytorch_code task but no cuda_code"),
     ({"prompt": None, "response": None}, "must be strings"),
 ])
 def test_records_without_a_real_answer_are_a_data_error(record, text):
@@ -135,3 +136,35 @@ def test_row_stream_is_reproducible_across_epochs():
         got = fresh.rows(start, 2)
         assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(got, everything[start:start + 2]))
     assert not torch.equal(stream.epoch_rows(0)[0]["input_ids"], stream.epoch_rows(1)[0]["input_ids"]) or n0 == 1
+
+
+def test_a_bad_jsonl_line_is_named_by_its_line_number(tmp_path):
+    """It was reported as `line 1 column 23` (of the line) when it was line 6 of the file."""
+    good = json.dumps({"prompt": "Q", "response": "A"})
+    (tmp_path / "d.jsonl").write_text("\n".join([good, "", good, good, good, '{"prompt": "Q", "response": A}']))
+    with pytest.raises(DataError, match=r"d.jsonl line 6 is not valid JSON \(Expecting value at column 29\)"):
+        read_records(tmp_path / "d.jsonl")
+    (tmp_path / "e.jsonl").write_text(good + "\n[1, 2]\n")
+    with pytest.raises(DataError, match=r"e.jsonl line 2 holds a list, not a record object"):
+        read_records(tmp_path / "e.jsonl")
+    (tmp_path / "f.json").write_text('[\n{"prompt": "Q"},\n{"prompt" "Q"}]')
+    with pytest.raises(DataError, match=r"f.json is not valid JSON \(Expecting ':' delimiter at line 3 column 11\)"):
+        read_records(tmp_path / "f.json")
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    (tmp_path / "d.json").write_bytes(b'[{"prompt": "caf\xe9", "response": "A"}]')
+    with pytest.raises(DataError, match=r"d.json is not UTF-8 text \(byte 16 is b'\\xe9'\); save it as UTF-8"):
+        read_records(tmp_path / "d.json")
+
+
+def test_dice_format_puts_an_empty_think_block_before_the_answer_and_a_newline_after_im_end():
+    """DESIGN.md §4 (LLaMA-Factory's qwen3 template, thinking on), for every record kind."""
+    think = "<think>\n\n</think>\n\n"
+    assert record_to_text({"prompt": "Q", "response": "A"}, think=True) == (
+        "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n", think + "A<|im_end|>\n")
+    msgs = {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}
+    assert record_to_text(msgs, think=True)[1] == think + "A<|im_end|>\n"
+    kernel = record_to_text({"pytorch_code": "class Model: pass", "cuda_code": "x = 1"}, one_shot=None, think=True)
+    assert kernel[1] == think + "```python\nx = 1\n```<|im_end|>\n"
+    assert record_to_text({"prompt": "Q", "response": "A"})[1] == "A<|im_end|>"      # the plain format

@@ -1,4 +1,5 @@
 """Forward noising and the SFT loss (DESIGN.md §4) against hand computations and statistics."""
+import pytest
 import torch
 
 from dice.diffusion import EPS, add_noise, count_samples, diffusion_loss, token_weights
@@ -36,9 +37,24 @@ def test_token_weights_and_sample_count_hand_computed():
     sample = torch.tensor([[0, 0, 0, 1, 1, -1]])
     loss_mask = torch.tensor([[False, True, True, False, True, False]])
     p = torch.tensor([[0.5, 0.5, 0.5, 0.25, 0.25, 0.1]])
-    w = token_weights(loss_mask, sample, p)
-    torch.testing.assert_close(w, torch.tensor([[0.0, 1 / (0.5 * 2), 1 / (0.5 * 2), 0.0, 1 / (0.25 * 1), 0.0]]))
+    # sample: 1 / (p * |its response|); batch: 1 / (p * the 3 response tokens of the batch)
+    torch.testing.assert_close(token_weights(loss_mask, sample, p, "sample"),
+                               torch.tensor([[0.0, 1 / (0.5 * 2), 1 / (0.5 * 2), 0.0, 1 / (0.25 * 1), 0.0]]))
+    torch.testing.assert_close(token_weights(loss_mask, sample, p, "batch"),
+                               torch.tensor([[0.0, 1 / (0.5 * 3), 1 / (0.5 * 3), 0.0, 1 / (0.25 * 3), 0.0]]))
     assert count_samples(loss_mask, sample) == 2
+
+
+def test_a_packed_row_of_an_8_and_a_56_token_response():
+    """DESIGN.md §4: SDAR's batch normalisation gives the short sample 8/64 = 12.5% of the loss, the
+    per-sample mean 50% (every token masked at p = 1, so each weighs what the normalisation says)."""
+    sample = torch.tensor([[0] * 10 + [1] * 60])
+    loss_mask = torch.tensor([[False] * 2 + [True] * 8 + [False] * 4 + [True] * 56])
+    p = torch.ones(1, 70)
+    batch = token_weights(loss_mask, sample, p, "batch")
+    assert batch[0, :10].sum() == pytest.approx(0.125) and batch[0, 10:].sum() == pytest.approx(0.875)
+    per_sample = token_weights(loss_mask, sample, p, "sample") / count_samples(loss_mask, sample)
+    assert per_sample[0, :10].sum() == pytest.approx(0.5) and per_sample[0, 10:].sum() == pytest.approx(0.5)
 
 
 class TableModel(torch.nn.Module):
@@ -54,21 +70,28 @@ class TableModel(torch.nn.Module):
         return full[logits_at]
 
 
-def test_loss_hand_computed():
+@pytest.mark.parametrize("norm", ["batch", "sample"])
+def test_loss_of_packed_rows_hand_computed(norm):
+    """Two rows, the second packing two samples of unequal responses (1 and 3 tokens): batch is the sum
+    of CE/p over all masked tokens divided by the batch's 8 response tokens; sample the sum over the
+    three samples of (their sum of CE/p) / |response|."""
     torch.manual_seed(0)
     table = torch.randn(2, 6, 7)
-    batch = {"input_ids": torch.randint(0, 6, (2, 6)), "position_ids": torch.arange(6).repeat(2, 1),
-             "sample_ids": torch.zeros(2, 6, dtype=torch.long),
-             "loss_mask": torch.tensor([[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]], dtype=torch.bool)}
+    batch = {"input_ids": torch.randint(0, 6, (2, 6)),
+             "position_ids": torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 0, 1, 2, 3]]),
+             "sample_ids": torch.tensor([[0] * 6, [0, 0, 1, 1, 1, 1]]),
+             "loss_mask": torch.tensor([[0, 0, 1, 1, 1, 1], [0, 1, 0, 1, 1, 1]], dtype=torch.bool)}
     seeds = [10, 11]
-    loss = diffusion_loss(TableModel(table), batch, [torch.Generator().manual_seed(s) for s in seeds], 6)
+    loss = diffusion_loss(TableModel(table), batch, [torch.Generator().manual_seed(s) for s in seeds], 6, norm=norm)
     expected = 0.0
     for i, s in enumerate(seeds):
         _, masked, p = add_noise(batch["input_ids"][i:i + 1], batch["loss_mask"][i:i + 1],
                                  batch["sample_ids"][i:i + 1], 6, torch.Generator().manual_seed(s))
         logp = table[i].log_softmax(-1)
-        ce = [-logp[j, batch["input_ids"][i, j]] for j in range(6) if masked[0, j]]
-        expected += sum(ce) / float(p[0, 0]) / int(batch["loss_mask"][i].sum())
+        for k in batch["sample_ids"][i].unique().tolist():
+            own = batch["sample_ids"][i] == k
+            ce = sum(-logp[j, batch["input_ids"][i, j]] / p[0, j] for j in range(6) if masked[0, j] and own[j])
+            expected += ce / (8 if norm == "batch" else int((batch["loss_mask"][i] & own).sum()))
     torch.testing.assert_close(loss, torch.as_tensor(expected, dtype=torch.float32), rtol=1e-5, atol=1e-6)
 
 

@@ -1,12 +1,18 @@
-"""dice.prompts: the chat format, the kernel prompt, code extraction and the skeleton check."""
+"""dice.prompts: the chat format (plain and DICE's think block), the kernel prompt, code extraction
+and the skeleton check."""
 import ast
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 
+from dice.data import tokenize_records
 from dice.prompts import (
     EXAMPLE_CUPY, EXAMPLE_LOAD_INLINE, EXAMPLE_MODEL, INFILL_GAP, REQUEST, chat_prompt, chat_response,
-    extract_code, keeps_skeleton, kernel_prompt,
+    extract_code, keeps_skeleton, kernel_prompt, thinks,
 )
+from dice.tokenizer import load_tokenizer
 
 TASK = '''import torch
 import torch.nn as nn
@@ -42,6 +48,7 @@ PROGRAM = PREFIX + MIDDLE + SUFFIX
 def test_chat_prompt_is_chatml():
     assert chat_prompt("Hi") == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert chat_response("```python\nx\n```") == "```python\nx\n```<|im_end|>"
+    assert chat_response("```python\nx\n```", think=True) == "<think>\n\n</think>\n\n```python\nx\n```<|im_end|>\n"
 
 
 def test_kernel_prompt_contains_the_task_and_the_request():
@@ -134,3 +141,52 @@ def test_keeps_skeleton_needs_room_for_both_ends():
     # A program as long as the prefix alone cannot also end with the suffix.
     assert not keeps_skeleton(PREFIX, PREFIX, SUFFIX)
     assert keeps_skeleton(PREFIX + SUFFIX, PREFIX, SUFFIX)
+
+
+@pytest.mark.parametrize("response, code", [
+    ("<think>\n\n</think>\n\n```python\nx = 1\n```", "x = 1"),                         # DICE's empty think block
+    ("<think>\nlike ```python\nwrong = 1\n```\n</think>\n\n```python\nright = 2\n```", "right = 2"),
+    ("<think>\nunclosed, cut at max tokens", None),
+])
+def test_extract_code_reads_the_answer_after_a_think_block(response, code):
+    assert extract_code(response) == code
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DICE_TINY = Path(__file__).resolve().parents[1] / "dice" / "assets" / "dice-tiny"
+
+
+def tokenizer_folder(tmp_path, **files):
+    """dice-tiny's tokenizer files plus `files` (name -> text)."""
+    folder = tmp_path / "tok"
+    folder.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "added_tokens.json"):
+        shutil.copy(DICE_TINY / name, folder / name)
+    for name, text in files.items():
+        (folder / name.replace("_jinja", ".jinja").replace("_json", ".json")).write_text(text)
+    return folder
+
+
+def test_sdar_chat_template_gives_dice_formatted_sft_answers(tmp_path):
+    """An SDAR/DICE folder (Qwen3's chat template, copied from SDAR-8B-Chat) trains answers after an
+    empty think block and with a newline after <|im_end|>, through the one prompt builder."""
+    sdar = load_tokenizer(tokenizer_folder(tmp_path, chat_template_jinja=(FIXTURES / "sdar-chat" /
+                                                                          "chat_template.jinja").read_text()))
+    assert thinks(sdar) and not thinks(load_tokenizer(DICE_TINY))
+    record = {"pytorch_code": TASK, "cuda_code": "x = 1"}
+    (example,), _ = tokenize_records([record], sdar, 100_000, one_shot=None, think=thinks(sdar))
+    assert sdar.decode(example.response_ids) == "<think>\n\n</think>\n\n```python\nx = 1\n```<|im_end|>\n"
+    assert sdar.decode(example.prompt_ids) == chat_prompt(kernel_prompt(TASK, one_shot=None))
+
+
+def test_think_format_is_read_from_tokenizer_config_or_else_the_vocabulary(tmp_path):
+    config = json.loads((DICE_TINY / "tokenizer_config.json").read_text())
+    in_config = tokenizer_folder(tmp_path / "a", tokenizer_config_json=json.dumps(
+        {**config, "chat_template": "{{ '<|im_start|>assistant\\n<think>\\n' }}"}))
+    assert thinks(load_tokenizer(in_config))
+    plain_template = tokenizer_folder(tmp_path / "b", chat_template_jinja="{{ '<|im_start|>assistant\\n' }}")
+    assert not thinks(load_tokenizer(plain_template))
+    tok = load_tokenizer(DICE_TINY)           # no template: a <think> token decides
+    tok.backend.add_special_tokens(["<think>"])
+    tok.save(tmp_path / "c")
+    assert thinks(load_tokenizer(tmp_path / "c"))

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from dice import load_model
-from dice.rl import (build_round_batch, group_advantages, policy_loss, round_logprobs, trace_rounds, train_rl)
+from dice.rl import (build_round_batch, group_advantages, policy_loss, policy_update, round_logprobs, row_weights,
+                     trace_rounds, train_rl)
+from dice.runtime import Runtime
 from dice.rollout import Completion
 from dice.sampler import generate
 from dice.tasks import Task
@@ -89,7 +91,8 @@ def test_rounds_replay_exactly_what_the_sampler_saw(remasking, threshold, prompt
     assert not eos_cut or (len(tokens) < 14 and tokens[-1] in eos)
     comp = Completion(prompt, tokens, step_map, "", None, out.tail_tokens[0], out.tail_step_map[0])
     rounds = trace_rounds(step_map, prompt_len, 4, comp.tail_step_map)
-    batch = build_round_batch([(0, comp, r) for r in rounds], 4, model.config.mask_token_id, 0, [1.0], 1)
+    batch = build_round_batch([(0, comp, r) for r in rounds], 4, model.config.mask_token_id, 0, [1.0],
+                              [1.0] * len(rounds))
     # the sampler's forward k (1-based) is denoising step k, over the clean past and the current
     # block; a round must show the model exactly that: its clean half before the block, its noisy
     # half in the block, tail positions included
@@ -138,36 +141,73 @@ def test_kl_is_taken_to_the_reference_model_when_there_is_one():
     assert stats["kl"] == pytest.approx(float(k3.mean())) and stats["kl"] > 0
 
 
-def test_each_loss_token_weighs_one_over_its_response_length_times_responses():
-    """DESIGN.md §7: a response's token losses are summed and divided by its length (the tail after
-    the cut is context, not response), then averaged over responses."""
-    short = Completion(list(range(10, 17)), [5, 6], [1, 2], "", None, tail_tokens=[7, 8], tail_step_map=[2, 3])
-    long = Completion(list(range(10, 17)), [5, 6, 7, 8], [1, 2, 3, 4], "", None)
-    items = [(k, c, r) for k, c in enumerate((short, long)) for r in trace_rounds(c.step_map, 7, 4, c.tail_step_map)]
-    batch = build_round_batch(items, 4, 3, 0, [1.0, -1.0], n_responses=2)
-    weights = [w for (k, c, r) in items for w in [1 / (len(c.tokens) * 2)] * len(r.loss)]
-    torch.testing.assert_close(batch.token_weight, torch.tensor(weights))
-    assert sorted(set(batch.token_weight.tolist())) == pytest.approx([1 / 8, 1 / 4])
+SHORT = Completion(list(range(10, 17)), [5, 6], [1, 2], "", None, tail_tokens=[7, 8], tail_step_map=[2, 3])
+LONG = Completion(list(range(10, 17)), [5, 6, 7, 8], [1, 2, 3, 4], "", None)
+
+
+def step_items(completions):
+    return [(k, c, r) for k, c in enumerate(completions)
+            for r in trace_rounds(c.step_map, len(c.prompt_ids), 4, c.tail_step_map)]
+
+
+def test_loss_token_weights_of_both_normalisations_hand_computed():
+    """Prompt 7, block 4: SHORT (2 tokens; the tail after the cut is context) is one round row, LONG
+    (4 tokens at steps 1..4, three of them in block [8, 12)) three; L1 = 4. step: every token weighs
+    1 / (L1 * 4 rows) = 1/16; response: 1 / (length * 2 responses) = 1/4 and 1/8."""
+    items = step_items((SHORT, LONG))
+    assert [(k, len(r.loss)) for k, _, r in items] == [(0, 2), (1, 2), (1, 1), (1, 1)]
+    step = row_weights(items, "step", width=4, rows=4, responses=2, updates=1)
+    response = row_weights(items, "response", width=4, rows=4, responses=2, updates=1)
+    assert step == [1 / 16] * 4 and response == [1 / 4, 1 / 8, 1 / 8, 1 / 8]
+    batch = build_round_batch(items, 4, 3, 0, [1.0, -1.0], response)
+    torch.testing.assert_close(batch.token_weight, torch.tensor([1 / 4, 1 / 4, 1 / 8, 1 / 8, 1 / 8, 1 / 8]))
     assert batch.token_weight.sum() == pytest.approx(1.0)    # each response weighs 1 / responses
 
 
-@pytest.mark.parametrize("updates", [1, 2])
-def test_later_updates_of_a_step_are_measured_against_the_rollout_policy(updates):
-    """--updates-per-step U: every minibatch's ratio is to the log-probs the rollout policy gave, taken
-    before the first update; with U = 1 the one update is on-policy (ratio 1, no KL to itself)."""
-    from dice.rl import policy_update
-    from dice.runtime import Runtime
+def test_a_100_and_a_1000_token_response_weigh_9_and_91_percent_under_step():
+    """DESIGN.md §7: TraceRL's L1 makes every loss token weigh the same (100/1100 = 9.1%); dividing by
+    the response's own length weighs both responses 50%."""
+    comps = [Completion([1] * 4, [2] * n, list(range(1, n + 1)), "", None) for n in (100, 1000)]
+    items = step_items(comps)
+    for norm, short_share in (("step", 100 / 1100), ("response", 0.5)):
+        weights = row_weights(items, norm, width=1000, rows=len(items), responses=2, updates=1)
+        per_response = [sum(w * len(r.loss) for (k, _, r), w in zip(items, weights) if k == j) for j in (0, 1)]
+        assert per_response[0] / sum(per_response) == pytest.approx(short_share)
+
+
+@pytest.mark.parametrize("norm, micro, expected", [("step", 8, 2 / 16), ("step", 1, 2 / 16),
+                                                   ("response", 8, 0.0), ("response", 1, 0.0)])
+def test_policy_update_loss_hand_computed(norm, micro, expected):
+    """One on-policy update (ratio 1, no KL): each token's term is -A. SHORT (A = +1, 2 tokens) and LONG
+    (A = -1, 4 tokens): step (-2 + 4) / 16 = 0.125; response -2/4 + 4/8 = 0; in one micro-batch or
+    one row per micro-batch alike."""
+    model = load_model(TINY)
+    cfg = TrainConfig(phase="e2e", model=str(TINY), out="unused", batch_size=micro, kl_beta=0.0, loss_norm=norm,
+                      dtype="fp32")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    stats = policy_update(model, None, [SHORT, LONG], [1.0, -1.0], cfg, Runtime(torch.device("cpu")), optimizer, 0)
+    assert stats["loss"] == pytest.approx(expected, abs=1e-6) and stats["rounds"] == 4
+
+
+@pytest.mark.parametrize("updates, rows_per_update, steps", [(1, 256, 1), (2, 256, 2), (0, 256, 1), (0, 3, 2)])
+def test_later_updates_of_a_step_are_measured_against_the_rollout_policy(updates, rows_per_update, steps):
+    """--updates-per-step U (0: one per --rows-per-update rounds; here 6 rounds): every minibatch's ratio
+    is to the log-probs the rollout policy gave, taken before the first update; with one update it is
+    on-policy (ratio 1, no KL to itself)."""
     torch.manual_seed(0)
     model = load_model(TINY)
     prompt = list(range(10, 17))
     completions = [Completion(prompt, [5, 6, 7, 8, 9], [1, 2, 2, 3, 4], "", None),
                    Completion(prompt, [9, 8, 7, 6, 5], [1, 1, 2, 3, 3], "", None)]
+    assert len(step_items(completions)) == 6         # 3 round rows each
     cfg = TrainConfig(phase="e2e", model=str(TINY), out="unused", updates_per_step=updates, batch_size=8,
-                      kl_beta=0.01, dtype="fp32")
+                      rows_per_update=rows_per_update, kl_beta=0.01, dtype="fp32")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    taken = []
+    optimizer.register_step_post_hook(lambda *_: taken.append(1))
     stats = policy_update(model, None, completions, [1.0, -1.0], cfg, Runtime(torch.device("cpu")), optimizer, 0)
-    assert stats["responses_trained"] == 2
-    assert (stats["kl"] > 1e-6) == (updates > 1), stats
+    assert stats["responses_trained"] == 2 and len(taken) == steps
+    assert (stats["kl"] > 1e-6) == (steps > 1), stats
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
@@ -176,7 +216,7 @@ def test_gradient_raises_positive_and_lowers_negative_advantage_tokens(sign):
     prompt, tokens = list(range(10, 17)), [5, 6, 7, 8, 9]
     comp = Completion(prompt, tokens, [1, 2, 2, 3, 4], "", None)
     items = [(0, comp, r) for r in trace_rounds(comp.step_map, len(prompt), 4)]
-    batch = build_round_batch(items, 4, model.config.mask_token_id, 0, [sign], 1)
+    batch = build_round_batch(items, 4, model.config.mask_token_id, 0, [sign], [1 / len(tokens)] * len(items))
     before = round_logprobs(model, batch, use_flex=False).detach()
     loss, _ = policy_loss(round_logprobs(model, batch, False), before, batch.advantage, clip_eps=0.2, kl_beta=0.0)
     (loss * batch.token_weight).sum().backward()
@@ -227,7 +267,7 @@ def test_step_metrics_count_the_results_of_every_rollout_batch(tmp_path, monkeyp
     from types import SimpleNamespace
 
     import dice.rollout
-    from dice.rl import verifier_reward
+    from dice.rewards import verifier_reward
 
     class AllCorrect:
         calls = 0
@@ -294,7 +334,7 @@ def test_two_process_gloo_rl_matches_one_process(tmp_path):
 def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():
     from types import SimpleNamespace
 
-    from dice.rl import verifier_reward
+    from dice.rewards import verifier_reward
 
     class FakeVerifier:
         """map reports a task whose reference crashes as the real one does with on_broken_task."""

@@ -1,4 +1,5 @@
-"""`python train.py --phase sft` end to end on a tiny from-scratch model (CPU)."""
+"""`python train.py --phase sft` end to end on a tiny from-scratch model (CPU): the loss, resume,
+processes, run folders that are never overwritten, the embedded default, the optimiser."""
 import json
 import os
 import re
@@ -76,9 +77,12 @@ def test_a_finished_run_extends_from_its_last_step(addition_task, tmp_path):
     assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == list(range(1, 9))
 
 
+@pytest.mark.slow
 def test_two_process_gloo_matches_one_process(addition_task, tmp_path):
+    """--loss-norm batch: a step's loss is the mean of its micro-batches' SDAR losses, so 2 processes x
+    batch 2 equal 1 process x batch 2 x 2 accumulated micro-batches."""
     model, data = addition_task
-    one = train(model, data, tmp_path / "one", "--steps", "4", "--batch-size", "4")
+    one = train(model, data, tmp_path / "one", "--steps", "4", "--batch-size", "2", "--grad-accum", "2")
     assert one.returncode == 0, one.stderr
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     two = train(model, data, tmp_path / "two", "--steps", "4", "--batch-size", "2", launcher=torchrun)
@@ -174,6 +178,129 @@ def test_a_new_run_in_an_out_with_checkpoints_is_a_one_line_error(addition_task,
     out = tmp_path / "out"
     (out / "checkpoints" / "step_000004").mkdir(parents=True)
     res = train(model, data, out, "--steps", "1")
-    assert res.returncode != 0 and res.stderr.strip().count("\n") == 0, res.stderr
-    assert "holds checkpoints of an earlier run; pass --resume" in res.stderr
+    assert res.returncode == 1 and res.stderr.strip().count("\n") == 0, res.stderr
+    assert f"{out} holds an earlier run (checkpoints); pass --resume to continue it, --overwrite" in res.stderr
     assert not (out / "metrics.jsonl").exists()
+
+
+def snapshot(folder):
+    """Every file under `folder` with its bytes."""
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(Path(folder).rglob("*")) if f.is_file()}
+
+
+def one_line(res):
+    """The error of a failed run: one line, after any progress lines, exit status 1."""
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1 and last.startswith("error: "), res.stderr
+    return last
+
+
+def test_a_finished_run_is_never_overwritten_without_overwrite(addition_task, tmp_path):
+    """Issue 29: a second run into a finished run's folder (no checkpoints: --save-every 0) exited 0,
+    replaced final/ and truncated metrics.jsonl. Now it is refused and the folder is byte for byte
+    as it was; --overwrite replaces the run; --resume of a run without checkpoints is refused."""
+    model, data = addition_task
+    out = tmp_path / "run"
+    assert train(model, data, out, "--steps", "3").returncode == 0
+    before = snapshot(out)
+    assert {"metrics.jsonl", "run.json", "final/model.safetensors"} <= before.keys()
+    other = tmp_path / "other.jsonl"
+    other.write_text(data.read_text().splitlines()[0] + "\n")
+    err = one_line(train(model, other, out, "--steps", "1"))
+    assert f"{out} holds an earlier run (final, metrics.jsonl, run.json); pass --resume to continue it, " \
+           "--overwrite to replace it, or choose another --out" in err
+    assert "has nothing to continue from" in one_line(train(model, data, out, "--steps", "4", "--resume"))
+    assert snapshot(out) == before
+    assert train(model, other, out, "--steps", "1", "--overwrite").returncode == 0
+    assert len(losses(out)) == 1 and snapshot(out)["final/model.safetensors"] != before["final/model.safetensors"]
+
+
+def test_resume_refuses_changed_settings_and_leaves_the_run_as_it_was(addition_task, tmp_path):
+    """Issue 29: --resume with another --batch-size or --data continued silently; a --steps below the
+    checkpoint's printed `steps 20..10` and rewrote final/. Each is now one line naming the setting,
+    and the run folder is byte for byte unchanged."""
+    model, data = addition_task
+    out = tmp_path / "run"
+    assert train(model, data, out, "--steps", "4", "--save-every", "2").returncode == 0
+    before = snapshot(out)
+    other = tmp_path / "other.jsonl"
+    other.write_text(data.read_text().replace("add", "plus"))
+    cases = [(("--batch-size", "2"), "the run was started with --batch-size 4, this one has 2"),
+             (("--seed", "2"), "the run was started with --seed 1, this one has 2"),
+             (("--loss-norm", "sample"), "the run was started with --loss-norm batch, this one has sample"),
+             (("--grad-accum", "2"), "the run was started with micro-batches per step (--grad-accum x processes) 1"),
+             (("--max-len", "32"), "the run was started with the row length 64, this one has 32")]
+    for extra, message in cases:
+        err = one_line(train(model, data, out, "--steps", "6", "--resume", *extra))
+        assert f"{out / 'run.json'}: {message}" in err, err
+    assert "the run was started with the data's sha256" in one_line(train(model, other, out, "--steps", "6", "--resume"))
+    err = one_line(train(model, data, out, "--steps", "3", "--resume"))
+    assert "--steps 3 is below step 4, where the newest checkpoint in" in err and "pass --steps 4 or more" in err
+    assert snapshot(out) == before
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_no_folder(addition_task, tmp_path):
+    model, data = addition_task
+    err = one_line(train(model, data, tmp_path / "new", "--steps", "1", "--max-len", "8"))
+    assert f"all 200 examples of {data} are longer than --max-len 8 tokens" in err and "larger --max-len" in err
+    assert not (tmp_path / "new").exists()
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    assert f"{empty} holds no records" in one_line(train(model, empty, tmp_path / "new", "--steps", "1"))
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.slow
+def test_embedded_default_runs_on_a_cpu_with_no_other_flag(tmp_path):
+    """Issue 28: `python train.py --phase sft --steps 3` from a fresh checkout: dice-tiny on generated
+    tasks, CPU-sized rows (said in one line), a new runs/sft-<time>/ with metrics and a checkpoint."""
+    res = subprocess.run([sys.executable, str(ROOT / "train.py"), "--phase", "sft", "--steps", "3"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr
+    (run,) = (tmp_path / "runs").iterdir()
+    assert re.fullmatch(r"sft-\d{8}-\d{6}", run.name)
+    assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert (run / "checkpoints" / "latest").read_text() == "step_000003" and (run / "final" / "config.json").is_file()
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU: --batch-size 1 --max-len 1024, which fit in a few GB" in res.stderr
+    assert len(json.loads((run / "tasks.json").read_text())) > 100
+
+
+def test_sft_sizes_fit_the_machine():
+    from dice.config import TrainConfig
+    from dice.sft import sft_sizes
+    cpu, note = sft_sizes(TrainConfig(), torch.device("cpu"))
+    assert (cpu.batch_size, cpu.max_len) == (1, 1024) and "no CUDA GPU: --batch-size 1 --max-len 1024" in note
+    given, note = sft_sizes(TrainConfig(batch_size=3), torch.device("cpu"))
+    assert given.batch_size == 3 and "--max-len 1024" in note and "--batch-size" not in note
+    assert sft_sizes(TrainConfig(batch_size=3, max_len=64), torch.device("cpu"))[1] is None
+    gpu, note = sft_sizes(TrainConfig(), torch.device("cuda"))
+    assert (gpu.batch_size, gpu.max_len, note) == (8, 2048, None)
+
+
+def test_optimizer_and_schedule_defaults_are_dices():
+    """DESIGN.md §4, §7: AdamW betas (0.9, 0.999) (LLaMA-Factory / DICE RL configs), SFT lr constant
+    after a linear warm-up (`constant_with_warmup`); cosine to min_lr_ratio is the option."""
+    from dice.config import TrainConfig
+    from dice.runtime import lr_at, make_optimizer
+    model = load_model(TINY)
+    assert {g["betas"] for g in make_optimizer(model, TrainConfig()).param_groups} == {(0.9, 0.999)}
+    chosen = make_optimizer(model, TrainConfig(adam_beta1=0.8, adam_beta2=0.95, lr=3e-4))
+    assert {(g["betas"], g["lr"]) for g in chosen.param_groups} == {((0.8, 0.95), 3e-4)}
+    constant = TrainConfig(lr=1e-5, warmup=4)
+    assert [lr_at(s, 10, constant) for s in (0, 1, 3, 4, 9)] == pytest.approx([2.5e-6, 5e-6, 1e-5, 1e-5, 1e-5])
+    cosine = TrainConfig(lr=1e-5, warmup=4, schedule="cosine", min_lr_ratio=0.1)
+    # after warm-up: 0.1 + 0.9 * (1 + cos(pi * (s - 4) / 6)) / 2 of lr
+    assert [lr_at(s, 10, cosine) for s in (3, 4, 7, 10)] == pytest.approx([1e-5, 1e-5, 5.5e-6, 1e-6])
+    with pytest.raises(ValueError, match="--adam-beta2 must be in"):
+        TrainConfig(adam_beta2=1.0)
+
+
+def test_sample_norm_does_not_depend_on_how_a_step_is_split(addition_task, tmp_path):
+    """--loss-norm sample is the mean over the step's samples: 4 rows in one micro-batch or in two."""
+    model, data = addition_task
+    whole = train(model, data, tmp_path / "a", "--steps", "2", "--loss-norm", "sample")
+    split = train(model, data, tmp_path / "b", "--steps", "2", "--loss-norm", "sample", "--batch-size", "2",
+                  "--grad-accum", "2")
+    assert whole.returncode == 0 and split.returncode == 0, whole.stderr + split.stderr
+    assert losses(tmp_path / "b") == pytest.approx(losses(tmp_path / "a"), rel=1e-5)

@@ -1,0 +1,65 @@
+"""Rewards of BiC-RL (DESIGN.md §7): what a reward returns, and the kernel verifier as one.
+
+A reward is any `reward_fn(tasks, completions)` returning a list of floats or `Scores` (the rewards
+and the verifier results behind them); `verifier_reward` is DICE's: 1 for a kernel that compiles
+and is correct (infill: and keeps the task's prefix and suffix), else 0.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from .prompts import keeps_skeleton
+from .rollout import Completion
+from .tasks import Task
+
+
+@dataclass
+class Scores:
+    """What a reward returns: one reward per completion, and the verifier's results behind them
+    (None for a completion it never ran: no code block, a dropped skeleton, a broken task), or
+    `results=None` for a reward without a verifier."""
+    rewards: list[float]
+    results: list | None = None
+
+
+RewardFn = Callable[[list[Task], list[Completion]], "Scores | list[float]"]
+
+
+def score(reward_fn: RewardFn, tasks: list[Task], completions: list[Completion]) -> Scores:
+    """`reward_fn` on a batch; a plain Python reward's list of floats becomes Scores without results."""
+    out = reward_fn(tasks, completions)
+    return out if isinstance(out, Scores) else Scores([float(r) for r in out])
+
+
+def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = False, trials: int = 3,
+                    timeout_s: float = 60.0) -> Callable[[list[Task], list[Completion]], Scores]:
+    """Reward through the kernel verifier: 1 if compiled and correct (infill: and the program
+    keeps the task's prefix and suffix), else 0; kind "speedup" adds 0.5 * clamp(log2 speedup,
+    0, 2)."""
+    def reward(tasks: list[Task], completions: list[Completion]) -> Scores:
+        pairs, index = [], []
+        for i, (t, c) in enumerate(zip(tasks, completions)):
+            if c.code is None or (phase == "infill" and not keeps_skeleton(c.code, t.prefix, t.suffix)):
+                continue
+            pairs.append((t.source, c.code))
+            index.append(i)
+        verified = verifier.map(pairs, on_broken_task=_warn_broken_task, trials=trials, timeout_s=timeout_s,
+                                timing=timing or kind == "speedup")
+        by_item = dict(zip(index, verified))
+        results = [by_item.get(i) for i in range(len(tasks))]
+        rewards = []
+        for r in results:
+            value = float(r is not None and r.correct)
+            if value and kind == "speedup" and r.speedup:
+                value += 0.5 * min(max(math.log2(r.speedup), 0.0), 2.0)
+            rewards.append(value)
+        return Scores(rewards, results)
+    return reward
+
+
+def _warn_broken_task(index: int, error: ValueError) -> None:
+    """A task whose own reference fails scores 0 for that sample (its result is None)."""
+    print(f"warning: skipping a broken task: {error}", file=sys.stderr)
