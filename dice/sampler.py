@@ -333,7 +333,7 @@ class Rows:
         self.steps = torch.zeros(len(prompts), dtype=torch.long, device=device)
         self.seeds = torch.tensor(seeds, dtype=torch.long, device=device)
         self.index, self.rem, self.g0 = list(range(len(prompts))), rem.tolist(), g0.tolist()
-        self.limit = [min(max_new_tokens, n) for n in lengths] if lengths is not None else [max_new_tokens] * len(prompts)
+        self.limit = [max_new_tokens] * len(prompts) if lengths is None else [min(max_new_tokens, n) for n in lengths]
         self.done = [False] * len(prompts)
 
     def masks_in_block(self, j: int, block_size: int) -> list[int]:

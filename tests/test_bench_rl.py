@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dice.bench.rl import (CHARS_PER_TOKEN, ReplayTokenizer, replay_programs, with_device_line)
+from dice.bench.rl import CHARS_PER_TOKEN, ReplayTokenizer, replay_programs, with_device_line
 from dice.bench.verify import CUPY_CANDIDATE, INLINE_CANDIDATE, TASK
 from dice.tasks import load_tasks
 
@@ -47,8 +47,10 @@ def test_replayed_programs_are_distinct_and_broken_in_the_stated_share(solutions
 
 def test_device_line_goes_above_the_kernels_extern_c_or_template_line():
     program = 'code = r"""\n#include <x>\nextern "C"\n__global__ void k() {}\n"""\n'
-    assert with_device_line(program, "LINE") == 'code = r"""\n#include <x>\nLINE\nextern "C"\n__global__ void k() {}\n"""\n'
-    assert with_device_line("template <int N>\n__global__ void k() {}", "L") == "L\ntemplate <int N>\n__global__ void k() {}"
+    expected = 'code = r"""\n#include <x>\nLINE\nextern "C"\n__global__ void k() {}\n"""\n'
+    assert with_device_line(program, "LINE") == expected
+    template = "template <int N>\n__global__ void k() {}"
+    assert with_device_line(template, "L") == "L\n" + template
     assert with_device_line("import torch\n", "L") is None
 
 

@@ -77,12 +77,14 @@ def rollout_batch(text: str) -> int | str:
 
 def add_arguments(p) -> None:
     from .train import train_shape
-    p.add_argument("--shape", type=train_shape, default="1.7b", help="1.7b, 4b, 8b, or a model folder (its config.json)")
+    p.add_argument("--shape", type=train_shape, default="1.7b",
+                   help="1.7b, 4b, 8b, or a model folder (its config.json)")
     p.add_argument("--solutions", required=True, metavar="FILE.json",
                    help="DICE JSON whose cuda_code programs the rollouts replay")
     p.add_argument("--tasks-per-step", type=int, default=64, help="tasks per step (DICE: 64)")
     p.add_argument("--group-size", type=int, default=16, help="samples per task (DICE: 16)")
-    p.add_argument("--max-new-tokens", type=int, default=4096, help="cap of a response; sizes the KV cache (DICE: 4096)")
+    p.add_argument("--max-new-tokens", type=int, default=4096,
+                   help="cap of a response; sizes the KV cache (DICE: 4096)")
     p.add_argument("--rollout-batch", type=rollout_batch, default="auto",
                    help="sequences generated per batch, or auto: as many as the GPU memory holds")
     p.add_argument("--batch-size", type=int, default=2, help="trace rounds per update micro-batch")
@@ -111,14 +113,13 @@ def add_arguments(p) -> None:
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """The levers of issue 27 that a run turns on or off."""
-    name: str
     overlap: str
     rollout_batch: int | str
     rollout_dtype: str
     attention: str
 
 
-BASELINE = Settings("baseline", "batch", 64, "fp32", "dense")
+BASELINE = Settings("batch", 64, "fp32", "dense")
 
 
 class ReplayTokenizer:
@@ -265,8 +266,8 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
     bound = max(parts, key=parts.get)
     verified = [r for r in results if r is not None]
     tokens = sum(len(c.tokens) for c in completions)
-    row = {"run": f"{s.overlap} overlap, batch {timing['rollout_batch']}, {s.rollout_dtype if cuda else 'fp32'} rollouts, "
-                  f"{'dense' if not cuda or s.attention == 'dense' else 'flex'} update",
+    dtype, masks = (s.rollout_dtype, "dense" if s.attention == "dense" else "flex") if cuda else ("fp32", "dense")
+    row = {"run": f"{s.overlap} overlap, batch {timing['rollout_batch']}, {dtype} rollouts, {masks} update",
            "generate s": f"{timing['generate_s']:.1f}", "verify s": f"{timing['verify_s']:.1f}",
            "verify exposed s": f"{timing['verify_wait_s']:.1f}", "update s": f"{update_s:.1f}",
            "step s": f"{step_s:.1f}", "tokens/s": round(tokens / max(timing["generate_s"], 1e-9)),
@@ -315,13 +316,14 @@ def bench_rl(args) -> None:
         sys.exit(f"--tokenizer {tok_dir} has ids beyond the model's vocabulary of {config.vocab_size}; pass the "
                  "tokenizer of this shape (the SDAR tokenizer for 1.7b/4b/8b) or none")
     base = TrainConfig(phase=args.phase, tasks_per_step=args.tasks_per_step, group_size=args.group_size,
-                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, gradient_checkpointing=args.grad_ckpt,
-                       verifier_workers=args.workers, verify_timeout=args.verify_timeout, seed=args.seed)
+                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                       gradient_checkpointing=args.grad_ckpt, verifier_workers=args.workers,
+                       verify_timeout=args.verify_timeout, seed=args.seed)
     optimizer = make_optimizer(model, base)
     if not args.skip_update:
         allocate_optimizer_state(model, optimizer)
-    given = BASELINE if args.baseline else Settings("given", args.overlap, args.rollout_batch, args.rollout_dtype,
-                                                     args.attention)
+    given = BASELINE if args.baseline else \
+        Settings(args.overlap, args.rollout_batch, args.rollout_dtype, args.attention)
     runs = [BASELINE, given] if args.compare else [given]
     verifier = None
     if args.reward == "verifier":
