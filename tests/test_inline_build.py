@@ -241,7 +241,7 @@ def test_flags_are_torchs_but_one_architecture(cuda_home):
         with pytest.raises(Unsplittable):
             Flags({**arguments, "extra_cuda_cflags": bad}, "ext", (9, 0))
     with pytest.raises(Unsplittable):
-        Flags({**arguments, "extra_cflags": ["-std=c++17"]}, "ext", (9, 0))
+        Flags({**arguments, "extra_cflags": ["-std=c++14"]}, "ext", (9, 0))
 
 
 def test_compiler_slots_bound_concurrency(tmp_path):
