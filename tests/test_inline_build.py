@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import torch.utils.cpp_extension as cpp_extension
 
 from dice.prompts import EXAMPLE_LOAD_INLINE

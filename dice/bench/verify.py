@@ -183,7 +183,6 @@ def bench_verify(args) -> None:
     cupy_b = [(task, CUPY_CANDIDATE.format(**f)) for task, f in variants(n_cupy, salt + "b")]
     cupy_c = [(task, CUPY_CANDIDATE.format(**f)) for task, f in variants(n_cupy, salt + "c")]
     cupy_d = [(task, CUPY_CANDIDATE.format(**f)) for task, f in variants(n_cupy, salt + "d")]
-    inline = [(task, INLINE_CANDIDATE.format(**f)) for task, f in variants(n_inline, salt + "i")]
     rows = []
     start = time.perf_counter()
     with Verifier(workers=workers, judges=1, cache_dir=os.path.join(scratch, "cache")) as verifier:
