@@ -49,6 +49,5 @@ def addition_task(tmp_path_factory):
 def cpu_verifier(tmp_path_factory):
     """A Verifier in CPU mode (pure-PyTorch candidates), shared by a test module."""
     from dice.verifier import Verifier
-    with Verifier(workers=2, device="cpu", cache_dir=tmp_path_factory.mktemp("cache"), timing_trials=10,
-                  warmup=1) as verifier:
+    with Verifier(workers=2, device="cpu", cache_dir=tmp_path_factory.mktemp("cache"), timing_budget_s=0.5) as verifier:
         yield verifier

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from dice.verifier import TaskError, Verifier, VerifyResult, verify
-from dice.verifier.verifier import BaselineCache, static_check, trial_seeds
+from dice.verifier.verifier import static_check, trial_seeds
 from dice.verifier.build import BuildCache, BuildError, build_error_message, nvrtc_error_message
 from dice.verifier.checks import (aliased_outputs, compare_outputs, fallback_problem, fingerprint, kernel_names,
-                                  matching_kernels, modified_inputs, replaced_functions)
+                                  modified_inputs, replaced_functions)
 from dice.verifier.process import GpuLock
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
@@ -66,31 +66,6 @@ def test_kernel_names_finds_every_declaration_style():
     '''
     assert kernel_names(source) == ["add_kernel", "reduce_kernel", "scale_kernel"]
     assert kernel_names("import torch\nx = 1\n") == []
-
-
-def test_matching_kernels_accepts_the_candidates_own_kernels_only():
-    defined = ["add_kernel", "relu"]
-    launched = [
-        "add_kernel",                                         # CuPy extern "C"
-        "void add_kernel<float>(float const*, float*, int)",  # demangled template
-        "relu(c10::Half const*, c10::Half*, long)",           # args mention c10, name is ours
-        "_Z10add_kernelPKfPfi",                               # mangled
-        "void at::native::vectorized_elementwise_kernel<4, at::native::relu>(int)",
-        "void at::native::(anonymous namespace)::relu(float*)",
-        "add_kernel_v2(float*)",
-    ]
-    assert matching_kernels(launched, defined) == launched[:4]
-
-
-def test_kernel_matching_is_exact_on_names_and_knows_torchs_libraries():
-    defined = kernel_names('__global__ void my_k(float* x) {}\n__global__ void X(int* y) {}\n'
-                           '__global__ void add_kernel(float* z) {}\n__global__ void relu(float* w) {}')
-    assert kernel_names("__GLOBAL__ void foo(float* x) {}") == []        # CUDA keywords are case-sensitive
-    launched = ["void (anonymous namespace)::my_k(float*)",               # our kernel in an anonymous namespace
-                "void cub::X<int>(int)",                                  # CUB's, though the name is ours
-                "_Z13add_kernel_v2Pf",                                    # a longer mangled name
-                "void Relu(float*)"]                                      # another case
-    assert matching_kernels(launched, defined) == launched[:1]
 
 
 @pytest.mark.parametrize("handler", [
@@ -214,13 +189,13 @@ def test_static_check_verdicts():
 
 
 def test_trial_seeds_are_deterministic_and_distinct():
-    init, seeds, timing = trial_seeds(7, 5)
-    assert (init, seeds, timing) == trial_seeds(7, 5)
+    init, seeds, timing, warmup = trial_seeds(7, 5)
+    assert (init, seeds, timing, warmup) == trial_seeds(7, 5)
     assert len(set(seeds + [init])) == 6
-    assert trial_seeds(8, 5) != (init, seeds, timing)
-    for base in range(200):      # timing and the trial after it use timing, timing - 1: never a trial's
-        _, seeds, timing = trial_seeds(base, 5)
-        assert timing not in seeds and timing - 1 not in seeds
+    assert trial_seeds(8, 5) != (init, seeds, timing, warmup)
+    for base in range(200):      # timed calls and the warm-up forward never see a trial's inputs
+        _, seeds, timing, warmup = trial_seeds(base, 5)
+        assert len({*seeds, timing, warmup}) == 7
 
 
 def test_verify_result_status_is_checked_and_correct_is_derived():
@@ -365,15 +340,6 @@ def test_gpu_lock_timing_excludes_checks():
     assert events.index("a in") < events.index("b out") and events.index("b in") < events.index("a out")
 
 
-def test_baseline_cache_merges_and_persists(tmp_path):
-    path = tmp_path / "baselines.json"
-    first, second = BaselineCache(path), BaselineCache(path)
-    first.put("task-a|gpu", 1.5)
-    second.put("task-b|gpu", 2.5)
-    assert json.loads(path.read_text()) == {"task-a|gpu": 1.5, "task-b|gpu": 2.5}
-    assert BaselineCache(path).get("task-a|gpu") == 1.5
-
-
 def test_without_gpu_verify_says_so():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -393,7 +359,7 @@ def test_a_reply_marked_recycle_replaces_the_worker_before_anyone_else_can_call_
 
 def test_several_judges_share_the_tasks_and_agree(tmp_path):
     tasks = [RELU_TASK.replace("torch.randn(256, 1024)", f"torch.randn(256, {n})") for n in (256, 384, 512, 640)]
-    with Verifier(workers=2, judges=2, device="cpu", cache_dir=tmp_path, timing_trials=5, warmup=1) as verifier:
+    with Verifier(workers=2, judges=2, device="cpu", cache_dir=tmp_path) as verifier:
         results = verifier.map([(t, c) for t in tasks for c in (GOOD, candidate("return x.clamp_min(1)"))],
                                timing=False)
         assert [r.status for r in results] == ["correct", "incorrect"] * len(tasks)
@@ -424,9 +390,10 @@ def test_pool_survives_hangs_crashes_and_exceptions(cpu_verifier):
 RULE_CASES = {
     "mutates input": (RELU_TASK, candidate("y = x.clamp_min(0)\nx.zero_()\nreturn y"), "invalid", "modified input 0"),
     "aliases input": (POSITIVE_TASK, candidate("return x"), "invalid", "shares memory with input 0"),
-    "cached constant": (MEAN_TASK, candidate("return torch.full((), 0.5)"), "invalid", "cached"),
+    # near the mean of any draw: caught as cached on trial 2, or by the relative error on trial 1
+    "cached constant": (MEAN_TASK, candidate("return torch.full((), 0.5)"), "invalid|incorrect", ""),
     "state across calls": (RELU_TASK, candidate("self.calls += 1\nreturn x.clamp_min(0) * self.calls",
-                                                init="self.calls = 0"), "incorrect", "second call"),
+                                                init="self.calls = 0"), "incorrect", "trial 1"),
     "subclasses Model": (RELU_TASK, "import torch\nimport torch.nn as nn\nclass Model(nn.Module):\n"
                          "    def forward(self, x):\n        return torch.relu(x)\n"
                          "class ModelNew(Model):\n    pass\n", "invalid", "subclasses the reference Model"),
@@ -451,16 +418,19 @@ def test_rules_give_the_right_verdicts(cpu_verifier):
     results = cpu_verifier.map([(task, src) for task, src, _, _ in RULE_CASES.values()], timing=False,
                                timeout_s=20)
     for (name, (_, _, status, text)), result in zip(RULE_CASES.items(), results):
-        assert result.status == status, (name, result)
+        assert result.status in status.split("|"), (name, result)
         assert text in result.message, (name, result.message)
 
 
-def test_timing_reports_speedup_and_caches_the_baseline(cpu_verifier):
+def test_timing_reports_a_paired_speedup_with_its_interval(cpu_verifier):
+    """The baseline is timed beside every candidate (nothing is cached between candidates); the
+    speedup comes with a 95% interval that holds it, and the method both were timed by."""
     result = cpu_verifier.verify(RELU_TASK, GOOD, seed=1)
     assert result.correct and result.speedup > 0 and result.runtime_ms > 0 and result.baseline_ms > 0
-    assert "correct on 5 trials" in result.message
-    cached = json.loads((cpu_verifier.cache_dir / "baselines.json").read_text())
-    assert result.baseline_ms in cached.values()
+    assert "correct on 5 trials" in result.message and result.timing == "eager"
+    low, high = result.speedup_ci
+    assert low <= result.speedup <= high
+    assert not (cpu_verifier.cache_dir / "baselines.json").exists()
 
 
 def test_bad_task_raises_value_error(cpu_verifier):

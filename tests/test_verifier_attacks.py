@@ -85,8 +85,8 @@ def test_a_reply_that_would_run_code_in_the_trainer_is_refused(cpu_verifier, tmp
     ("import dice.verifier.worker as w\nw.export_tensor = lambda t: (b'', t)", "export_tensor"),
     ("import statistics\nstatistics.median = lambda values: 1e-6", "statistics.median"),
     ("torch.Tensor.clamp_min = lambda self, m: self.abs()", "torch.Tensor.clamp_min"),   # would skew the next
-    ("import dice.verifier.worker as w\nw.CandidateHandler.time = lambda self, r: "
-     "{'status': 'ok', 'runtime_ms': 1e-6, 'wall_ms': 1e-6, 'trials': 1}", "CandidateHandler.time"),
+    ("import dice.verifier.worker as w\nw.CandidateHandler.time_block = lambda self, r: "
+     "{'status': 'ok', 'times': [1e-6], 'checked': [], 'activity': None}", "CandidateHandler.time_block"),
 ])
 def test_replacing_the_harness_is_invalid(cpu_verifier, patch, name):
     result = cpu_verifier.verify(RELU_TASK, GOOD + "\n" + patch + "\n")
@@ -107,8 +107,9 @@ def test_results_cached_on_input_values_do_not_beat_the_clock(cpu_verifier):
     assert result.correct and result.speedup < 3, result
 
 
-def test_results_cached_on_buffer_addresses_fail_the_trial_after_timing(cpu_verifier):
-    # honest through the correctness trials (6 calls), then replays outputs by input address
+def test_results_cached_on_buffer_addresses_do_not_beat_the_clock(cpu_verifier):
+    # honest through the first calls, then replays outputs by input address: every timed call
+    # gets new input tensors (and a graph replay runs no Python), so the cache never answers
     by_address = ("import torch\nimport torch.nn as nn\n\nclass ModelNew(nn.Module):\n"
                   "    def __init__(self):\n        super().__init__()\n        self.memo, self.calls = {}, 0\n\n"
                   "    def forward(self, a, b):\n        self.calls += 1\n"
@@ -117,7 +118,7 @@ def test_results_cached_on_buffer_addresses_fail_the_trial_after_timing(cpu_veri
                   "        if key not in self.memo:\n            self.memo[key] = a @ b\n"
                   "        return self.memo[key]\n")
     result = cpu_verifier.verify(MATMUL_TASK, by_address, seed=4)
-    assert result.status == "incorrect" and "after timing" in result.message, result
+    assert result.status == "incorrect" or result.speedup < 3, result
 
 
 def test_a_timeout_kills_what_the_candidate_started(cpu_verifier, tmp_path):
@@ -211,8 +212,9 @@ def test_an_instance_attribute_over_a_handler_method_is_caught(cpu_verifier):
 
 
 @pytest.mark.parametrize("forged, text", [
-    ("handler.time = lambda request: {'status': 'ok', 'runtime_ms': float('nan'), 'wall_ms': 1.0}", "times"),
-    ("handler.time = lambda request: {'status': 'ok', 'runtime_ms': '1', 'wall_ms': 1.0}", "times"),
+    ("handler.time_block = lambda request: {'status': 'ok', 'times': [float('nan')], 'checked': [], "
+     "'activity': None}", "times"),
+    ("handler.time_block = lambda request: {'status': 'ok', 'times': ['1'], 'checked': [], 'activity': None}", "times"),
     ("handler.run = lambda request: {'status': 'pwned', 'message': 'x'}", "status 'pwned'"),
 ])
 def test_malformed_replies_are_invalid_and_never_crash_the_caller(cpu_verifier, forged, text):
@@ -254,7 +256,7 @@ def test_outputs_recorded_by_one_candidate_do_not_answer_another(cpu_verifier, t
                           "        return torch.load(path) if os.path.exists(path) else torch.zeros_like(x)\n")
     assert cpu_verifier.verify(RELU_TASK, recorder).correct
     result = cpu_verifier.verify(RELU_TASK, lookup)          # with timing: fresh seeds per candidate there
-    assert result.status in ("incorrect", "invalid") and "after timing" in result.message, result
+    assert result.status in ("incorrect", "invalid") and "timed call" in result.message, result
 
 
 def test_a_detached_daemon_ends_with_its_candidate(cpu_verifier, tmp_path):

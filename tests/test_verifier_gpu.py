@@ -89,7 +89,7 @@ POISON = cupy_candidate(RELU_FORWARD.replace("relu_kernel", "far_write_kernel"))
 
 @pytest.fixture(scope="module")
 def verifier(tmp_path_factory):
-    with Verifier(workers=4, cache_dir=tmp_path_factory.mktemp("verifier-cache"), timing_trials=30) as v:
+    with Verifier(workers=4, cache_dir=tmp_path_factory.mktemp("verifier-cache"), timing_budget_s=3.0) as v:
         yield v
 
 
@@ -97,7 +97,7 @@ def test_correct_cupy_kernel_passes_with_a_speedup(verifier):
     result = verifier.verify(RELU_TASK, CUPY_RELU)
     assert result.status == "correct", result.message
     assert result.compiled and result.speedup > 0 and result.runtime_ms > 0 and result.baseline_ms > 0
-    assert (verifier.cache_dir / "baselines.json").exists()
+    assert result.timing == "graph" and result.speedup_ci[0] <= result.speedup <= result.speedup_ci[1]
 
 
 def test_correct_load_inline_kernel_passes_and_its_build_is_cached(verifier):
@@ -162,7 +162,7 @@ def test_hanging_kernel_times_out(verifier):
 
 
 CHEATS = {
-    "calls torch ops": (RELU_TASK, cupy_candidate("return torch.relu(x)"), "none of the candidate's kernels"),
+    "calls torch ops": (RELU_TASK, cupy_candidate("return torch.relu(x)"), "none of the kernels"),
     "subclasses Model": (RELU_TASK, GOOD.replace("class ModelNew(nn.Module):",
                                                  "class Model(nn.Module):\n    pass\n\n\nclass ModelNew(Model):"),
                          "subclasses the reference Model"),

@@ -1,9 +1,12 @@
 """What a candidate must satisfy, as plain functions (DESIGN.md §8).
 
-Source rules (run in the parent, on text): the `__global__` kernels a candidate defines, whether a
-launched kernel is one of them, and try/except fallbacks to PyTorch. Tensor rules (run in the
-workers): exact equality, inputs modified, outputs sharing memory with inputs, fingerprints for
-spotting cached outputs, and the allclose comparison with its mismatch report.
+Source rules (run in the parent, on text): whether the source declares a `__global__` kernel at
+all (a cheap first filter; which kernels are the candidate's own is decided from machine code,
+`kernels.CompiledKernels`) and try/except fallbacks to PyTorch. The kernel rule (run in the
+parent on what the profiler recorded): `kernel_problem`. Tensor rules (run in the workers):
+exact equality, inputs modified, outputs sharing memory with inputs, fingerprints for spotting
+cached outputs, and the comparison with the reference (`compare_outputs`: allclose plus a
+relative error of the whole output).
 
 `trusted` holds the torch/time functions the verifier relies on, captured when this module is
 imported, which a worker does before it runs any candidate code; `replaced_functions()` names the
@@ -13,11 +16,12 @@ ones a candidate has since replaced (the worker then reports `invalid` and is re
 from __future__ import annotations
 
 import ast
+import collections
 import importlib
+import os
 import re
 import time
 import types
-from typing import Iterable
 
 import torch
 import torch._dynamo  # noqa: F401  importing dynamo wraps torch.manual_seed: capture after it
@@ -27,9 +31,19 @@ WATCHED = (
     "torch.cuda.synchronize", "torch.cuda.current_stream", "torch.cuda.Event",
     "torch.cuda.Event.record", "torch.cuda.Event.elapsed_time", "torch.Tensor.clone",
     "torch.Tensor.data_ptr", "torch.Tensor.untyped_storage", "torch.nn.Module.__call__",
-    "torch.profiler.profile", "time.perf_counter",
+    "torch.profiler.profile", "time.perf_counter", "os.urandom",
 )
-TORCH_NAMESPACES = ("at", "c10", "cub", "thrust", "cutlass")
+# Kernels from these namespaces, and with these names (cuBLAS, cuBLASLt and cuDNN kernels), are
+# library code whatever compiled them.
+LIBRARY_NAMESPACES = ("at", "c10", "cub", "thrust", "cutlass", "cute", "cudnn", "cublas", "cublasLt", "std")
+LIBRARY_NAMES = re.compile(r"^(sm\d+_xmma|nvjet|ampere_|volta_|turing_|hopper_|maxwell_|blackwell_|implicit_convolve|"
+                           r"precomputed_convolve|fft2d_|cublas|cudnn|gemv2|gemvx|gemmk1|splitKreduce)")
+GEMM = re.compile(r"gemm|gemv|xmma|nvjet|cutlass|cublas|splitK|sm\d+_.*_(nn|nt|tn|tt)_", re.IGNORECASE)
+CONV = re.compile(r"conv|fprop|dgrad|wgrad|cudnn|winograd|implicit_", re.IGNORECASE)
+# Data movement and initialisation: honest kernels add them (torch.zeros, .contiguous(), casts,
+# cat); they never count as library compute of the candidate's own.
+BOOKKEEPING = re.compile(r"FillFunctor|fill_kernel|direct_copy_kernel|copy_kernel|CatArrayBatchedCopy|"
+                         r"cupy_copy|cupy_fill|memset|unrolled_elementwise_kernel<.*copy", re.IGNORECASE)
 
 trusted = types.SimpleNamespace(
     clone=torch.Tensor.clone,
@@ -43,7 +57,18 @@ trusted = types.SimpleNamespace(
     event_elapsed_time=torch.cuda.Event.elapsed_time,
     untyped_storage=torch.Tensor.untyped_storage,
     profile=torch.profiler.profile,
+    kineto_events=torch._C._autograd._ProfilerResult.events,
+    event_name=torch._C._autograd._KinetoEvent.name,
+    event_device_type=torch._C._autograd._KinetoEvent.device_type,
+    urandom=os.urandom,
 )
+
+
+def trusted_intact(_frozen: tuple = tuple(vars(trusted).items())) -> bool:
+    """Whether every function in `trusted` is still the one captured at import (checked right
+    before a timing loop binds them to locals: a wrapper that puts the original back once it has
+    been called is caught before it can be)."""
+    return len(vars(trusted)) == len(_frozen) and all(getattr(trusted, k, None) is v for k, v in _frozen)
 
 
 def _resolve(dotted: str):
@@ -77,24 +102,88 @@ def kernel_names(source: str) -> list[str]:
     return sorted(set(re.findall(r"__global__\b[^;{}()]*?\b([A-Za-z_]\w*)\s*\(", text)))
 
 
-def matching_kernels(launched: Iterable[str], defined: Iterable[str]) -> list[str]:
-    """The launched kernel names (demangled, as the profiler reports them) that are `defined` ones.
+def is_library_name(qualified: str) -> bool:
+    """Whether a kernel's qualified name belongs to a library (namespaces, GEMM/convolution names)."""
+    return qualified.split("::")[0] in LIBRARY_NAMESPACES or bool(LIBRARY_NAMES.search(qualified))
 
-    "void add_kernel<float>(float const*, ...)", "add_kernel" (extern "C") and the mangled
-    "_Z10add_kernelPKf..." all match add_kernel; PyTorch's own kernels (at::, cub::...) never do."""
-    defined = set(defined)
-    hits = []
-    for name in launched:
-        plain = name.replace("(anonymous namespace)::", "")
-        words = re.split(r"[<(]", plain, maxsplit=1)[0].split()
-        qualified = words[-1] if words else ""
-        namespace, _, base = qualified.rpartition("::")
-        mangled = re.match(r"_Z(\d+)", plain)
-        if mangled and plain[len(mangled.group(0)):][:int(mangled.group(1))] in defined:
-            hits.append(name)
-        elif base in defined and namespace.split("::")[0] not in TORCH_NAMESPACES:
-            hits.append(name)
-    return hits
+
+def kernel_class(name: str) -> str:
+    """The key under which launches are compared with the reference's: every GEMM is "gemm" and
+    every convolution "conv" (cuBLAS and cuDNN pick among many kernels by shape and layout, so
+    an honest candidate that keeps the reference's GEMM may launch another of them), any other
+    kernel its name without spaces."""
+    if GEMM.search(name):
+        return "gemm"
+    if CONV.search(name):
+        return "conv"
+    return re.sub(r"\s+", "", name)
+
+
+def kernel_problem(launched: dict, own: set, reference: dict, copies: dict, reference_copies: dict,
+                   qualify, rules: str = "strict") -> str | None:
+    """Why a forward's kernels break the rule, or None (DESIGN.md §8).
+
+    launched / reference: {kernel name: launches} of the candidate's and the reference's forward
+    on the same inputs; own: qualified names of the kernels the candidate compiled; copies:
+    {"dtoh", "htod"} counts; qualify: profiler name -> qualified name (`kernels.qualified_name`).
+    A launched kernel is the candidate's own when its qualified name is one it compiled, is no
+    library name, and no kernel of the reference has it (a name shared with the reference is
+    the reference's). Rules:
+    - "kernelbench": at least one own kernel ran;
+    - "strict" (the default and the RL reward): an own kernel ran; every library kernel it ran
+      that is not data movement (BOOKKEEPING) is one the reference runs, at most as often (it
+      added no library compute); it ran fewer of some reference kernel than the reference does
+      (it replaced a compute step: a GEMM kept in PyTorch with an own fused epilogue passes, a
+      decoy kernel beside the reference's own ops does not); and no data went to the host and
+      back when the reference keeps it on the device (host computation)."""
+    reference_names = {qualify(k) for k in reference}
+    mine = {k: n for k, n in launched.items()
+            if qualify(k) in own and qualify(k) not in reference_names and not is_library_name(qualify(k))}
+    if not mine:
+        shown = ", ".join(k[:70] for k in sorted(launched)[:4]) or "none"
+        return (f"none of the kernels that ran is one the candidate compiled (kernels launched: {shown}); "
+                "ModelNew must compute with its own CUDA kernels")
+    if rules == "kernelbench":
+        return None
+    library = collections.Counter({kernel_class(k): 0 for k in launched})
+    compute = collections.Counter()
+    for k, n in launched.items():
+        if k not in mine:
+            library[kernel_class(k)] += n
+            if not BOOKKEEPING.search(k):
+                compute[kernel_class(k)] += n
+    ref = collections.Counter()
+    for k, n in reference.items():
+        ref[kernel_class(k)] += n
+    added = [k for k, n in compute.items() if n > ref[k]]
+    if added:
+        return (f"the forward runs library compute the reference does not ({added[0][:80]}); ModelNew "
+                "may keep the reference's library calls, not add its own")
+    if ref and not any(n > library[k] for k, n in ref.items()):
+        return ("every compute step of the reference still runs as a library kernel beside the candidate's own "
+                f"({', '.join(sorted(mine))[:80]}): its own kernels replace nothing (a decoy)")
+    if copies.get("dtoh") and copies.get("htod") and not reference_copies.get("dtoh"):
+        return ("the forward copies data to the host and back, which the reference does not: ModelNew must "
+                "compute on the GPU")
+    return None
+
+
+def timed_kernel_problem(launched: dict, own: set, reference: dict, calls: int, qualify) -> str | None:
+    """Why the kernels of `calls` eager timed calls break the rule, or None: an own kernel ran,
+    and no library compute beyond what `calls` forwards of the reference run (a candidate that
+    used a faster library op only when it was being timed would gain by it)."""
+    reference_names = {qualify(k) for k in reference}
+    if not any(n and qualify(k) in own and qualify(k) not in reference_names for k, n in launched.items()):
+        return "no kernel the candidate compiled ran in its timed calls"
+    ref = collections.Counter()
+    for k, n in reference.items():
+        ref[kernel_class(k)] += n
+    used = collections.Counter()
+    for k, n in launched.items():
+        if not (qualify(k) in own and qualify(k) not in reference_names) and not BOOKKEEPING.search(k):
+            used[kernel_class(k)] += n
+    added = [k for k, n in used.items() if n > calls * ref[k]]
+    return (f"its timed calls run library compute the reference does not ({added[0][:80]})" if added else None)
 
 
 def fallback_problem(tree: ast.Module) -> str | None:
@@ -196,8 +285,11 @@ def fingerprint(t: torch.Tensor) -> list:
     return [str(t.dtype), list(t.shape), int(torch.sum(bits, dtype=torch.int64))] + bits[index].tolist()
 
 
-def compare_outputs(expected: list, got: list, atol: float, rtol: float) -> str | None:
-    """None when `got` matches `expected` (allclose; NaN/Inf exactly where expected), else why not."""
+def compare_outputs(expected: list, got: list, atol: float, rtol: float, rel_l2: float = 1e-2) -> str | None:
+    """None when `got` matches `expected`, else why not: allclose(atol, rtol) with NaN/Inf exactly
+    where expected, and for floating outputs also ||g - e||_2 <= rel_l2 * ||e||_2 over the finite
+    elements (`relative_error`), so that an output whose true values all sit below atol (a
+    softmax over 65,536 columns) cannot pass with values of the wrong size."""
     if len(got) != len(expected):
         return f"forward returned {len(got)} tensor(s), the reference returns {len(expected)}"
     for i, (e, g) in enumerate(zip(expected, got)):
@@ -211,7 +303,25 @@ def compare_outputs(expected: list, got: list, atol: float, rtol: float) -> str 
         problem = _value_mismatch(e, g, atol, rtol)
         if problem:
             return f"{label}: {problem}"
+        if e.is_floating_point() and e.numel():
+            rel = relative_error(e, g)
+            if rel > rel_l2:
+                return (f"{label}: relative error {rel:.3g} of the whole output (||got - expected|| / ||expected||) "
+                        f"exceeds {rel_l2:g}, although every element is within atol={atol:g}, rtol={rtol:g}")
     return None
+
+
+def relative_error(e: torch.Tensor, g: torch.Tensor, chunk: int = 2**24) -> float:
+    """||g - e|| / ||e|| in float64 over the elements where both are finite (in chunks: outputs of
+    10^8 elements stay affordable); 0 for an all-zero reference, where allclose alone decides."""
+    diff2 = ref2 = 0.0
+    e_flat, g_flat = e.reshape(-1), g.reshape(-1)
+    for start in range(0, e_flat.numel(), chunk):
+        e64, g64 = e_flat[start:start + chunk].double(), g_flat[start:start + chunk].double()
+        finite = torch.isfinite(e64) & torch.isfinite(g64)
+        diff2 += float(torch.where(finite, g64 - e64, 0.0).square().sum())
+        ref2 += float(torch.where(finite, e64, 0.0).square().sum())
+    return (diff2 / ref2) ** 0.5 if ref2 > 0 else 0.0
 
 
 def _value_mismatch(e: torch.Tensor, g: torch.Tensor, atol: float, rtol: float) -> str | None:

@@ -1,7 +1,22 @@
 """What both worker roles do with task and candidate source: modules from source, seeded models
-and inputs, the CUDA context (DESIGN.md §8). Runs only inside worker processes."""
+and inputs, the CUDA context (DESIGN.md §8). Runs only inside worker processes.
+
+Trial inputs. Every correctness trial draws `get_inputs()` under its own seed and then gives its
+floating-point tensors a structure (`TRIAL_KINDS`), the same in the judge and the worker:
+- "iid": every element times (1 + JITTER u), u uniform in [-1, 1): new values on every trial even
+  for a task whose inputs are drawn once at import (one recorded output cannot be replayed);
+- "faded": every element times FADE except about one in FADED_KEEP, kept as drawn, so that a
+  statistic computed from a fixed subsample of the elements (1/8 of an MSE) misses most of what
+  decides the output;
+- "scaled": the whole tensor times 1/4 or 4: a constant output, or one off by a scale, fails.
+Signs, zeros and integer tensors (indices) are left alone, so inputs stay in the task's domain.
+Timed calls use "iid" inputs from their own seeds, with integer and boolean tensors also permuted
+(`timed_inputs`): no two timed calls see the same inputs, so outputs cached by value cannot beat
+the clock.
+"""
 from __future__ import annotations
 
+import hashlib
 import linecache
 import random
 import sys
@@ -15,6 +30,10 @@ from torch import nn
 from .checks import trusted
 
 TASK_IMPORT_SEED = 0            # module-level randomness of a task is the same in every process
+TRIAL_KINDS = ("iid", "faded", "scaled")   # trial 1, 2, 3; later trials are "iid"
+JITTER = 2**-3
+FADE = 2**-8
+FADED_KEEP = 4096
 
 
 def init_device(name: str) -> torch.device:
@@ -99,3 +118,47 @@ def same_layout(a: list, b: list) -> bool:
 def nbytes(values: list) -> int:
     return sum(x.numel() * x.element_size() for x in values if isinstance(x, torch.Tensor))
 
+
+def trial_kinds(trials: int) -> list[str]:
+    return [TRIAL_KINDS[i] if i < len(TRIAL_KINDS) else "iid" for i in range(trials)]
+
+
+def stable_seed(*parts) -> int:
+    """A 63-bit seed from `parts`, the same in every process (Python's hash() is not)."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
+
+
+def structured(inputs: list, kind: str, seed: int) -> list:
+    """`inputs` with the trial kind's structure given to their floating tensors (module docstring)."""
+    out = []
+    for j, x in enumerate(inputs):
+        if not (isinstance(x, torch.Tensor) and x.numel() > 1 and not x.is_complex()):
+            out.append(x)
+            continue
+        g = torch.Generator(device=x.device).manual_seed(stable_seed(seed, j, kind))
+        if not x.is_floating_point():
+            permute = kind == "timed"
+            out.append(x.reshape(-1)[torch.randperm(x.numel(), generator=g, device=x.device)].view(x.shape)
+                       if permute else x)
+        elif kind in ("iid", "timed"):
+            u = torch.rand(x.shape, generator=g, device=x.device)
+            out.append(x * (1 + JITTER * (2 * u - 1)).to(x.dtype))
+        elif kind == "faded":
+            keep = torch.zeros(x.numel(), dtype=torch.bool, device=x.device)
+            keep[torch.randint(x.numel(), (max(1, x.numel() // FADED_KEEP),), generator=g, device=x.device)] = True
+            out.append(torch.where(keep.view(x.shape), x, x * FADE))
+        elif kind == "scaled":
+            out.append(x * (0.25 if torch.rand((), generator=g, device=x.device) < 0.5 else 4.0))
+        else:
+            raise ValueError(f"unknown trial kind {kind!r}")
+    return out
+
+
+def trial_inputs(task: types.ModuleType, seed: int, kind: str, device: torch.device) -> list:
+    """The inputs of one correctness trial: get_inputs() under `seed`, then its structure."""
+    return structured(make_inputs(task, seed, device), kind, seed)
+
+
+def timed_inputs(pristine: list, seed: int, call: int) -> list:
+    """The inputs of timed call `call`: the timing draw `pristine` with new values per call."""
+    return structured(pristine, "timed", stable_seed(seed, call))

@@ -1,9 +1,11 @@
 """The judge worker: the trusted process that holds reference outputs (DESIGN.md §8).
 
-It runs only task code, never a candidate's: it computes reference outputs per (task, init seed,
-trial seed), caches them (RL verifies 16 candidates per task), compares the outputs a candidate
-worker shipped with them, and times the eager baseline. So a candidate can reach neither the
-reference outputs nor the comparison.
+It runs only task code, never a candidate's: it computes reference outputs (and the kernels the
+reference launches, under the profiler) per (task, init seed, trial seed, trial kind), caches them
+(RL verifies 16 candidates per task), compares the outputs a candidate worker shipped with them,
+checks the outputs of timed calls, and times the eager baseline in blocks paired with the
+candidate's (`timing.Timer`). So a candidate can reach neither the reference outputs nor the
+comparison nor the baseline.
 """
 from __future__ import annotations
 
@@ -14,24 +16,35 @@ import torch
 from torch import nn
 
 from .checks import aliased_outputs, compare_outputs, fingerprint, flatten, modified_inputs, trusted
-from .harness import build_model, cuda_context_broken, describe_exception, init_device, load_task, make_inputs, nbytes
+from .harness import (build_model, cuda_context_broken, describe_exception, init_device, load_task, make_inputs,
+                      nbytes, timed_inputs, trial_inputs)
+from .kernels import gpu_activity
 from .protocol import import_tensor
-from .timing import TimedInputs, time_forward
+from .timing import Timer
 
 
 class JudgeHandler:
-    """Reference outputs, comparisons and baseline timing (requests: reference, compare, baseline)."""
+    """Requests: reference, compare, compare_timed, baseline_prepare, baseline_block."""
 
     MODELS_KEPT = 4
 
     def __init__(self, config: dict):
         self.device = init_device(config["device"])
+        self.cuda = self.device.type == "cuda"
         self.cache_bytes = int(config["reference_cache_gb"] * 2**30)
-        self.warmup, self.timing_trials = config["warmup"], config["timing_trials"]
         self.tasks: dict[str, types.ModuleType] = {}
         self.models: OrderedDict = OrderedDict()      # (task_key, init_seed) -> reference Model
-        self.references: OrderedDict = OrderedDict()  # (task_key, init_seed, seed) -> reference record
-        self.info = {"device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"}
+        self.references: OrderedDict = OrderedDict()  # (task_key, init_seed, seed, kind) -> reference record
+        self.timer: Timer | None = None               # the baseline of the timing in progress
+        self.info = {"device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu"}
+
+    def reference(self, request: dict) -> dict:
+        """Compute (and cache) the reference for one trial, so a broken task is blamed on the task."""
+        try:
+            self._reference(request)
+        except Exception as exc:
+            return self._failed("task_error", describe_exception(exc, "task.py"))
+        return {"status": "ok"}
 
     def compare(self, request: dict) -> dict:
         try:
@@ -41,36 +54,52 @@ class JudgeHandler:
         try:
             got = [import_tensor(data) for data in request["outputs"]]
             second = [import_tensor(data) for data in request["second"]] if request["second"] is not None else None
-            expected, atol, rtol = reference["outputs"], request["atol"], request["rtol"]
-            reply = {
-                "status": "ok",
-                "mismatch": compare_outputs(expected, got, atol, rtol),
-                "second_mismatch": compare_outputs(expected, second, atol, rtol) if second is not None else None,
-                "fingerprints": [fingerprint(t) for t in got],
-                **{k: v for k, v in reference.items() if k != "outputs"},
-            }
+            tolerance = (request["atol"], request["rtol"], request["rel_l2"])
+            reply = {"status": "ok", "mismatch": compare_outputs(reference["outputs"], got, *tolerance),
+                     "second_mismatch": compare_outputs(reference["outputs"], second, *tolerance) if second is not None else None,
+                     "fingerprints": [fingerprint(t) for t in got],
+                     **{k: v for k, v in reference.items() if k != "outputs"}}
         except Exception as exc:  # e.g. outputs too large to compare in the memory left
             return self._failed("runtime_error", f"comparing the outputs failed: {describe_exception(exc)}")
         del got, second  # releases the CUDA IPC mappings of the candidate's memory
         return reply
 
-    def reference(self, request: dict) -> dict:
-        """Compute (and cache) the reference for one seed, so a broken task is blamed on the task."""
-        try:
-            self._reference(request)
-        except Exception as exc:
-            return self._failed("task_error", describe_exception(exc, "task.py"))
-        return {"status": "ok"}
-
-    def baseline(self, request: dict) -> dict:
+    def compare_timed(self, request: dict) -> dict:
+        """A timed call's outputs against the reference on that call's inputs (never cached)."""
         try:
             task = self._task(request["task_key"], request["task_src"])
             model = self._model(task, request["task_key"], request["init_seed"])
-            stats = time_forward(model, TimedInputs(task, request["seed"], self.device), self.device, self.warmup,
-                                 self.timing_trials)
+            pristine = make_inputs(task, request["seed"], self.device)
+            expected = self._forward(model, timed_inputs(pristine, request["seed"], request["call"]), request["seed"])
         except Exception as exc:
             return self._failed("task_error", describe_exception(exc, "task.py"))
-        return {"status": "ok", **stats}
+        try:
+            got = [import_tensor(data) for data in request["outputs"]]
+            mismatch = compare_outputs(expected, got, request["atol"], request["rtol"], request["rel_l2"])
+        except Exception as exc:
+            return self._failed("runtime_error", f"comparing the outputs failed: {describe_exception(exc)}")
+        del got
+        return {"status": "ok", "mismatch": mismatch}
+
+    def baseline_prepare(self, request: dict) -> dict:
+        """The eager reference's Timer for the candidate's timing seed; the reference's timed kernels."""
+        try:
+            task = self._task(request["task_key"], request["task_src"])
+            model = self._model(task, request["task_key"], request["init_seed"])
+            pristine = make_inputs(task, request["seed"], self.device)
+            self.timer = Timer(model, pristine, request["seed"], self.device, request["method"])
+            activity = self.timer.profile() if self.cuda else None
+            probe = self.timer.block(-10, 1, 0.0)
+        except Exception as exc:
+            return self._failed("task_error", describe_exception(exc, "task.py"))
+        return {"status": "ok", "method": self.timer.method, "activity": activity, "ms": float(probe["times"][0])}
+
+    def baseline_block(self, request: dict) -> dict:
+        try:
+            block = self.timer.block(request["first"], request["calls"], 0.0)
+        except Exception as exc:
+            return self._failed("task_error", describe_exception(exc, "task.py"))
+        return {"status": "ok", "times": [float(t) for t in block["times"]]}
 
     def _failed(self, status: str, message: str) -> dict:
         # a reference that hit a device-side assert leaves this context unusable: without a new
@@ -83,35 +112,47 @@ class JudgeHandler:
         return self.tasks[key]
 
     def _model(self, task: types.ModuleType, task_key: str, init_seed: int) -> nn.Module:
+        """The reference Model, built once per (task, init seed) and run once before any forward
+        that counts, so that lazy initialisation kernels never join its profile."""
         key = (task_key, init_seed)
         if key not in self.models:
-            self.models[key] = build_model(task, task.Model, init_seed, self.device)
+            model = build_model(task, task.Model, init_seed, self.device)
+            self._forward(model, make_inputs(task, init_seed, self.device), init_seed)
+            self.models[key] = model
             while len(self.models) > self.MODELS_KEPT:
                 self.models.popitem(last=False)
         self.models.move_to_end(key)
         return self.models[key]
 
-    def _reference(self, request: dict) -> dict:
-        key = (request["task_key"], request["init_seed"], request["seed"])
-        if key in self.references:
-            self.references.move_to_end(key)
-            return self.references[key]
-        task = self._task(request["task_key"], request["task_src"])
-        model = self._model(task, request["task_key"], request["init_seed"])
-        inputs = make_inputs(task, request["seed"], self.device)
-        originals = [trusted.clone(x) if isinstance(x, torch.Tensor) else None for x in inputs]
-        trusted.manual_seed(request["seed"])
+    def _forward(self, model: nn.Module, inputs: list, seed: int) -> list:
+        trusted.manual_seed(seed)
         with trusted.no_grad():
             outputs = flatten(model(*inputs))
         for i, t in enumerate(outputs):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"Model.forward returns a {type(t).__name__} as output {i}; "
                                 "only tensors (or tuples of tensors) can be compared")
+        return outputs
+
+    def _reference(self, request: dict) -> dict:
+        key = (request["task_key"], request["init_seed"], request["seed"], request["kind"])
+        if key in self.references:
+            self.references.move_to_end(key)
+            return self.references[key]
+        task = self._task(request["task_key"], request["task_src"])
+        model = self._model(task, request["task_key"], request["init_seed"])
+        inputs = trial_inputs(task, request["seed"], request["kind"], self.device)
+        originals = [trusted.clone(x) if isinstance(x, torch.Tensor) else None for x in inputs]
+        if self.cuda:
+            outputs, activity = gpu_activity(lambda: self._forward(model, inputs, request["seed"]))
+        else:
+            outputs, activity = self._forward(model, inputs, request["seed"]), None
         reference = {
             "outputs": [t.detach() for t in outputs],
             "reference_fingerprints": [fingerprint(t) for t in outputs],
             "reference_mutated": modified_inputs(originals, inputs),
             "reference_aliased": aliased_outputs(outputs, inputs),
+            "reference_activity": activity,
         }
         self.references[key] = reference
         while len(self.references) > 1 and self._cached_bytes() > self.cache_bytes:
@@ -120,4 +161,3 @@ class JudgeHandler:
 
     def _cached_bytes(self) -> int:
         return sum(nbytes(r["outputs"]) for r in self.references.values())
-

@@ -17,6 +17,7 @@ killed processes land on it and are found by the next scan.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import signal
 import sys
@@ -54,10 +55,19 @@ def descendants(root: int) -> list[int]:
 
 
 def _kill(pid: int, below: set[int]) -> None:
-    """SIGKILL `pid` if it is still a child of a process in `below` (a pid reused meanwhile is left alone)."""
+    """SIGKILL `pid` if it is still a child of a process in `below` (a pid reused meanwhile is left
+    alone: with a pidfd the check and the signal refer to the same process)."""
     try:
         fd = os.pidfd_open(pid)
-    except OSError:
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSYS, errno.EPERM, errno.EINVAL):
+            return           # the process is gone
+        stat = _stat(pid)    # no pidfds here (an old kernel, a sandbox): check, then signal
+        if stat is not None and stat[1] in below:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
         return
     try:
         stat = _stat(pid)
@@ -101,11 +111,11 @@ def reap() -> list[tuple[int, int]]:
         done.append((pid, status))
 
 
-def set_child_subreaper() -> None:
-    """prctl(PR_SET_CHILD_SUBREAPER): orphans below this process reparent to it, not to init."""
+def set_child_subreaper() -> bool:
+    """prctl(PR_SET_CHILD_SUBREAPER): orphans below this process reparent to it, not to init.
+    False where the kernel refuses (then a daemon that detaches escapes the tree kill)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+    return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
 def _exit_like(status: int) -> None:

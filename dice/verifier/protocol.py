@@ -78,25 +78,50 @@ def import_tensor(data: bytes) -> torch.Tensor:
 def malformed_reply(op: str, reply: dict) -> str | None:
     """Why a candidate worker's reply does not fit its op's schema, or None. The parent reads
     nothing else from a reply, so a tampered worker can lie within these types (a false time)
-    but cannot crash the caller or hand it a NaN."""
-    def ints(x, n=None):
-        return isinstance(x, list) and all(type(i) is int for i in x) and (n is None or len(x) == n)
+    but cannot crash the caller or hand it a NaN.
 
+    Replies with status "ok": run -> outputs, second (list of bytes or None), activity, own,
+    mutated (ints), aliased ([int, int] pairs); time_prepare -> method, activity, own, ms;
+    time_block -> times (ms), checked ([call, outputs] pairs), activity. `activity` is None (CPU)
+    or {"kernels": {name: launches}, "dtoh": int, "htod": int}; `own` None or a list of names."""
     status, message = reply.get("status"), reply.get("message", "")
     if status not in (*STATUSES, "ok") or not isinstance(message, str):
         return f"has status {str(status)[:40]!r}"
     if status != "ok" or op in ("load", "unload"):
         return None
-    if op == "run":
-        outputs, second, kernels = reply.get("outputs"), reply.get("second"), reply.get("kernels")
-        if not (isinstance(outputs, list) and all(isinstance(o, bytes) for o in outputs)
-                and (second is None or isinstance(second, list) and all(isinstance(o, bytes) for o in second))
-                and (kernels is None or isinstance(kernels, list) and all(isinstance(k, str) for k in kernels))
-                and ints(reply.get("mutated")) and isinstance(reply.get("aliased"), list)
-                and all(ints(pair, 2) for pair in reply["aliased"])):
-            return "has fields of the wrong types"
-    if op == "time":
-        times = [reply.get("runtime_ms"), reply.get("wall_ms")]
-        if not all(type(t) is float and math.isfinite(t) and t > 0 for t in times):
-            return f"has times {times!r:.80}"
+    fields = {
+        "run": lambda r: (_byte_list(r.get("outputs")) and (r.get("second") is None or _byte_list(r["second"]))
+                          and _activity(r.get("activity")) and _names(r.get("own")) and _ints(r.get("mutated"))
+                          and isinstance(r.get("aliased"), list) and all(_ints(p, 2) for p in r["aliased"])),
+        "time_prepare": lambda r: (r.get("method") in ("graph", "eager") and _activity(r.get("activity"))
+                                   and _names(r.get("own")) and _times([r.get("ms")])),
+        "time_block": lambda r: (isinstance(r.get("times"), list) and _times(r["times"]) and _activity(r.get("activity"))
+                                 and isinstance(r.get("checked"), list)
+                                 and all(isinstance(c, list) and len(c) == 2 and type(c[0]) is int and _byte_list(c[1])
+                                         for c in r["checked"])),
+    }
+    if op in fields and not fields[op](reply):
+        return "has fields of the wrong types or times that are not positive and finite"
     return None
+
+
+def _ints(x, n=None) -> bool:
+    return isinstance(x, list) and all(type(i) is int for i in x) and (n is None or len(x) == n)
+
+
+def _byte_list(x) -> bool:
+    return isinstance(x, list) and all(isinstance(o, bytes) for o in x)
+
+
+def _names(x) -> bool:
+    return x is None or isinstance(x, list) and all(isinstance(n, str) for n in x)
+
+
+def _times(x) -> bool:
+    return len(x) > 0 and all(type(t) is float and math.isfinite(t) and t > 0 for t in x)
+
+
+def _activity(x) -> bool:
+    return x is None or (isinstance(x, dict) and isinstance(x.get("kernels"), dict)
+                         and all(isinstance(k, str) and type(n) is int for k, n in x["kernels"].items())
+                         and type(x.get("dtoh")) is int and type(x.get("htod")) is int)

@@ -1,93 +1,153 @@
-"""Timing a forward in a worker: inputs that change every call, L2 flushed, two clocks (DESIGN.md §8)."""
-from __future__ import annotations
+"""Timing one model's forward in a worker: the candidate's and the eager reference's alike (DESIGN.md §8).
 
-import statistics
-import types
+A `Timer` serves one timing of one model on one task: call k runs on `harness.timed_inputs(k)`
+(new values every call, drawn from a seed no correctness trial uses), the L2 cache flushed
+before it. Two methods, the same for the candidate and its baseline (the parent picks one both
+can use):
+- "graph": the forward is captured once in a CUDA graph on static input buffers; call k copies
+  its inputs into them and replays the graph between two CUDA events. A replay runs exactly the
+  captured kernels and no Python of the candidate at all, so nothing it does can tell timed calls
+  from others, skip work on them, or touch the clock. A graph is used only when it is faithful:
+  a replay on fresh inputs gives the eager forward's outputs (work on a stream the capture does
+  not see, such as the legacy default stream of `<<<...>>>` launches, leaves it unfaithful).
+- "eager": forward, then a device-wide synchronize (work on any stream counts), timed by the
+  host clock (`perf_counter`, bound before any candidate code ran; no event object the candidate
+  could re-record). Launch overhead is included, as it is for eager PyTorch.
+Every call's outputs may be checked: after the call returns, a coin from os.urandom decides (with
+probability `check` per call), so the candidate cannot know in advance which calls are compared
+with the reference, and a forward that skips work on some calls is caught. The candidate's
+timed kernels are profiled too (once for a graph, every call in eager mode) and must satisfy the
+same kernel rule as its correctness trials.
+"""
+from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .checks import trusted
-from .harness import make_inputs, nbytes
+from .checks import flatten, relative_error, replaced_functions, trusted, trusted_intact
+from .harness import timed_inputs
+from .kernels import gpu_activity
 
 L2_FLUSH_BYTES = 256 * 2**20    # > L2 of any current GPU (H100 50 MB, H200 60 MB, B200 126 MB)
-TIMING_INPUT_BYTES = 2**30      # input sets for timing (see TimedInputs)
-PERTURBATION = 2**-6            # relative noise on float inputs per timed call (bf16 resolves 2^-8)
+FAITHFUL = 1e-3                 # a graph replay within this relative error of the eager outputs
+COIN = 256
 
 
-class TimedInputs:
-    """Inputs for timed calls, from a seed no correctness trial uses: up to 4 sets of buffers
-    (as TIMING_INPUT_BYTES allow), rotated. Before every call, outside the timed bracket, each
-    floating input of the set is rewritten as the seed's value x (1 + PERTURBATION u), u uniform in
-    [-1, 1) and new per call, so no timed call repeats the values of another or of a correctness
-    trial: a forward that caches outputs keyed on input values cannot beat the clock. One keyed on
-    buffer addresses is caught by the trial after timing, on new values written into `buffers`."""
+class Timer:
+    """See the module docstring. `method` is what was asked; `.method` what this model can do."""
 
-    def __init__(self, task: types.ModuleType, seed: int, device: torch.device):
-        self.pristine = make_inputs(task, seed, device)
-        count = max(1, min(4, TIMING_INPUT_BYTES // max(nbytes(self.pristine), 1) - 1))
-        self.sets = [[trusted.clone(x) if isinstance(x, torch.Tensor) else x for x in self.pristine]
-                     for _ in range(count)]
-        self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.calls = 0
+    def __init__(self, model: nn.Module, pristine: list, seed: int, device: torch.device, method: str):
+        self.model, self.pristine, self.seed, self.device = model, pristine, seed, device
+        self.cuda = device.type == "cuda"
+        self.flush = torch.empty(L2_FLUSH_BYTES if self.cuda else 0, dtype=torch.uint8, device=device)
+        self.graph, self._harness = None, None
+        self.method = "graph" if method == "graph" and self.cuda and self._capture() else "eager"
 
-    @property
-    def buffers(self) -> list:
-        return self.sets[0]
+    def _forward(self, inputs: list) -> list:
+        with trusted.no_grad():
+            return flatten(self.model(*inputs))
 
-    def next(self) -> list:
-        inputs, self.calls = self.sets[self.calls % len(self.sets)], self.calls + 1
-        for x, pristine in zip(inputs, self.pristine):
-            if isinstance(x, torch.Tensor) and x.is_floating_point():
-                u = torch.rand(x.shape, generator=self.generator, device=x.device)
-                x.copy_(pristine * (1 + PERTURBATION * (2 * u - 1)))
-        return inputs
+    def _capture(self) -> bool:
+        """Capture the forward on static buffers; True when the graph replays faithfully."""
+        self.static = [trusted.clone(x) if isinstance(x, torch.Tensor) else x for x in timed_inputs(self.pristine, self.seed, -1)]
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._forward(self.static)      # lazy initialisation outside the capture
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.static_out = self._forward(self.static)
+        except Exception:
+            trusted.cuda_synchronize(self.device)
+            return False
+        if not all(type(t) is torch.Tensor for t in self.static_out):
+            return False
+        fresh = timed_inputs(self.pristine, self.seed, -2)
+        self.graph = graph
+        replayed = [trusted.clone(t) for t in self._replay(fresh)]
+        eager = self._forward(fresh)
+        trusted.cuda_synchronize(self.device)
+        return len(eager) == len(replayed) and all(
+            type(e) is torch.Tensor and e.shape == r.shape and e.dtype == r.dtype
+            and (not e.is_floating_point() or relative_error(e, r) <= FAITHFUL)
+            and (e.is_floating_point() or trusted.equal(e, r)) for e, r in zip(eager, replayed))
+
+    def _replay(self, inputs: list) -> list:
+        self._load(inputs)
+        self.graph.replay()
+        return self.static_out
+
+    def _load(self, inputs: list) -> None:
+        for buffer, x in zip(self.static, inputs):
+            if isinstance(buffer, torch.Tensor):
+                buffer.copy_(x)
+
+    def profile(self) -> dict:
+        """The GPU activity of one timed call (for a graph, of one replay: all replays are alike)."""
+        inputs = timed_inputs(self.pristine, self.seed, -3)
+        run = (lambda: self._replay(inputs)) if self.graph is not None else (lambda: self._forward(inputs))
+        return gpu_activity(run)[1]
+
+    def block(self, first: int, calls: int, check: float) -> dict:
+        """Calls first .. first + calls - 1: their times (ms) and the outputs of the checked ones.
+        In eager mode the block runs under the profiler, and its activity comes back without the
+        harness's own kernels (each call's new inputs and L2 flush, profiled once alone)."""
+        if self.graph is None and self.cuda:
+            (times, checked), activity = gpu_activity(lambda: self._calls(first, calls, check))
+            harness = self._harness_kernels()
+            activity["kernels"] = {k: n - calls * harness.get(k, 0) for k, n in activity["kernels"].items()
+                                   if n > calls * harness.get(k, 0)}
+            return {"times": times, "checked": checked, "activity": activity}
+        times, checked = self._calls(first, calls, check)
+        return {"times": times, "checked": checked, "activity": None}
+
+    def _harness_kernels(self) -> dict:
+        if self._harness is None:
+            def harness_only():
+                timed_inputs(self.pristine, self.seed, -4)
+                self.flush.zero_()
+            self._harness = gpu_activity(harness_only)[1]["kernels"]
+        return self._harness
+
+    def _calls(self, first: int, calls: int, check: float) -> tuple[tuple, list]:
+        if not trusted_intact() or replaced_functions():
+            raise RuntimeError("the candidate replaced functions the verifier times with")
+        # bound to locals now: what candidate code replaces during the loop cannot reach them
+        perf, sync, clone, urandom, device = (trusted.perf_counter, trusted.cuda_synchronize, trusted.clone,
+                                              trusted.urandom, self.device)
+        times, checked = (), []          # a tuple: no candidate code can rewrite it in place
+        threshold = int(check * COIN)
+        for k in range(first, first + calls):
+            inputs = timed_inputs(self.pristine, self.seed, k)
+            if self.cuda:
+                self.flush.zero_()
+                sync(device)
+            if self.graph is not None:
+                outputs, ms = self._timed_replay(inputs)
+            else:
+                t0 = perf()
+                outputs = self._forward(inputs)
+                if self.cuda:
+                    sync(device)
+                ms = (perf() - t0) * 1e3
+            times += (ms,)
+            if urandom(1)[0] < threshold:     # decided after the call, unpredictably
+                checked.append((k, [clone(t) if type(t) is torch.Tensor else t for t in outputs]))
+        return times, checked
+
+    def _timed_replay(self, inputs: list) -> tuple[list, float]:
+        self._load(inputs)
+        start, end = trusted.Event(enable_timing=True), trusted.Event(enable_timing=True)
+        trusted.event_record(start)
+        self.graph.replay()
+        trusted.event_record(end)
+        trusted.cuda_synchronize(self.device)
+        return self.static_out, trusted.event_elapsed_time(start, end)
 
 
-def time_forward(model: nn.Module, inputs: TimedInputs, device: torch.device, warmup: int, trials: int) -> dict:
-    """Median forward time over `trials` calls, with two clocks over the same window.
-
-    Per trial: next inputs, flush L2 (write L2_FLUSH_BYTES), synchronize, then [record start event, forward,
-    device-wide synchronize (so work on any stream counts), record end event]. `wall_ms` is the
-    host perf_counter over that bracket; for honest code it exceeds the event time only by launch
-    and sync latency (tens of µs). On CPU both clocks are the host clock."""
-    cuda = device.type == "cuda"
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device) if cuda else None
-
-    def sync():
-        if cuda:
-            trusted.cuda_synchronize(device)
-
-    events, wall = [], []
-    with trusted.no_grad():
-        for _ in range(warmup):
-            model(*inputs.next())
-        sync()
-        for _ in range(trials):
-            args = inputs.next()
-            if cuda:
-                flush.zero_()
-                start, end = trusted.Event(enable_timing=True), trusted.Event(enable_timing=True)
-            sync()
-            t0 = trusted.perf_counter()
-            if cuda:
-                trusted.event_record(start)
-            model(*args)
-            sync()
-            if cuda:
-                trusted.event_record(end)
-                events.append((start, end))
-            wall.append((trusted.perf_counter() - t0) * 1e3)
-        sync()
-    times = [trusted.event_elapsed_time(s, e) for s, e in events] if cuda else wall
-    return {"runtime_ms": statistics.median(times), "wall_ms": statistics.median(wall), "trials": trials}
-
-
-def launched_kernels(fn, device: torch.device) -> tuple[object, list[str]]:
-    """(fn(), names of the CUDA kernels that ran during it, as the profiler reports them)."""
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with trusted.profile(activities=activities) as prof:
-        result = fn()
-        trusted.cuda_synchronize(device)
-    return result, sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
-
+def calls_per_block(ms_per_call: float, target_ms: float = 8.0) -> int:
+    """Timed calls per block: about `target_ms` of forwards, between 3 and 100."""
+    return max(3, min(100, int(target_ms / max(ms_per_call, 1e-3))))

@@ -8,44 +8,38 @@
 A task is KernelBench source (`Model`, `get_inputs`, `get_init_inputs`); a candidate is source
 defining `ModelNew` with the same constructor, computing with its own CUDA kernels: CuPy
 (`cupy.RawModule`, NVRTC) or `torch.utils.cpp_extension.load_inline` (built once per distinct
-source, see `build.BuildCache`). Candidate code only ever runs in worker processes
-(`process`, `worker`); reference outputs live in a separate trusted judge process.
-The rules themselves are plain functions in `checks`; what crosses the pipes is in `protocol`.
+source, see `build.BuildCache`). Candidate code only ever runs in worker processes (`process`,
+`worker`); reference outputs live in a separate trusted judge process (`judge`). The rules are
+plain functions in `checks`; what crosses the pipes is in `protocol`.
 
 Stages, first failure wins:
 1. static, in the parent: the source parses (else compile_error); it defines ModelNew, contains
    a `__global__` kernel (CUDA only), and no `try` whose except branch calls PyTorch (invalid);
 2. load: import the module (compile_error), ModelNew is an nn.Module not derived from the task's
-   Model (invalid), ModelNew(*get_init_inputs()) after the same manual_seed as the reference;
-3. `trials` correctness trials, each with its own seed: torch.manual_seed(seed); get_inputs();
-   forward (trial 1 calls it twice on the same inputs, the last trial runs under the profiler).
-   Invalid: none of the source's `__global__` kernels ran in the profiled call, an input was
-   modified or an output shares an input's memory (unless the reference does the same), an output
-   changed after torch's current stream was done (work hidden on another stream), threads left
-   running, an output exactly equal to an earlier trial's while the references differ (cached
-   results), verifier functions replaced. Incorrect: not torch.allclose(atol, rtol) to the
-   reference (NaN/Inf only where the reference has them, same shapes/dtypes/device), on any trial
-   or on the repeated call;
-4. timing (if `timing`): median over timing_trials calls with L2 flushed, on inputs from a seed
-   no trial used, with new values every call (`TimedInputs`), CUDA events bracketing a device-wide
-   synchronize, then one more trial on new values written into the timed buffers (outputs
-   cached by input value or by buffer address fail); the eager reference is timed the same
-   way (cached per task, GPU and torch version). speedup = baseline_ms / runtime_ms. Only one
-   timing runs at a time and no correctness check runs during it (`GpuLock`). Invalid when the
-   host clock over the same bracket exceeds 2 x event time + 0.5 ms: for honest code the two
-   agree to launch/sync latency, so a gap means work escaped the event timer.
+   Model (invalid), ModelNew(*get_init_inputs()) after the same manual_seed as the reference, one
+   warm-up forward;
+3. `trials` correctness trials, each with its own seed and input structure (`harness`: iid, then
+   faded, then scaled values), every one under the profiler (trial 1 calls forward twice).
+   Invalid: the kernels it ran break `checks.kernel_problem` under `rules` (own kernels from the
+   machine code the candidate compiled, `kernels`; "strict": no decoy beside library calls, no
+   library compute the reference lacks, no host round trip; "kernelbench": one own kernel), an
+   input was modified or an output shares an input's memory (unless the reference does the
+   same), an output changed after torch's current stream was done, threads left running, an
+   output exactly equal to an earlier trial's while the references differ, verifier functions
+   replaced. Incorrect: `checks.compare_outputs` (allclose(atol, rtol), NaN/Inf only where the
+   reference has them, relative error of the whole output <= rel_l2) fails on any trial or on
+   the repeated call;
+4. timing (if `timing`), the GPU lock held exclusively: `timing.Timer` in the worker and in the
+   judge (CUDA graphs when both capture faithfully, else eager under the host clock), paired
+   blocks until the speedup is stable (`speedup`); the timed kernels obey the same rule, and a
+   secret sample of the timed calls is compared with the reference (incorrect if any fails).
 Crashes and CUDA faults give runtime_error, hangs timeout; only that worker is replaced (the judge
-too, when a task's own reference faults: its task gets a TaskError, later tasks a sound judge). Module
-loading (compilation is CPU work) is not excluded from timing; time on a quiet host for papers.
+too, when a task's own reference faults: its task gets a TaskError, later tasks a sound judge).
 
 Seeds: `seed=None` draws the base seed once per Verifier (unknown to candidates, shared by all
-candidates of one Verifier so reference outputs are computed once per task and seed), except for
-the timing inputs and the trial after timing, drawn fresh for every candidate: a candidate that
-replays outputs another candidate recorded cannot beat the clock or pass that trial. (Fresh seeds
-for the correctness trials too would cost the judge a reference per candidate: in the verify bench
-the untimed rate fell from 1,144 to 754 kernels/min.) Task
-modules are imported under a fixed seed in every process, so tensors a task draws at import time
-(`x = torch.randn(...)` returned by get_inputs) are the same for the reference and the candidate.
+candidates of one Verifier so reference outputs are computed once per task and seed), except the
+timing seed, drawn fresh for every candidate. Task modules are imported under a fixed seed in
+every process, so tensors a task draws at import time are the same for reference and candidate.
 """
 
 from __future__ import annotations
@@ -53,8 +47,6 @@ from __future__ import annotations
 import ast
 import atexit
 import hashlib
-import json
-import math
 import os
 import queue
 import random
@@ -72,16 +64,23 @@ from typing import Callable, Iterable
 import torch
 
 from ..tasks import check_task_source
-from .checks import fallback_problem, kernel_names, matching_kernels
+from .checks import fallback_problem, kernel_names, kernel_problem, timed_kernel_problem
+from .harness import trial_kinds
+from .kernels import qualified_name
+from .prebuild import BuildPool
 from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, describe_exit
 from .protocol import STATUSES, malformed_reply
+from .speedup import BUDGET_S, CHECKS_PER_BLOCK, PLAUSIBLE, Timing, paired_rounds
+from .timing import calls_per_block
+
+RULES = ("strict", "kernelbench")
 NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is False); run on a GPU "
           "machine, or use Verifier(device='cpu') to exercise the pool with pure-PyTorch candidates")
-PROFILER_BROKEN = ("the CUDA profiler in the verifier's worker records no kernels (CUPTI unavailable?), so it "
-                   "cannot check that candidates launch their own kernels; run where torch.profiler works")
+PROFILER_BROKEN = ("the CUDA profiler in the verifier's worker records no kernels (CUPTI unavailable?), or the CuPy "
+                   "compile hooks are missing, so it cannot tell the candidate's own kernels; run where "
+                   "torch.profiler works, with CuPy 14")
 JUDGE_TIMEOUT_S = 900.0       # reference forward + comparison of the largest KernelBench tasks
 UNLOAD_TIMEOUT_S = 60.0
-WALL_SLACK_MS = 0.5           # see the timing rule in the module docstring
 MESSAGE_CHARS = 4000          # of a worker's message kept in a verdict (a candidate controls its text)
 
 
@@ -94,6 +93,8 @@ class VerifyResult:
     runtime_ms: float | None = None
     baseline_ms: float | None = None
     message: str = ""
+    speedup_ci: tuple[float, float] | None = None    # 95% interval of the speedup
+    timing: str | None = None                        # how both were timed: "graph" or "eager"
 
     def __post_init__(self):
         if self.status not in STATUSES:
@@ -114,10 +115,14 @@ class VerifyOptions:
     compile_timeout_s: float = 600.0   # module import, including a load_inline build
     atol: float = 1e-2
     rtol: float = 1e-2
+    rel_l2: float = 1e-2               # ||got - expected|| / ||expected|| of a whole output
+    rules: str = "strict"              # the kernel rule: "strict" (DICE, the RL reward) or "kernelbench"
 
     def __post_init__(self):
         if self.trials < 1:
             raise ValueError(f"trials={self.trials}: verification needs at least one correctness trial")
+        if self.rules not in RULES:
+            raise ValueError(f"rules={self.rules!r}: use one of {', '.join(RULES)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,56 +151,19 @@ def static_check(source: str, need_kernel: bool) -> VerifyResult | None:
     return None
 
 
-def trial_seeds(base: int, trials: int) -> tuple[int, list[int], int]:
-    """(weight-init seed, one seed per trial, timing seed), all derived from `base`. Timed calls
-    use inputs from timing_seed and the trial after timing timing_seed - 1, neither of them a
-    correctness trial's."""
+def trial_seeds(base: int, trials: int) -> tuple[int, list[int], int, int]:
+    """(weight-init seed, one seed per trial, timing seed, warm-up seed), all from `base` and all
+    distinct: timed calls and the load's warm-up forward use inputs no correctness trial uses."""
     rng = random.Random(base)
     init_seed, seeds = rng.randrange(2**31), [rng.randrange(2**31) for _ in range(trials)]
-    timing_seed = rng.randrange(1, 2**31)
-    while timing_seed in seeds or timing_seed - 1 in seeds:
-        timing_seed = rng.randrange(1, 2**31)
-    return init_seed, seeds, timing_seed
+    timing_seed, warmup_seed = (rng.randrange(1, 2**31) for _ in range(2))
+    while len({*seeds, timing_seed, warmup_seed}) < trials + 2:
+        timing_seed, warmup_seed = (rng.randrange(1, 2**31) for _ in range(2))
+    return init_seed, seeds, timing_seed, warmup_seed
 
 
 # ---------------------------------------------------------------------------------------------
 # The pool.
-
-class BaselineCache:
-    """Eager baseline times in memory and in a JSON file (merged and replaced atomically on write).
-
-    The file is read once, when the Verifier starts, and only positive finite times are kept;
-    within a run the times in memory rule. Candidate workers run as the same user and could
-    rewrite the file for a later run: delete it (or use a fresh `cache_dir`) before runs whose
-    speedups you publish."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._lock = threading.Lock()
-        self._memory = self._read()
-
-    def _read(self) -> dict:
-        try:
-            stored = json.loads(self.path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
-            return {}
-        if not isinstance(stored, dict):
-            return {}
-        return {k: v for k, v in stored.items() if type(v) is float and 0 < v < float("inf")}
-
-    def get(self, key: str) -> float | None:
-        with self._lock:
-            return self._memory.get(key)
-
-    def put(self, key: str, ms: float) -> None:
-        with self._lock:
-            self._memory[key] = ms
-            merged = {**self._read(), **self._memory}  # keep what other processes wrote meanwhile
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
-            os.replace(tmp, self.path)
-
 
 class _Clock:
     """Seconds left for the candidate; only time spent waiting on its own worker counts."""
@@ -212,11 +180,15 @@ class Verifier:
     workers), each task always served by the same judge so that its reference outputs are cached
     once (each judge keeps up to `reference_cache_gb` of them on the GPU). `judge_busy_s` is the
     judges' summed time answering requests: near `judges` x the wall time means the judges, not
-    the workers, bound the throughput."""
+    the workers, bound the throughput. `timing_budget_s`: the most a candidate's paired timing
+    runs before its interval is stable (`speedup`). `build`: how load_inline programs are built
+    ("fast": `inline` split with a precompiled torch header, "torch": torch's own; default
+    $DICE_INLINE_BUILD or "fast"); `prebuild`: build them in a CPU pool (`prebuild.BuildPool`)
+    while GPU workers verify others."""
 
     def __init__(self, workers: int = 4, *, device: str = "cuda", cache_dir: str | Path | None = None,
-                 recycle_after: int = 50, warmup: int = 5, timing_trials: int = 100,
-                 reference_cache_gb: float = 4.0, judges: int | None = None):
+                 recycle_after: int = 50, reference_cache_gb: float = 4.0, judges: int | None = None,
+                 timing_budget_s: float = BUDGET_S, build: str | None = None, prebuild: bool = True):
         self.cuda = torch.device(device).type == "cuda"
         if self.cuda and not torch.cuda.is_available():
             raise RuntimeError(NO_GPU)
@@ -224,10 +196,10 @@ class Verifier:
         if workers < 1 or judges < 1:
             raise ValueError(f"Verifier(workers={workers}, judges={judges}): need at least one of each")
         self.cache_dir = Path(cache_dir or os.environ.get("DICE_CACHE_DIR") or Path.home() / ".cache" / "dice")
-        self.recycle_after = recycle_after
+        self.recycle_after, self.timing_budget_s = recycle_after, timing_budget_s
         self._log_dir = Path(tempfile.mkdtemp(prefix="dice-verifier-"))
-        config = {"device": device, "cache_dir": str(self.cache_dir), "warmup": warmup,
-                  "timing_trials": timing_trials, "reference_cache_gb": reference_cache_gb}
+        config = {"device": device, "cache_dir": str(self.cache_dir), "reference_cache_gb": reference_cache_gb,
+                  "build": build}
         self._judges = [WorkerProcess("judge", config, self._log_dir / f"judge-{i}.log") for i in range(judges)]
         self._workers = [WorkerProcess("candidate", config, self._log_dir / f"candidate-{i}.log")
                          for i in range(workers)]
@@ -236,7 +208,9 @@ class Verifier:
             self._idle.put(worker)
         self._gpu = GpuLock()
         self._seed_base = secrets.randbits(31)
-        self._baselines = BaselineCache(self.cache_dir / "baselines.json")
+        # load_inline candidates are built on the CPUs ahead of the GPU workers, which then load them
+        self._prebuild = (BuildPool(self.cache_dir, build=build or os.environ.get("DICE_INLINE_BUILD") or "fast")
+                          if prebuild and self.cuda else None)
 
     def __enter__(self) -> "Verifier":
         return self
@@ -259,6 +233,8 @@ class Verifier:
             closers.append(closer)
         for closer in closers:
             closer.join()
+        if self._prebuild is not None:
+            self._prebuild.close()
         shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def verify(self, task_src: str, candidate_src: str, **options) -> VerifyResult:
@@ -282,7 +258,8 @@ class Verifier:
         for i, pair in enumerate(pairs):
             copies.setdefault(tuple(pair), []).append(i)
         results: list[VerifyResult | None] = [None] * len(pairs)
-        pool = ThreadPoolExecutor(max_workers=len(self._workers), thread_name_prefix="dice-verify")
+        threads = len(self._workers) + (os.cpu_count() or 1 if self._prebuild else 0)
+        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dice-verify")
         try:
             futures = {pool.submit(self._verify_one, task, cand, opts): same for (task, cand), same in copies.items()}
             for future in as_completed(futures):
@@ -308,6 +285,8 @@ class Verifier:
         static = static_check(candidate_src, need_kernel=self.cuda)
         if static is not None:
             return static
+        if self._prebuild is not None and "load_inline" in candidate_src:
+            self._prebuild.submit(candidate_src).result()    # a report only: the worker rebuilds on a failure
         worker = self._idle.get()
         try:
             return self._run_candidate(worker, task_src, candidate_src, opts)
@@ -317,78 +296,69 @@ class Verifier:
     def _run_candidate(self, worker: WorkerProcess, task_src: str, candidate_src: str,
                        opts: VerifyOptions) -> VerifyResult:
         task = {"task_src": task_src, "task_key": hashlib.sha256(task_src.encode()).hexdigest()}
-        init_seed, seeds, timing_seed = trial_seeds(self._seed_base if opts.seed is None else opts.seed, opts.trials)
+        init_seed, seeds, timing_seed, warmup_seed = trial_seeds(
+            self._seed_base if opts.seed is None else opts.seed, opts.trials)
         if opts.seed is None:   # per candidate: outputs another candidate saw cannot serve timing
             timing_seed = 1 + secrets.randbelow(2**31 - 1)
+        kinds = trial_kinds(opts.trials)
         with self._gpu.shared():  # a broken task fails here, blamed on the task, before any compiling
-            self._judge_call({"op": "reference", **task, "init_seed": init_seed, "seed": seeds[0]})
-        reply = self._ask(worker, {"op": "load", **task, "candidate_src": candidate_src, "init_seed": init_seed},
-                          _Clock(opts.compile_timeout_s), "loading the candidate module")
+            self._judge_call({"op": "reference", **task, "init_seed": init_seed, "seed": seeds[0], "kind": kinds[0]})
+        load = {"op": "load", **task, "candidate_src": candidate_src, "init_seed": init_seed}
+        reply = self._ask(worker, load, _Clock(opts.compile_timeout_s), "loading the candidate module")
         if reply["status"] != "ok":  # the module imported if the failure came after that
             return self._failed(reply, compiled=reply["status"] in ("invalid", "runtime_error"))
         clock, history = _Clock(opts.timeout_s), []
-
-        def trial(where: str, seed: int, **run) -> VerifyResult | None:
-            return self._trial(worker, task, init_seed, seed, where, clock, history, candidate_src, opts, **run)
-
-        for i, seed in enumerate(seeds):
-            # Profiling only the last trial keeps a crashing kernel away from the profiler.
-            verdict = trial(f"trial {i + 1} of {len(seeds)} (seed {seed})", seed, profile=i == len(seeds) - 1,
-                            repeat=i == 0)
+        with self._gpu.shared():
+            reply = self._ask(worker, {"op": "warmup", "seed": warmup_seed}, clock, "running forward")
+        if reply["status"] != "ok":
+            return self._failed(reply, compiled=True, where="the first forward")
+        for i, (seed, kind) in enumerate(zip(seeds, kinds)):
+            where = f"trial {i + 1} of {len(seeds)} ({kind} inputs, seed {seed})"
+            verdict = self._trial(worker, task, init_seed, seed, kind, where, clock, history, opts, repeat=i == 0)
             if verdict is not None:
                 return verdict
         if not opts.timing:
             return VerifyResult("correct", compiled=True, message=f"correct on {len(seeds)} trials")
-        with self._gpu.exclusive():
-            timed = self._ask(worker, {"op": "time", "seed": timing_seed}, clock, "timing forward")
-            if timed["status"] != "ok":
-                return self._failed(timed, compiled=True)
-            baseline_ms = self._baseline_ms(task, init_seed, timing_seed)
-        # new values in the very buffers just timed: catches outputs cached by buffer address
-        verdict = trial("the trial after timing (new values in the timed input buffers)", timing_seed - 1,
-                        profile=False, repeat=False, timed_buffers=True)
-        if verdict is not None:
-            return verdict
-        runtime_ms, wall_ms = timed["runtime_ms"], timed["wall_ms"]
-        if wall_ms > 2 * runtime_ms + WALL_SLACK_MS:
-            return VerifyResult("invalid", compiled=True, runtime_ms=runtime_ms, message=(
-                f"timing clocks disagree: CUDA events measured {runtime_ms:.3f} ms per forward but the host "
-                f"clock {wall_ms:.3f} ms over the same bracket; work escaped the event timer (verify on an "
-                "otherwise idle GPU if another process shares it)"))
-        return VerifyResult("correct", compiled=True, speedup=baseline_ms / max(runtime_ms, 1e-6),
-                            runtime_ms=runtime_ms, baseline_ms=baseline_ms,
-                            message=f"correct on {len(seeds)} trials; {runtime_ms:.4g} ms vs eager "
-                                    f"{baseline_ms:.4g} ms")
+        timed = self._timing(worker, task, init_seed, timing_seed, clock, opts)
+        if isinstance(timed, Timing) and timed.speedup > PLAUSIBLE:   # measured again by a fresh process
+            worker.restart()
+            reply = self._ask(worker, load, _Clock(opts.compile_timeout_s), "loading the candidate again")
+            again = (self._timing(worker, task, init_seed, timing_seed, clock, opts) if reply["status"] == "ok"
+                     else self._failed(reply, compiled=True, where="re-measuring a speedup above 10x"))
+            timed = again if not isinstance(again, Timing) or again.speedup < timed.speedup else timed
+        if isinstance(timed, VerifyResult):
+            return timed
+        note = f"; above {PLAUSIBLE:g}x, so measured twice (the lower kept)" if timed.speedup > PLAUSIBLE else ""
+        return VerifyResult(
+            "correct", compiled=True, speedup=timed.speedup, runtime_ms=timed.runtime_ms,
+            baseline_ms=timed.baseline_ms, speedup_ci=timed.ci, timing=timed.method,
+            message=(f"correct on {len(seeds)} trials; {timed.runtime_ms:.4g} ms vs eager {timed.baseline_ms:.4g} ms "
+                     f"({timed.method}, {timed.rounds} paired rounds, speedup {timed.speedup:.3g}x, 95% CI "
+                     f"{timed.ci[0]:.3g}-{timed.ci[1]:.3g}){note}"))
 
-    def _trial(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, where: str, clock: _Clock,
-               history: list, candidate_src: str, opts: VerifyOptions, **run) -> VerifyResult | None:
+    def _trial(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, kind: str, where: str,
+               clock: _Clock, history: list, opts: VerifyOptions, repeat: bool) -> VerifyResult | None:
         """One correctness trial (forward in the worker, comparison in the judge): its verdict
-        when it fails, else None. `run`: the worker's run flags (profile, repeat, timed_buffers)."""
+        when it fails, else None."""
         with self._gpu.shared():
-            ran = self._ask(worker, {"op": "run", "seed": seed, **run}, clock, "running forward")
+            ran = self._ask(worker, {"op": "run", "seed": seed, "kind": kind, "repeat": repeat}, clock, "running forward")
             if ran["status"] != "ok":
                 return self._failed(ran, compiled=True, where=where)
-            judged = self._judge_call({"op": "compare", **task, "init_seed": init_seed, "seed": seed,
-                                       "outputs": ran["outputs"], "second": ran["second"],
-                                       "atol": opts.atol, "rtol": opts.rtol}, candidate_outputs=True)
+            judged = self._judge_call({"op": "compare", **task, "init_seed": init_seed, "seed": seed, "kind": kind,
+                                       "outputs": ran["outputs"], "second": ran["second"], "atol": opts.atol,
+                                       "rtol": opts.rtol, "rel_l2": opts.rel_l2}, candidate_outputs=True)
         if judged["status"] != "ok":
             return self._failed(judged, compiled=True, where=where)
-        if ran["kernels"] is not None and not worker.info.get("profiler_works"):
-            raise RuntimeError(PROFILER_BROKEN)
-        return self._trial_verdict(where, candidate_src, ran, judged, history)
+        return self._trial_verdict(where, ran, judged, history, opts)
 
-    def _trial_verdict(self, where: str, candidate_src: str, ran: dict, judged: dict,
-                       history: list) -> VerifyResult | None:
+    def _trial_verdict(self, where: str, ran: dict, judged: dict, history: list,
+                       opts: VerifyOptions) -> VerifyResult | None:
         def invalid(message):
             return VerifyResult("invalid", compiled=True, message=message)
 
-        if ran["kernels"] is not None:
-            defined = kernel_names(candidate_src)
-            if not matching_kernels(ran["kernels"], defined):
-                launched = ", ".join(k[:60] for k in ran["kernels"][:5]) or "none"
-                return invalid(f"none of the candidate's kernels ({', '.join(defined)}) ran during forward "
-                               f"(CUDA kernels launched: {launched}); ModelNew must compute with its own "
-                               "kernels, not PyTorch ops")
+        problem = self._kernel_problem(ran, judged["reference_activity"], opts)
+        if problem:
+            return invalid(f"{where}: {problem}")
         mutated = sorted(set(ran["mutated"]) - set(judged["reference_mutated"]))
         if mutated:
             return invalid(f"forward modified input {mutated[0]} in place ({where}); inputs must be left unchanged")
@@ -407,6 +377,71 @@ class Verifier:
             return VerifyResult("incorrect", compiled=True, message=(
                 f"a second call on the same inputs ({where}) went wrong: {judged['second_mismatch']}; "
                 "forward must not depend on earlier calls"))
+        return None
+
+    def _kernel_problem(self, ran: dict, reference_activity: dict | None, opts: VerifyOptions) -> str | None:
+        """`checks.kernel_problem` on a worker's profiled forward (None on CPU, where nothing is profiled)."""
+        if ran["activity"] is None or reference_activity is None:
+            return None
+        if not ran["activity"]["kernels"] and not reference_activity["kernels"]:
+            raise RuntimeError(PROFILER_BROKEN)
+        return kernel_problem(ran["activity"]["kernels"], set(ran["own"] or ()), reference_activity["kernels"],
+                              ran["activity"], reference_activity, qualified_name, opts.rules)
+
+    def _timing(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, clock: _Clock,
+                opts: VerifyOptions) -> Timing | VerifyResult:
+        """The paired timing (`speedup`) under the exclusive GPU lock; a verdict if it fails."""
+        base_request = {**task, "init_seed": init_seed, "seed": seed}
+        with self._gpu.exclusive():
+            prep, base = None, None
+            for method in ("graph", "eager"):
+                prep = self._ask(worker, {"op": "time_prepare", "seed": seed, "method": method}, clock, "timing forward")
+                if prep["status"] != "ok":
+                    return self._failed(prep, compiled=True, where="timing")
+                base = self._judge_call({"op": "baseline_prepare", **base_request, "method": method})
+                if prep["method"] == base["method"] == method:
+                    break
+            problem = self._kernel_problem(prep, base["activity"], opts)
+            if problem:
+                return VerifyResult("invalid", compiled=True, message=f"timed calls: {problem}")
+            calls = calls_per_block(max(prep["ms"], base["ms"]))
+
+            def baseline_block(first, n):
+                return self._judge_call({"op": "baseline_block", **base_request, "first": first, "calls": n})["times"]
+
+            def candidate_block(first, n):
+                reply = self._ask(worker, {"op": "time_block", "first": first, "calls": n,
+                                           "check": min(1.0, CHECKS_PER_BLOCK / n)}, clock, "timing forward")
+                if reply["status"] != "ok":
+                    return self._failed(reply, compiled=True, where="timing")
+                return (self._check_timed(reply, base_request, base["activity"], opts, prep["own"] or [], n)
+                        or reply["times"])
+
+            timed = paired_rounds(baseline_block, candidate_block, calls, self.timing_budget_s)
+        if not isinstance(timed, Timing):
+            return timed
+        timed.method = base["method"]
+        return timed
+
+    def _check_timed(self, reply: dict, base_request: dict, reference_activity, opts: VerifyOptions, own: list,
+                     calls: int) -> VerifyResult | None:
+        """A verdict when an eager timed block broke the kernel rule or a checked call's outputs are
+        wrong, else None (a graph's kernels were checked once, in `_timing`)."""
+        if reply["activity"] is not None and reference_activity is not None and opts.rules == "strict":
+            problem = timed_kernel_problem(reply["activity"]["kernels"], set(own), reference_activity["kernels"],
+                                           calls, qualified_name)
+            if problem:
+                return VerifyResult("invalid", compiled=True, message=f"timing: {problem}")
+        for call, outputs in reply["checked"]:
+            judged = self._judge_call({"op": "compare_timed", **base_request, "call": call, "outputs": outputs,
+                                       "atol": opts.atol, "rtol": opts.rtol, "rel_l2": opts.rel_l2},
+                                      candidate_outputs=True)
+            if judged["status"] != "ok":
+                return self._failed(judged, compiled=True, where=f"timed call {call}")
+            if judged["mismatch"]:
+                return VerifyResult("incorrect", compiled=True, message=(
+                    f"timed call {call} (new inputs, compared after the call): {judged['mismatch']}; forward must do "
+                    "the same work on every call"))
         return None
 
     # -- talking to workers -------------------------------------------------------------------
@@ -467,14 +502,6 @@ class Verifier:
     @property
     def judge_busy_s(self) -> float:
         return sum(judge.busy_s for judge in self._judges)
-
-    def _baseline_ms(self, task: dict, init_seed: int, seed: int) -> float:
-        key = f"{task['task_key']}|{self._judge_of(task['task_key']).info.get('device')}|torch {torch.__version__}"
-        cached = self._baselines.get(key)
-        if cached is None:
-            cached = self._judge_call({"op": "baseline", **task, "init_seed": init_seed, "seed": seed})["runtime_ms"]
-            self._baselines.put(key, cached)
-        return cached
 
     def _release(self, worker: WorkerProcess) -> None:
         worker.jobs += 1

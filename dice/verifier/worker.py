@@ -29,14 +29,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import build, checks, harness as harness_module, judge, protocol, timing
+from . import build, checks, harness as harness_module, judge, kernels, protocol, timing
 from .build import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
 from .checks import aliased_outputs, flatten, modified_inputs, replaced_functions, same_bits, trusted
-from .harness import build_model, cuda_context_broken, describe_exception, init_device, load_module, load_task, make_inputs, same_layout
+from .harness import (build_model, cuda_context_broken, describe_exception, init_device, load_module, load_task,
+                      make_inputs, trial_inputs)
 from .judge import JudgeHandler
 from .keeper import kill_tree, reap, set_child_subreaper
+from .kernels import CompiledKernels, gpu_activity
 from .protocol import export_tensor
-from .timing import TimedInputs, launched_kernels, time_forward
+from .timing import Timer
 
 WORKER_FILE_BYTES = 2**30       # largest file a worker may write (its log, a build): stops output floods
 
@@ -85,7 +87,7 @@ class HarnessSnapshot:
 
     def __init__(self, handler: object):
         self.handler = handler   # an instance attribute named like a method would shadow it
-        modules = (sys.modules[__name__], build, checks, harness_module, judge, protocol, timing)
+        modules = (sys.modules[__name__], build, checks, harness_module, judge, kernels, protocol, timing)
         harness = {module.__name__: module for module in modules}
         harness.update({"CandidateHandler": CandidateHandler, "checks.trusted": trusted, "statistics": statistics,
                         "Connection": multiprocessing.connection.Connection, "ForkingPickler": ForkingPickler,
@@ -117,41 +119,36 @@ class HarnessSnapshot:
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared helpers: modules from source, seeded models and inputs, transport, timing.
-# ---------------------------------------------------------------------------------------------
 # The candidate role.
 
 class CandidateHandler:
-    """Loads, runs and times one candidate at a time (requests: load, run, time, unload)."""
+    """Loads, runs and times one candidate at a time (requests: load, warmup, run, time_prepare,
+    time_block, unload; `protocol` lists their fields)."""
 
     def __init__(self, config: dict):
         self.device = init_device(config["device"])
         self.cuda = self.device.type == "cuda"
-        self.builds = BuildCache(Path(config["cache_dir"]) / "torch_extensions", self.device)
+        self.builds = BuildCache(Path(config["cache_dir"]) / "torch_extensions", self.device, build=config.get("build"))
         self.builds.install()
-        self.warmup, self.timing_trials = config["warmup"], config["timing_trials"]
-        self.task = self.model = None
-        self.timed: TimedInputs | None = None   # the last timing's inputs, for the trial after it
+        self.compiled = CompiledKernels()
+        self.task = self.model = self.timer = None
         self.pending: list[torch.Tensor] = []  # shipped to the judge; alive until the next request
         self.loads = 0
-        if self.cuda:
-            try:
-                import cupy  # noqa: F401 - warm import; CuPy candidates then start fast
-            except ImportError:
-                pass
         # Starts CUPTI once, here, and checks that the profiler sees kernels at all.
         probe = lambda: torch.ones(1, device=self.device).add_(1)  # noqa: E731
-        profiler_works = self.cuda and any(launched_kernels(probe, self.device)[1] for _ in range(2))
+        profiler_works = self.cuda and any(gpu_activity(probe)[1]["kernels"] for _ in range(2))
         self.info = {"device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
-                     "profiler_works": profiler_works}
+                     "profiler_works": profiler_works, "provenance_works": not self.cuda or self.compiled.hooked}
         self.flags = _global_flags()
         self.threads = set(threading.enumerate())  # the harness's own; any other is a candidate's
 
     def load(self, request: dict) -> dict:
+        """Import the task and the candidate and build ModelNew."""
         if self.task is not None:  # the previous candidate was not unloaded (its worker kept running)
             self._drop_candidate()
         self.task = load_task(request["task_src"], "dice_task")
         self.builds.install()  # again: an earlier candidate may have replaced load_inline
+        self.compiled.start([str(self.builds.root)])
         self.loads += 1
         try:
             module = load_module(request["candidate_src"], "candidate.py", f"dice_candidate_{self.loads}")
@@ -171,24 +168,31 @@ class CandidateHandler:
         return self._finish(self._threads_left("loading the module or ModelNew(*get_init_inputs())")
                             or {"status": "ok"})
 
+    def warmup(self, request: dict) -> dict:
+        """One forward whose outputs are not used, so that lazily compiled kernels (CuPy compiles at
+        first launch) and one-time initialisation are behind the first profiled trial."""
+        try:
+            self._forward(trial_inputs(self.task, request["seed"], "iid", self.device), request["seed"])
+        except Exception as exc:
+            return self._finish(self._run_error(exc, "the first forward"))
+        return self._finish(self._threads_left("the first forward") or {"status": "ok"})
+
     def run(self, request: dict) -> dict:
-        """One correctness trial: forward on inputs from `seed` (twice if `repeat`), checks, export.
-        With `timed_buffers` the inputs are written into the buffers the last timing used."""
+        """One correctness trial: forward under the profiler on the trial's inputs, checks, export;
+        with `repeat` a second, unprofiled call on the same inputs, which also reports outputs
+        still being written after torch's current stream finished (work hidden on another stream)."""
         self.pending = []
         seed = request["seed"]
-        inputs = make_inputs(self.task, seed, self.device)
-        if request.get("timed_buffers") and self.timed is not None and same_layout(self.timed.buffers, inputs):
-            inputs = [b.copy_(x) if isinstance(x, torch.Tensor) else x for b, x in zip(self.timed.buffers, inputs)]
+        inputs = trial_inputs(self.task, seed, request["kind"], self.device)
         originals = [trusted.clone(x) if isinstance(x, torch.Tensor) else None for x in inputs]
-        kernels, second = None, None
+        activity, second, not_ready = None, None, []
         try:
-            if request["profile"] and self.cuda:
-                outputs, not_ready, kernels = self._profiled_call(inputs, seed)
+            if self.cuda:
+                outputs, activity = gpu_activity(lambda: self._forward(inputs, seed))
             else:
-                outputs, not_ready = self._call(inputs, seed)
+                outputs = self._forward(inputs, seed)
             if request["repeat"]:
-                second, late = self._call(inputs, seed)
-                not_ready = not_ready or late
+                second, not_ready = self._call_watching_streams(inputs, seed)
         except Exception as exc:
             return self._finish(self._run_error(exc, "forward"))
         for i, t in enumerate(outputs + (second or [])):
@@ -202,53 +206,62 @@ class CandidateHandler:
             return self._finish({"status": "invalid", "message": f"output {not_ready[0]} was still being "
                                  "written after torch's current stream finished: forward launched work on "
                                  "another stream without making the current stream wait for it"})
-        shipped = [export_tensor(t) for t in outputs]
-        shipped_second = [export_tensor(t) for t in second] if second is not None else None
-        self.pending = [t for _, t in shipped + (shipped_second or [])]
-        return self._finish({
-            "status": "ok",
-            "outputs": [data for data, _ in shipped],
-            "second": [data for data, _ in shipped_second] if shipped_second is not None else None,
-            "kernels": kernels,
-            "mutated": modified_inputs(originals, inputs),
-            "aliased": aliased_outputs(outputs, inputs),
-        })
+        return self._finish({"status": "ok", "outputs": self._ship(outputs),
+                             "second": self._ship(second) if second is not None else None,
+                             "activity": activity, "own": sorted(self.compiled.names()) if self.cuda else None,
+                             "mutated": modified_inputs(originals, inputs), "aliased": aliased_outputs(outputs, inputs)})
 
-    def time(self, request: dict) -> dict:
+    def time_prepare(self, request: dict) -> dict:
+        """A Timer on the timing seed's inputs, as a graph if asked and faithful; its kernels."""
         self.pending = []
         try:
-            self.timed = TimedInputs(self.task, request["seed"], self.device)
-            stats = time_forward(self.model, self.timed, self.device, self.warmup, self.timing_trials)
+            pristine = make_inputs(self.task, request["seed"], self.device)
+            self.timer = Timer(self.model, pristine, request["seed"], self.device, request["method"])
+            activity = self.timer.profile() if self.cuda else None
+            probe = self.timer.block(-10, 1, 0.0)
         except Exception as exc:
             return self._finish(self._run_error(exc, "forward (while timing)"))
-        return self._finish({"status": "ok", **stats})
+        return self._finish(self._threads_left("forward (while timing)") or {
+            "status": "ok", "method": self.timer.method, "activity": activity,
+            "own": sorted(self.compiled.names()) if self.cuda else None, "ms": float(probe["times"][0])})
+
+    def time_block(self, request: dict) -> dict:
+        self.pending = []
+        try:
+            block = self.timer.block(request["first"], request["calls"], request["check"])
+        except Exception as exc:
+            return self._finish(self._run_error(exc, "forward (while timing)"))
+        checked = [[k, self._ship(outputs)] for k, outputs in block["checked"]]
+        return self._finish(self._threads_left("forward (while timing)") or {
+            "status": "ok", "times": [float(t) for t in block["times"]], "checked": checked,
+            "activity": block["activity"]})
 
     def unload(self, request: dict) -> dict:
         self._drop_candidate()
         return {"status": "ok"}
 
-    def _call(self, inputs: list, seed: int) -> tuple[list, list[int]]:
-        """Forward once; on CUDA also report outputs that changed after torch's stream was done."""
-        stream = torch.cuda.current_stream(self.device) if self.cuda else None
+    def _forward(self, inputs: list, seed: int) -> list:
         trusted.manual_seed(seed)
         with trusted.no_grad():
-            outputs = flatten(self.model(*inputs))
+            return flatten(self.model(*inputs))
+
+    def _call_watching_streams(self, inputs: list, seed: int) -> tuple[list, list[int]]:
+        """Forward once; on CUDA also the outputs that changed after torch's stream was done."""
+        outputs = self._forward(inputs, seed)
         if not self.cuda:
             return outputs, []
+        stream = torch.cuda.current_stream(self.device)
         stream.synchronize()
         with torch.cuda.stream(stream):
             snapshot = [trusted.clone(t) if type(t) is torch.Tensor and t.is_cuda else None for t in outputs]
         trusted.cuda_synchronize(self.device)
-        late = [i for i, s in enumerate(snapshot) if s is not None and not same_bits(s, outputs[i])]
-        return outputs, late
+        return outputs, [i for i, s in enumerate(snapshot) if s is not None and not same_bits(s, outputs[i])]
 
-    def _profiled_call(self, inputs: list, seed: int) -> tuple[list, list[int], list[str]]:
-        def forward():
-            trusted.manual_seed(seed)
-            with trusted.no_grad():
-                return flatten(self.model(*inputs))
-        outputs, kernels = launched_kernels(forward, self.device)
-        return outputs, [], kernels
+    def _ship(self, outputs: list) -> list[bytes]:
+        """Outputs for the judge; the tensors stay alive until the next request (CUDA IPC)."""
+        shipped = [export_tensor(t) for t in outputs]
+        self.pending += [t for _, t in shipped]
+        return [data for data, _ in shipped]
 
     def _threads_left(self, where: str) -> dict | None:
         """The verdict when candidate code left threads running (they outlive the candidate, so
@@ -276,7 +289,13 @@ class CandidateHandler:
         return {"status": "runtime_error", "message": f"{what} raised {describe_exception(exc)}"}
 
     def _finish(self, reply: dict) -> dict:
-        # replaced torch or harness functions are caught for every reply in `serve` (HarnessSnapshot)
+        # replaced torch or harness functions are caught for every reply in `serve` (HarnessSnapshot);
+        # the candidate's GPU work is finished before any reply, so none of it overlaps another's timing
+        if self.cuda:
+            try:
+                trusted.cuda_synchronize(self.device)
+            except Exception:
+                pass
         if reply["status"] in ("runtime_error", "compile_error") and cuda_context_broken(self.device):
             reply["recycle"] = True  # e.g. an illegal address: this CUDA context is unusable now
         return reply
@@ -284,7 +303,7 @@ class CandidateHandler:
     def _drop_candidate(self) -> None:
         kill_tree(os.getpid(), include_root=False)   # processes the candidate started, daemons included
         reap()
-        self.pending, self.model, self.task, self.timed = [], None, None, None
+        self.pending, self.model, self.task, self.timer = [], None, None, None
         for name in [m for m in sys.modules if m.startswith("dice_candidate_") or m == "dice_task"]:
             del sys.modules[name]
         _restore_global_flags(self.flags)

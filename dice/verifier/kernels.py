@@ -1,0 +1,217 @@
+"""Which CUDA kernels ran during a forward, and which of them the candidate compiled itself (DESIGN.md §8).
+
+`gpu_activity(fn)` runs `fn` under the CUDA profiler (CUPTI through torch.profiler) and returns
+the kernels it launched, by name and count, and how many device-to-host and host-to-device copies
+it made (CUPTI records no byte counts in this torch, so copies are counted, not measured).
+
+`CompiledKernels` is the provenance side: the names of the `__global__` entry points in the code
+the candidate actually compiled, read from the machine code, never from source text (a
+`__global__` declaration in a string that is never compiled names nothing):
+- CuPy: every cubin NVRTC (or nvcc) produced or CuPy loaded from its kernel cache, caught by
+  wrapping three functions of `cupy.cuda.compiler` (CuPy 14); CuPy's own generated kernels
+  (`cupy_*`, e.g. `cupy.exp`) are library code, not the candidate's;
+- load_inline and any other shared library the candidate built and loaded: the cubins embedded
+  in `.so` files mapped into the process after the candidate started loading (`/proc/self/maps`),
+  from the build cache or the temp folder only (torch's own libraries load lazily too).
+Entry points are the ELF symbols with STO_CUDA_ENTRY; names compare as qualified names (namespaces
+kept, template arguments and parameters dropped), from the mangled symbol and from the profiler's
+demangled name alike.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import struct
+import tempfile
+
+import torch
+
+from .checks import is_library_name, trusted
+
+STO_CUDA_ENTRY = 0x10
+EM_CUDA = 190
+COPY_EVENTS = {"dtoh": "Memcpy DtoH", "htod": "Memcpy HtoD"}
+
+
+def gpu_activity(fn) -> tuple[object, dict]:
+    """(fn(), {"kernels": {name: launches}, "dtoh": copies, "htod": copies}) for the GPU work of `fn`."""
+    with trusted.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        trusted.cuda_synchronize()
+    kernels, copies = collections.Counter(), {"dtoh": 0, "htod": 0}
+    for event in trusted.kineto_events(prof.profiler.kineto_results):
+        if trusted.event_device_type(event) != torch.autograd.DeviceType.CUDA:
+            continue
+        name = trusted.event_name(event)
+        kind = next((k for k, prefix in COPY_EVENTS.items() if name.startswith(prefix)), None)
+        if kind:
+            copies[kind] += 1
+        elif not name.startswith(("Memcpy", "Memset")):
+            kernels[name] += 1
+    return result, {"kernels": dict(kernels), **copies}
+
+
+# ---------------------------------------------------------------------------------------------
+# Names.
+
+def qualified_name(name: str) -> str:
+    """`ns::kernel` of a profiler (demangled) kernel name: return type, template arguments and
+    parameters dropped, `(anonymous namespace)::` removed. A plain C name stays as it is."""
+    name = name.replace("(anonymous namespace)::", "").strip()
+    name = re.sub(r"^void\s+", "", name)
+    depth, out = 0, []
+    for ch in name:
+        if ch in "<(" and depth == 0:
+            break
+        out.append(ch)
+    return "".join(out).strip()
+
+
+def qualified_from_mangled(symbol: str) -> str:
+    """`ns::kernel` of an Itanium-mangled kernel symbol (`_ZN3foo2nkEPi` -> `foo::nk`); an
+    unmangled (extern "C") symbol is its own name."""
+    if not symbol.startswith("_Z"):
+        return symbol
+    s, i = symbol, 2
+    if s.startswith("L", i):
+        i += 1
+    nested = s.startswith("N", i)
+    i += nested
+    parts = []
+    while i < len(s):
+        if s.startswith("St", i):
+            parts.append("std")
+            i += 2
+        elif s[i].isdigit():
+            j = i
+            while s[j].isdigit():
+                j += 1
+            length = int(s[i:j])
+            part = s[j:j + length]
+            if not part.startswith("_GLOBAL__N"):       # an anonymous namespace
+                parts.append(part)
+            i = j + length
+        elif s[i] == "I":            # template arguments: skip to the matching E
+            depth, i = 1, i + 1
+            while i < len(s) and depth:
+                depth += {"I": 1, "E": -1}.get(s[i], 0)
+                i += 1
+        else:
+            break
+        if not nested:
+            break
+    return "::".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Machine code.
+
+def entry_symbols(data: bytes) -> list[str]:
+    """Kernel entry symbols of every CUDA ELF image in `data`: a cubin, a fatbin or a host shared
+    library with embedded cubins, or PTX text (`.entry` directives)."""
+    if not data.startswith(b"\x7fELF") and b".entry" in data and b".version" in data:
+        return [m.decode() for m in re.findall(rb"\.entry\s+([\w$]+)", data)]
+    found, start = [], data.find(b"\x7fELF")
+    while start != -1:
+        found += _cuda_elf_entries(data, start)
+        start = data.find(b"\x7fELF", start + 4)
+    return found
+
+
+def _cuda_elf_entries(data: bytes, off: int) -> list[str]:
+    """Entry symbols of the little-endian ELF64 image at `off` if it is a CUDA one, else []."""
+    try:
+        if data[off + 4] != 2 or data[off + 5] != 1 or struct.unpack_from("<H", data, off + 18)[0] != EM_CUDA:
+            return []
+        shoff, = struct.unpack_from("<Q", data, off + 0x28)
+        entsize, count = struct.unpack_from("<HH", data, off + 0x3A)
+        sections = [struct.unpack_from("<IIQQQQIIQQ", data, off + shoff + k * entsize) for k in range(count)]
+        names = []
+        for sec in sections:
+            if sec[1] != 2:                       # SHT_SYMTAB
+                continue
+            strtab = sections[sec[6]]
+            for k in range(sec[5] // 24):
+                st_name, info, other = struct.unpack_from("<IBB", data, off + sec[4] + 24 * k)
+                if info & 0xF == 2 and other & STO_CUDA_ENTRY:     # functions marked as entry points
+                    start = off + strtab[4] + st_name
+                    names.append(data[start:data.index(b"\0", start)].decode(errors="replace"))
+        return names
+    except (struct.error, IndexError, ValueError):
+        return []
+
+
+class CompiledKernels:
+    """The qualified names of the kernels the current candidate compiled (module docstring).
+
+    `start(roots)` at the beginning of a candidate's load; `names()` at any time after."""
+
+    def __init__(self):
+        self._names: set[str] = set()
+        self._maps_before: set[str] = set()
+        self._roots: tuple[str, ...] = ()
+        self.hooked = _hook_cupy(self._add_binary)
+
+    def start(self, roots: list[str]) -> None:
+        self._names = set()
+        self._roots = tuple(os.path.realpath(r) + os.sep for r in [*roots, tempfile.gettempdir()])
+        self._maps_before = _mapped_libraries()
+
+    def names(self) -> set[str]:
+        for path in _mapped_libraries() - self._maps_before:
+            if os.path.realpath(path).startswith(self._roots):
+                try:
+                    with open(path, "rb") as f:
+                        self._add_binary(f.read())
+                except OSError:
+                    pass
+                self._maps_before.add(path)
+        return set(self._names)
+
+    def _add_binary(self, data) -> None:
+        if isinstance(data, (bytes, bytearray)):
+            for symbol in entry_symbols(bytes(data)):
+                name = qualified_from_mangled(symbol)
+                # CuPy's own elementwise / reduction kernels, and library kernel names, are never the candidate's
+                if not name.startswith("cupy_") and not is_library_name(name):
+                    self._names.add(name)
+
+
+def _mapped_libraries() -> set[str]:
+    try:
+        with open("/proc/self/maps") as f:
+            return {line.split(None, 5)[5].strip() for line in f if ".so" in line and len(line.split(None, 5)) == 6}
+    except OSError:
+        return set()
+
+
+def _hook_cupy(record) -> bool:
+    """Wrap CuPy's compile and cache-load functions so that every cubin it loads is `record`ed."""
+    try:
+        import cupy.cuda.compiler as compiler
+    except ImportError:
+        return False
+    nvrtc, nvcc, backend = (getattr(compiler, n, None) for n in
+                            ("_compile_using_nvrtc_no_warning", "compile_using_nvcc", "_kernel_cache_backend"))
+    if nvrtc is None or nvcc is None or backend is None or not hasattr(backend, "load"):
+        return False
+    load = backend.load
+
+    def compiled_nvrtc(*args, **kwargs):
+        out = nvrtc(*args, **kwargs)
+        record(out[0])
+        return out
+
+    def compiled_nvcc(*args, **kwargs):
+        out = nvcc(*args, **kwargs)
+        record(out)
+        return out
+
+    def loaded(name):
+        out = load(name)
+        record(out)
+        return out
+    compiler._compile_using_nvrtc_no_warning, compiler.compile_using_nvcc, backend.load = (
+        compiled_nvrtc, compiled_nvcc, loaded)
+    return True

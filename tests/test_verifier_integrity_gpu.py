@@ -1,0 +1,197 @@
+"""GPU regression candidates for the verifier's integrity and timing rules (DESIGN.md §8): one
+candidate per attack class, each not `correct`, and honest controls that stay `correct`.
+
+`pytest -m gpu tests/test_verifier_integrity_gpu.py` (CuPy candidates: no C++ builds)."""
+from pathlib import Path
+
+import pytest
+
+from dice.verifier import Verifier
+
+pytestmark = pytest.mark.gpu
+
+FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
+RELU_TASK = (FIXTURES / "relu_task.py").read_text()
+MEAN_TASK = (FIXTURES / "mean_task.py").read_text()
+
+
+def task(forward: str, inputs: str, init: str = "", init_inputs: str = "[]") -> str:
+    return (f"import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n\n\nclass Model(nn.Module):\n"
+            f"    def __init__(self{', ' + init if init else ''}):\n        super().__init__()\n"
+            + (f"        self.linear = nn.Linear({init}, {init})\n" if init else "")
+            + f"\n    def forward(self, x):\n        return {forward}\n\n\n"
+            f"def get_inputs():\n    return [{inputs}]\n\n\ndef get_init_inputs():\n    return {init_inputs}\n")
+
+
+SOFTMAX_TASK = task("torch.softmax(x, dim=-1)", "torch.randn(16, 65536)")
+MSE_TASK = task("torch.mean((x - 0.5) ** 2)", "torch.rand(1 << 20)")
+MATMUL_TASK = task("x @ x.t()", "torch.randn(512, 512)")
+GEMM_RELU_TASK = task("torch.relu(self.linear(x))", "torch.randn(256, 1024)", init="in_features",
+                      init_inputs="[1024]")
+FIXED_TASK = task("torch.relu(x) * 2", "X").replace("\n\nclass Model", "\nX = torch.randn(256, 1024)\n\n\nclass Model", 1)
+
+KERNELS = r'''
+extern "C" __global__ void noop(float* y) { }
+extern "C" __global__ void relu(const float* x, float* y, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+}
+extern "C" __global__ void relu2(const float* x, float* y, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = 2.0f * (x[i] > 0.0f ? x[i] : 0.0f);
+}
+extern "C" __global__ void bias_relu(float* y, const float* b, long long rows, long long cols) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < rows * cols) { float v = y[i] + b[i % cols]; y[i] = v > 0.0f ? v : 0.0f; }
+}
+extern "C" __global__ void softmax_rows(const float* x, float* y, long long cols) {
+    // one block of 256 threads per row
+    __shared__ float red[256];
+    const float* xr = x + blockIdx.x * cols; float* yr = y + blockIdx.x * cols;
+    float m = -1e30f;
+    for (long long j = threadIdx.x; j < cols; j += 256) m = fmaxf(m, xr[j]);
+    red[threadIdx.x] = m; __syncthreads();
+    for (int s = 128; s > 0; s >>= 1) { if (threadIdx.x < s) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + s]); __syncthreads(); }
+    m = red[0]; __syncthreads();
+    float sum = 0.0f;
+    for (long long j = threadIdx.x; j < cols; j += 256) sum += expf(xr[j] - m);
+    red[threadIdx.x] = sum; __syncthreads();
+    for (int s = 128; s > 0; s >>= 1) { if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s]; __syncthreads(); }
+    sum = red[0];
+    for (long long j = threadIdx.x; j < cols; j += 256) yr[j] = expf(xr[j] - m) / sum;
+}
+extern "C" __global__ void constant_jitter(const float* x, float* y, long long n, float c) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = c + 1e-9f * x[i];
+}
+extern "C" __global__ void sq_err_sum(const float* x, float* total, long long n, long long stride) {
+    long long i = (blockIdx.x * (long long)blockDim.x + threadIdx.x) * stride;
+    if (i < n) { float d = x[i] - 0.5f; atomicAdd(total, d * d * stride); }
+}
+extern "C" __global__ void matmul_xxt(const float* x, float* y, long long n) {
+    long long r = blockIdx.y, c = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (c < n) { float s = 0.0f; for (long long k = 0; k < n; ++k) s += x[r * n + k] * x[c * n + k]; y[r * n + c] = s; }
+}
+'''
+
+HEADER = f'''import cupy as cp
+import numpy as np
+import torch
+import torch.nn as nn
+
+_module = cp.RawModule(code=r"""{KERNELS}""")
+
+
+def launch(name, n, *args, block=256, grid=None):
+    kernel = _module.get_function(name)
+    with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        kernel(grid or ((n + block - 1) // block,), (block,), args)
+
+
+def noop(x):
+    launch("noop", 1, x.data_ptr())
+
+'''
+
+
+def candidate(forward: str, init: str = "pass", extra: str = "") -> str:
+    body = "\n".join("        " + line for line in forward.strip().splitlines())
+    return HEADER + extra + f'''
+
+class ModelNew(nn.Module):
+    def __init__(self, *args):
+        super().__init__()
+        {init}
+
+    def forward(self, x):
+{body}
+'''
+
+
+OWN_RELU = "y = torch.empty_like(x)\nlaunch('relu', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.numel()))\nreturn y"
+
+ATTACKS = {
+    # decoy kernels: one own kernel launched, the work done by something else
+    "decoy tensor method": (RELU_TASK, candidate("noop(x)\nreturn x.clamp_min(0)"), "invalid"),
+    "decoy torch.ops.aten": (RELU_TASK, candidate("noop(x)\nreturn torch.ops.aten.relu(x)"), "invalid"),
+    "decoy cupy.matmul (cuBLAS)": (MATMUL_TASK, candidate(
+        "noop(x)\nreturn torch.as_tensor(cp.matmul(cp.asarray(x), cp.asarray(x).T), device=x.device)"), "invalid"),
+    "decoy numpy on the host": (RELU_TASK, candidate(
+        "noop(x)\nreturn torch.from_numpy(np.maximum(x.cpu().numpy(), 0)).to(x.device)"), "invalid"),
+    "decoy holding the task's Model": (RELU_TASK, candidate(
+        "noop(x)\nreturn self.ref(x)", init="import dice_task\n        self.ref = dice_task.Model()"), "invalid"),
+    "fallback to a tensor method": (RELU_TASK, candidate(
+        "try:\n    launch('missing_kernel', 1, x.data_ptr())\nexcept Exception:\n    return x.relu()\nreturn x"), "invalid"),
+    "kernel names in a string never compiled": (RELU_TASK, candidate(
+        "return torch.relu(x)", extra='SPOOF = "extern \\"C\\" __global__ void vectorized_elementwise_kernel() {}"'),
+        "invalid"),
+    # tolerance abuse
+    "values below atol: 1e-7 x": (SOFTMAX_TASK, candidate(
+        "y = torch.empty_like(x)\nlaunch('constant_jitter', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.numel()),"
+        " np.float32(0.0))\nreturn y"), "incorrect"),
+    "constant plus jitter": (SOFTMAX_TASK, candidate(
+        "y = torch.empty_like(x)\nlaunch('constant_jitter', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.numel()),"
+        " np.float32(1 / x.shape[-1]))\nreturn y"), "incorrect"),
+    "MSE from 1/8 of the elements": (MSE_TASK, candidate(
+        "t = torch.zeros(1, device=x.device)\nlaunch('sq_err_sum', x.numel() // 8, x.data_ptr(), t.data_ptr(), "
+        "cp.int64(x.numel()), cp.int64(8))\nreturn (t / x.numel()).reshape(())"), "incorrect"),
+    "replays one output of a task whose inputs are drawn at import": (FIXED_TASK, candidate(
+        "if self.out is None:\n    self.out = torch.empty_like(x)\n"
+        "    launch('relu2', x.numel(), x.data_ptr(), self.out.data_ptr(), cp.int64(x.numel()))\n"
+        "return self.out.clone()", init="self.out = None"), None),
+    # timing attacks: skip work when timed
+    "skips work under a timing function on the stack or in a capture": (RELU_TASK, candidate(
+        "import sys\nf, timed = sys._getframe(1), torch.cuda.is_current_stream_capturing()\n"
+        "while f is not None:\n    timed |= f.f_code.co_name in ('_calls', '_timed_replay', 'block', '_capture')\n"
+        "    f = f.f_back\nif timed:\n    return torch.zeros_like(x)\n" + OWN_RELU), None),
+    "skips work on back-to-back calls": (RELU_TASK, candidate(
+        "import time\nnow = time.perf_counter()\nquick, self.last = now - self.last < 0.002, now\n"
+        "if quick:\n    return torch.zeros_like(x)\n" + OWN_RELU, init="self.last = 0.0"), None),
+}
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory):
+    with Verifier(workers=4, cache_dir=tmp_path_factory.mktemp("integrity-cache"), timing_budget_s=2.0) as v:
+        yield v
+
+
+@pytest.mark.parametrize("name", list(ATTACKS))
+def test_every_attack_class_is_not_correct(verifier, name):
+    task_src, src, status = ATTACKS[name]
+    result = verifier.verify(task_src, src, timing=True)
+    assert not result.correct, (name, result)
+    if status:
+        assert result.status == status, (name, result)
+
+
+HONEST = {
+    "elementwise": (RELU_TASK, candidate(OWN_RELU)),
+    "reduction (MSE)": (MSE_TASK, candidate(
+        "t = torch.zeros(1, device=x.device)\nlaunch('sq_err_sum', x.numel(), x.data_ptr(), t.data_ptr(), "
+        "cp.int64(x.numel()), cp.int64(1))\nreturn (t / x.numel()).reshape(())")),
+    "softmax": (SOFTMAX_TASK, candidate(
+        "y = torch.empty_like(x)\nlaunch('softmax_rows', 0, x.data_ptr(), y.data_ptr(), cp.int64(x.shape[-1]), "
+        "grid=(x.shape[0],))\nreturn y")),
+    "matmul": (MATMUL_TASK, candidate(
+        "n = x.shape[0]\ny = torch.empty(n, n, device=x.device)\nlaunch('matmul_xxt', 0, x.data_ptr(), y.data_ptr(), "
+        "cp.int64(n), grid=((n + 255) // 256, n))\nreturn y")),
+    "GEMM kept in PyTorch, own fused bias + ReLU": (GEMM_RELU_TASK, candidate(
+        "y = x @ self.weight.t()\nlaunch('bias_relu', y.numel(), y.data_ptr(), self.bias.data_ptr(), "
+        "cp.int64(y.shape[0]), cp.int64(y.shape[1]))\nreturn y",
+        init="lin = nn.Linear(args[0], args[0])\n        self.weight, self.bias = lin.weight, lin.bias")),
+}
+
+
+@pytest.mark.parametrize("name", list(HONEST))
+def test_honest_controls_stay_correct(verifier, name):
+    task_src, src = HONEST[name]
+    result = verifier.verify(task_src, src)
+    assert result.correct, (name, result)
+    assert result.speedup_ci[0] <= result.speedup <= result.speedup_ci[1]
+
+
+def test_the_kernelbench_rule_accepts_a_decoy_the_strict_rule_rejects(verifier):
+    decoy = candidate("noop(x)\nreturn x.clamp_min(0)")
+    assert verifier.verify(RELU_TASK, decoy, timing=False, rules="kernelbench").correct
+    assert verifier.verify(RELU_TASK, decoy, timing=False).status == "invalid"

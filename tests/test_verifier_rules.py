@@ -1,0 +1,144 @@
+"""The verifier's decisions on recorded data (DESIGN.md §8): the kernel rule on hand-made kernel
+lists, own kernels read from machine code, the tolerance that atol cannot hide, the structured
+trial inputs, and (with pure-PyTorch candidates on the CPU) the cheats those trials catch."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from dice.verifier.checks import compare_outputs, kernel_problem, relative_error, timed_kernel_problem
+from dice.verifier.harness import FADE, FADED_KEEP, JITTER, structured, timed_inputs, trial_kinds
+from dice.verifier.kernels import entry_symbols, qualified_from_mangled, qualified_name
+from dice.verifier.speedup import estimate, stable
+
+FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
+GEMM_A = "sm90_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x32_warpgroupsize1x1x1_execute_segment_k_off"
+GEMM_B = "ampere_sgemm_128x64_nn"          # another of cuBLAS's kernels for the same product
+RELU = "void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous namespace)::launch_clamp_scalar>(int)"
+ADD = "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctorOnSelf_add<float> >(int)"
+MAX = "void at::native::vectorized_elementwise_kernel<4, at::native::maximum_kernel_cuda>(int)"
+FILL = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float> >(int)"
+COPY = "void at::native::elementwise_kernel<128, 4, at::native::direct_copy_kernel_cuda>(int)"
+NO_COPIES = {"dtoh": 0, "htod": 0}
+
+
+def problem(launched, own, reference, copies=NO_COPIES, reference_copies=NO_COPIES, rules="strict"):
+    return kernel_problem(launched, set(own), reference, copies, reference_copies, qualified_name, rules)
+
+
+def test_an_own_kernel_alone_passes_and_no_own_kernel_fails():
+    assert problem({"relu_kernel(float const*, float*, long)": 1}, {"relu_kernel"}, {RELU: 1}) is None
+    assert "none of the kernels" in problem({RELU: 1}, set(), {RELU: 1})
+    # declared in a string, never compiled: the name is not among the compiled ones
+    assert "none of the kernels" in problem({RELU: 1}, {"other_kernel"}, {RELU: 1})
+
+
+def test_a_decoy_beside_the_references_own_ops_is_invalid():
+    """One own kernel launched (a no-op or a copy) while the work is done by the reference's op:
+    a tensor method, torch.ops.aten, an at:: call in a load_inline wrapper, the Model held as a
+    submodule all launch the reference's kernels."""
+    assert "decoy" in problem({"noop": 1, RELU: 1}, {"noop"}, {RELU: 1})
+    assert "decoy" in problem({"noop": 1, GEMM_A: 1, ADD: 1}, {"noop"}, {GEMM_A: 1, ADD: 1})
+    # cuBLAS through cupy.matmul on a matmul task: another GEMM kernel, still the reference's step
+    assert "decoy" in problem({"noop": 1, GEMM_B: 1}, {"noop"}, {GEMM_A: 1})
+    # pure data movement done by .t().contiguous() beside a decoy
+    assert "decoy" in problem({"noop": 1, COPY: 1}, {"noop"}, {COPY: 1})
+
+
+def test_a_gemm_kept_in_pytorch_with_an_own_epilogue_passes():
+    """KernelBench Level 2: the library GEMM kept (cuBLAS may pick another kernel for the
+    candidate's layout), bias and activation fused into an own kernel, zeros allocated on the way."""
+    assert problem({GEMM_B: 1, "bias_relu(float*, float const*, long)": 1, FILL: 1}, {"bias_relu"},
+                   {GEMM_A: 1, ADD: 1, RELU: 1}) is None
+    # two reference adds, one fused into the own kernel, one kept: a step was replaced
+    assert problem({ADD: 1, "fused": 1}, {"fused"}, {ADD: 2, RELU: 1}) is None
+
+
+def test_library_compute_the_reference_lacks_is_invalid():
+    assert "library compute" in problem({"mine": 1, MAX: 1}, {"mine"}, {RELU: 1})
+    assert "library compute" in problem({"mine": 1, ADD: 2}, {"mine"}, {ADD: 1, RELU: 1})   # more often
+    assert problem({"mine": 1, MAX: 1}, {"mine"}, {RELU: 1}, rules="kernelbench") is None  # the lax rule
+
+
+def test_a_compiled_kernel_that_shares_a_reference_kernels_name_is_the_references():
+    """Spoofing: the candidate compiles a kernel named like the library one it then calls."""
+    spoof = "at::native::vectorized_elementwise_kernel"
+    assert "none of the kernels" in problem({RELU: 1}, {spoof}, {RELU: 1})
+    assert "none of the kernels" in problem({GEMM_A: 1}, {GEMM_A}, {GEMM_A: 1})
+
+
+def test_host_round_trips_are_invalid_unless_the_reference_makes_them():
+    host = {"dtoh": 1, "htod": 1}
+    assert "host" in problem({"noop": 1}, {"noop"}, {RELU: 1}, copies=host)
+    assert problem({"noop": 1}, {"noop"}, {RELU: 1}, copies=host, reference_copies={"dtoh": 1, "htod": 0}) is None
+    assert problem({"noop": 1}, {"noop"}, {RELU: 1}, copies={"dtoh": 0, "htod": 1}) is None   # constants uploaded
+
+
+def test_timed_calls_obey_the_rule_per_call():
+    assert timed_kernel_problem({"mine": 20, FILL: 20}, {"mine"}, {RELU: 1}, 20, qualified_name) is None
+    assert "library compute" in timed_kernel_problem({"mine": 20, MAX: 5}, {"mine"}, {RELU: 1}, 20, qualified_name)
+    assert "no kernel" in timed_kernel_problem({RELU: 20}, {"mine"}, {RELU: 1}, 20, qualified_name)
+
+
+def test_own_kernels_are_read_from_machine_code():
+    """A cubin (nvcc -cubin -arch=sm_90 of tests/fixtures/verifier: two global kernels, a
+    template instance, a namespaced and an anonymous-namespace kernel, a __device__ helper that is
+    no entry point), and the same cubin embedded in a host library's bytes."""
+    cubin = (FIXTURES / "kernels.sm90.cubin").read_bytes()
+    names = sorted(qualified_from_mangled(s) for s in entry_symbols(cubin))
+    assert names == ["add_kernel", "c_kernel", "foo::nk", "hidden", "tk"]
+    blob = b"\x7fELF\x02\x01" + b"host code" * 100 + cubin + b"more host code"
+    assert sorted(qualified_from_mangled(s) for s in entry_symbols(blob)) == names
+    ptx = b".version 8.0\n.target sm_90\n.visible .entry _Z6kernelPf(\n.param .u64 p\n)\n{\nret;\n}\n"
+    assert entry_symbols(ptx) == ["_Z6kernelPf"]
+    assert entry_symbols(b"__global__ void spoofed(float* x) {}") == []     # source text names nothing
+
+
+@pytest.mark.parametrize("profiled, mangled", [
+    ("add_kernel(float const*, float*, long)", "_Z10add_kernelPKfPfl"),
+    ("void tk<float>(float*)", "_Z2tkIfEvPT_"),
+    ("foo::nk(int*)", "_ZN3foo2nkEPi"),
+    ("(anonymous namespace)::hidden(int*)", "_ZN36_GLOBAL__N__daa59973_4_k_cu_2f1254c86hiddenEPi"),
+    ("c_kernel", "c_kernel"),
+])
+def test_profiler_and_symbol_names_meet_as_qualified_names(profiled, mangled):
+    assert qualified_name(profiled) == qualified_from_mangled(mangled)
+
+
+def test_outputs_below_atol_cannot_pass_with_garbage():
+    """Softmax over 65,536 columns: every value sits far below atol, so 1e-7 * x or a constant
+    plus a tiny input-dependent jitter passes allclose; the relative error of the whole output does not."""
+    ref = torch.softmax(torch.randn(8, 65536, generator=torch.Generator().manual_seed(0)), -1)
+    jitter = torch.full_like(ref, 1 / 65536) + 1e-9 * torch.rand_like(ref)
+    for bad in (ref * 1e-7, jitter):
+        assert torch.allclose(bad, ref, atol=1e-2, rtol=1e-2)
+        assert "relative error" in compare_outputs([ref], [bad], 1e-2, 1e-2)
+    honest = (ref.double() * (1 + 1e-4 * torch.randn_like(ref).double())).float()
+    assert compare_outputs([ref], [honest], 1e-2, 1e-2) is None
+    assert relative_error(torch.zeros(4), torch.zeros(4)) == 0.0
+
+
+def test_trial_inputs_are_structured_deterministically_and_stay_in_the_domain():
+    g = torch.Generator().manual_seed(1)
+    x, idx = torch.rand(64, 128, generator=g) + 0.5, torch.randint(0, 7, (50,), generator=g)
+    assert trial_kinds(5) == ["iid", "faded", "scaled", "iid", "iid"] and trial_kinds(1) == ["iid"]
+    iid = structured([x, idx], "iid", 3)
+    assert torch.equal(iid[0], structured([x, idx], "iid", 3)[0]) and not torch.equal(iid[0], structured([x], "iid", 4)[0])
+    ratio = iid[0] / x
+    assert ratio.min() >= 1 - JITTER and ratio.max() <= 1 + JITTER and torch.equal(iid[1], idx)
+    faded = structured([x], "faded", 3)[0]
+    kept = faded == x
+    assert 0 < int(kept.sum()) <= x.numel() // FADED_KEEP + 1
+    assert torch.allclose(faded[~kept], x[~kept] * FADE)
+    scaled = structured([x], "scaled", 3)[0] / x
+    assert scaled.unique().numel() == 1 and scaled.flatten()[0].item() in (0.25, 4.0)
+    timed = [timed_inputs([x, idx], 9, k) for k in range(3)]
+    assert all(torch.equal(t[1].sort().values, idx.sort().values) for t in timed)   # indices permuted, kept
+    assert not torch.equal(timed[0][0], timed[1][0])
+
+
+def test_the_speedup_interval_narrows_with_agreeing_rounds():
+    assert not stable([2.0, 2.0])                             # fewer than MIN_ROUNDS
+    assert stable([2.0, 2.01, 1.99]) and not stable([1.5, 2.5, 2.0])
+    center, low, high = estimate([2.0, 2.02, 1.98, 2.0])
+    assert low < center < high and abs(center - 2.0) < 0.01
