@@ -143,20 +143,21 @@ def _cuda_elf_entries(data: bytes, off: int) -> list[str]:
 
 
 class CompiledKernels:
-    """The qualified names of the kernels the current candidate compiled (module docstring).
+    """The qualified names of the kernels candidates compiled in this worker (module docstring).
 
-    `start(roots)` at the beginning of a candidate's load; `names()` at any time after."""
+    Names accumulate over the worker's candidates: CuPy and the build cache hand a later
+    candidate with the same source the module compiled for an earlier one, without compiling
+    or mapping anything again (and a candidate can only launch a kernel of a module it built
+    from source). `start(roots)` at the beginning of a candidate's load; `names()` after."""
 
     def __init__(self):
         self._names: set[str] = set()
-        self._maps_before: set[str] = set()
+        self._maps_before: set[str] = _mapped_libraries()
         self._roots: tuple[str, ...] = ()
         self.hooked = _hook_cupy(self._add_binary)
 
     def start(self, roots: list[str]) -> None:
-        self._names = set()
         self._roots = tuple(os.path.realpath(r) + os.sep for r in [*roots, tempfile.gettempdir()])
-        self._maps_before = _mapped_libraries()
 
     def names(self) -> set[str]:
         for path in _mapped_libraries() - self._maps_before:
