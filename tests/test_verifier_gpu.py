@@ -174,7 +174,7 @@ CHEATS = {
         "    total = torch.zeros(1, device=x.device)\n"
         "    launch('sum_kernel', x.numel(), x.data_ptr(), total.data_ptr(), cp.int64(x.numel()))\n"
         "    self.cached = (total / x.numel()).reshape(())\n"
-        "return self.cached", init="self.cached = None"), "cached"),
+        "return self.cached", init="self.cached = None"), "kernels that ran"),   # cached in the first forward
     "aliases input": (POSITIVE_TASK, cupy_candidate(
         "launch('relu_kernel', x.numel(), x.data_ptr(), x.data_ptr(), cp.int64(x.numel()))\nreturn x"),
         "shares memory with input 0"),

@@ -64,9 +64,9 @@ extern "C" __global__ void constant_jitter(const float* x, float* y, long long n
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < n) y[i] = c + 1e-9f * x[i];
 }
-extern "C" __global__ void sq_err_sum(const float* x, float* total, long long n, long long stride) {
+extern "C" __global__ void sq_err_mean(const float* x, float* total, long long n, long long stride) {
     long long i = (blockIdx.x * (long long)blockDim.x + threadIdx.x) * stride;
-    if (i < n) { float d = x[i] - 0.5f; atomicAdd(total, d * d * stride); }
+    if (i < n) { float d = x[i] - 0.5f; atomicAdd(total, d * d * (float)stride / (float)n); }
 }
 extern "C" __global__ void matmul_xxt(const float* x, float* y, long long n) {
     long long r = blockIdx.y, c = blockIdx.x * (long long)blockDim.x + threadIdx.x;
@@ -133,8 +133,8 @@ ATTACKS = {
         "y = torch.empty_like(x)\nlaunch('constant_jitter', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.numel()),"
         " np.float32(1 / x.shape[-1]))\nreturn y"), "incorrect"),
     "MSE from 1/8 of the elements": (MSE_TASK, candidate(
-        "t = torch.zeros(1, device=x.device)\nlaunch('sq_err_sum', x.numel() // 8, x.data_ptr(), t.data_ptr(), "
-        "cp.int64(x.numel()), cp.int64(8))\nreturn (t / x.numel()).reshape(())"), "incorrect"),
+        "t = torch.zeros(1, device=x.device)\nlaunch('sq_err_mean', x.numel() // 8, x.data_ptr(), t.data_ptr(), "
+        "cp.int64(x.numel()), cp.int64(8))\nreturn t.reshape(())"), "incorrect"),
     "replays one output of a task whose inputs are drawn at import": (FIXED_TASK, candidate(
         "if self.out is None:\n    self.out = torch.empty_like(x)\n"
         "    launch('relu2', x.numel(), x.data_ptr(), self.out.data_ptr(), cp.int64(x.numel()))\n"
@@ -168,8 +168,8 @@ def test_every_attack_class_is_not_correct(verifier, name):
 HONEST = {
     "elementwise": (RELU_TASK, candidate(OWN_RELU)),
     "reduction (MSE)": (MSE_TASK, candidate(
-        "t = torch.zeros(1, device=x.device)\nlaunch('sq_err_sum', x.numel(), x.data_ptr(), t.data_ptr(), "
-        "cp.int64(x.numel()), cp.int64(1))\nreturn (t / x.numel()).reshape(())")),
+        "t = torch.zeros(1, device=x.device)\nlaunch('sq_err_mean', x.numel(), x.data_ptr(), t.data_ptr(), "
+        "cp.int64(x.numel()), cp.int64(1))\nreturn t.reshape(())")),
     "softmax": (SOFTMAX_TASK, candidate(
         "y = torch.empty_like(x)\nlaunch('softmax_rows', 0, x.data_ptr(), y.data_ptr(), cp.int64(x.shape[-1]), "
         "grid=(x.shape[0],))\nreturn y")),

@@ -52,11 +52,15 @@ def test_a_gemm_kept_in_pytorch_with_an_own_epilogue_passes():
                    {GEMM_A: 1, ADD: 1, RELU: 1}) is None
     # two reference adds, one fused into the own kernel, one kept: a step was replaced
     assert problem({ADD: 1, "fused": 1}, {"fused"}, {ADD: 2, RELU: 1}) is None
+    # cuBLAS split-K: two GEMM-class kernels for the one product the reference also makes
+    assert problem({GEMM_B: 1, "splitKreduce_kernel": 1, "epilogue": 1}, {"epilogue"}, {GEMM_A: 1, RELU: 1}) is None
 
 
 def test_library_compute_the_reference_lacks_is_invalid():
     assert "library compute" in problem({"mine": 1, MAX: 1}, {"mine"}, {RELU: 1})
     assert "library compute" in problem({"mine": 1, ADD: 2}, {"mine"}, {ADD: 1, RELU: 1})   # more often
+    div = "void at::native::vectorized_elementwise_kernel<4, at::native::BUnaryFunctor<float, float, float, DivFunctor> >(int)"
+    assert "library compute" in problem({"sum_kernel": 1, div: 1}, {"sum_kernel"}, {ADD: 1, RELU: 1})   # glue counts
     assert problem({"mine": 1, MAX: 1}, {"mine"}, {RELU: 1}, rules="kernelbench") is None  # the lax rule
 
 
