@@ -68,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=at_least(1), default=8, help="verifier worker processes")
     p.add_argument("--trials", type=at_least(1), default=5, help="correctness trials per kernel, each on new inputs")
     p.add_argument("--no-timing", action="store_true", help="skip timing (no speedups, no fast_p)")
+    p.add_argument("--rules", choices=("strict", "kernelbench"), default="strict",
+                   help="the kernel rule: strict (DICE's own kernels, the RL reward) or kernelbench (one own kernel "
+                        "launched suffices, to compare with published numbers)")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a candidate may run before it is called a timeout (a hanging kernel costs this)")
     p.add_argument("--protocol", choices=tuple(PROTOCOLS), default="default",
@@ -235,6 +238,7 @@ def main(argv=None) -> None:
     broken = {}   # task source -> why its reference fails
     with Verifier(workers=args.workers) as verifier:
         verified = iter(verifier.map(runnable, progress=show, trials=args.trials, timing=not args.no_timing,
+                                     rules=args.rules,
                                      timeout_s=args.timeout,
                                      on_broken_task=lambda i, e: broken.setdefault(runnable[i][0], e)))
     line.close()

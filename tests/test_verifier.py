@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dice.verifier import TaskError, Verifier, VerifyResult, verify
-from dice.verifier.verifier import static_check, trial_seeds
+from dice.verifier.results import static_check, trial_seeds
 from dice.verifier.build import BuildCache, BuildError, build_error_message, nvrtc_error_message
 from dice.verifier.checks import (aliased_outputs, compare_outputs, fallback_problem, fingerprint, kernel_names,
                                   modified_inputs, replaced_functions)

@@ -15,7 +15,7 @@ import torch
 
 from dice.metrics import format_summary, summarize
 from dice.verifier import TaskError, Verifier, VerifyOptions, VerifyResult
-from dice.verifier.verifier import static_check
+from dice.verifier.results import static_check
 from dice.verifier.protocol import export_tensor, import_tensor, plain_loads
 
 ROOT = Path(__file__).resolve().parents[1]

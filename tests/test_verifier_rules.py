@@ -146,3 +146,40 @@ def test_the_speedup_interval_narrows_with_agreeing_rounds():
     assert stable([2.0, 2.01, 1.99]) and not stable([1.5, 2.5, 2.0])
     center, low, high = estimate([2.0, 2.02, 1.98, 2.0])
     assert low < center < high and abs(center - 2.0) < 0.01
+
+
+@pytest.mark.parametrize("argv, rules", [([], "strict"), (["--rules", "kernelbench"], "kernelbench")])
+def test_evaluate_passes_its_kernel_rule_to_the_verifier(tmp_path, monkeypatch, argv, rules):
+    """`evaluate.py --rules kernelbench` keeps KernelBench's lax rule for comparing with published
+    numbers; the strict rule is the default."""
+    import sys
+
+    import dice.verifier
+    from dice.verifier import VerifyResult
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))
+    import evaluate
+    seen = {}
+
+    class FakeVerifier:
+        def __init__(self, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def map(self, pairs, **kwargs):
+            seen.update(kwargs)
+            return [VerifyResult("correct", compiled=True) for _ in pairs]
+
+    solutions = tmp_path / "solutions"
+    solutions.mkdir()
+    example = root / "dice" / "assets" / "examples" / "level1_leaky_relu.py"
+    (solutions / f"{example.stem}.py").write_text("class ModelNew: pass\n")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dice.verifier, "Verifier", FakeVerifier)
+    evaluate.main(["--tasks", str(example), "--solutions", str(solutions), "--no-timing", *argv])
+    assert seen["rules"] == rules

@@ -44,12 +44,10 @@ every process, so tensors a task draws at import time are the same for reference
 
 from __future__ import annotations
 
-import ast
 import atexit
 import hashlib
 import os
 import queue
-import random
 import re
 import secrets
 import shutil
@@ -57,23 +55,23 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
 
 from ..tasks import check_task_source
-from .checks import fallback_problem, kernel_names, kernel_problem, timed_kernel_problem
+from .checks import kernel_problem, timed_kernel_problem
 from .harness import trial_kinds
 from .kernels import qualified_name
 from .prebuild import BuildPool
 from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, describe_exit
-from .protocol import STATUSES, malformed_reply
+from .protocol import malformed_reply
+from .results import TaskError, VerifyOptions, VerifyResult, static_check, trial_seeds
 from .speedup import BUDGET_S, CHECKS_PER_BLOCK, PLAUSIBLE, Timing, paired_rounds
 from .timing import calls_per_block
 
-RULES = ("strict", "kernelbench")
 NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is False); run on a GPU "
           "machine, or use Verifier(device='cpu') to exercise the pool with pure-PyTorch candidates")
 PROFILER_BROKEN = ("the CUDA profiler in the verifier's worker records no kernels (CUPTI unavailable?), or the CuPy "
@@ -82,84 +80,6 @@ PROFILER_BROKEN = ("the CUDA profiler in the verifier's worker records no kernel
 JUDGE_TIMEOUT_S = 900.0       # reference forward + comparison of the largest KernelBench tasks
 UNLOAD_TIMEOUT_S = 60.0
 MESSAGE_CHARS = 4000          # of a worker's message kept in a verdict (a candidate controls its text)
-
-
-@dataclass
-class VerifyResult:
-    status: str
-    compiled: bool = False
-    correct: bool = False
-    speedup: float | None = None
-    runtime_ms: float | None = None
-    baseline_ms: float | None = None
-    message: str = ""
-    speedup_ci: tuple[float, float] | None = None    # 95% interval of the speedup
-    timing: str | None = None                        # how both were timed: "graph" or "eager"
-
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"unknown verification status {self.status!r}; expected one of {STATUSES}")
-        self.correct = self.status == "correct"
-
-
-class TaskError(ValueError):
-    """The task itself (not the candidate) is broken: its reference fails or returns non-tensors."""
-
-
-@dataclass(frozen=True)
-class VerifyOptions:
-    trials: int = 5
-    timing: bool = True
-    seed: int | None = None
-    timeout_s: float = 120.0           # candidate run time: all trials + timing
-    compile_timeout_s: float = 600.0   # module import, including a load_inline build
-    atol: float = 1e-2
-    rtol: float = 1e-2
-    rel_l2: float = 1e-2               # ||got - expected|| / ||expected|| of a whole output
-    rules: str = "strict"              # the kernel rule: "strict" (DICE, the RL reward) or "kernelbench"
-
-    def __post_init__(self):
-        if self.trials < 1:
-            raise ValueError(f"trials={self.trials}: verification needs at least one correctness trial")
-        if self.rules not in RULES:
-            raise ValueError(f"rules={self.rules!r}: use one of {', '.join(RULES)}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Static checks on the candidate source.
-
-def static_check(source: str, need_kernel: bool) -> VerifyResult | None:
-    """The verdict when `source` fails a check that needs no execution, else None."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError as exc:
-        return VerifyResult("compile_error", message=f"candidate.py line {exc.lineno}: SyntaxError: {exc.msg}")
-    except (ValueError, RecursionError, MemoryError) as exc:  # null bytes; nesting too deep for the parser
-        return VerifyResult("compile_error", message=f"candidate.py does not parse: {type(exc).__name__}: "
-                            f"{str(exc)[:200]}")
-    defined = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
-    defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
-    if "ModelNew" not in defined:
-        return VerifyResult("invalid", message="the candidate defines no ModelNew; name the optimized "
-                            "nn.Module class ModelNew")
-    if need_kernel and not kernel_names(source):
-        return VerifyResult("invalid", message="the candidate contains no __global__ CUDA kernel; ModelNew "
-                            "must compute with its own kernels, not PyTorch ops or library calls")
-    problem = fallback_problem(tree)
-    if problem:
-        return VerifyResult("invalid", message=problem)
-    return None
-
-
-def trial_seeds(base: int, trials: int) -> tuple[int, list[int], int, int]:
-    """(weight-init seed, one seed per trial, timing seed, warm-up seed), all from `base` and all
-    distinct: timed calls and the load's warm-up forward use inputs no correctness trial uses."""
-    rng = random.Random(base)
-    init_seed, seeds = rng.randrange(2**31), [rng.randrange(2**31) for _ in range(trials)]
-    timing_seed, warmup_seed = (rng.randrange(1, 2**31) for _ in range(2))
-    while len({*seeds, timing_seed, warmup_seed}) < trials + 2:
-        timing_seed, warmup_seed = (rng.randrange(1, 2**31) for _ in range(2))
-    return init_seed, seeds, timing_seed, warmup_seed
 
 
 # ---------------------------------------------------------------------------------------------
