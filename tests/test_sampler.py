@@ -211,7 +211,7 @@ def reference_generate(model, prompt, max_new_tokens, steps, remasking, threshol
     """DESIGN.md §5 for one sequence in plain Python: no padding, no cache, the whole sequence
     recomputed every step, each rule written out per position. Independent of `generate` except
     for the noise hash (`uniform_noise`) and the 32-bit seed fold."""
-    from dice.sampler import _row_seeds, uniform_noise
+    from dice.choice import row_seeds as _row_seeds, uniform_noise
     B, mask = model.config.block_size, model.config.mask_token_id
     schedule = [B // steps + (s < B % steps) for s in range(steps)]
     x, g0, step, unmasked_at = list(prompt), len(prompt), 0, {}
