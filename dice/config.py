@@ -4,8 +4,9 @@ Every field of `TrainConfig` is a `--flag` (`config_from_args`); CHOICES and AT_
 values, HELP is the --help text. Defaults that depend on the phase (learning rate, loss
 normalisation) are filled in `__post_init__`; those that depend on the machine (SFT batch and row
 length: 0 = auto) in `dice.sft`. The defaults are the originals' (DESIGN.md §4, §7): AdamW betas
-(0.9, 0.999) and SFT lr 1e-5 constant after warm-up (DICE's LLaMA-Factory `sdar_*_full.yaml`:
-`lr_scheduler_type: constant_with_warmup`), SDAR's per-micro-batch token mean for SFT, TraceRL's
+(0.9, 0.999) and SFT lr 1e-5 constant after warm-up (deadlykitten4/DICE
+`Training/SFT/llama_factory_sdar/examples/train_full_sdar/sdar_*_full.yaml`: `lr_scheduler_type:
+constant_with_warmup`), SDAR's per-micro-batch token mean for SFT, TraceRL's
 per-step L1 normalisation and one optimiser step per 256 round rows for RL (DICE's
 `training/RL/configs/rl_sdar_kernel_*.yaml`).
 
@@ -129,7 +130,7 @@ HELP = {
     "lr": "peak learning rate; 0 = 1e-5 for SFT / 1e-6 for RL (DESIGN.md §4, §7)",
     "schedule": "SFT learning rate after the warm-up: constant (DICE's) or cosine to --min-lr-ratio",
     "min_lr_ratio": "--schedule cosine decays to this fraction of --lr",
-    "warmup": "linear warm-up steps",
+    "warmup": "linear warm-up steps (DICE's SFT: 3 percent of its steps)",
     "weight_decay": "AdamW weight decay of the matrices",
     "adam_beta1": "AdamW beta1",
     "adam_beta2": "AdamW beta2 (DICE/LLaMA-Factory: 0.999)",

@@ -8,7 +8,7 @@ at least one response token always is). The model sees `[x_t ; x_0]` (both halve
 before it, exactly the state the sampler is in. The loss is the ELBO weighting, read from the
 noisy half only (logits are computed just for the masked positions), normalised one of two ways:
 
-    batch   (SDAR, `modeling_sdar.py`: CE with reduction='sum', then `/ answer_len`)
+    batch   (JetAstra/SDAR `modeling_sdar.py`: CE with reduction='sum', then `/ answer_len`)
             L = sum over the micro-batch's masked response tokens of CE(x_0 | x_t) / p,
                 divided by the number of response tokens in the micro-batch: every token weighs the same;
     sample  L = sum over samples of (1 / |response|) * sum over its masked tokens of CE / p,

@@ -153,7 +153,8 @@ ONE_SHOT_EXAMPLES = {
 
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-# DICE's SFT answers (LLaMA-Factory's qwen3 template with thinking on adds it to the response)
+# DICE's SFT answers: hiyouga/LLaMA-Factory `src/llamafactory/data/template.py`, template qwen3 (a
+# ReasoningTemplate), adds this empty thought to the trained response when thinking is on (its default)
 EMPTY_THINK = f"{THINK_OPEN}\n\n{THINK_CLOSE}\n\n"
 
 
@@ -164,8 +165,8 @@ def chat_prompt(user_text: str) -> str:
 
 def chat_response(text: str, think: bool = False) -> str:
     """The assistant side of a training example: the answer closed by <|im_end|>; with `think`,
-    DICE's format (DESIGN.md §4; LLaMA-Factory qwen3: `<think>\n\n</think>\n\n` + answer +
-    `<|im_end|>\n`, all of it trained)."""
+    DICE's format (DESIGN.md §4; LLaMA-Factory's qwen3 template: `<think>\n\n</think>\n\n` + answer
+    + `<|im_end|>\n`, all of it trained; DICE's SFT configs use `template: qwen3`)."""
     return f"{EMPTY_THINK}{text}{IM_END}\n" if think else f"{text}{IM_END}"
 
 

@@ -21,7 +21,8 @@ Objective per loss token (ids kept from generation, never re-tokenised):
     rho = exp(logp_new - logp_old)
     l   = -min(rho A, clip(rho, 1 - eps, 1 + eps) A) + beta * k3,   k3 = e^(lr - ln) - (lr - ln) - 1
 with lr the reference log-prob (a frozen reference model, or the rollout policy), ln = logp_new.
-Normalisation (`--loss-norm`, DESIGN.md §7): `step` (default; TraceRL/DICE `train/rl_sdar.py`:
+Normalisation (`--loss-norm`, DESIGN.md §7): `step` (default; TraceRL's Gen-Verse/dLLM-RL
+`train/rl_sdar.py`, as in deadlykitten4/DICE `training/RL/train/rl_sdar.py`:
 `surrogate_tok.sum(dim=1) / L1`, then `sum() / B` over the round rows) makes an optimiser step's
 loss the mean over its round rows of (the row's token terms summed) / L1, L1 the longest kept
 response of the RL step, so every loss token weighs the same; `response` divides each response by

@@ -17,6 +17,7 @@ def run(*args):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 def test_readme_sample_command_generates_a_kernel_without_downloads(tmp_path):
     out = tmp_path / "kernel.py"
@@ -30,6 +31,7 @@ def test_readme_sample_command_generates_a_kernel_without_downloads(tmp_path):
     assert "verification needs a CUDA GPU" in res.stdout + res.stderr
 
 
+@pytest.mark.slow
 def test_embedded_model_writes_the_generators_solution_for_the_held_out_example(tmp_path):
     """README's sample command on the CPU: greedy `dice-tiny` writes, for the held-out level-3 example,
     exactly the CuPy solution the curriculum generator made for that task (found by its PyTorch

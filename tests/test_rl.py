@@ -241,6 +241,7 @@ def rl_model_folder(folder):
     return folder
 
 
+@pytest.mark.slow
 def test_tiny_run_with_python_reward_raises_the_reward(tmp_path):
     tasks = TASKS
     folder = rl_model_folder(tmp_path / "model")
@@ -304,6 +305,7 @@ def run_bounded(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+@pytest.mark.slow
 def test_two_process_gloo_rl_matches_one_process(tmp_path):
     """Rollouts are seeded by task slot and eval task i by i, so 1 and 2 processes see the same
     first step and the same evaluations; under FSDP every process joins the evaluation (rank 0

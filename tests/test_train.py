@@ -28,6 +28,7 @@ def losses(out):
     return [json.loads(l)["loss"] for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_loss_falls_and_final_folder_loads(addition_task, tmp_path):
     model, data = addition_task
     res = train(model, data, tmp_path, "--steps", "60")
@@ -44,6 +45,7 @@ def test_loss_falls_and_final_folder_loads(addition_task, tmp_path):
     assert tok.mask_token_id == final.config.mask_token_id
 
 
+@pytest.mark.slow
 def test_resume_after_kill_continues_the_same_curve(addition_task, tmp_path):
     model, data = addition_task
     unbroken = tmp_path / "unbroken"
@@ -67,6 +69,7 @@ def test_resume_after_kill_continues_the_same_curve(addition_task, tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
+@pytest.mark.slow
 def test_a_finished_run_extends_from_its_last_step(addition_task, tmp_path):
     model, data = addition_task
     assert train(model, data, tmp_path, "--steps", "6", "--save-every", "4").returncode == 0
@@ -195,6 +198,7 @@ def one_line(res):
     return last
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_never_overwritten_without_overwrite(addition_task, tmp_path):
     """Issue 29: a second run into a finished run's folder (no checkpoints: --save-every 0) exited 0,
     replaced final/ and truncated metrics.jsonl. Now it is refused and the folder is byte for byte
@@ -215,6 +219,7 @@ def test_a_finished_run_is_never_overwritten_without_overwrite(addition_task, tm
     assert len(losses(out)) == 1 and snapshot(out)["final/model.safetensors"] != before["final/model.safetensors"]
 
 
+@pytest.mark.slow
 def test_resume_refuses_changed_settings_and_leaves_the_run_as_it_was(addition_task, tmp_path):
     """Issue 29: --resume with another --batch-size or --data continued silently; a --steps below the
     checkpoint's printed `steps 20..10` and rewrote final/. Each is now one line naming the setting,
