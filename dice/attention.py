@@ -86,7 +86,7 @@ def flex_block_diffusion_mask(position_ids: torch.Tensor, block_size: int,
 
 _compiled_flex = None
 # Compiled FlexAttention compiles once per shape. The RL update's bucketed round batches
-# (`dice.rl.flex_shape`) meet about a dozen shapes, past dynamo's default of 8 recompiles, after
+# (`dice.trace.flex_shape`) meet about a dozen shapes, past dynamo's default of 8 recompiles, after
 # which every new shape would run the uncompiled kernel, which materialises the full score matrix.
 FLEX_RECOMPILES = 64
 # A float-bias (decoding) call uses explicit products when it has at most DECODE_ROWS folded query

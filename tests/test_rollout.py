@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dice import load_model
-from dice.rl import RoundBatch, flex_shape, pad_round_batch, round_logprobs, trace_rounds
+from dice.trace import RoundBatch, flex_shape, pad_round_batch, round_logprobs, trace_rounds
 from dice.rollout import auto_rollout_batch, bf16_copy, generate_and_score, generation_copy
 from dice.sampler import generate
 

@@ -45,7 +45,8 @@ import torch
 
 from ..config import TrainConfig
 from ..model import SDAR
-from ..rl import RoundBatch, Scores, flex_shape, group_advantages, policy_update, rollout, round_logprobs
+from ..rl import Scores, group_advantages, policy_update, rollout
+from ..trace import RoundBatch, flex_shape, round_logprobs
 from ..rollout import OVERLAP
 from ..tasks import load_tasks
 from .common import table
