@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 import torch
 
 from .attention import block_causal_mask
-from .choice import (REMASKING, Sampling, choose_tokens, filter_logits, greedy_choice, row_seeds,  # noqa: F401
+from .choice import (REMASKING, Sampling, choose_tokens, greedy_choice, row_seeds,  # noqa: F401 (re-exported)
                      select_positions, tokens_per_step, uniform_noise, unmask)
 
 
