@@ -12,6 +12,7 @@ pytestmark = pytest.mark.gpu
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
 RELU_TASK = (FIXTURES / "relu_task.py").read_text()
+INLINE_RELU = (FIXTURES / "inline_relu.py").read_text()
 MEAN_TASK = (FIXTURES / "mean_task.py").read_text()
 
 
@@ -28,6 +29,9 @@ MSE_TASK = task("torch.mean((x - 0.5) ** 2)", "torch.rand(1 << 20)")
 MATMUL_TASK = task("x @ x.t()", "torch.randn(512, 512)")
 GEMM_RELU_TASK = task("torch.relu(self.linear(x))", "torch.randn(256, 1024)", init="in_features",
                       init_inputs="[1024]")
+SORT_TASK = task("torch.sort(x, dim=-1)[0]", "torch.randn(64, 1024)")
+CONV_RELU_TASK = task("torch.relu(self.linear(x))", "torch.randn(8, 8, 32, 32)", init="channels",
+                      init_inputs="[8]").replace("nn.Linear(channels, channels)", "nn.Conv2d(channels, 16, 3)")
 FIXED_TASK = task("torch.relu(x) * 2", "X").replace("\n\nclass Model", "\nX = torch.randn(256, 1024)\n\n\nclass Model", 1)
 
 KERNELS = r'''
@@ -67,6 +71,26 @@ extern "C" __global__ void constant_jitter(const float* x, float* y, long long n
 extern "C" __global__ void sq_err_mean(const float* x, float* total, long long n, long long stride) {
     long long i = (blockIdx.x * (long long)blockDim.x + threadIdx.x) * stride;
     if (i < n) { float d = x[i] - 0.5f; atomicAdd(total, d * d * (float)stride / (float)n); }
+}
+extern "C" __global__ void sort_rows_1024(const float* x, float* y) {
+    // bitonic sort of one 1024-element row per block of 512 threads
+    __shared__ float s[1024];
+    const float* xr = x + blockIdx.x * 1024LL; float* yr = y + blockIdx.x * 1024LL;
+    for (int i = threadIdx.x; i < 1024; i += blockDim.x) s[i] = xr[i];
+    __syncthreads();
+    for (int k = 2; k <= 1024; k <<= 1)
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < 1024; i += blockDim.x) {
+                int l = i ^ j;
+                if (l > i) { float a = s[i], b = s[l]; if ((a > b) == ((i & k) == 0)) { s[i] = b; s[l] = a; } }
+            }
+            __syncthreads();
+        }
+    for (int i = threadIdx.x; i < 1024; i += blockDim.x) yr[i] = s[i];
+}
+extern "C" __global__ void bias_relu_nchw(float* y, const float* b, long long n, long long hw, long long c) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) { float v = y[i] + b[(i / hw) % c]; y[i] = v > 0.0f ? v : 0.0f; }
 }
 extern "C" __global__ void matmul_xxt(const float* x, float* y, long long n) {
     long long r = blockIdx.y, c = blockIdx.x * (long long)blockDim.x + threadIdx.x;
@@ -150,6 +174,40 @@ ATTACKS = {
 }
 
 
+# timing attacks that may stay `correct` only without gaining: their speedup is no more than the
+# honest kernel's (the same own ReLU, timed the same way)
+EAGER_ONLY = "if torch.cuda.is_current_stream_capturing():\n    return torch.zeros_like(x)\n"   # no faithful graph
+TIMING_ATTACKS = {
+    "rewrites the timing loop's list of times through frame inspection": candidate(
+        EAGER_ONLY + "import ctypes, sys\nf = sys._getframe(1)\n"
+        "while f is not None and 'times' not in f.f_code.co_varnames:\n    f = f.f_back\n"
+        "if f is not None and isinstance(f.f_locals.get('times'), tuple):\n"
+        "    f.f_locals['times'] = tuple(1e-4 for _ in f.f_locals['times'])\n"
+        "    if hasattr(ctypes.pythonapi, 'PyFrame_LocalsToFast'):\n"
+        "        ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(f), ctypes.c_int(0))\n" + OWN_RELU),
+    "rewrites the timing loop's start time through frame inspection": candidate(
+        EAGER_ONLY + "import ctypes, sys, time\nf = sys._getframe(1)\n"
+        "while f is not None and 't0' not in f.f_code.co_varnames:\n    f = f.f_back\n"
+        + OWN_RELU.replace("return y", "if f is not None and 't0' in f.f_locals:\n"
+                           "    torch.cuda.synchronize()\n    f.f_locals['t0'] = time.perf_counter()\n"
+                           "    if hasattr(ctypes.pythonapi, 'PyFrame_LocalsToFast'):\n"
+                           "        ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(f), ctypes.c_int(0))\n"
+                           "return y")),
+    "wraps the clock and puts the original back": candidate(
+        EAGER_ONLY + "import time\nif self.real is None:\n    self.real = time.perf_counter\n"
+        "    time.perf_counter = lambda: self.real() / 100\n    torch.cuda.synchronize = lambda *a: None\n"
+        "else:\n    time.perf_counter, self.real = self.real, None\n    torch.cuda.synchronize = self.sync\n"
+        + OWN_RELU, init="self.real, self.sync = None, torch.cuda.synchronize"),
+    "leaves a long all-SM kernel running after each call": candidate(
+        OWN_RELU.replace("return y", "import threading\nthreading.Thread(target=torch.cuda._sleep, "
+                         "args=(20_000_000,)).start()\nreturn y")),
+    "skips its kernel on every other timed call": candidate(
+        EAGER_ONLY + "import sys\nself.calls += 1\ntimed = any('_calls' == sys._getframe(k).f_code.co_name "
+        "for k in range(1, 6))\nif timed and self.calls % 2:\n    return self.last\n" + OWN_RELU.replace(
+            "return y", "self.last = y\nreturn y"), init="self.calls, self.last = 0, None"),
+}
+
+
 @pytest.fixture(scope="module")
 def verifier(tmp_path_factory):
     with Verifier(workers=4, cache_dir=tmp_path_factory.mktemp("integrity-cache"), timing_budget_s=2.0) as v:
@@ -165,6 +223,38 @@ def test_every_attack_class_is_not_correct(verifier, name):
         assert result.status == status, (name, result)
 
 
+INLINE_MSE = r'''import torch
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+cuda_source = """
+#include <torch/extension.h>
+
+__global__ void sq_err_mean(const float* x, float* total, long long n) {
+    __shared__ float part[256];
+    float s = 0.0f;
+    for (long long i = blockIdx.x * 256LL + threadIdx.x; i < n; i += 256LL * gridDim.x) { float d = x[i] - 0.5f; s += d * d; }
+    part[threadIdx.x] = s; __syncthreads();
+    for (int k = 128; k > 0; k >>= 1) { if (threadIdx.x < k) part[threadIdx.x] += part[threadIdx.x + k]; __syncthreads(); }
+    if (threadIdx.x == 0) atomicAdd(total, part[0] / (float)n);
+}
+
+torch::Tensor mse(torch::Tensor x) {
+    auto t = torch::zeros({}, x.options());
+    sq_err_mean<<<264, 256>>>(x.data_ptr<float>(), t.data_ptr<float>(), x.numel());
+    return t;
+}
+"""
+
+ext = load_inline(name="mse_ext", cpp_sources="torch::Tensor mse(torch::Tensor x);", cuda_sources=cuda_source,
+                  functions=["mse"])
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        return ext.mse(x.contiguous())
+'''
+
 HONEST = {
     "elementwise": (RELU_TASK, candidate(OWN_RELU)),
     "reduction (MSE)": (MSE_TASK, candidate(
@@ -176,6 +266,15 @@ HONEST = {
     "matmul": (MATMUL_TASK, candidate(
         "n = x.shape[0]\ny = torch.empty(n, n, device=x.device)\nlaunch('matmul_xxt', 0, x.data_ptr(), y.data_ptr(), "
         "cp.int64(n), grid=((n + 255) // 256, n))\nreturn y")),
+    "sort": (SORT_TASK, candidate(
+        "y = torch.empty_like(x)\nlaunch('sort_rows_1024', 0, x.data_ptr(), y.data_ptr(), block=512, "
+        "grid=(x.shape[0],))\nreturn y")),
+    "convolution kept in PyTorch, own fused bias + ReLU": (CONV_RELU_TASK, candidate(
+        "y = torch.nn.functional.conv2d(x, self.weight)\nlaunch('bias_relu_nchw', y.numel(), y.data_ptr(), "
+        "self.bias.data_ptr(), cp.int64(y.numel()), cp.int64(y.shape[2] * y.shape[3]), cp.int64(y.shape[1]))\n"
+        "return y", init="conv = nn.Conv2d(args[0], 16, 3)\n        self.weight, self.bias = conv.weight, conv.bias")),
+    "load_inline elementwise": (RELU_TASK, INLINE_RELU),
+    "load_inline reduction (MSE)": (MSE_TASK, INLINE_MSE),
     "GEMM kept in PyTorch, own fused bias + ReLU": (GEMM_RELU_TASK, candidate(
         "y = x @ self.weight.t()\nlaunch('bias_relu', y.numel(), y.data_ptr(), self.bias.data_ptr(), "
         "cp.int64(y.shape[0]), cp.int64(y.shape[1]))\nreturn y",
@@ -195,3 +294,16 @@ def test_the_kernelbench_rule_accepts_a_decoy_the_strict_rule_rejects(verifier):
     decoy = candidate("noop(x)\nreturn x.clamp_min(0)")
     assert verifier.verify(RELU_TASK, decoy, timing=False, rules="kernelbench").correct
     assert verifier.verify(RELU_TASK, decoy, timing=False).status == "invalid"
+
+
+@pytest.fixture(scope="module")
+def honest_relu(verifier):
+    result = verifier.verify(RELU_TASK, candidate(OWN_RELU))
+    assert result.correct, result
+    return result
+
+
+@pytest.mark.parametrize("name", list(TIMING_ATTACKS))
+def test_timing_attacks_gain_nothing(verifier, honest_relu, name):
+    result = verifier.verify(RELU_TASK, TIMING_ATTACKS[name])
+    assert not result.correct or result.speedup <= 1.25 * honest_relu.speedup_ci[1], (name, result, honest_relu)

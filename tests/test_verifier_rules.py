@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dice.verifier.checks import compare_outputs, kernel_problem, relative_error, timed_kernel_problem
+from dice.verifier.checks import (compare_outputs, kernel_problem, relative_error, timed_kernel_problem,
+                                  timed_work_problem)
 from dice.verifier.harness import FADE, FADED_KEEP, JITTER, structured, timed_inputs, trial_kinds
-from dice.verifier.kernels import entry_symbols, qualified_from_mangled, qualified_name
+from dice.verifier.kernels import busy_ms, entry_symbols, qualified_from_mangled, qualified_name
 from dice.verifier.speedup import estimate, stable
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
@@ -82,6 +83,35 @@ def test_timed_calls_obey_the_rule_per_call():
     assert timed_kernel_problem({"mine": 20, FILL: 20}, {"mine"}, {RELU: 1}, 20, qualified_name) is None
     assert "library compute" in timed_kernel_problem({"mine": 20, MAX: 5}, {"mine"}, {RELU: 1}, 20, qualified_name)
     assert "no kernel" in timed_kernel_problem({RELU: 20}, {"mine"}, {RELU: 1}, 20, qualified_name)
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    # ns: [0, 10) and [5, 20) overlap (two streams) -> 20; [30, 35) apart -> 5; [31, 33) inside it
+    assert busy_ms([(30, 35), (0, 10), (5, 20), (31, 33)]) == pytest.approx(25e-6)
+    assert busy_ms([]) == 0.0
+
+
+def activity(kernel_ms: dict, busy: float, excluded=()) -> dict:
+    return {"kernels": {k: 1 for k in kernel_ms}, "dtoh": 0, "htod": 0, "kernel_ms": kernel_ms,
+            "busy_ms": busy, "excluded": list(excluded)}
+
+
+def test_timed_calls_must_agree_with_the_gpus_records():
+    trials = [activity({"relu": 0.100}, 0.100), activity({"relu": 0.110}, 0.110)]
+    # 10 calls of honest work: 1.0 ms of kernels, 1.3 ms of host clock (launch and sync around them)
+    honest = activity({"relu": 1.0, "fill_harness": 0.5}, 1.0, excluded=["fill_harness"])
+    assert timed_work_problem(honest, 10, trials, [0.13] * 10) is None
+    # a forward that rewrote the timing loop's clock: 0.1 ms read for 1 ms of GPU work
+    assert "changed the timing" in timed_work_problem(honest, 10, trials, [0.01] * 10)
+    # a forward that skips its kernel on half of the timed calls
+    skipper = activity({"relu": 0.5, "fill_harness": 0.5}, 0.5, excluded=["fill_harness"])
+    assert "same work on every call" in timed_work_problem(skipper, 10, trials, [0.06] * 10)
+    # the harness's kernels never count as the candidate's work, in trials or in timed calls
+    padded = [activity({"relu": 0.1, "fill_harness": 5.0}, 5.1)]
+    assert "same work" in timed_work_problem(skipper, 10, padded, [0.06] * 10)
+    assert timed_work_problem(honest, 10, padded, [0.13] * 10) is None
+    # graph replays report no host times: only the work is compared
+    assert timed_work_problem(activity({"relu": 0.1}, 0.1), 1, trials, None) is None
 
 
 def test_own_kernels_are_read_from_machine_code():

@@ -1,4 +1,4 @@
-"""Benchmarks on random SDAR-shaped models (GPU): `python -m dice.bench sample|profile|fused|train|model|verify|rl`.
+"""Benchmarks on random SDAR-shaped models (GPU): `python -m dice.bench sample|profile|fused|train|model|verify|stability|rl`.
 
 Every number is a median over repeated runs after warm-up; each table names the roofline it is
 compared with (`common`: H200 HBM 4.8 TB/s, bf16 dense matmul 790 TFLOP/s). Current numbers, with
@@ -10,6 +10,7 @@ their commands and hardware: `dice/PERFORMANCE.md`.
 | `fused` | `fused` (the persistent kernel of `dice.fused` vs the compiled step) |
 | `train` | `train` (SFT step, MFU, FSDP2), `model` (numerics: bf16 vs fp32, flex vs dense, cache vs brute force) |
 | `verify` | `verify` (verifier throughput), `verify --check` (reference solutions) |
+| `stability` | `stability` (honest candidates' speedups from fresh Verifiers: do they repeat?) |
 | `rl` | `rl` (one BiC-RL step at DICE's settings: generate / verify / update seconds, the bound) |
 """
 from __future__ import annotations
@@ -56,7 +57,8 @@ def main(argv=None) -> None:
                    help="recompute each layer's forward in the backward pass (adds an HFU column)")
     m = sub.add_parser("model", help="bf16 vs fp32 logits, flex vs dense attention")
     m.add_argument("--shape", type=str.lower, choices=SDAR_SHAPES, default="1.7b", help="public SDAR shape")
-    from . import rl
+    from . import rl, stability
+    stability.add_arguments(sub.add_parser("stability", help="the same candidates' speedups from fresh Verifiers"))
     rl.add_arguments(sub.add_parser("rl", help="one BiC-RL step: generate / verify / update time, the bound"))
     # verify's flags live in bench_verify, which parses (and lists with --help) everything after "verify"
     sub.add_parser("verify", add_help=False, help="kernels verified per minute (CuPy vs load_inline), or --check")
@@ -77,4 +79,4 @@ def main(argv=None) -> None:
               "(slow for the SDAR shapes)", file=sys.stderr)
     from . import decode, fused, train
     {"sample": decode.bench_sample, "profile": decode.bench_profile, "fused": fused.bench_fused,
-     "train": train.bench_train, "model": train.bench_model}[args.what](args)
+     "train": train.bench_train, "model": train.bench_model, "stability": stability.bench_stability}[args.what](args)

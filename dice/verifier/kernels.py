@@ -34,12 +34,17 @@ EM_CUDA = 190
 COPY_EVENTS = {"dtoh": "Memcpy DtoH", "htod": "Memcpy HtoD"}
 
 
-def gpu_activity(fn) -> tuple[object, dict]:
-    """(fn(), {"kernels": {name: launches}, "dtoh": copies, "htod": copies}) for the GPU work of `fn`."""
+def gpu_activity(fn, exclude: frozenset = frozenset()) -> tuple[object, dict]:
+    """(fn(), activity) for the GPU work of `fn`: {"kernels": {name: launches}, "dtoh": copies,
+    "htod": copies, "kernel_ms": {name: summed duration}, "busy_ms": the union of the kernels'
+    intervals, "excluded": names}. Durations and the union leave out kernels named in `exclude`
+    (the timing harness's own). CUPTI writes these records from native code, so they are the
+    GPU's account of the work, which candidate Python cannot rewrite (`checks.timed_work_problem`)."""
     with trusted.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         result = fn()
         trusted.cuda_synchronize()
     kernels, copies = collections.Counter(), {"dtoh": 0, "htod": 0}
+    kernel_ms, spans = collections.Counter(), []
     for event in trusted.kineto_events(prof.profiler.kineto_results):
         if trusted.event_device_type(event) != torch.autograd.DeviceType.CUDA:
             continue
@@ -49,7 +54,25 @@ def gpu_activity(fn) -> tuple[object, dict]:
             copies[kind] += 1
         elif not name.startswith(("Memcpy", "Memset")):
             kernels[name] += 1
-    return result, {"kernels": dict(kernels), **copies}
+            if name not in exclude:
+                start, end = trusted.event_start_ns(event), trusted.event_end_ns(event)
+                kernel_ms[name] += (end - start) / 1e6
+                spans.append((start, end))
+    return result, {"kernels": dict(kernels), **copies, "kernel_ms": dict(kernel_ms), "busy_ms": busy_ms(spans),
+                    "excluded": sorted(exclude)}
+
+
+def busy_ms(spans: list[tuple[int, int]]) -> float:
+    """The length of the union of [start, end) intervals in ns, in ms (overlapping streams count once)."""
+    total, reach = 0, None
+    for start, end in sorted(spans):
+        if reach is None or start > reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total / 1e6
 
 
 # ---------------------------------------------------------------------------------------------

@@ -83,7 +83,8 @@ def malformed_reply(op: str, reply: dict) -> str | None:
     Replies with status "ok": run -> outputs, second (list of bytes or None), activity, own,
     mutated (ints), aliased ([int, int] pairs); time_prepare -> method, activity, own, ms;
     time_block -> times (ms), checked ([call, outputs] pairs), activity. `activity` is None (CPU)
-    or {"kernels": {name: launches}, "dtoh": int, "htod": int}; `own` None or a list of names."""
+    or {"kernels": {name: launches}, "dtoh": int, "htod": int, "kernel_ms": {name: ms}, "busy_ms": ms,
+    "excluded": names} (`kernels.gpu_activity`); `own` None or a list of names."""
     status, message = reply.get("status"), reply.get("message", "")
     if status not in (*STATUSES, "ok") or not isinstance(message, str):
         return f"has status {str(status)[:40]!r}"
@@ -124,4 +125,11 @@ def _times(x) -> bool:
 def _activity(x) -> bool:
     return x is None or (isinstance(x, dict) and isinstance(x.get("kernels"), dict)
                          and all(isinstance(k, str) and type(n) is int for k, n in x["kernels"].items())
-                         and type(x.get("dtoh")) is int and type(x.get("htod")) is int)
+                         and type(x.get("dtoh")) is int and type(x.get("htod")) is int
+                         and isinstance(x.get("kernel_ms"), dict) and _durations(list(x["kernel_ms"].values()))
+                         and all(isinstance(k, str) for k in x["kernel_ms"]) and _durations([x.get("busy_ms")])
+                         and _names(x.get("excluded")) and x["excluded"] is not None)
+
+
+def _durations(x) -> bool:
+    return all(type(t) is float and math.isfinite(t) and t >= 0 for t in x)

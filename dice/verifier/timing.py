@@ -94,10 +94,11 @@ class Timer:
     def block(self, first: int, calls: int, check: float) -> dict:
         """Calls first .. first + calls - 1: their times (ms) and the outputs of the checked ones.
         In eager mode the block runs under the profiler, and its activity comes back without the
-        harness's own kernels (each call's new inputs and L2 flush, profiled once alone)."""
+        harness's own kernels (each call's new inputs and L2 flush, profiled once alone): their
+        launches subtracted, their names left out of the kernel durations and the busy time."""
         if self.graph is None and self.cuda:
-            (times, checked), activity = gpu_activity(lambda: self._calls(first, calls, check))
             harness = self._harness_kernels()
+            (times, checked), activity = gpu_activity(lambda: self._calls(first, calls, check), frozenset(harness))
             activity["kernels"] = {k: n - calls * harness.get(k, 0) for k, n in activity["kernels"].items()
                                    if n > calls * harness.get(k, 0)}
             return {"times": times, "checked": checked, "activity": activity}

@@ -62,7 +62,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..tasks import check_task_source
-from .checks import kernel_problem, timed_kernel_problem
+from .checks import kernel_problem, timed_kernel_problem, timed_work_problem
 from .harness import trial_kinds
 from .kernels import qualified_name
 from .prebuild import BuildPool
@@ -239,11 +239,12 @@ class Verifier:
                 return verdict
         if not opts.timing:
             return VerifyResult("correct", compiled=True, message=f"correct on {len(seeds)} trials")
-        timed = self._timing(worker, task, init_seed, timing_seed, clock, opts)
+        trials = [activity for _, _, activity in history if activity is not None]
+        timed = self._timing(worker, task, init_seed, timing_seed, clock, opts, trials)
         if isinstance(timed, Timing) and timed.speedup > PLAUSIBLE:   # measured again by a fresh process
             worker.restart()
             reply = self._ask(worker, load, _Clock(opts.compile_timeout_s), "loading the candidate again")
-            again = (self._timing(worker, task, init_seed, timing_seed, clock, opts) if reply["status"] == "ok"
+            again = (self._timing(worker, task, init_seed, timing_seed, clock, opts, trials) if reply["status"] == "ok"
                      else self._failed(reply, compiled=True, where="re-measuring a speedup above 10x"))
             timed = again if not isinstance(again, Timing) or again.speedup < timed.speedup else timed
         if isinstance(timed, VerifyResult):
@@ -286,11 +287,11 @@ class Verifier:
         if aliased:
             return invalid(f"output {aliased[0][0]} shares memory with input {aliased[0][1]} ({where}); "
                            "return a newly allocated tensor")
-        for j, (reference_fp, got_fp) in enumerate(history):
+        for j, (reference_fp, got_fp, _) in enumerate(history):
             if got_fp == judged["fingerprints"] and reference_fp != judged["reference_fingerprints"]:
                 return invalid(f"{where} returned exactly the output of trial {j + 1} although the reference "
                                "outputs differ: results are cached across calls or constant")
-        history.append((judged["reference_fingerprints"], judged["fingerprints"]))
+        history.append((judged["reference_fingerprints"], judged["fingerprints"], ran["activity"]))
         if judged["mismatch"]:
             return VerifyResult("incorrect", compiled=True, message=f"{where}: {judged['mismatch']}")
         if judged["second_mismatch"]:
@@ -309,8 +310,9 @@ class Verifier:
                               ran["activity"], reference_activity, qualified_name, opts.rules)
 
     def _timing(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, clock: _Clock,
-                opts: VerifyOptions) -> Timing | VerifyResult:
-        """The paired timing (`speedup`) under the exclusive GPU lock; a verdict if it fails."""
+                opts: VerifyOptions, trials: list[dict]) -> Timing | VerifyResult:
+        """The paired timing (`speedup`) under the exclusive GPU lock; a verdict if it fails.
+        `trials`: the correctness trials' GPU activity, which the timed calls' must match."""
         base_request = {**task, "init_seed": init_seed, "seed": seed}
         with self._gpu.exclusive():
             prep, base = None, None
@@ -321,7 +323,8 @@ class Verifier:
                 base = self._judge_call({"op": "baseline_prepare", **base_request, "method": method})
                 if prep["method"] == base["method"] == method:
                     break
-            problem = self._kernel_problem(prep, base["activity"], opts)
+            problem = self._kernel_problem(prep, base["activity"], opts) or (
+                prep["activity"] and timed_work_problem(prep["activity"], 1, trials, None))
             if problem:
                 return VerifyResult("invalid", compiled=True, message=f"timed calls: {problem}")
             calls = calls_per_block(max(prep["ms"], base["ms"]))
@@ -334,7 +337,7 @@ class Verifier:
                                            "check": min(1.0, CHECKS_PER_BLOCK / n)}, clock, "timing forward")
                 if reply["status"] != "ok":
                     return self._failed(reply, compiled=True, where="timing")
-                return (self._check_timed(reply, base_request, base["activity"], opts, prep["own"] or [], n)
+                return (self._check_timed(reply, base_request, base["activity"], opts, prep["own"] or [], n, trials)
                         or reply["times"])
 
             timed = paired_rounds(baseline_block, candidate_block, calls, self.timing_budget_s)
@@ -344,12 +347,15 @@ class Verifier:
         return timed
 
     def _check_timed(self, reply: dict, base_request: dict, reference_activity, opts: VerifyOptions, own: list,
-                     calls: int) -> VerifyResult | None:
-        """A verdict when an eager timed block broke the kernel rule or a checked call's outputs are
-        wrong, else None (a graph's kernels were checked once, in `_timing`)."""
-        if reply["activity"] is not None and reference_activity is not None and opts.rules == "strict":
-            problem = timed_kernel_problem(reply["activity"]["kernels"], set(own), reference_activity["kernels"],
-                                           calls, qualified_name)
+                     calls: int, trials: list[dict]) -> VerifyResult | None:
+        """A verdict when an eager timed block broke the kernel rule, disagrees with the GPU's
+        records of its time and work, or a checked call's outputs are wrong, else None (a graph's
+        kernels were checked once, in `_timing`)."""
+        if reply["activity"] is not None:
+            problem = timed_work_problem(reply["activity"], calls, trials, reply["times"])
+            if problem is None and reference_activity is not None and opts.rules == "strict":
+                problem = timed_kernel_problem(reply["activity"]["kernels"], set(own), reference_activity["kernels"],
+                                               calls, qualified_name)
             if problem:
                 return VerifyResult("invalid", compiled=True, message=f"timing: {problem}")
         for call, outputs in reply["checked"]:
