@@ -28,6 +28,9 @@ FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
 RELU_TASK = (FIXTURES / "relu_task.py").read_text()
 POSITIVE_TASK = (FIXTURES / "relu_positive_task.py").read_text()
 MEAN_TASK = (FIXTURES / "mean_task.py").read_text()
+MSE_TASK = ("import torch\nimport torch.nn as nn\n\n\nclass Model(nn.Module):\n    def forward(self, x):\n"
+            "        return torch.mean((x - 0.5) ** 2)\n\n\ndef get_inputs():\n    return [torch.rand(1 << 20)]\n\n\n"
+            "def get_init_inputs():\n    return []\n")
 LINEAR_TASK = (FIXTURES / "linear_task.py").read_text()
 
 
@@ -412,6 +415,10 @@ RULE_CASES = {
     "falls back": (RELU_TASK, candidate("try:\n    return ext.relu(x)\nexcept Exception:\n    return torch.relu(x)"),
                    "invalid", "except branch"),
     "init weights match": (LINEAR_TASK, LINEAR_CANDIDATE, "correct", ""),
+    # a statistic from a fixed subsample: right on iid, faded and scaled inputs, wrong on spiked ones
+    "MSE from 1/8 of the elements": (MSE_TASK, candidate("d = x.reshape(-1)[::8] - 0.5\nreturn (d * d).mean()"),
+                                     "incorrect", "trial 4 of 5 (spiked"),
+    "MSE from every element": (MSE_TASK, candidate("d = x.reshape(-1) - 0.5\nreturn (d * d).mean()"), "correct", ""),
 }
 
 

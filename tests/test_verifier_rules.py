@@ -8,7 +8,7 @@ import torch
 
 from dice.verifier.checks import (compare_outputs, kernel_problem, relative_error, timed_kernel_problem,
                                   timed_work_problem)
-from dice.verifier.harness import FADE, FADED_KEEP, JITTER, structured, timed_inputs, trial_kinds
+from dice.verifier.harness import FADE, FADED_KEEP, JITTER, SPIKE, SPIKE_EVERY, structured, timed_inputs, trial_kinds
 from dice.verifier.kernels import busy_ms, entry_symbols, qualified_from_mangled, qualified_name
 from dice.verifier.speedup import estimate, stable
 
@@ -155,7 +155,7 @@ def test_outputs_below_atol_cannot_pass_with_garbage():
 def test_trial_inputs_are_structured_deterministically_and_stay_in_the_domain():
     g = torch.Generator().manual_seed(1)
     x, idx = torch.rand(64, 128, generator=g) + 0.5, torch.randint(0, 7, (50,), generator=g)
-    assert trial_kinds(5) == ["iid", "faded", "scaled", "iid", "iid"] and trial_kinds(1) == ["iid"]
+    assert trial_kinds(5) == ["iid", "faded", "scaled", "spiked", "iid"] and trial_kinds(1) == ["iid"]
     iid = structured([x, idx], "iid", 3)
     assert torch.equal(iid[0], structured([x, idx], "iid", 3)[0]) and not torch.equal(iid[0], structured([x], "iid", 4)[0])
     ratio = iid[0] / x
@@ -165,6 +165,8 @@ def test_trial_inputs_are_structured_deterministically_and_stay_in_the_domain():
     assert 0 < int(kept.sum()) <= x.numel() // FADED_KEEP + 1
     assert torch.allclose(faded[~kept], x[~kept] * FADE)
     scaled = structured([x], "scaled", 3)[0] / x
+    spiked = structured([x], "spiked", 3)[0] / x
+    assert 0 < int((spiked == SPIKE).sum()) <= x.numel() // SPIKE_EVERY and bool(((spiked == 1) | (spiked == SPIKE)).all())
     assert scaled.unique().numel() == 1 and scaled.flatten()[0].item() in (0.25, 4.0)
     timed = [timed_inputs([x, idx], 9, k) for k in range(3)]
     assert all(torch.equal(t[1].sort().values, idx.sort().values) for t in timed)   # indices permuted, kept

@@ -8,7 +8,10 @@ floating-point tensors a structure (`TRIAL_KINDS`), the same in the judge and th
 - "faded": every element times FADE except about one in FADED_KEEP, kept as drawn, so that a
   statistic computed from a fixed subsample of the elements (1/8 of an MSE) misses most of what
   decides the output;
-- "scaled": the whole tensor times 1/4 or 4: a constant output, or one off by a scale, fails.
+- "scaled": the whole tensor times 1/4 or 4: a constant output, or one off by a scale, fails;
+- "spiked": about one element in SPIKE_EVERY times SPIKE, the rest as drawn: the spikes decide
+  most of a reduction (an MSE, a sum of squares) wherever they fall, so an estimate from a fixed
+  subsample, which sees about its share of them, is off by far more than the tolerance.
 Signs, zeros and integer tensors (indices) are left alone, so inputs stay in the task's domain.
 Timed calls use "iid" inputs from their own seeds, with integer and boolean tensors also permuted
 (`timed_inputs`): no two timed calls see the same inputs, so outputs cached by value cannot beat
@@ -30,10 +33,11 @@ from torch import nn
 from .checks import trusted
 
 TASK_IMPORT_SEED = 0            # module-level randomness of a task is the same in every process
-TRIAL_KINDS = ("iid", "faded", "scaled")   # trial 1, 2, 3; later trials are "iid"
+TRIAL_KINDS = ("iid", "faded", "scaled", "spiked")   # trials 1-4; later trials are "iid"
 JITTER = 2**-3
 FADE = 2**-8
 FADED_KEEP = 4096
+SPIKE, SPIKE_EVERY = 64.0, 4096
 
 
 def init_device(name: str) -> torch.device:
@@ -147,6 +151,10 @@ def structured(inputs: list, kind: str, seed: int) -> list:
             keep = torch.zeros(x.numel(), dtype=torch.bool, device=x.device)
             keep[torch.randint(x.numel(), (max(1, x.numel() // FADED_KEEP),), generator=g, device=x.device)] = True
             out.append(torch.where(keep.view(x.shape), x, x * FADE))
+        elif kind == "spiked":
+            spike = torch.zeros(x.numel(), dtype=torch.bool, device=x.device)
+            spike[torch.randint(x.numel(), (max(1, x.numel() // SPIKE_EVERY),), generator=g, device=x.device)] = True
+            out.append(torch.where(spike.view(x.shape), x * SPIKE, x))
         elif kind == "scaled":
             out.append(x * (0.25 if torch.rand((), generator=g, device=x.device) < 0.5 else 4.0))
         else:

@@ -89,14 +89,14 @@ class JudgeHandler:
             pristine = make_inputs(task, request["seed"], self.device)
             self.timer = Timer(model, pristine, request["seed"], self.device, request["method"])
             activity = self.timer.profile() if self.cuda else None
-            probe = self.timer.block(-10, 1, 0.0)
+            probe = self.timer.block(-10, 1, 0.0, profiled=False)
         except Exception as exc:
             return self._failed("task_error", describe_exception(exc, "task.py"))
         return {"status": "ok", "method": self.timer.method, "activity": activity, "ms": float(probe["times"][0])}
 
     def baseline_block(self, request: dict) -> dict:
         try:
-            block = self.timer.block(request["first"], request["calls"], 0.0)
+            block = self.timer.block(request["first"], request["calls"], 0.0)   # profiled as the candidate's are
         except Exception as exc:
             return self._failed("task_error", describe_exception(exc, "task.py"))
         return {"status": "ok", "times": [float(t) for t in block["times"]]}

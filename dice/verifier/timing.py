@@ -91,12 +91,14 @@ class Timer:
         run = (lambda: self._replay(inputs)) if self.graph is not None else (lambda: self._forward(inputs))
         return gpu_activity(run)[1]
 
-    def block(self, first: int, calls: int, check: float) -> dict:
+    def block(self, first: int, calls: int, check: float, profiled: bool = True) -> dict:
         """Calls first .. first + calls - 1: their times (ms) and the outputs of the checked ones.
         In eager mode the block runs under the profiler, and its activity comes back without the
         harness's own kernels (each call's new inputs and L2 flush, profiled once alone): their
-        launches subtracted, their names left out of the kernel durations and the busy time."""
-        if self.graph is None and self.cuda:
+        launches subtracted, their names left out of the kernel durations and the busy time.
+        `profiled=False` (a probe call) skips the profiler; candidate and baseline blocks are both
+        profiled, so its overhead falls on both alike."""
+        if self.graph is None and self.cuda and profiled:
             harness = self._harness_kernels()
             (times, checked), activity = gpu_activity(lambda: self._calls(first, calls, check), frozenset(harness))
             activity["kernels"] = {k: n - calls * harness.get(k, 0) for k, n in activity["kernels"].items()

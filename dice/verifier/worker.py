@@ -218,7 +218,7 @@ class CandidateHandler:
             pristine = make_inputs(self.task, request["seed"], self.device)
             self.timer = Timer(self.model, pristine, request["seed"], self.device, request["method"])
             activity = self.timer.profile() if self.cuda else None
-            probe = self.timer.block(-10, 1, 0.0)
+            probe = self.timer.block(-10, 1, 0.0, profiled=False)
         except Exception as exc:
             return self._finish(self._run_error(exc, "forward (while timing)"))
         return self._finish(self._threads_left("forward (while timing)") or {
