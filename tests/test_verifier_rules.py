@@ -11,6 +11,7 @@ from dice.verifier.checks import (compare_outputs, kernel_problem, relative_erro
 from dice.verifier.harness import FADE, FADED_KEEP, JITTER, SPIKE, SPIKE_EVERY, structured, timed_inputs, trial_kinds
 from dice.verifier.kernels import busy_ms, entry_symbols, qualified_from_mangled, qualified_name
 from dice.verifier.speedup import estimate, stable
+from dice.verifier.timing import MIN_MS, call_spans
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
 GEMM_A = "sm90_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x32_warpgroupsize1x1x1_execute_segment_k_off"
@@ -96,22 +97,30 @@ def activity(kernel_ms: dict, busy: float, excluded=()) -> dict:
             "busy_ms": busy, "excluded": list(excluded)}
 
 
-def test_timed_calls_must_agree_with_the_gpus_records():
+def test_timed_calls_must_run_the_work_of_the_checked_trials():
     trials = [activity({"relu": 0.100}, 0.100), activity({"relu": 0.110}, 0.110)]
-    # 10 calls of honest work: 1.0 ms of kernels, 1.3 ms of host clock (launch and sync around them)
-    honest = activity({"relu": 1.0, "fill_harness": 0.5}, 1.0, excluded=["fill_harness"])
-    assert timed_work_problem(honest, 10, trials, [0.13] * 10) is None
-    # a forward that rewrote the timing loop's clock: 0.1 ms read for 1 ms of GPU work
-    assert "changed the timing" in timed_work_problem(honest, 10, trials, [0.01] * 10)
+    honest = activity({"relu": 1.0, "fill_harness": 0.5}, 1.0, excluded=["fill_harness"])   # 10 calls
+    assert timed_work_problem(honest, 10, trials) is None
     # a forward that skips its kernel on half of the timed calls
     skipper = activity({"relu": 0.5, "fill_harness": 0.5}, 0.5, excluded=["fill_harness"])
-    assert "same work on every call" in timed_work_problem(skipper, 10, trials, [0.06] * 10)
+    assert "same work on every call" in timed_work_problem(skipper, 10, trials)
     # the harness's kernels never count as the candidate's work, in trials or in timed calls
     padded = [activity({"relu": 0.1, "fill_harness": 5.0}, 5.1)]
-    assert "same work" in timed_work_problem(skipper, 10, padded, [0.06] * 10)
-    assert timed_work_problem(honest, 10, padded, [0.13] * 10) is None
-    # graph replays report no host times: only the work is compared
-    assert timed_work_problem(activity({"relu": 0.1}, 0.1), 1, trials, None) is None
+    assert "same work" in timed_work_problem(skipper, 10, padded)
+    assert timed_work_problem(honest, 10, padded) is None
+
+
+def test_eager_call_times_are_spans_between_markers_on_the_gpus_records():
+    m = "spin_kernel(long)"
+    # ns: call 1 runs two kernels on two streams (100-300, 150-400), call 2 one kernel (1000-1100);
+    # the harness's fill (50-90) and a checked output's copy (600-650) lie outside the markers
+    timeline = [(50, 90, "fill"), (95, 96, m), (100, 300, "a"), (150, 400, "b"), (500, 501, m),
+                (600, 650, "copy"), (900, 901, m), (1000, 1100, "a"), (1200, 1201, m)]
+    assert call_spans(timeline, m, 2) == pytest.approx((300e-6, 100e-6))
+    # a call that ran nothing still has a positive time; a forward that launches markers is refused
+    assert call_spans([(0, 1, m), (5, 6, m)], m, 1) == (MIN_MS,)
+    with pytest.raises(RuntimeError, match="extra timing markers"):
+        call_spans(timeline + [(1300, 1301, m)], m, 2)
 
 
 def test_own_kernels_are_read_from_machine_code():

@@ -31,6 +31,7 @@ from .kernels import gpu_activity
 L2_FLUSH_BYTES = 256 * 2**20    # > L2 of any current GPU (H100 50 MB, H200 60 MB, B200 126 MB)
 FAITHFUL = 1e-3                 # a graph replay within this relative error of the eager outputs
 COIN = 256
+MIN_MS = 1e-4                   # a call that ran nothing on the GPU still gets a positive time
 
 
 class Timer:
@@ -93,14 +94,16 @@ class Timer:
 
     def block(self, first: int, calls: int, check: float, profiled: bool = True) -> dict:
         """Calls first .. first + calls - 1: their times (ms) and the outputs of the checked ones.
-        In eager mode the block runs under the profiler, and its activity comes back without the
-        harness's own kernels (each call's new inputs and L2 flush, profiled once alone): their
+        In eager mode on a GPU the block runs under the profiler and each call's time is its span
+        on the GPU's own records (`call_spans`); the activity comes back without the harness's
+        own kernels (each call's new inputs, L2 flush and two markers, profiled once alone): their
         launches subtracted, their names left out of the kernel durations and the busy time.
-        `profiled=False` (a probe call) skips the profiler; candidate and baseline blocks are both
-        profiled, so its overhead falls on both alike."""
+        `profiled=False` (a probe call) times by the host clock instead."""
         if self.graph is None and self.cuda and profiled:
             harness = self._harness_kernels()
-            (times, checked), activity = gpu_activity(lambda: self._calls(first, calls, check), frozenset(harness))
+            (_, checked), activity = gpu_activity(lambda: self._calls(first, calls, check), frozenset(harness),
+                                                  timeline=True)
+            times = call_spans(activity.pop("timeline"), _marker_name(), calls)
             activity["kernels"] = {k: n - calls * harness.get(k, 0) for k, n in activity["kernels"].items()
                                    if n > calls * harness.get(k, 0)}
             return {"times": times, "checked": checked, "activity": activity}
@@ -112,6 +115,8 @@ class Timer:
             def harness_only():
                 timed_inputs(self.pristine, self.seed, -4)
                 self.flush.zero_()
+                trusted.marker(0)
+                trusted.marker(0)
             self._harness = gpu_activity(harness_only)[1]["kernels"]
         return self._harness
 
@@ -119,8 +124,8 @@ class Timer:
         if not trusted_intact() or replaced_functions():
             raise RuntimeError("the candidate replaced functions the verifier times with")
         # bound to locals now: what candidate code replaces during the loop cannot reach them
-        perf, sync, clone, urandom, device = (trusted.perf_counter, trusted.cuda_synchronize, trusted.clone,
-                                              trusted.urandom, self.device)
+        perf, sync, clone, urandom, marker, device = (trusted.perf_counter, trusted.cuda_synchronize, trusted.clone,
+                                                      trusted.urandom, trusted.marker, self.device)
         times, checked = (), []          # a tuple: no candidate code can rewrite it in place
         threshold = int(check * COIN)
         for k in range(first, first + calls):
@@ -132,9 +137,12 @@ class Timer:
                 outputs, ms = self._timed_replay(inputs)
             else:
                 t0 = perf()
+                if self.cuda:
+                    marker(0)            # the call's span on the GPU starts after this marker ...
                 outputs = self._forward(inputs)
                 if self.cuda:
                     sync(device)
+                    marker(0)            # ... and ends before this one (`call_spans`)
                 ms = (perf() - t0) * 1e3
             times += (ms,)
             if urandom(1)[0] < threshold:     # decided after the call, unpredictably
@@ -154,3 +162,28 @@ class Timer:
 def calls_per_block(ms_per_call: float, target_ms: float = 8.0) -> int:
     """Timed calls per block: about `target_ms` of forwards, between 3 and 100."""
     return max(3, min(100, int(target_ms / max(ms_per_call, 1e-3))))
+
+
+def _marker_name(cache: list = []) -> str:
+    """The profiler's name of the marker kernel (`torch.cuda._sleep(0)`, a spin kernel)."""
+    if not cache:
+        cache.extend(gpu_activity(lambda: trusted.marker(0))[1]["kernels"])
+    return cache[0]
+
+
+def call_spans(timeline: list, marker: str, calls: int) -> tuple:
+    """Each eager call's time (ms) from the GPU's records of a block: from the first start to the
+    last end of the kernels, copies and memsets that started between the call's two markers (its
+    work on every stream; the device is synchronized before the second marker). Candidate code
+    cannot reach these records, whatever it does to Python state while it runs."""
+    markers = [start for start, _, name in timeline if name == marker]
+    if len(markers) != 2 * calls:
+        raise RuntimeError(f"the timed calls launched {len(markers) - 2 * calls} extra timing markers "
+                           "(torch.cuda._sleep); forward must not launch them")
+    times = []
+    for i in range(calls):
+        low, high = markers[2 * i], markers[2 * i + 1]
+        inside = [(s, e) for s, e, name in timeline if low <= s < high and name != marker]
+        span = (max(e for _, e in inside) - min(s for s, _ in inside)) / 1e6 if inside else 0.0
+        times.append(max(span, MIN_MS))
+    return tuple(times)
