@@ -62,6 +62,7 @@ def test_estimated_token_counts_and_ids():
     assert 319 not in ids and max(ids) < 320 and tok.eos_token_ids == () and tok.decode(ids) == ""
 
 
+@pytest.mark.slow
 def test_one_step_on_a_tiny_model_with_the_python_reward(solutions, capsys):
     """The baseline and the optimised step (--compare) of 2 tasks x 2 samples on the CPU."""
     from dice.bench import main

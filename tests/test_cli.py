@@ -56,6 +56,7 @@ def test_every_shipped_example_is_a_valid_task():
         assert load_tasks(p)[0].source == p.read_text()
 
 
+@pytest.mark.slow
 def test_bad_task_and_missing_model_are_one_line_errors(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("x = 1\n")
@@ -75,6 +76,7 @@ def taskgen_file(tmp_path, n=2):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+@pytest.mark.slow
 def test_evaluate_without_gpu_checks_its_inputs_first_and_says_a_gpu_runs_the_kernels(tmp_path):
     """Issue 29: every input got "needs a CUDA GPU" on a CPU before it was looked at."""
     res = run("evaluate.py", "--tasks", str(taskgen_file(tmp_path)), "--solutions", "reference")
@@ -134,6 +136,7 @@ def test_evaluate_reads_solution_files_and_reference_code(tmp_path):
     (["--phase", "sft", "--steps", "-1"], "--steps must be >= 0, got -1"),
     (["--phase", "e2e", "--steps", "1", "--reward", "foo"], "--reward: invalid choice: 'foo'"),
 ])
+@pytest.mark.slow
 def test_train_flags_that_would_silently_do_nothing_are_one_line_errors(tmp_path, args, message):
     """RL without --steps ran no step and wrote an untrained final/; SFT without --steps/--epochs ran
     one step; an unknown --dtype meant fp32; --steps -1 wrote an untrained final/; an unknown
@@ -174,6 +177,7 @@ def test_rl_bad_data_is_a_data_error(tmp_path, phase, data, message):
                                                      "cuda_code solution"),
     ("sft", [], "holds no records; give --data a JSON list"),
 ])
+@pytest.mark.slow
 def test_train_bad_data_is_a_one_line_error(tmp_path, phase, data, message):
     """A chat record without a user turn ended in a traceback."""
     import json
@@ -289,6 +293,7 @@ def test_train_needing_a_gpu_fails_before_loading_the_model(tmp_path, capsys, ar
     assert message in one_line_error(command("train").main, argv, capsys)
 
 
+@pytest.mark.slow
 def test_init_with_an_unknown_record_is_a_one_line_data_error(tmp_path):
     """It was a KeyError traceback; fail_cleanly's errors exit with status 1, as its docstring says."""
     data = tmp_path / "rec.json"
@@ -639,6 +644,7 @@ def test_evaluate_protocol_dice_generates_with_dices_settings(tmp_path, monkeypa
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+@pytest.mark.slow
 def test_train_rl_without_flags_on_a_cpu_says_the_reward_needs_a_gpu(tmp_path):
     """Issue 28: `python train.py --phase e2e` said "--model is required"; now it is the embedded
     default, and on a machine without a GPU one line says why it cannot run."""
@@ -658,6 +664,7 @@ def test_train_rl_without_flags_on_a_cpu_says_the_reward_needs_a_gpu(tmp_path):
     (["--phase", "sft", "--resume", "--overwrite", "--out", "o"], "--resume continues the run in --out and --overwrite"),
     (["--phase", "e2e", "--loss-norm", "batch"], "--loss-norm for --phase e2e must be one of step, response"),
 ])
+@pytest.mark.slow
 def test_train_usage_errors_exit_2(tmp_path, args, message):
     res = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
                          cwd=tmp_path, timeout=300)

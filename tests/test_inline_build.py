@@ -278,6 +278,7 @@ class _FakeTorchBuild:
         return "module"
 
 
+@pytest.mark.slow
 def test_fallback_to_torch(tmp_path, monkeypatch, cuda_home):
     cache = BuildCache(tmp_path, capability=(9, 0), build="fast")
     cache.real_load_inline = fake = _FakeTorchBuild()

@@ -128,6 +128,7 @@ def round_batch(rows, mask_id: int) -> RoundBatch:
     return RoundBatch(noisy, clean, torch.arange(n).expand(len(rows), n).clone(), sample, loss_at, weights, weights)
 
 
+@pytest.mark.slow
 def test_padded_flex_round_batch_gives_the_dense_log_probs():
     """FlexAttention on the padded [rows, bucket] batch and the dense mask on the batch as built give
     the same log-probs, in the same order (CPU: forward only)."""

@@ -3,6 +3,7 @@ import ast
 import itertools
 from collections import Counter
 
+import pytest
 import torch
 
 from dice.prompts import keeps_skeleton
@@ -14,6 +15,7 @@ def pairs(ops):
     return {frozenset(p) for p in itertools.combinations(ops, 2)}
 
 
+@pytest.mark.slow
 def test_split_is_reproducible_and_every_heldout_chain_combines_ops_training_never_combines():
     train, valid, held, rl = generate_split(3000, 20, 15, seed=3, n_rl=40)
     again = generate_split(3000, 20, 15, seed=3, n_rl=40)
@@ -47,6 +49,7 @@ def test_split_is_reproducible_and_every_heldout_chain_combines_ops_training_nev
     assert len({t["id"] for t in train + valid + held + rl}) == len(sources)
 
 
+@pytest.mark.slow
 def test_records_are_well_formed_and_reference_models_run():
     train, valid, held, rl = generate_split(60, 10, 10, seed=0, n_rl=10)
     for t in train + valid + held + rl:

@@ -96,12 +96,14 @@ def test_two_process_gloo_matches_one_process(addition_task, tmp_path):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_missing_model_folder_is_one_line(tmp_path):
     res = train(tmp_path / "nope", tmp_path / "data.jsonl", tmp_path / "out", "--steps", "1")
     assert res.returncode != 0
     assert res.stderr.strip().count("\n") == 0 and "nope does not exist" in res.stderr, res.stderr
 
 
+@pytest.mark.slow
 def test_unknown_attention_is_one_line(addition_task, tmp_path):
     model, data = addition_task
     res = train(model, data, tmp_path / "out", "--steps", "1", "--attention", "sparse")
@@ -109,6 +111,7 @@ def test_unknown_attention_is_one_line(addition_task, tmp_path):
     assert res.stderr.strip().count("\n") == 0 and "--attention" in res.stderr, res.stderr
 
 
+@pytest.mark.slow
 def test_train_bench_runs_sharded_under_torchrun():
     """`torchrun --nproc_per_node 2 -m dice.bench train`: FSDP2 over two gloo processes (the code path
     of a multi-GPU benchmark), one table from rank 0 counting both processes' rows."""
@@ -176,6 +179,7 @@ def test_resume_with_latest_naming_a_missing_checkpoint_is_an_error(tmp_path):
         resume(out, model, optimizer, print)
 
 
+@pytest.mark.slow
 def test_a_new_run_in_an_out_with_checkpoints_is_a_one_line_error(addition_task, tmp_path):
     model, data = addition_task
     out = tmp_path / "out"
@@ -244,6 +248,7 @@ def test_resume_refuses_changed_settings_and_leaves_the_run_as_it_was(addition_t
     assert snapshot(out) == before
 
 
+@pytest.mark.slow
 def test_a_run_that_fails_before_its_first_step_leaves_no_folder(addition_task, tmp_path):
     model, data = addition_task
     err = one_line(train(model, data, tmp_path / "new", "--steps", "1", "--max-len", "8"))
@@ -301,6 +306,7 @@ def test_optimizer_and_schedule_defaults_are_dices():
         TrainConfig(adam_beta2=1.0)
 
 
+@pytest.mark.slow
 def test_sample_norm_does_not_depend_on_how_a_step_is_split(addition_task, tmp_path):
     """--loss-norm sample is the mean over the step's samples: 4 rows in one micro-batch or in two."""
     model, data = addition_task

@@ -351,6 +351,7 @@ def test_without_gpu_verify_says_so():
         verify(RELU_TASK, GOOD)
 
 
+@pytest.mark.slow
 def test_a_reply_marked_recycle_replaces_the_worker_before_anyone_else_can_call_it(cpu_verifier):
     judge = cpu_verifier._judges[0]
     judge.call({"op": "no_such_op"}, timeout=60)      # a worker failure outside candidate code: recycle
@@ -361,6 +362,7 @@ def test_a_reply_marked_recycle_replaces_the_worker_before_anyone_else_can_call_
     assert cpu_verifier.verify(RELU_TASK, GOOD, timing=False).correct     # the new judge serves
 
 
+@pytest.mark.slow
 def test_several_judges_share_the_tasks_and_agree(tmp_path):
     tasks = [RELU_TASK.replace("torch.randn(256, 1024)", f"torch.randn(256, {n})") for n in (256, 384, 512, 640)]
     with Verifier(workers=2, judges=2, device="cpu", cache_dir=tmp_path) as verifier:
@@ -371,6 +373,7 @@ def test_several_judges_share_the_tasks_and_agree(tmp_path):
         assert verifier.judge_busy_s == sum(judge.busy_s for judge in verifier._judges)
 
 
+@pytest.mark.slow
 def test_pool_survives_hangs_crashes_and_exceptions(cpu_verifier):
     cases = {
         "correct": (GOOD, "correct", ""),
@@ -422,6 +425,7 @@ RULE_CASES = {
 }
 
 
+@pytest.mark.slow
 def test_rules_give_the_right_verdicts(cpu_verifier):
     results = cpu_verifier.map([(task, src) for task, src, _, _ in RULE_CASES.values()], timing=False,
                                timeout_s=20)
@@ -430,6 +434,7 @@ def test_rules_give_the_right_verdicts(cpu_verifier):
         assert text in result.message, (name, result.message)
 
 
+@pytest.mark.slow
 def test_timing_reports_a_paired_speedup_with_its_interval(cpu_verifier):
     """The baseline is timed beside every candidate (nothing is cached between candidates); the
     speedup comes with a 95% interval that holds it, and the method both were timed by."""
@@ -461,6 +466,7 @@ def test_candidates_load_inline_goes_through_the_build_cache(cpu_verifier):
     assert list((cpu_verifier.cache_dir / "torch_extensions").glob("dice_ext_*.so"))
 
 
+@pytest.mark.slow
 def test_reference_check_reports_a_broken_task_and_goes_on(tmp_path, capsys):
     """`python -m dice.bench verify --check`: a task whose own reference fails is one `task_error`
     line, and every other solution is still verified."""
@@ -524,6 +530,7 @@ def test_on_broken_task_reports_the_task_and_verifies_the_rest(cpu_verifier):
     assert len(reported) == 1 and reported[0][0] == 1 and "broken task" in reported[0][1]
 
 
+@pytest.mark.slow
 def test_a_verifier_closed_at_interpreter_exit_stops_its_workers_cleanly(tmp_path):
     """`dice.verify` closes its shared Verifier from atexit, after Python has stopped thread
     pools taking work: closing must neither raise there nor leave worker processes behind."""

@@ -65,6 +65,7 @@ def test_loaders_refuse_anything_but_plain_data_and_tensors(tmp_path):
         assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
 
 
+@pytest.mark.slow
 def test_a_reply_that_would_run_code_in_the_trainer_is_refused(cpu_verifier, tmp_path):
     # reply["mutated"] pickles an object whose unpickling calls open(): the trainer must not run it
     marker = tmp_path / "ran-in-trainer"
@@ -88,12 +89,14 @@ def test_a_reply_that_would_run_code_in_the_trainer_is_refused(cpu_verifier, tmp
     ("import dice.verifier.worker as w\nw.CandidateHandler.time_block = lambda self, r: "
      "{'status': 'ok', 'times': [1e-6], 'checked': [], 'activity': None}", "CandidateHandler.time_block"),
 ])
+@pytest.mark.slow
 def test_replacing_the_harness_is_invalid(cpu_verifier, patch, name):
     result = cpu_verifier.verify(RELU_TASK, GOOD + "\n" + patch + "\n")
     assert result.status == "invalid" and name in result.message, result
     assert cpu_verifier.verify(RELU_TASK, GOOD, timing=False).correct
 
 
+@pytest.mark.slow
 def test_results_cached_on_input_values_do_not_beat_the_clock(cpu_verifier):
     # computes on the first call per distinct input and replays it after: no timed call repeats
     # values, so it must compute every time (an earlier verifier timed repeats: 9,000x)
@@ -121,6 +124,7 @@ def test_results_cached_on_buffer_addresses_do_not_beat_the_clock(cpu_verifier):
     assert result.status == "incorrect" or result.speedup < 3, result
 
 
+@pytest.mark.slow
 def test_a_timeout_kills_what_the_candidate_started(cpu_verifier, tmp_path):
     pid_file = tmp_path / "child.pid"
     hang = GOOD.replace("        return x.clamp_min(0)\n",
@@ -145,6 +149,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"          # a killed child not yet reaped by init is a zombie: dead
 
 
+@pytest.mark.slow
 def test_threads_started_at_load_are_caught_and_the_worker_replaced(cpu_verifier):
     source = GOOD.replace("class ModelNew(nn.Module):\n",
                           "import threading, time\n\nclass ModelNew(nn.Module):\n"
@@ -171,6 +176,7 @@ def test_sources_the_parser_cannot_take_are_compile_errors():
         assert result is not None and result.status == "compile_error", source[:20]
 
 
+@pytest.mark.slow
 def test_a_reference_that_kills_its_judge_is_a_task_error(tmp_path):
     crash = RELU_TASK.replace("return [torch.randn(256, 1024)]", "import os\n    os._exit(4)")
     assert crash != RELU_TASK
@@ -217,6 +223,7 @@ def test_an_instance_attribute_over_a_handler_method_is_caught(cpu_verifier):
     ("handler.time_block = lambda request: {'status': 'ok', 'times': ['1'], 'checked': [], 'activity': None}", "times"),
     ("handler.run = lambda request: {'status': 'pwned', 'message': 'x'}", "status 'pwned'"),
 ])
+@pytest.mark.slow
 def test_malformed_replies_are_invalid_and_never_crash_the_caller(cpu_verifier, forged, text):
     # the harness snapshot would catch these: switch it off (below the names it checks) to test
     # the parent's own check of what it reads
@@ -234,12 +241,14 @@ def test_a_log_replaced_by_a_fifo_does_not_hang_the_caller(cpu_verifier):
     assert cpu_verifier.verify(RELU_TASK, GOOD, timing=False).correct   # its replacement starts
 
 
+@pytest.mark.slow
 def test_a_huge_message_is_cut_before_it_reaches_the_caller(cpu_verifier):
     result = cpu_verifier.verify(RELU_TASK, GOOD.replace("return x.clamp_min(0)", "raise RuntimeError('A' * 5_000_000)"),
                              timing=False)
     assert result.status == "runtime_error" and len(result.message) < 10_000
 
 
+@pytest.mark.slow
 def test_outputs_recorded_by_one_candidate_do_not_answer_another(cpu_verifier, tmp_path):
     # a recorder stores outputs by input sample; a lookup computes nothing: with seeds shared by
     # all candidates of a Verifier the lookup was judged correct (33x)
@@ -259,6 +268,7 @@ def test_outputs_recorded_by_one_candidate_do_not_answer_another(cpu_verifier, t
     assert result.status in ("incorrect", "invalid") and "timed call" in result.message, result
 
 
+@pytest.mark.slow
 def test_a_detached_daemon_ends_with_its_candidate(cpu_verifier, tmp_path):
     """setsid + double fork: the daemon is no child of the worker, but the worker is a child
     subreaper, so the daemon is adopted by it and ended when the candidate is unloaded."""
@@ -290,6 +300,7 @@ v.verify(task, candidate, timing=False, timeout_s=600)
 
 
 @pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGTERM"])
+@pytest.mark.slow
 def test_no_worker_outlives_a_killed_owner_even_while_a_candidate_hangs(tmp_path, signal_name):
     """A script without a __main__ guard owns a Verifier whose candidate spins in Python; the
     script is killed: within 2 s no process of its workers is left (the keepers watch it)."""

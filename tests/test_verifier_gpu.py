@@ -152,6 +152,46 @@ def test_a_reference_that_asserts_on_the_device_costs_only_its_task(verifier):
     assert verifier.verify(RELU_TASK, GOOD, timing=False).correct
 
 
+HANG = ("flag = torch.zeros(1, dtype=torch.int32, device=x.device)\n"
+        "launch('spin_kernel', 1, flag.data_ptr(), x.data_ptr(), cp.int64(1))\ntorch.cuda.synchronize()\nreturn x")
+OWNER = '''import sys
+from dice.verifier import Verifier
+v = Verifier(workers=1, judges=1, cache_dir=sys.argv[3])
+v.verify(open(sys.argv[1]).read(), open(sys.argv[2]).read(), timing=False, timeout_s=600)
+'''
+
+
+def test_no_worker_outlives_a_killed_owner_while_a_kernel_hangs(tmp_path):
+    """The owner of a Verifier (a script without a __main__ guard) is SIGKILLed while its
+    candidate's kernel spins on the GPU: within 2 s no process of its workers is left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from dice.verifier.keeper import descendants
+    (tmp_path / "task.py").write_text(RELU_TASK)
+    (tmp_path / "candidate.py").write_text(cupy_candidate(HANG))
+    (tmp_path / "owner.py").write_text(OWNER)
+    owner = subprocess.Popen([sys.executable, str(tmp_path / "owner.py"), str(tmp_path / "task.py"),
+                              str(tmp_path / "candidate.py"), str(tmp_path / "cache")],
+                             cwd=Path(__file__).resolve().parents[1])
+    time.sleep(30)    # the pool starts, the candidate compiles and its kernel starts spinning
+    tree = descendants(owner.pid)
+    assert owner.poll() is None and len(tree) >= 2, tree
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.wait(timeout=30)
+    deadline = time.monotonic() + 2
+
+    def alive(pid):   # a killed process not yet reaped is a zombie: dead
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    while any(alive(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in tree), [p for p in tree if alive(p)]
+
+
 def test_hanging_kernel_times_out(verifier):
     hang = cupy_candidate("flag = torch.zeros(1, dtype=torch.int32, device=x.device)\n"
                           "launch('spin_kernel', 1, flag.data_ptr(), x.data_ptr(), cp.int64(1))\n"

@@ -4,7 +4,7 @@
 
 | module | |
 | --- | --- |
-| `verifier` | `Verifier` (the pool and the stages), `verify` |
+| `verifier` | `Verifier` (the pool and the stages); `verify` (below) uses a shared default one |
 | `results` | `VerifyResult`, `VerifyOptions`, the static checks, the trials' seeds |
 | `process` | one worker process: spawn, call with a deadline, kill, respawn; the GPU lock |
 | `protocol` | everything that crosses a pipe: request and reply schemas, strict decoding, tensor transport |
@@ -18,7 +18,29 @@
 | `keeper` | the process above every worker: child subreaper, parent-death watch, tree kills |
 | `build`, `inline`, `cxx`, `fastbuild`, `prebuild` | load_inline: the build cache, the fast split build, the CPU prebuild pool |
 """
+import atexit
+import threading
+
 from .results import STATUSES, TaskError, VerifyOptions, VerifyResult
-from .verifier import Verifier, verify
+from .verifier import Verifier
+
 
 __all__ = ["STATUSES", "TaskError", "Verifier", "VerifyOptions", "VerifyResult", "verify"]
+
+_default_verifier: Verifier | None = None
+_default_lock = threading.Lock()
+
+
+def verify(task_src: str, candidate_src: str, *, trials: int = 5, timing: bool = True, seed: int | None = None,
+           timeout_s: float = 120.0, **options) -> VerifyResult:
+    """Verify one candidate with a shared default Verifier (started on first use, closed at exit).
+
+    Raises RuntimeError at once when there is no CUDA GPU; other options: see VerifyOptions."""
+    global _default_verifier
+    with _default_lock:
+        if _default_verifier is None:
+            _default_verifier = Verifier()
+            atexit.register(_default_verifier.close)
+    return _default_verifier.verify(task_src, candidate_src, trials=trials, timing=timing, seed=seed,
+                                    timeout_s=timeout_s, **options)
+

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -249,3 +250,10 @@ class GpuLock:
             with self._cond:
                 self._writer = False
                 self._cond.notify_all()
+
+
+def log_summary(log_tail: str, max_lines: int = 8) -> str:
+    """The lines of a dead worker's log that say what happened (errors, candidate frames)."""
+    lines = log_tail.splitlines()
+    useful = [line for line in lines if re.search(r"candidate\.py|error|Error|CUDA|Fatal|Abort|assert", line)]
+    return "\n".join((useful or lines)[-max_lines:])

@@ -10,9 +10,12 @@ can use):
   from others, skip work on them, or touch the clock. A graph is used only when it is faithful:
   a replay on fresh inputs gives the eager forward's outputs (work on a stream the capture does
   not see, such as the legacy default stream of `<<<...>>>` launches, leaves it unfaithful).
-- "eager": forward, then a device-wide synchronize (work on any stream counts), timed by the
-  host clock (`perf_counter`, bound before any candidate code ran; no event object the candidate
-  could re-record). Launch overhead is included, as it is for eager PyTorch.
+- "eager": a marker kernel, forward, a device-wide synchronize, a second marker; the call's
+  time is its span on the GPU's own records between the markers (`call_spans`: CUPTI through the
+  profiler, every stream), which candidate Python cannot rewrite, whatever it does to the timing
+  loop's frame. On a CPU (tests only) the host clock times the call.
+The L2 flush before a replay is left running while the replay is launched, so the replay's events
+time the replay, not the host's launch latency.
 Every call's outputs may be checked: after the call returns, a coin from os.urandom decides (with
 probability `check` per call), so the candidate cannot know in advance which calls are compared
 with the reference, and a forward that skips work on some calls is caught. The candidate's
@@ -130,12 +133,14 @@ class Timer:
         threshold = int(check * COIN)
         for k in range(first, first + calls):
             inputs = timed_inputs(self.pristine, self.seed, k)
-            if self.cuda:
-                self.flush.zero_()
-                sync(device)
             if self.graph is not None:
-                outputs, ms = self._timed_replay(inputs)
+                self._load(inputs)
+                self.flush.zero_()       # not waited for: the GPU is still flushing while the replay is
+                outputs, ms = self._timed_replay()   # launched, so the events time the replay, not the launch
             else:
+                if self.cuda:
+                    self.flush.zero_()
+                    sync(device)
                 t0 = perf()
                 if self.cuda:
                     marker(0)            # the call's span on the GPU starts after this marker ...
@@ -149,8 +154,7 @@ class Timer:
                 checked.append((k, [clone(t) if type(t) is torch.Tensor else t for t in outputs]))
         return times, checked
 
-    def _timed_replay(self, inputs: list) -> tuple[list, float]:
-        self._load(inputs)
+    def _timed_replay(self) -> tuple[list, float]:
         start, end = trusted.Event(enable_timing=True), trusted.Event(enable_timing=True)
         trusted.event_record(start)
         self.graph.replay()

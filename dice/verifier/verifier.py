@@ -44,11 +44,9 @@ every process, so tensors a task draws at import time are the same for reference
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import os
 import queue
-import re
 import secrets
 import shutil
 import tempfile
@@ -66,7 +64,7 @@ from .checks import kernel_problem, timed_kernel_problem, timed_work_problem
 from .harness import trial_kinds
 from .kernels import qualified_name
 from .prebuild import BuildPool
-from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, describe_exit
+from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, describe_exit, log_summary
 from .protocol import malformed_reply
 from .results import TaskError, VerifyOptions, VerifyResult, static_check, trial_seeds
 from .speedup import BUDGET_S, CHECKS_PER_BLOCK, PLAUSIBLE, Timing, paired_rounds
@@ -388,7 +386,7 @@ class Verifier:
             return {"status": "timeout", "message": f"the candidate did not finish {doing} in the {limit:.0f} s "
                     "left of its time limit (hang, deadlock or very slow kernel); its worker was killed"}
         except WorkerDied as exc:
-            tail = f"; last output:\n{_log_summary(exc.log_tail)}" if exc.log_tail else ""
+            tail = f"; last output:\n{log_summary(exc.log_tail)}" if exc.log_tail else ""
             return {"status": "runtime_error", "message": f"the worker process {describe_exit(exc.exitcode)} "
                     f"while {doing} (segfault, os._exit or abort in the candidate){tail}"}
         finally:
@@ -439,28 +437,3 @@ class Verifier:
             except (WorkerTimeout, WorkerDied):
                 pass  # the worker has already been replaced
         self._idle.put(worker)
-
-
-def _log_summary(log_tail: str, max_lines: int = 8) -> str:
-    """The lines of a dead worker's log that say what happened (errors, candidate frames)."""
-    lines = log_tail.splitlines()
-    useful = [line for line in lines if re.search(r"candidate\.py|error|Error|CUDA|Fatal|Abort|assert", line)]
-    return "\n".join((useful or lines)[-max_lines:])
-
-
-_default_verifier: Verifier | None = None
-_default_lock = threading.Lock()
-
-
-def verify(task_src: str, candidate_src: str, *, trials: int = 5, timing: bool = True, seed: int | None = None,
-           timeout_s: float = 120.0, **options) -> VerifyResult:
-    """Verify one candidate with a shared default Verifier (started on first use, closed at exit).
-
-    Raises RuntimeError at once when there is no CUDA GPU; other options: see VerifyOptions."""
-    global _default_verifier
-    with _default_lock:
-        if _default_verifier is None:
-            _default_verifier = Verifier()
-            atexit.register(_default_verifier.close)
-    return _default_verifier.verify(task_src, candidate_src, trials=trials, timing=timing, seed=seed,
-                                    timeout_s=timeout_s, **options)
