@@ -1,7 +1,6 @@
 """The synthetic curriculum: well-formed, reproducible tasks and a held-out split by composition."""
 import ast
 import itertools
-from collections import Counter
 
 import pytest
 import torch
