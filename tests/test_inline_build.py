@@ -359,3 +359,37 @@ def test_build_pool_prebuilds_into_the_cache(tmp_path):
     cache.real_load_inline = _FakeTorchBuild()
     ext = cache.load_inline("plus", "int plus(int a, int b) { return a + b; }", functions=["plus"])
     assert ext.plus(2, 3) == 5 and cache.history == []
+
+
+GUARDLESS_OWNER = '''import sys
+from dice.verifier.prebuild import BuildPool
+open(sys.argv[2], "a").write("ran\\n")       # once per execution of this script
+program = ("import os, time\\nfrom torch.utils.cpp_extension import load_inline\\n"
+           "if os.fork() == 0:\\n    os.setsid()\\n    if os.fork() == 0:\\n"
+           "        open(%r, 'w').write(str(os.getpid()))\\n        time.sleep(300)\\n    os._exit(0)\\n"
+           "ext = load_inline('plus2', 'int plus(int a, int b) { return a + b; }', functions=['plus'])\\n" % sys.argv[3])
+with BuildPool(sys.argv[1], processes=1, timeout_s=600, capability=(9, 0)) as pool:
+    print(pool.submit(program).result()["status"])
+'''
+
+
+@pytest.mark.slow
+def test_build_pool_needs_no_main_guard_and_ends_what_a_candidate_started(tmp_path):
+    """A script without `if __name__ == "__main__":` prebuilds a candidate that leaves a detached
+    daemon (setsid + double fork): the script runs once (the build server is a subprocess, the
+    script is never imported again), the build succeeds, and the daemon is dead once reported."""
+    import subprocess
+    import sys
+    (tmp_path / "owner.py").write_text(GUARDLESS_OWNER)
+    runs, daemon = tmp_path / "runs.txt", tmp_path / "daemon.pid"
+    done = subprocess.run([sys.executable, str(tmp_path / "owner.py"), str(tmp_path / "cache"), str(runs),
+                           str(daemon)], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.stdout.strip() == "built", (done.stdout, done.stderr[-2000:])
+    assert runs.read_text() == "ran\n"
+    pid = int(daemon.read_text())
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z"), f"the candidate's daemon {pid} outlived its prebuild"

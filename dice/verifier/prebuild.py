@@ -8,24 +8,30 @@ A GPU worker builds one candidate at a time, so a pool of 16 workers compiles at
 extensions at once however many cores are idle. `BuildPool` compiles ahead of them: each
 submitted candidate is imported in a child process with `load_inline` replaced by the workers'
 own `BuildCache.load_inline` (same cache folder, same key), stopped by a private exception once
-its load_inline calls are built. Children are forked from a forkserver that has imported torch
-(a child costs no torch import), lead their own session with no GPU visible (no CUDA context),
-and are killed with everything they started when they finish or overrun `timeout_s`
-(`keeper.kill_tree`). Compilers over all children and workers are bounded by the core count
-(`fastbuild.CompilerSlots`). What a child reports is only information: a failed or killed
-prebuild leaves the GPU worker to build and report the real compile_error itself.
+its load_inline calls are built. The children are forked by a build server, `python -m
+dice.verifier.prebuild`, started with `subprocess` (so the caller's script is never imported
+again: no `__main__` guard is needed) with no GPU visible, which has imported torch once (a child
+costs no torch import). Each child leads its own session and is killed with everything it started
+when it finishes or overruns `timeout_s` (`keeper.kill_tree`); the server ends its children and
+itself when its input closes (the pool closed, or its owner died). Compilers over all children and
+workers are bounded by the core count (`fastbuild.CompilerSlots`). What a child reports is only
+information: a failed or killed prebuild leaves the GPU worker to build and report the real
+compile_error itself.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import re
 import resource
+import selectors
+import signal
+import subprocess
 import sys
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -53,10 +59,10 @@ class BuildPool:
         if capability is None and torch.cuda.is_available():
             capability = tuple(torch.cuda.get_device_capability(0))
         self.capability, self.build, self.timeout_s = capability, build, timeout_s
-        self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(["torch", "dice.verifier.build", "dice.verifier.harness"])
-        self._pool = ThreadPoolExecutor(max_workers=processes or os.cpu_count() or 1,
-                                        thread_name_prefix="dice-prebuild")
+        self.processes = processes or os.cpu_count() or 1
+        self._server: subprocess.Popen | None = None
+        self._futures: dict[int, Future] = {}
+        self._lock, self._next = threading.Lock(), 0
 
     def __enter__(self) -> "BuildPool":
         return self
@@ -65,38 +71,123 @@ class BuildPool:
         self.close()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """End the server (it kills the children still building); pending reports say so."""
+        with self._lock:
+            server, self._server = self._server, None
+        if server is not None:
+            server.stdin.close()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                kill_tree(server.pid)
+                server.wait()
+        self._fail_pending("the build pool was closed")
 
     def submit(self, candidate_src: str) -> Future:
         """A Future of the prebuild's report: {"status": built | cached | failed | error | timeout |
         no build, "builds": BuildCache.history of the child, "seconds", "message"}."""
+        done: Future = Future()
         if "load_inline" not in candidate_src:
-            done: Future = Future()
             done.set_result({"status": "no build", "builds": [], "seconds": 0.0, "message": ""})
             return done
-        return self._pool.submit(self._prebuild, candidate_src)
+        request = {"candidate_src": candidate_src, "root": str(self.root), "capability": self.capability,
+                   "build": self.build, "timeout_s": self.timeout_s}
+        with self._lock:
+            self._next += 1
+            self._futures[self._next] = done
+            try:
+                self._started().stdin.write(json.dumps({"id": self._next, **request}) + "\n")
+                self._server.stdin.flush()
+            except OSError as exc:
+                self._futures.pop(self._next)
+                done.set_result({"status": "error", "builds": [], "seconds": 0.0,
+                                 "message": f"the build server is gone ({exc!r})"})
+        return done
 
-    def _prebuild(self, candidate_src: str) -> dict:
-        start = time.perf_counter()
-        reader, writer = self._context.Pipe(duplex=False)
-        child = self._context.Process(target=_child, args=(writer, candidate_src, str(self.root), self.capability,
-                                                           self.build), daemon=True)
-        child.start()
-        writer.close()
-        report = {"status": "timeout", "builds": [], "message": f"prebuild killed after {self.timeout_s:.0f} s"}
+    def _started(self) -> subprocess.Popen:
+        if self._server is None:
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+            self._server = subprocess.Popen([sys.executable, "-m", "dice.verifier.prebuild", str(self.processes)],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+            threading.Thread(target=self._read, args=(self._server,), daemon=True,
+                             name="dice-prebuild-reader").start()
+        return self._server
+
+    def _read(self, server: subprocess.Popen) -> None:
+        for line in server.stdout:
+            try:
+                reply = json.loads(line)
+                future = self._futures.pop(reply.pop("id"))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+            future.set_result(reply)
+        self._fail_pending("the build server ended")
+
+    def _fail_pending(self, why: str) -> None:
+        with self._lock:
+            pending, self._futures = self._futures, {}
+        for future in pending.values():
+            future.set_result({"status": "error", "builds": [], "seconds": 0.0, "message": why})
+
+
+def serve(processes: int) -> None:
+    """The build server: JSON request lines on stdin, one forked child each (at most `processes`
+    at once), JSON report lines on stdout; ends its children and itself when stdin closes."""
+    import torch.utils.cpp_extension  # noqa: F401  imported once here, not in every child
+    from . import build, harness  # noqa: F401
+    set_child_subreaper()
+    selector, queue, running, pending = selectors.DefaultSelector(), [], {}, b""
+    selector.register(0, selectors.EVENT_READ, "requests")
+    while True:
+        while queue and len(running) < processes:
+            request = queue.pop(0)
+            reader, writer = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                for fd in (0, reader, *running):
+                    os.close(fd)
+                _child(writer, request["candidate_src"], request["root"], request["capability"], request["build"])
+            os.close(writer)
+            running[reader] = (pid, request, time.monotonic(), [])
+            selector.register(reader, selectors.EVENT_READ, "report")
+        deadline = min((start + r["timeout_s"] for _, r, start, _ in running.values()), default=None)
+        for key, _ in selector.select(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            chunk = os.read(key.fd, 65536)
+            if key.data == "requests":
+                if not chunk:   # the pool closed, or its owner died
+                    for pid, *_ in running.values():
+                        kill_tree(pid)
+                    return
+                *lines, pending = (pending + chunk).split(b"\n")
+                queue += [json.loads(line) for line in lines if line.strip()]
+            else:
+                running[key.fd][3].append(chunk)
+                if not chunk or b"\n" in chunk:    # a report is one line; the child then waits to be killed
+                    _finish(selector, running, key.fd, None)
+        for fd, (_, request, start, _) in list(running.items()):
+            if time.monotonic() > start + request["timeout_s"]:
+                _finish(selector, running, fd, f"prebuild killed after {request['timeout_s']:.0f} s")
+
+
+def _finish(selector, running: dict, fd: int, timed_out: str | None) -> None:
+    """Kill a child and everything it started (it is their subreaper), and send its report."""
+    pid, request, start, chunks = running.pop(fd)
+    selector.unregister(fd)
+    os.close(fd)
+    kill_tree(pid)
+    os.waitpid(pid, 0)
+    report = {"status": "timeout", "builds": [], "message": timed_out}
+    if timed_out is None:
         try:
-            if reader.poll(self.timeout_s):
-                report = json.loads(reader.recv_bytes(REPORT_BYTES))
-        except (EOFError, OSError, ValueError) as exc:   # the child died, or wrote something else
+            report = json.loads(b"".join(chunks).split(b"\n")[0][:REPORT_BYTES])
+        except ValueError as exc:   # the child died, or wrote something else
             report = {"status": "error", "builds": [], "message": f"the prebuild process failed ({exc!r})"}
-        finally:
-            kill_tree(child.pid)
-            child.join()
-            reader.close()
-        return {**report, "seconds": time.perf_counter() - start}
+    sys.stdout.write(json.dumps({"id": request["id"], **report, "seconds": time.monotonic() - start},
+                                default=str) + "\n")
+    sys.stdout.flush()
 
 
-def _child(conn, candidate_src: str, root: str, capability, build: str) -> None:
+def _child(report_fd: int, candidate_src: str, root: str, capability, build: str) -> None:
     """Import the candidate with load_inline building into the cache; report as JSON."""
     os.setsid()
     set_child_subreaper()   # what the candidate starts stays below us for kill_tree
@@ -131,7 +222,12 @@ def _child(conn, candidate_src: str, root: str, capability, build: str) -> None:
         status, message = "error", f"{type(exc).__name__}: {str(exc)[:500]}"
     if status == "no build" and calls:
         status = "built" if cache.history else "cached"
-    conn.send_bytes(json.dumps({"status": status, "builds": cache.history, "message": message}, default=str).encode())
-    conn.close()
-    sys.stdout.flush()
-    os._exit(0)
+    line = json.dumps({"status": status, "builds": cache.history, "message": message}, default=str)[:REPORT_BYTES]
+    with os.fdopen(report_fd, "w") as report:
+        report.write(line + "\n")
+    while True:    # killed by the server, with everything the candidate started below us
+        signal.pause()
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))
