@@ -393,3 +393,44 @@ def test_build_pool_needs_no_main_guard_and_ends_what_a_candidate_started(tmp_pa
     except FileNotFoundError:
         state = "gone"
     assert state in ("gone", "Z"), f"the candidate's daemon {pid} outlived its prebuild"
+
+
+HANGING_PREBUILD_OWNER = '''import sys, time
+from dice.verifier.prebuild import BuildPool
+pool = BuildPool(sys.argv[1], processes=1, timeout_s=600, capability=(9, 0))
+pool.submit("open(%r, 'w').write('x')\\nwhile True: pass  # load_inline" % sys.argv[2])
+time.sleep(600)
+'''
+
+
+@pytest.mark.slow
+def test_no_prebuild_process_outlives_a_killed_owner(tmp_path):
+    """The owner of a BuildPool is SIGKILLed while a candidate spins in its prebuild child: the
+    build server sees its input close and ends the child and itself within 2 s."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from dice.verifier.keeper import descendants
+    (tmp_path / "owner.py").write_text(HANGING_PREBUILD_OWNER)
+    started = tmp_path / "started"
+    owner = subprocess.Popen([sys.executable, str(tmp_path / "owner.py"), str(tmp_path / "cache"), str(started)],
+                             cwd=Path(__file__).resolve().parents[1])
+    deadline = time.monotonic() + 120
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert started.exists(), "the prebuild child never ran"
+    tree = descendants(owner.pid)
+    assert len(tree) >= 2, tree          # the server and its child
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.wait(timeout=30)
+
+    def alive(pid):
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    deadline = time.monotonic() + 2
+    while any(alive(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in tree), [p for p in tree if alive(p)]
