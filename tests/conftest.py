@@ -51,3 +51,45 @@ def cpu_verifier(tmp_path_factory):
     from dice.verifier import Verifier
     with Verifier(workers=2, device="cpu", cache_dir=tmp_path_factory.mktemp("cache"), timing_budget_s=0.5) as verifier:
         yield verifier
+
+
+@pytest.fixture(scope="module")
+def peaked():
+    """The tiny model with sharper output distributions, so that confidences pass thresholds."""
+    from pathlib import Path
+
+    from dice import load_model
+    m = load_model(Path(__file__).parent / "fixtures" / "tiny-sdar")
+    with torch.no_grad():
+        m.lm_head.weight *= 8
+    return m
+
+
+@pytest.fixture
+def fake_verifier(monkeypatch):
+    """dice.verifier.Verifier replaced by one that calls every candidate correct, on a "GPU";
+    the returned record holds the candidates it saw and the options of its last map()."""
+    import types
+
+    import dice.verifier
+    from dice.verifier import VerifyResult
+    seen = types.SimpleNamespace(candidates=[], options={})
+
+    class FakeVerifier:
+        def __init__(self, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def map(self, pairs, **kwargs):
+            seen.options.update(kwargs)
+            seen.candidates.extend(code for _, code in pairs)
+            return [VerifyResult("correct", compiled=True) for _ in pairs]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dice.verifier, "Verifier", FakeVerifier)
+    return seen

@@ -376,14 +376,12 @@ def test_evaluate_infill_judges_the_skeleton_before_running():
     assert evaluate.verdict_without_running(task, None, infill=True).status == "compile_error"
 
 
-def test_evaluate_infill_end_to_end_with_solution_files(tmp_path, capsys, monkeypatch):
+def test_evaluate_infill_end_to_end_with_solution_files(tmp_path, capsys, fake_verifier):
     """main --infill: the task without a split is left out with a warning, the program that
     drops the skeleton is invalid and never reaches the verifier, the one that keeps it does."""
     import json
 
-    import dice.verifier
     from dice.taskgen import generate_split
-    from dice.verifier import VerifyResult
     records = generate_split(2, 0, 0, seed=0)[0]
     records.append({k: v for k, v in records[0].items() if k not in ("prefix", "middle", "suffix")} | {"id": "plain"})
     data = tmp_path / "tasks.json"
@@ -393,29 +391,11 @@ def test_evaluate_infill_end_to_end_with_solution_files(tmp_path, capsys, monkey
     (solutions / "tasks" / f"{records[0]['id']}.py").write_text(records[0]["cuda_code"])
     (solutions / "tasks" / f"{records[1]['id']}.py").write_text(
         records[1]["cuda_code"].replace("import torch\n", "import os\n", 1))
-    ran = []
-
-    class FakeVerifier:
-        def __init__(self, **kwargs):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def map(self, pairs, **kwargs):
-            ran.extend(code for _, code in pairs)
-            return [VerifyResult("correct", compiled=True) for _ in pairs]
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(dice.verifier, "Verifier", FakeVerifier)
     out = tmp_path / "results.json"
     command("evaluate").main(["--tasks", str(data), "--solutions", str(solutions), "--infill", "--no-timing",
                               "--out", str(out)])
     assert "warning: --infill leaves out the 1 of 3 tasks without a prefix/middle/suffix split" in capsys.readouterr().err
-    assert ran == [records[0]["cuda_code"]]
+    assert fake_verifier.candidates == [records[0]["cuda_code"]]
     status = {r["task"]: r["status"] for r in json.loads(out.read_text())["results"]}
     assert status == {f"tasks/{records[0]['id']}": "correct", f"tasks/{records[1]['id']}": "invalid"}
 

@@ -17,14 +17,6 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3], [7] * 
 LENGTHS = [5, 9, 1, 21, 13]
 
 
-@pytest.fixture(scope="module")
-def peaked():
-    m = load_model(TINY)
-    with torch.no_grad():
-        m.lm_head.weight *= 8
-    return m
-
-
 @pytest.mark.parametrize("remasking", ["low_confidence_static", "low_confidence_dynamic"])
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_a_forced_length_ends_a_sequence_as_max_new_tokens_would_alone(peaked, remasking, use_cache):

@@ -17,15 +17,6 @@ def model():
     return load_model(TINY)
 
 
-@pytest.fixture(scope="module")
-def peaked():
-    """The tiny model with sharper output distributions, so that confidences pass thresholds."""
-    m = load_model(TINY)
-    with torch.no_grad():
-        m.lm_head.weight *= 8
-    return m
-
-
 def run(model, prompts=PROMPTS, **kw):
     kw = {"max_new_tokens": 21, **kw}
     return generate(model, prompts, **kw)

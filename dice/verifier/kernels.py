@@ -36,23 +36,23 @@ COPY_EVENTS = {"dtoh": "Memcpy DtoH", "htod": "Memcpy HtoD"}
 
 def gpu_activity(fn, exclude: frozenset = frozenset(), timeline: bool = False) -> tuple[object, dict]:
     """(fn(), activity) for the GPU work of `fn`: {"kernels": {name: launches}, "dtoh": copies,
-    "htod": copies, "kernel_ms": {name: summed duration}, "busy_ms": the union of the kernels'
-    intervals, "excluded": names}; with `timeline` also "timeline": [(start_ns, end_ns, name)] of
-    every kernel, copy and memset in start order. Durations and the union leave out kernels named in `exclude` (the
-    timing harness's own). CUPTI writes these records from native code, so they are the GPU's
-    account of the work, which candidate Python cannot rewrite (`checks.timed_work_problem`,
-    `timing.call_spans`)."""
+    "htod": copies, "kernel_ms": {name: summed duration}, "excluded": names}; with `timeline` also
+    "timeline": [(start_ns, end_ns, name)] of every kernel, copy and memset in start order. The
+    durations leave out kernels named in `exclude` (the timing harness's own). CUPTI writes these
+    records from native code, so they are the GPU's account of the work, which candidate Python
+    cannot rewrite (`checks.timed_work_problem`, `timing.call_spans`)."""
     with trusted.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         result = fn()
         trusted.cuda_synchronize()
     kernels, copies = collections.Counter(), {"dtoh": 0, "htod": 0}
-    kernel_ms, spans, events = collections.Counter(), [], []
+    kernel_ms, events = collections.Counter(), []
     for event in trusted.kineto_events(prof.profiler.kineto_results):
         if trusted.event_device_type(event) != torch.autograd.DeviceType.CUDA:
             continue
         name = trusted.event_name(event)
         start, end = trusted.event_start_ns(event), trusted.event_end_ns(event)
-        events.append((start, end, name))
+        if timeline:
+            events.append((start, end, name))
         kind = next((k for k, prefix in COPY_EVENTS.items() if name.startswith(prefix)), None)
         if kind:
             copies[kind] += 1
@@ -60,25 +60,10 @@ def gpu_activity(fn, exclude: frozenset = frozenset(), timeline: bool = False) -
             kernels[name] += 1
             if name not in exclude:
                 kernel_ms[name] += (end - start) / 1e6
-                spans.append((start, end))
-    activity = {"kernels": dict(kernels), **copies, "kernel_ms": dict(kernel_ms), "busy_ms": busy_ms(spans),
-                "excluded": sorted(exclude)}
+    activity = {"kernels": dict(kernels), **copies, "kernel_ms": dict(kernel_ms), "excluded": sorted(exclude)}
     if timeline:
         activity["timeline"] = sorted(events)
     return result, activity
-
-
-def busy_ms(spans: list[tuple[int, int]]) -> float:
-    """The length of the union of [start, end) intervals in ns, in ms (overlapping streams count once)."""
-    total, reach = 0, None
-    for start, end in sorted(spans):
-        if reach is None or start > reach:
-            total += end - start
-            reach = end
-        elif end > reach:
-            total += end - reach
-            reach = end
-    return total / 1e6
 
 
 # ---------------------------------------------------------------------------------------------

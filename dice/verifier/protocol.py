@@ -83,7 +83,7 @@ def malformed_reply(op: str, reply: dict) -> str | None:
     Replies with status "ok": run -> outputs, second (list of bytes or None), activity, own,
     mutated (ints), aliased ([int, int] pairs); time_prepare -> method, activity, own, ms;
     time_block -> times (ms), checked ([call, outputs] pairs), activity. `activity` is None (CPU)
-    or {"kernels": {name: launches}, "dtoh": int, "htod": int, "kernel_ms": {name: ms}, "busy_ms": ms,
+    or {"kernels": {name: launches}, "dtoh": int, "htod": int, "kernel_ms": {name: ms},
     "excluded": names} (`kernels.gpu_activity`); `own` None or a list of names."""
     status, message = reply.get("status"), reply.get("message", "")
     if status not in (*STATUSES, "ok") or not isinstance(message, str):
@@ -127,7 +127,7 @@ def _activity(x) -> bool:
                          and all(isinstance(k, str) and type(n) is int for k, n in x["kernels"].items())
                          and type(x.get("dtoh")) is int and type(x.get("htod")) is int
                          and isinstance(x.get("kernel_ms"), dict) and _durations(list(x["kernel_ms"].values()))
-                         and all(isinstance(k, str) for k in x["kernel_ms"]) and _durations([x.get("busy_ms")])
+                         and all(isinstance(k, str) for k in x["kernel_ms"])
                          and _names(x.get("excluded")) and x["excluded"] is not None)
 
 

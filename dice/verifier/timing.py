@@ -100,7 +100,7 @@ class Timer:
         In eager mode on a GPU the block runs under the profiler and each call's time is its span
         on the GPU's own records (`call_spans`); the activity comes back without the harness's
         own kernels (each call's new inputs, L2 flush and two markers, profiled once alone): their
-        launches subtracted, their names left out of the kernel durations and the busy time.
+        launches subtracted, their names left out of the kernel durations.
         `profiled=False` (a probe call) times by the host clock instead."""
         if self.graph is None and self.cuda and profiled:
             harness = self._harness_kernels()
