@@ -31,6 +31,7 @@ MEAN_TASK = (FIXTURES / "mean_task.py").read_text()
 MSE_TASK = ("import torch\nimport torch.nn as nn\n\n\nclass Model(nn.Module):\n    def forward(self, x):\n"
             "        return torch.mean((x - 0.5) ** 2)\n\n\ndef get_inputs():\n    return [torch.rand(1 << 20)]\n\n\n"
             "def get_init_inputs():\n    return []\n")
+BIG_MEAN_TASK = MSE_TASK.replace("torch.mean((x - 0.5) ** 2)", "x.mean()")
 LINEAR_TASK = (FIXTURES / "linear_task.py").read_text()
 
 
@@ -418,9 +419,12 @@ RULE_CASES = {
     "falls back": (RELU_TASK, candidate("try:\n    return ext.relu(x)\nexcept Exception:\n    return torch.relu(x)"),
                    "invalid", "except branch"),
     "init weights match": (LINEAR_TASK, LINEAR_CANDIDATE, "correct", ""),
-    # a statistic from a fixed subsample: right on iid, faded and scaled inputs, wrong on spiked ones
+    # statistics from a subsample: right on iid and scaled inputs; an MSE (offset by 0.5, so the
+    # hot trial's faded elements still count) is wrong on spiked inputs, a mean on the hot trial
     "MSE from 1/8 of the elements": (MSE_TASK, candidate("d = x.reshape(-1)[::8] - 0.5\nreturn (d * d).mean()"),
-                                     "incorrect", "trial 4 of 5 (spiked"),
+                                     "incorrect", "(spiked"),
+    "mean from the first 1/8": (BIG_MEAN_TASK, candidate("return x[: x.numel() // 8].mean()"), "incorrect", "(hot"),
+    "mean from every element": (BIG_MEAN_TASK, candidate("return x.mean()"), "correct", ""),
     "MSE from every element": (MSE_TASK, candidate("d = x.reshape(-1) - 0.5\nreturn (d * d).mean()"), "correct", ""),
 }
 
@@ -428,7 +432,7 @@ RULE_CASES = {
 @pytest.mark.slow
 def test_rules_give_the_right_verdicts(cpu_verifier):
     results = cpu_verifier.map([(task, src) for task, src, _, _ in RULE_CASES.values()], timing=False,
-                               timeout_s=20)
+                               timeout_s=20, seed=20261201)   # fixed: spiked trials catch by chance
     for (name, (_, _, status, text)), result in zip(RULE_CASES.items(), results):
         assert result.status in status.split("|"), (name, result)
         assert text in result.message, (name, result.message)

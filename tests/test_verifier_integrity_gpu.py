@@ -26,6 +26,7 @@ def task(forward: str, inputs: str, init: str = "", init_inputs: str = "[]") -> 
 
 SOFTMAX_TASK = task("torch.softmax(x, dim=-1)", "torch.randn(16, 65536)")
 MSE_TASK = task("torch.mean((x - 0.5) ** 2)", "torch.rand(1 << 20)")
+BIG_MEAN_TASK = task("x.mean()", "torch.rand(1 << 20)")
 MATMUL_TASK = task("x @ x.t()", "torch.randn(512, 512)")
 GEMM_RELU_TASK = task("torch.relu(self.linear(x))", "torch.randn(256, 1024)", init="in_features",
                       init_inputs="[1024]")
@@ -71,6 +72,10 @@ extern "C" __global__ void constant_jitter(const float* x, float* y, long long n
 extern "C" __global__ void sq_err_mean(const float* x, float* total, long long n, long long stride) {
     long long i = (blockIdx.x * (long long)blockDim.x + threadIdx.x) * stride;
     if (i < n) { float d = x[i] - 0.5f; atomicAdd(total, d * d * (float)stride / (float)n); }
+}
+extern "C" __global__ void prefix_mean(const float* x, float* total, long long n, long long part) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n / part) atomicAdd(total, x[i] * (float)part / (float)n);
 }
 extern "C" __global__ void sort_rows_1024(const float* x, float* y) {
     // bitonic sort of one 1024-element row per block of 512 threads
@@ -158,6 +163,9 @@ ATTACKS = {
         " np.float32(1 / x.shape[-1]))\nreturn y"), "incorrect"),
     "MSE from 1/8 of the elements": (MSE_TASK, candidate(
         "t = torch.zeros(1, device=x.device)\nlaunch('sq_err_mean', x.numel() // 8, x.data_ptr(), t.data_ptr(), "
+        "cp.int64(x.numel()), cp.int64(8))\nreturn t.reshape(())"), "incorrect"),
+    "mean from the first 1/8 of the elements": (BIG_MEAN_TASK, candidate(
+        "t = torch.zeros(1, device=x.device)\nlaunch('prefix_mean', x.numel() // 8, x.data_ptr(), t.data_ptr(), "
         "cp.int64(x.numel()), cp.int64(8))\nreturn t.reshape(())"), "incorrect"),
     "replays one output of a task whose inputs are drawn at import": (FIXED_TASK, candidate(
         "if self.out is None:\n    self.out = torch.empty_like(x)\n"

@@ -8,7 +8,7 @@ import torch
 
 from dice.verifier.checks import (compare_outputs, kernel_problem, relative_error, timed_kernel_problem,
                                   timed_work_problem)
-from dice.verifier.harness import FADE, FADED_KEEP, JITTER, SPIKE, SPIKE_EVERY, structured, timed_inputs, trial_kinds
+from dice.verifier.harness import HOT_FADE, JITTER, SPIKE, SPIKE_EVERY, structured, timed_inputs, trial_kinds
 from dice.verifier.kernels import entry_symbols, qualified_from_mangled, qualified_name
 from dice.verifier.speedup import estimate, stable
 from dice.verifier.timing import MIN_MS, call_spans
@@ -158,15 +158,14 @@ def test_outputs_below_atol_cannot_pass_with_garbage():
 def test_trial_inputs_are_structured_deterministically_and_stay_in_the_domain():
     g = torch.Generator().manual_seed(1)
     x, idx = torch.rand(64, 128, generator=g) + 0.5, torch.randint(0, 7, (50,), generator=g)
-    assert trial_kinds(5) == ["iid", "faded", "scaled", "spiked", "iid"] and trial_kinds(1) == ["iid"]
+    assert trial_kinds(5) == ["iid", "spiked", "hot", "scaled", "spiked"] and trial_kinds(6)[5] == "iid"
     iid = structured([x, idx], "iid", 3)
     assert torch.equal(iid[0], structured([x, idx], "iid", 3)[0]) and not torch.equal(iid[0], structured([x], "iid", 4)[0])
     ratio = iid[0] / x
     assert ratio.min() >= 1 - JITTER and ratio.max() <= 1 + JITTER and torch.equal(iid[1], idx)
-    faded = structured([x], "faded", 3)[0]
-    kept = faded == x
-    assert 0 < int(kept.sum()) <= x.numel() // FADED_KEEP + 1
-    assert torch.allclose(faded[~kept], x[~kept] * FADE)
+    hot = structured([x], "hot", 3)[0]
+    kept = hot == x
+    assert int(kept.sum()) == 1 and torch.allclose(hot[~kept], x[~kept] * HOT_FADE / x.numel())
     scaled = structured([x], "scaled", 3)[0] / x
     spiked = structured([x], "spiked", 3)[0] / x
     assert 0 < int((spiked == SPIKE).sum()) <= x.numel() // SPIKE_EVERY and bool(((spiked == 1) | (spiked == SPIKE)).all())
@@ -174,6 +173,28 @@ def test_trial_inputs_are_structured_deterministically_and_stay_in_the_domain():
     timed = [timed_inputs([x, idx], 9, k) for k in range(3)]
     assert all(torch.equal(t[1].sort().values, idx.sort().values) for t in timed)   # indices permuted, kept
     assert not torch.equal(timed[0][0], timed[1][0])
+
+
+def test_a_statistic_from_a_subsample_fails_the_hot_and_spiked_trials():
+    """From the trials' definitions: a mean over 1/8 of the elements (any pattern) either misses
+    the hot element or holds it 8-fold, so it fails on every seed; an MSE offset by 0.5 (the hot
+    trial's faded elements then count) sees its Binomial share of the spikes and rarely passes."""
+    perm = torch.randperm(1 << 16, generator=torch.Generator().manual_seed(0))
+    subsamples = {"stride": lambda v: v[..., ::8], "prefix": lambda v: v[..., : v.shape[-1] // 8],
+                  "fixed random": lambda v: v[..., perm[: v.shape[-1] // 8] % v.shape[-1]]}
+    for seed in range(60):
+        g = torch.Generator().manual_seed(seed)
+        for x in (torch.rand(1 << 16, generator=g), torch.randn(64, 1024, generator=g), torch.rand(4096, generator=g).half()):
+            hot = structured([x], "hot", seed)[0].float()
+            for name, sub in subsamples.items():
+                expected, got = hot.mean(-1, keepdim=True), sub(hot).mean(-1, keepdim=True)
+                assert compare_outputs([expected], [got], 1e-2, 1e-2) is not None, (seed, name, x.shape, x.dtype)
+    passed = 0
+    for seed in range(200):
+        spiked = structured([torch.rand(1 << 18, generator=torch.Generator().manual_seed(seed))], "spiked", seed)[0]
+        d = spiked - 0.5
+        passed += compare_outputs([(d * d).mean().reshape(1)], [(d[::8] ** 2).mean().reshape(1)], 1e-2, 1e-2) is None
+    assert passed <= 20     # ~3% per spiked trial; two such trials per candidate
 
 
 def test_the_speedup_interval_narrows_with_agreeing_rounds():

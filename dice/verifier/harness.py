@@ -5,13 +5,17 @@ Trial inputs. Every correctness trial draws `get_inputs()` under its own seed an
 floating-point tensors a structure (`TRIAL_KINDS`), the same in the judge and the worker:
 - "iid": every element times (1 + JITTER u), u uniform in [-1, 1): new values on every trial even
   for a task whose inputs are drawn once at import (one recorded output cannot be replayed);
-- "faded": every element times FADE except about one in FADED_KEEP, kept as drawn, so that a
-  statistic computed from a fixed subsample of the elements (1/8 of an MSE) misses most of what
-  decides the output;
-- "scaled": the whole tensor times 1/4 or 4: a constant output, or one off by a scale, fails;
 - "spiked": about one element in SPIKE_EVERY times SPIKE, the rest as drawn: the spikes decide
-  most of a reduction (an MSE, a sum of squares) wherever they fall, so an estimate from a fixed
-  subsample, which sees about its share of them, is off by far more than the tolerance.
+  most of a reduction of squares (an MSE, a norm) wherever they fall, so an estimate from a
+  subsample, which sees about its share of them, is off by ~20% (sd); two spiked trials let such
+  an estimate through with a chance of about 0.1-0.4%, by task (DESIGN.md §8.2);
+- "hot": one element per tensor kept as drawn (the largest in magnitude of HOT_DRAWS random
+  ones, so it is not near zero), every other times HOT_FADE / numel, so the hot element decides a sum or mean by a factor of ~256: an estimate from a subsample of any
+  fraction f < 1 either misses it (off by its whole share) or holds it (off by 1/f times its
+  share), whatever the subsample's pattern. The factor is never below the dtype's smallest
+  normal, so faded values are not flushed to zero: fp16 tensors of more than ~4,096 elements
+  are faded less, and their hot element decides less;
+- "scaled": the whole tensor times 1/4 or 4: a constant output, or one off by a scale, fails.
 Signs, zeros and integer tensors (indices) are left alone, so inputs stay in the task's domain.
 Timed calls use "iid" inputs from their own seeds, with integer and boolean tensors also permuted
 (`timed_inputs`): no two timed calls see the same inputs, so outputs cached by value cannot beat
@@ -33,10 +37,9 @@ from torch import nn
 from .checks import trusted
 
 TASK_IMPORT_SEED = 0            # module-level randomness of a task is the same in every process
-TRIAL_KINDS = ("iid", "faded", "scaled", "spiked")   # trials 1-4; later trials are "iid"
+TRIAL_KINDS = ("iid", "spiked", "hot", "scaled", "spiked")   # trials 1-5; later trials are "iid"
 JITTER = 2**-3
-FADE = 2**-8
-FADED_KEEP = 4096
+HOT_FADE, HOT_DRAWS = 2**-8, 8
 SPIKE, SPIKE_EVERY = 64.0, 4096
 
 
@@ -147,10 +150,12 @@ def structured(inputs: list, kind: str, seed: int) -> list:
         elif kind in ("iid", "timed"):
             u = torch.rand(x.shape, generator=g, device=x.device)
             out.append(x * (1 + JITTER * (2 * u - 1)).to(x.dtype))
-        elif kind == "faded":
-            keep = torch.zeros(x.numel(), dtype=torch.bool, device=x.device)
-            keep[torch.randint(x.numel(), (max(1, x.numel() // FADED_KEEP),), generator=g, device=x.device)] = True
-            out.append(torch.where(keep.view(x.shape), x, x * FADE))
+        elif kind == "hot":
+            pick = torch.randint(x.numel(), (HOT_DRAWS,), generator=g, device=x.device)
+            hot = torch.zeros(x.numel(), dtype=torch.bool, device=x.device)
+            hot[pick[x.reshape(-1)[pick].abs().argmax()]] = True
+            fade = max(HOT_FADE / x.numel(), torch.finfo(x.dtype).tiny)
+            out.append(torch.where(hot.view(x.shape), x, x * fade))
         elif kind == "spiked":
             spike = torch.zeros(x.numel(), dtype=torch.bool, device=x.device)
             spike[torch.randint(x.numel(), (max(1, x.numel() // SPIKE_EVERY),), generator=g, device=x.device)] = True

@@ -19,7 +19,7 @@ Stages, first failure wins:
    Model (invalid), ModelNew(*get_init_inputs()) after the same manual_seed as the reference, one
    warm-up forward;
 3. `trials` correctness trials, each with its own seed and input structure (`harness`: iid, then
-   faded, scaled, spiked values), every one under the profiler (trial 1 calls forward twice).
+   spiked, hot, scaled, spiked values), every one under the profiler (trial 1 calls forward twice).
    Invalid: the kernels it ran break `checks.kernel_problem` under `rules` (own kernels from the
    machine code the candidate compiled, `kernels`; "strict": no decoy beside library calls, no
    library compute the reference lacks, no host round trip; "kernelbench": one own kernel), an
