@@ -86,8 +86,10 @@ class BuildCache:
         if name in self.failed:
             raise BuildError(self.failed[name])
         if name not in self.loaded:
-            library = self.root / f"{name}.so"
-            if library.exists():
+            library, generic = self.root / f"{name}.so", self.root / f"{name}.dispatch.so"
+            if generic.exists():
+                self.loaded[name] = load_dispatched(name, generic, Path(f"{generic}.dispatcher").read_text())
+            elif library.exists():
                 self.loaded[name] = _load_library(name, library, arguments["is_python_module"])
             else:
                 self.loaded[name] = self._build(name, arguments, library)
@@ -143,9 +145,14 @@ class BuildCache:
         """The fast build, imported from build_dir (an import failure is a FastBuildFailed too)."""
         built, report = fast_build(arguments, name, build_dir, self.root, self.capability, self.slots)
         try:
-            loaded = _load_library(name, built, arguments["is_python_module"])
+            loaded = (load_dispatched(name, built, report["dispatcher"]) if report["dispatcher"] else
+                      _load_library(name, built, arguments["is_python_module"]))
         except Exception as exc:
             raise FastBuildFailed(f"the split build did not import: {exc}") from None
+        if report["dispatcher"]:   # the pointer first: a library in place always has one
+            library = library.with_suffix(".dispatch.so")
+            Path(build_dir, "dispatcher").write_text(report["dispatcher"])
+            os.replace(Path(build_dir, "dispatcher"), f"{library}.dispatcher")
         os.replace(built, library)
         self.history.append({"name": name, "how": "fast", "wall_s": time.perf_counter() - start, **report})
         return loaded if arguments["is_python_module"] else str(library)
@@ -170,6 +177,22 @@ def _load_library(name: str, library: Path, is_python_module: bool):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_dispatched(name: str, library: Path, dispatcher: str) -> types.ModuleType:
+    """A library with the generic binding as the module load_inline would return: its functions
+    made by the dice_dispatch extension at `dispatcher` (dispatch.cpp), imported once per process."""
+    module = sys.modules.get("dice_dispatch")
+    if module is None or module.__file__ != dispatcher:
+        spec = importlib.util.spec_from_file_location("dice_dispatch", dispatcher)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["dice_dispatch"] = module
+    loaded = types.ModuleType(name)
+    loaded.__file__ = str(library)
+    for function, call in module.load(str(library)):
+        setattr(loaded, function, call)
+    return loaded
 
 
 def build_error_message(log: str, build_dir: str) -> str:

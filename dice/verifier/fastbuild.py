@@ -35,7 +35,9 @@ from pathlib import Path
 
 import torch.utils.cpp_extension as cpp_extension
 
-from .inline import DEVICE_PRELUDE, TORCH_PREFIX, Split, Unsplittable, split_program
+from .inline import DEVICE_PRELUDE, DISPATCH_HEADER, TORCH_PREFIX, Split, Unsplittable, split_program
+
+DISPATCH_SOURCE = DISPATCH_HEADER.with_name("dispatch.cpp")
 
 SHELL_SPECIAL = re.compile(r"""[$`\\"'*?;|&<>(){}\[\]~!#\s]""")
 HOST_FLAGS = re.compile(r"-O[0-3s]?|-g\w*|-w|-W[\w=+-]*|-fPIC|-pipe|-std=[\w+]+")
@@ -217,18 +219,40 @@ def _locked_artifact(root: Path, key: str, make) -> Path | None:
     return final if (final / "ok").exists() else None
 
 
-def precompiled_header(root: Path, flags: Flags, slots: CompilerSlots) -> Path | None:
-    """The prefix header (`#include <torch/extension.h>`) whose .gch matches these host flags."""
-    key = hashlib.sha256(json.dumps([flags.cxx, flags.pch(), compiler_version(tuple(flags.cxx))]).encode()).hexdigest()
+def precompiled_header(root: Path, flags: Flags, slots: CompilerSlots, binding: str = "pybind") -> Path | None:
+    """The prefix header whose .gch matches these host flags: torch/extension.h for torch's
+    binding, dispatch.h (torch/types.h and the entry templates) for the generic one."""
+    text = "#include <torch/extension.h>\n" if binding == "pybind" else f'#include "{DISPATCH_HEADER}"\n'
+    key = hashlib.sha256(json.dumps([flags.cxx, flags.pch(), compiler_version(tuple(flags.cxx)), text,
+                                     _source_hash(DISPATCH_HEADER) if binding == "dispatch" else ""]).encode()).hexdigest()
 
     def make(folder: Path) -> bool:
-        (folder / "prefix.h").write_text("#include <torch/extension.h>\n")
+        (folder / "prefix.h").write_text(text)
         status, _ = run_compiler([*flags.cxx, "-x", "c++-header", *flags.pch(), str(folder / "prefix.h"), "-o",
                                   str(folder / "prefix.h.gch")], folder / "log", slots)
         return status == 0
 
     folder = _locked_artifact(root / "pch", key[:32], make)
     return folder / "prefix.h" if folder else None
+
+
+def dispatcher(root: Path, flags: Flags, slots: CompilerSlots) -> Path | None:
+    """dispatch.cpp built once per toolchain and torch's own flags into the Python extension
+    `dice_dispatch` (the flags of a program's extra_cflags may only tune codegen, so one serves all)."""
+    key = hashlib.sha256(json.dumps([flags.cxx, flags.pch(), flags.ldflags, compiler_version(tuple(flags.cxx)),
+                                     _source_hash(DISPATCH_SOURCE), _source_hash(DISPATCH_HEADER)]).encode()).hexdigest()
+
+    def make(folder: Path) -> bool:
+        status, _ = run_compiler([*flags.cxx, *flags.pch(), "-DTORCH_EXTENSION_NAME=dice_dispatch", str(DISPATCH_SOURCE),
+                                  *flags.ldflags, "-ldl", "-o", str(folder / "dice_dispatch.so")], folder / "log", slots)
+        return status == 0
+
+    folder = _locked_artifact(root / "dispatch", key[:32], make)
+    return folder / "dice_dispatch.so" if folder else None
+
+
+def _source_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def torch_macros(root: Path, flags: Flags) -> frozenset[str]:
@@ -258,18 +282,28 @@ def torch_macros(root: Path, flags: Flags) -> frozenset[str]:
 
 def fast_build(arguments: dict, name: str, build_dir: Path, root: Path, capability: tuple[int, int] | None,
                slots: CompilerSlots) -> tuple[Path, dict]:
-    """Build `name`.so in build_dir the split way; (library, report). Raises Unsplittable before
-    compiling, MainCppError or FastBuildFailed after."""
+    """Build `name`.so in build_dir the split way; (library, report), the report's "dispatcher"
+    naming the dice_dispatch module that loads a library with the generic binding (else None).
+    Raises Unsplittable before compiling, MainCppError or FastBuildFailed after."""
     if not arguments["cuda_sources"] or arguments["with_cuda"] is False or arguments.get("sycl_sources") \
             or arguments.get("no_implicit_headers") or arguments.get("use_pch") or capability is None:
         raise Unsplittable("arguments", "not a plain CUDA load_inline call")
     flags = Flags(arguments, name, capability)
     sources = [arguments[k] if not isinstance(arguments[k], str) else [arguments[k]]
                for k in ("cpp_sources", "cuda_sources")]
-    split = split_program(*sources, arguments["functions"], arguments.get("with_pytorch_error_handling", True),
-                          str(build_dir / "cuda.cu"), torch_macros(root, flags), tuple(flags.host_defines))
-    pch = precompiled_header(root, flags, slots)
-    return _compile_and_link(split, flags, build_dir, pch, slots)
+
+    def make_split(binding: str) -> Split:
+        return split_program(*sources, arguments["functions"], arguments.get("with_pytorch_error_handling", True),
+                             str(build_dir / "cuda.cu"), torch_macros(root, flags), tuple(flags.host_defines), binding)
+
+    generic = None
+    if arguments["is_python_module"] and arguments["functions"]:
+        split, generic = make_split("dispatch"), dispatcher(root, flags, slots)
+    if generic is None:
+        split = make_split("pybind")
+    pch = precompiled_header(root, flags, slots, split.binding)
+    library, report = _compile_and_link(split, flags, build_dir, pch, slots)
+    return library, {**report, "dispatcher": str(generic) if generic else None}
 
 
 def _compile_and_link(split: Split, flags: Flags, build_dir: Path, pch: Path | None,

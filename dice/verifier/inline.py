@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .cxx import CxxError, Item, Token, directive, items, normalise, tokenize
 
@@ -38,6 +39,8 @@ HOST_HEADERS = re.compile(r"(torch|ATen|c10|caffe2|pybind11|THC)/.*|Python\.h|(c
                           r"cusolver|cufft|curand|nccl|nvrtc|cuda_profiler_api|nvToolsExt)\w*\.h|nvtx3/.*")
 DEVICE_HEADERS = re.compile(r"cooperative_groups(\.h|/.*)|mma\.h|cub/.*|cuda/.*|cuda_pipeline\w*\.h|"
                             r"cuda_awbarrier\w*\.h|crt/.*|sm_\w+\.h|curand_\w+\.h")
+DISPATCH_HEADER = Path(__file__).with_name("dispatch.h")
+EXTENSION_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*[<\"]torch/extension\.h[>\"][ \t]*$", re.MULTILINE)
 CPP_FORBIDDEN = {"static", "inline", "extern", "constexpr", "template", "typedef", "using", "namespace",
                  "friend", "operator", "=", "{", "__attribute__", "struct", "class", "union", "enum"}
 
@@ -78,10 +81,11 @@ class Kernel:
 
 @dataclass
 class Split:
-    host: str                 # the g++ unit: torch's main.cpp, then cuda.cu's host side
+    host: str                 # the g++ unit: torch's main.cpp (or the dispatch entries), then cuda.cu's host side
     device: str               # the nvcc unit
     main_lines: int           # the host unit's first main_lines lines are torch's main.cpp verbatim
     kernels: list[str] = field(default_factory=list)
+    binding: str = "pybind"   # "pybind": torch's PYBIND11_MODULE; "dispatch": dispatch.h's entries
 
 
 def main_cpp(cpp_sources: list[str], functions, with_pytorch_error_handling: bool = True) -> str:
@@ -108,12 +112,16 @@ def cuda_cu(cuda_sources: list[str]) -> str:
 
 
 def split_program(cpp_sources: list[str], cuda_sources: list[str], functions, with_pytorch_error_handling: bool,
-                  cuda_file: str, torch_macros: frozenset[str] = frozenset(), cuda_defines: tuple[str, ...] = ()) -> Split:
+                  cuda_file: str, torch_macros: frozenset[str] = frozenset(), cuda_defines: tuple[str, ...] = (),
+                  binding: str = "pybind") -> Split:
     """The host and device units for one load_inline call, or Unsplittable.
 
     cuda_file: the path error messages and `__FILE__` should name for cuda.cu's lines;
     torch_macros: macros torch's headers define (device code must not depend on them);
-    cuda_defines: `#define`/`#undef` lines standing for nvcc's -D/-U flags in the host unit."""
+    cuda_defines: `#define`/`#undef` lines standing for nvcc's -D/-U flags in the host unit;
+    binding: "pybind" starts the host unit with torch's main.cpp; "dispatch" with the cpp_sources
+    alone on torch/types.h (every `#include <torch/extension.h>` blanked) and ends it with
+    `dispatch_entries`, for the generic binding (dispatch.h)."""
     if isinstance(functions, dict) and any(re.search(r'["\\\n]', str(d)) for d in functions.values()):
         raise Unsplittable("arguments", "a docstring in functions holds quotes, backslashes or newlines")
     main = main_cpp(cpp_sources, functions, with_pytorch_error_handling)
@@ -130,10 +138,26 @@ def split_program(cpp_sources: list[str], cuda_sources: list[str], functions, wi
     _prune_device(parsed)
     host, device = _units(source, parsed, kernels)
     line = f'#line {len(TORCH_PREFIX) + 1} "{cuda_file}"'
-    host_unit = "\n".join([main, *cuda_defines, "#include <cuda_runtime.h>", *TORCH_PREFIX, "#include <cuda_fp16.h>",
-                           "#include <cuda_bf16.h>", line, host])
+    includes = [*cuda_defines, "#include <cuda_runtime.h>", *TORCH_PREFIX, "#include <cuda_fp16.h>",
+                "#include <cuda_bf16.h>", line]
     device_unit = "\n".join([*(f"#include <{h}>" for h in DEVICE_PRELUDE), *TORCH_PREFIX[1:], line, device])
-    return Split(host_unit, device_unit, main.count("\n") + 1, sorted(kernels))
+    if binding == "pybind":
+        return Split("\n".join([main, *includes, host]), device_unit, main.count("\n") + 1, sorted(kernels))
+    declarations = EXTENSION_INCLUDE.sub("", "\n".join([f'#include "{DISPATCH_HEADER}"', *cpp_sources]))
+    host_unit = "\n".join([declarations, *includes, EXTENSION_INCLUDE.sub("", host),
+                           dispatch_entries(functions, with_pytorch_error_handling)])
+    return Split(host_unit, device_unit, 0, sorted(kernels), "dispatch")
+
+
+def dispatch_entries(functions, with_pytorch_error_handling: bool) -> str:
+    """The `__dice_entries` table dispatch.cpp reads: one DICE_ENTRY per bound function."""
+    names = list(functions) if isinstance(functions, (list, dict)) else [functions]
+    if not names or not all(isinstance(n, str) and re.fullmatch(r"[A-Za-z_]\w*", n) for n in names):
+        raise Unsplittable("arguments", "functions must name C++ functions by plain identifiers")
+    entries = ", ".join(f"DICE_ENTRY({n}, {int(with_pytorch_error_handling)})" for n in names)
+    return (f'#line 1 "dice_entries.cpp"\nextern "C" __attribute__((visibility("default"))) const dice_binding::Entry* '
+            f"__dice_entries(int* __dice_count) {{ static const dice_binding::Entry __dice_table[] = {{{entries}}}; "
+            f"*__dice_count = {len(names)}; return __dice_table; }}\n")
 
 
 @dataclass
