@@ -6,10 +6,12 @@ through the cache; CuPy (NVRTC) keeps its own kernel cache and only needs its er
 
 Two ways to build (`build=`, default the environment's DICE_INLINE_BUILD, else "fast"): "torch"
 is torch's own load_inline; "fast" first tries `fastbuild.fast_build` (the program split into a
-device unit without torch's headers and one host unit on a precompiled header, ~10x less CPU)
-and falls back to torch's load_inline whenever the split is refused or its build fails, so the
-verdict is always the one torch's build gives (an error in main.cpp's own lines is the one
-failure reported without the fallback: torch's main.cpp is that text).
+device unit without torch's headers and one host unit on a precompiled header, with the generic
+binding of dispatch.h/dispatch.cpp where it applies; DESIGN.md §8.5) and falls back to torch's
+load_inline whenever the split is refused or its build fails, so the verdict is always the one
+torch's build gives (with torch's binding, an error in main.cpp's own lines is the one failure
+reported without the fallback: torch's main.cpp is that text). A generic-binding library is
+cached as `<name>.dispatch.so` beside a `.dispatcher` file naming the dice_dispatch module.
 """
 
 from __future__ import annotations

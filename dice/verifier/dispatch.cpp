@@ -1,4 +1,4 @@
-// The generic binding's Python side (DESIGN.md §8.4; the per-program side: dispatch.h), built
+// The generic binding's Python side (DESIGN.md §8.5; the per-program side: dispatch.h), built
 // once per torch build and toolchain into the build cache as the extension `dice_dispatch`.
 //
 // `load(path)` opens a program's library (RTLD_NOW | RTLD_LOCAL, as Python imports extensions)

@@ -1,4 +1,4 @@
-// The per-program half of the generic binding (DESIGN.md §8.4; the other half: dispatch.cpp).
+// The per-program half of the generic binding (DESIGN.md §8.5; the other half: dispatch.cpp).
 //
 // torch's load_inline binds a program's `functions` with a PYBIND11_MODULE in main.cpp, which
 // includes torch/extension.h: g++ then spends most of each program's host compile on templates

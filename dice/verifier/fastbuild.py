@@ -1,18 +1,23 @@
-"""The fast load_inline build: torch's flags, a precompiled torch/extension.h, two compiles, one link.
+"""The fast load_inline build: torch's flags, a precompiled header, two compiles, one link (DESIGN.md §8.5).
 
 `fast_build` compiles the units of `inline.split_program` with torch's own flags, read from the
 ninja file torch.utils.cpp_extension._write_ninja_file_to_build_library writes (so they follow the
-installed torch): the host unit with main.cpp's g++ flags plus a precompiled header of
-torch/extension.h (`-include`; built once per toolchain and flags into the cache, atomically,
-under a lock a killed build releases), the device unit with torch's nvcc flags except that the
-architecture list is the GPU's own `-gencode=arch=compute_XY,code=sm_XY` (no PTX copy), and both
-linked as torch links (`$cxx $in $ldflags -o $out`). Compiles run in parallel, each holding one of
-`CompilerSlots` (file locks shared by every process that builds into the cache).
+installed torch): the host unit with main.cpp's g++ flags plus a precompiled header (`-include`;
+built once per toolchain and flags into the cache, atomically, under a lock a killed build
+releases), the device unit with torch's nvcc flags except that the architecture list is the GPU's
+own `-gencode=arch=compute_XY,code=sm_XY` (no PTX copy), and both linked as torch links
+(`$cxx $in $ldflags -o $out`). Compiles run in parallel, each holding one of `CompilerSlots`
+(file locks shared by every process that builds into the cache).
 
-Failures are not verdicts unless torch's build must fail the same way: an error in the host
-unit's first lines, which are torch's main.cpp verbatim, raises `MainCppError`; any other failure
-raises `FastBuildFailed` and the caller builds with torch's load_inline instead.
-"""
+Bindings. A Python-module call with `functions` gets the generic binding: the host unit on a
+precompiled dispatch.h (torch/types.h and the entry templates) and the `dice_dispatch` extension
+(dispatch.cpp, built once per toolchain and flags, `dispatcher`) that loads it. Otherwise torch's
+PYBIND11_MODULE binding on a precompiled torch/extension.h, whose deferred template instantiation
+costs several CPU seconds in every unit.
+
+Failures are not verdicts unless torch's build must fail the same way: with torch's binding, an
+error in the host unit's first lines, which are torch's main.cpp verbatim, raises `MainCppError`;
+any other failure raises `FastBuildFailed` and the caller builds with torch's load_inline instead."""
 
 from __future__ import annotations
 

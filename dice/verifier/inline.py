@@ -8,9 +8,12 @@ cuda_sources, built by nvcc. Both parse torch's headers, which is nearly all of 
 `split_program` cuts cuda.cu in two. The device unit (kernels, `__device__` functions and
 variables, and the macros, types and constants both sides may use) is compiled by nvcc without
 torch's headers, behind `DEVICE_PRELUDE`: standard and CUDA headers that torch/types.h itself
-pulls in under nvcc. The host unit is torch's main.cpp verbatim followed by the rest of cuda.cu
-(host wrappers, `<<<>>>` launches rewritten into calls of launch shims the device unit defines),
-so one g++ run with a precompiled torch/extension.h replaces two full parses. Anything the split
+pulls in under nvcc. The host unit is the rest of cuda.cu (host wrappers, `<<<>>>` launches
+rewritten into calls of launch shims the device unit defines) after either torch's main.cpp
+verbatim (binding "pybind", on a precompiled torch/extension.h) or the cpp_sources on torch/types.h
+with the generic binding's entries at the end (binding "dispatch", dispatch.h; every
+`#include <torch/extension.h>` blanked), so one g++ run on a precompiled header replaces two full
+parses. Anything the split
 cannot reproduce exactly raises `Unsplittable` and the caller builds with torch's own
 load_inline: templated kernels, host code touching device symbols or kernels outside a launch,
 device code naming torch, `#if` blocks or namespaces at file scope, cpp_sources that hold more
