@@ -449,6 +449,9 @@ torch::Tensor scaled(torch::Tensor x, double a, int b, bool negate) {
     return negate ? -y : y;
 }
 std::vector<torch::Tensor> views(const torch::Tensor& x, std::vector<int64_t> shape) { return {x.reshape(shape), x + 1}; }
+torch::Tensor mixed(torch::Tensor x, const std::vector<double>& scales, std::vector<int> sizes, std::vector<float> shifts) {
+    return x * scales.at(0) + sizes.at(0) + shifts.at(0);
+}
 std::tuple<torch::Tensor, torch::Tensor> maybe(torch::Tensor x, c10::optional<torch::Tensor> y) {
     return {x, y.has_value() ? *y : x * 0};
 }
@@ -458,11 +461,12 @@ void check(torch::Tensor x) { TORCH_CHECK_VALUE(x.numel() < 3, "too many"); TORC
 '''
 BOUND_DECLARATIONS = """torch::Tensor scaled(torch::Tensor x, double a, int b, bool negate);
 std::vector<torch::Tensor> views(const torch::Tensor& x, std::vector<int64_t> shape);
+torch::Tensor mixed(torch::Tensor x, const std::vector<double>& scales, std::vector<int> sizes, std::vector<float> shifts);
 std::tuple<torch::Tensor, torch::Tensor> maybe(torch::Tensor x, c10::optional<torch::Tensor> y);
 int64_t count(torch::Tensor x);
 double halved(float f);
 void check(torch::Tensor x);"""
-BOUND_FUNCTIONS = ["scaled", "views", "maybe", "count", "halved", "check"]
+BOUND_FUNCTIONS = ["scaled", "views", "mixed", "maybe", "count", "halved", "check"]
 
 
 def _bound_calls():
@@ -473,6 +477,8 @@ def _bound_calls():
             ("scaled", (1, 0.5, 4, True)), ("scaled", (x, 0.5, 4)), ("scaled", (torch.tensor(1.0), 1.0, 1, False)),
             ("scaled", (x, torch.tensor(2.0), 1, False)), ("scaled", (x, 0.5, 4, 1)), ("scaled", (x, "a", 4, True)),
             ("views", (x, [2, 3])), ("views", (x, (3, 2))), ("views", (x, [2, 3.0])), ("views", (x, 6)),
+            ("mixed", (x, [0.5], [3], [0.25])), ("mixed", (x, (2,), [2**40], [1.0])), ("mixed", (x, [1.0], [1.5], [1.0])),
+            ("mixed", (x, [], [1], [1.0])),
             ("maybe", (x, None)), ("maybe", (x, x)), ("maybe", (x, 3)), ("count", (x,)), ("halved", (3,)),
             ("halved", (2.5,)), ("halved", ("a",)), ("check", (x,)), ("check", (x[:0],)), ("check", (x[:1],))]
 

@@ -43,7 +43,18 @@ Value argument(py::handle obj, const Entry& e, size_t i) {
     case 'f': v.real = convert<float>(obj, e, i); break;
     case 'd': v.real = convert<double>(obj, e, i); break;
     case 'b': v.flag = convert<bool>(obj, e, i); break;
+    case 'K': {
+      auto values = convert<std::vector<int>>(obj, e, i);
+      v.integers.assign(values.begin(), values.end());
+      break;
+    }
     case 'L': v.integers = convert<std::vector<int64_t>>(obj, e, i); break;
+    case 'F': {
+      auto values = convert<std::vector<float>>(obj, e, i);
+      v.reals.assign(values.begin(), values.end());
+      break;
+    }
+    case 'D': v.reals = convert<std::vector<double>>(obj, e, i); break;
     case 'V': v.tensors = convert<std::vector<at::Tensor>>(obj, e, i); break;
     case 's': v.text = convert<std::string>(obj, e, i); break;
     default: throw std::runtime_error(std::string(e.name) + ": unknown parameter code");

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -22,8 +23,8 @@
 namespace dice_binding {
 
 // One argument or result. Codes: T tensor, O optional tensor, i int, l 64-bit integer, f float,
-// d double, b bool, L vector of 64-bit integers, V vector of tensors, s string, t tuple of
-// tensors, v void (results only).
+// d double, b bool, K / L vector of int / 64-bit integers, F / D vector of float / double, V
+// vector of tensors, s string; results also t tuple of tensors and v void.
 struct Value {
   at::Tensor tensor;
   std::optional<at::Tensor> maybe_tensor;
@@ -31,6 +32,7 @@ struct Value {
   double real = 0;
   bool flag = false;
   std::vector<int64_t> integers;
+  std::vector<double> reals;
   std::vector<at::Tensor> tensors;
   std::string text;
   char code = 'v';
@@ -53,7 +55,10 @@ template <> struct code_of<long long> { static constexpr char value = 'l'; };
 template <> struct code_of<float> { static constexpr char value = 'f'; };
 template <> struct code_of<double> { static constexpr char value = 'd'; };
 template <> struct code_of<bool> { static constexpr char value = 'b'; };
+template <> struct code_of<std::vector<int>> { static constexpr char value = 'K'; };
 template <> struct code_of<std::vector<int64_t>> { static constexpr char value = 'L'; };
+template <> struct code_of<std::vector<float>> { static constexpr char value = 'F'; };
+template <> struct code_of<std::vector<double>> { static constexpr char value = 'D'; };
 template <> struct code_of<std::vector<at::Tensor>> { static constexpr char value = 'V'; };
 template <> struct code_of<std::string> { static constexpr char value = 's'; };
 
@@ -67,8 +72,7 @@ template <class... A> struct is_tensor_tuple<std::tuple<A...>>
 template <class R> constexpr char result_code() {
   if constexpr (std::is_void_v<R>) return 'v';
   else if constexpr (is_tensor_tuple<bare<R>>::value) return 't';
-  else if constexpr (param_code<R> == 'O' || param_code<R> == 'L' || param_code<R> == 's') return 0;
-  else return param_code<R>;
+  else return std::string_view("TVilfdb").find(param_code<R>) != std::string_view::npos ? param_code<R> : 0;
 }
 
 // The argument as the parameter takes it: stored objects by reference, numbers converted back
@@ -78,6 +82,9 @@ template <class P> decltype(auto) get(Value& v) {
   if constexpr (std::is_same_v<D, at::Tensor>) return (v.tensor);
   else if constexpr (std::is_same_v<D, std::optional<at::Tensor>>) return (v.maybe_tensor);
   else if constexpr (std::is_same_v<D, std::vector<int64_t>>) return (v.integers);
+  else if constexpr (std::is_same_v<D, std::vector<double>>) return (v.reals);
+  else if constexpr (std::is_same_v<D, std::vector<int>>) return D(v.integers.begin(), v.integers.end());
+  else if constexpr (std::is_same_v<D, std::vector<float>>) return D(v.reals.begin(), v.reals.end());
   else if constexpr (std::is_same_v<D, std::vector<at::Tensor>>) return (v.tensors);
   else if constexpr (std::is_same_v<D, std::string>) return (v.text);
   else if constexpr (std::is_same_v<D, bool>) return static_cast<D>(v.flag);
