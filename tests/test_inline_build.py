@@ -158,6 +158,21 @@ def test_dict_functions_and_prototype_kernels():
     assert s.host.count("struct __dice_call_k") == 1 and s.device.count("void __dice_launch_k(") == 1
 
 
+def test_generic_binding_unit():
+    """The dispatch host unit: cpp_sources on dispatch.h, no torch/extension.h anywhere, one entry
+    per function with torch's error handling as asked; a function cpp_sources does not declare
+    (torch's main.cpp would not compile) or a name that is not an identifier is refused."""
+    s = split_program([CPP], [MANY], ["run"], False, "/build/cuda.cu", binding="dispatch")
+    assert s.binding == "dispatch" and s.main_lines == 0 and "torch/extension.h" not in s.host
+    assert s.host.startswith('#include "') and s.host.splitlines()[0].endswith('dispatch.h"')
+    assert s.host.count("\n") > MANY.count("\n") and "PYBIND11_MODULE" not in s.host
+    assert "DICE_ENTRY(run, 0)" in s.host.splitlines()[-1] and "*__dice_count = 1" in s.host
+    with pytest.raises(Unsplittable, match="does not declare run"):
+        split_program(["torch::Tensor other(torch::Tensor x);"], [MANY], ["run"], True, "/b/cuda.cu", binding="dispatch")
+    with pytest.raises(Unsplittable, match="plain identifiers"):
+        split_program([CPP], [MANY], {"run(x)": "doc"}, True, "/b/cuda.cu", binding="dispatch")
+
+
 @pytest.mark.parametrize("cuda, reason", [
     ("template <typename T> __global__ void k(T* y) { y[0] = 1; }\n", "templated kernel"),
     ("__constant__ float c[4];\n__global__ void k(float* y) { y[0] = c[0]; }\n"

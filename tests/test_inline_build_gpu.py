@@ -113,6 +113,7 @@ def test_prebuilt_extension_is_loaded(tmp_path):
     with BuildPool(tmp_path, processes=2) as pool:
         report = pool.submit(candidate).result()
     assert report["status"] == "built" and report["builds"][0]["how"] == "fast", report
+    assert report["builds"][0]["dispatcher"], report   # the generic binding
     libraries = sorted(os.listdir(tmp_path / "torch_extensions"))
     with build_way("fast"), Verifier(workers=1, cache_dir=tmp_path) as verifier:
         assert verifier.verify(TASK, candidate, timing=False, trials=2).status == "correct"

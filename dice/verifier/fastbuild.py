@@ -303,7 +303,10 @@ def fast_build(arguments: dict, name: str, build_dir: Path, root: Path, capabili
 
     generic = None
     if arguments["is_python_module"] and arguments["functions"]:
-        split, generic = make_split("dispatch"), dispatcher(root, flags, slots)
+        try:
+            split, generic = make_split("dispatch"), dispatcher(root, flags, slots)
+        except Unsplittable:   # torch's binding instead: it may still split, or fail as torch's main.cpp would
+            pass
     if generic is None:
         split = make_split("pybind")
     pch = precompiled_header(root, flags, slots, split.binding)

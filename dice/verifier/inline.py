@@ -148,15 +148,18 @@ def split_program(cpp_sources: list[str], cuda_sources: list[str], functions, wi
         return Split("\n".join([main, *includes, host]), device_unit, main.count("\n") + 1, sorted(kernels))
     declarations = EXTENSION_INCLUDE.sub("", "\n".join([f'#include "{DISPATCH_HEADER}"', *cpp_sources]))
     host_unit = "\n".join([declarations, *includes, EXTENSION_INCLUDE.sub("", host),
-                           dispatch_entries(functions, with_pytorch_error_handling)])
+                           dispatch_entries(functions, with_pytorch_error_handling, cpp_names)])
     return Split(host_unit, device_unit, 0, sorted(kernels), "dispatch")
 
 
-def dispatch_entries(functions, with_pytorch_error_handling: bool) -> str:
-    """The `__dice_entries` table dispatch.cpp reads: one DICE_ENTRY per bound function."""
+def dispatch_entries(functions, with_pytorch_error_handling: bool, declared: set[str]) -> str:
+    """The `__dice_entries` table dispatch.cpp reads: one DICE_ENTRY per bound function. Each
+    must be declared by cpp_sources: torch's main.cpp binds it there, before cuda.cu's code."""
     names = list(functions) if isinstance(functions, (list, dict)) else [functions]
     if not names or not all(isinstance(n, str) and re.fullmatch(r"[A-Za-z_]\w*", n) for n in names):
         raise Unsplittable("arguments", "functions must name C++ functions by plain identifiers")
+    if set(names) - declared:
+        raise Unsplittable("arguments", f"cpp_sources does not declare {sorted(set(names) - declared)[0]}")
     entries = ", ".join(f"DICE_ENTRY({n}, {int(with_pytorch_error_handling)})" for n in names)
     return (f'#line 1 "dice_entries.cpp"\nextern "C" __attribute__((visibility("default"))) const dice_binding::Entry* '
             f"__dice_entries(int* __dice_count) {{ static const dice_binding::Entry __dice_table[] = {{{entries}}}; "
