@@ -16,7 +16,7 @@ from dice.verifier import build as build_module
 from dice.verifier.build import BuildCache, BuildError
 from dice.verifier.cxx import normalise
 from dice.verifier.fastbuild import CompilerSlots, FastBuildFailed, Flags, MainCppError
-from dice.verifier.inline import Unsplittable, cuda_cu, main_cpp, split_program
+from dice.verifier.inline import Unsplittable, cuda_cu, main_cpp, recorded_calls, split_program
 
 HAVE_NVCC = Path("/usr/local/cuda/bin/nvcc").exists() and shutil.which("c++") is not None
 HEADER = "#include <torch/extension.h>\n"
@@ -59,26 +59,6 @@ torch::Tensor run(torch::Tensor x, double a, double b) {
 CPP = "torch::Tensor run(torch::Tensor x, double a, double b);"
 
 
-def load_inline_calls(program: str) -> list[dict]:
-    """The keyword arguments of each load_inline call a program makes at import."""
-    calls = []
-
-    def record(**kwargs):
-        calls.append(kwargs)
-        raise StopIteration
-
-    namespace = {}
-    original = cpp_extension.load_inline
-    cpp_extension.load_inline = record
-    try:
-        exec(program, namespace)
-    except StopIteration:
-        pass
-    finally:
-        cpp_extension.load_inline = original
-    return calls
-
-
 def split(cuda: str, cpp: str = CPP, functions=("run",)) -> object:
     functions = functions if isinstance(functions, dict) else list(functions)
     return split_program([cpp], [cuda], functions, True, "/build/cuda.cu")
@@ -106,7 +86,7 @@ def test_generated_files_are_torchs(tmp_path, monkeypatch):
 
 
 def test_example_splits():
-    call = load_inline_calls(EXAMPLE_LOAD_INLINE)[0]
+    call = recorded_calls(EXAMPLE_LOAD_INLINE)[0]
     s = split_program([call["cpp_sources"]], [call["cuda_sources"]], call["functions"], True, "/b/cuda.cu")
     assert s.host.startswith(main_cpp([call["cpp_sources"]], call["functions"]) + "\n")
     assert "__dice_config_add_kernel(blocks, threads)(a.data_ptr<float>()" in s.host
@@ -346,7 +326,7 @@ def _compile_only(tmp_path, call: dict, root: Path, binding: str = "pybind"):
 def test_split_units_compile(tmp_path, cuda_home, shared_cache):
     """EXAMPLE_LOAD_INLINE and MANY compile the split way on a precompiled header; an error in
     cpp_sources is torch's own (MainCppError), one in a kernel only fails the fast build."""
-    library, report = _compile_only(tmp_path, load_inline_calls(EXAMPLE_LOAD_INLINE)[0], shared_cache)
+    library, report = _compile_only(tmp_path, recorded_calls(EXAMPLE_LOAD_INLINE)[0], shared_cache)
     assert library.exists() and report["pch"] and report["host_cpu_s"] + report["device_cpu_s"] < 30
     many = dict(name="many", cpp_sources=CPP, cuda_sources=MANY, functions=["run"])
     (tmp_path / "m").mkdir()

@@ -1,4 +1,4 @@
-"""Benchmarks on random SDAR-shaped models (GPU): `python -m dice.bench sample|profile|fused|train|model|verify|stability|rl`.
+"""Benchmarks on random SDAR-shaped models (GPU): `python -m dice.bench sample|profile|fused|train|model|verify|stability|rl|builds`.
 
 Every number is a median over repeated runs after warm-up; each table names the roofline it is
 compared with (`common`: H200 HBM 4.8 TB/s, bf16 dense matmul 790 TFLOP/s). Current numbers, with
@@ -10,6 +10,7 @@ their commands and hardware: `dice/PERFORMANCE.md`.
 | `fused` | `fused` (the persistent kernel of `dice.fused` vs the compiled step) |
 | `train` | `train` (SFT step, MFU, FSDP2), `model` (numerics: bf16 vs fp32, flex vs dense, cache vs brute force) |
 | `verify` | `verify` (verifier throughput), `verify --check` (reference solutions) |
+| `builds` | `builds` (load_inline fast-build CPU per program, generic vs torch's binding; no GPU needed) |
 | `stability` | `stability` (honest candidates' speedups from fresh Verifiers: do they repeat?) |
 | `rl` | `rl` (one BiC-RL step at DICE's settings: generate / verify / update seconds, the bound) |
 """
@@ -57,7 +58,9 @@ def main(argv=None) -> None:
                    help="recompute each layer's forward in the backward pass (adds an HFU column)")
     m = sub.add_parser("model", help="bf16 vs fp32 logits, flex vs dense attention")
     m.add_argument("--shape", type=str.lower, choices=SDAR_SHAPES, default="1.7b", help="public SDAR shape")
-    from . import rl, stability
+    from . import builds, rl, stability
+    builds.add_arguments(sub.add_parser("builds", help="load_inline fast-build CPU per program, generic vs torch's "
+                                                       "binding (no GPU needed)"))
     stability.add_arguments(sub.add_parser("stability", help="the same candidates' speedups from fresh Verifiers"))
     rl.add_arguments(sub.add_parser("rl", help="one BiC-RL step: generate / verify / update time, the bound"))
     # verify's flags live in bench_verify, which parses (and lists with --help) everything after "verify"
@@ -71,6 +74,9 @@ def main(argv=None) -> None:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.what == "rl":   # runs on a CPU too (a smoke test with --reward python)
         rl.bench_rl(args)
+        return
+    if args.what == "builds":   # compiles only: runs on a CPU too
+        builds.bench_builds(args)
         return
     if not torch.cuda.is_available() and args.what != "train":
         sys.exit("python -m dice.bench needs a CUDA GPU; this machine has none")

@@ -109,6 +109,26 @@ def main_cpp(cpp_sources: list[str], functions, with_pytorch_error_handling: boo
     return "\n".join(sources)
 
 
+def recorded_calls(program: str) -> list[dict]:
+    """The keyword arguments of the load_inline calls a program makes at import, up to the first:
+    runs the program's module-level code until then, so only for trusted programs (references)."""
+    import torch.utils.cpp_extension as cpp_extension
+    calls = []
+
+    def record(*args, **kwargs):
+        calls.append({**dict(zip(("name", "cpp_sources", "cuda_sources", "functions"), args)), **kwargs})
+        raise StopIteration
+
+    original, cpp_extension.load_inline = cpp_extension.load_inline, record
+    try:
+        exec(compile(program, "<program>", "exec"), {"__name__": "dice_program"})
+    except StopIteration:
+        pass
+    finally:
+        cpp_extension.load_inline = original
+    return calls
+
+
 def cuda_cu(cuda_sources: list[str]) -> str:
     """cuda.cu exactly as load_inline writes it."""
     return "\n".join([*TORCH_PREFIX, *cuda_sources])
@@ -382,4 +402,4 @@ def _rewrite_launches(source: str, item: Item, kernels: dict[str, Kernel]) -> st
     return "".join(out)
 
 
-__all__ = ["DEVICE_PRELUDE", "Split", "Unsplittable", "cuda_cu", "main_cpp", "normalise", "split_program"]
+__all__ = ["DEVICE_PRELUDE", "Split", "Unsplittable", "cuda_cu", "main_cpp", "normalise", "recorded_calls", "split_program"]

@@ -1,0 +1,117 @@
+"""load_inline build cost per program: `python -m dice.bench builds --solutions FILE.json`.
+
+Compiles and links the first load_inline call of every reference solution in a DICE JSON file
+the fast way (DESIGN.md §8.5), once per binding ("dispatch": the generic binding; "pybind":
+torch's PYBIND11_MODULE), `--jobs` programs at a time, each binding in a fresh cache whose
+precompiled header and dispatcher are built (and timed) first. Prints per binding the programs
+built, the median CPU seconds of host unit, device unit and link, programs per minute of wall
+time, and the first error line of each that did not build (which the verifier would then build
+with torch's load_inline). Nothing is loaded, so it runs without a GPU: with a CPU-only torch the
+CUDA libraries torch would link are left out (the programs' own -l flags stay) and nvcc is taken
+from /usr/local/cuda. The solutions' module-level code runs up to their load_inline call:
+trusted reference files only.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.utils.cpp_extension as cpp_extension
+
+from ..tasks import load_tasks
+from ..verifier import fastbuild
+from ..verifier.build import BuildCache
+from ..verifier.fastbuild import CompilerSlots, FastBuildFailed, Flags, MainCppError
+from ..verifier.inline import Unsplittable, recorded_calls, split_program
+
+CPU_ONLY_LIBRARIES = ("-lc10_cuda", "-ltorch_cuda")
+
+
+def _flags(arguments: dict, capability: tuple[int, int]) -> Flags:
+    flags = Flags(arguments, "ext", capability)
+    if torch.version.cuda is None:
+        flags.ldflags = [f for f in flags.ldflags if f not in CPU_ONLY_LIBRARIES]
+    return flags
+
+
+def build_one(call: dict, binding: str, root: Path, folder: Path, capability: tuple[int, int],
+              slots: CompilerSlots) -> dict:
+    """Compile and link one load_inline call; {"built": bool, CPU seconds or "error"}."""
+    arguments = BuildCache(root, capability=capability, build="fast").arguments(**call)
+    try:
+        flags = _flags(arguments, capability)
+        sources = [arguments[k] if not isinstance(arguments[k], str) else [arguments[k]]
+                   for k in ("cpp_sources", "cuda_sources")]
+        if not (arguments["is_python_module"] and arguments["functions"]):
+            binding = "pybind"
+        split = split_program(*sources, arguments["functions"], arguments.get("with_pytorch_error_handling", True),
+                              str(folder / "cuda.cu"), fastbuild.torch_macros(root, flags), tuple(flags.host_defines),
+                              binding)
+        pch = fastbuild.precompiled_header(root, flags, slots, split.binding)
+        _, report = fastbuild._compile_and_link(split, flags, folder, pch, slots)
+    except (Unsplittable, FastBuildFailed, MainCppError) as exc:
+        first = next((line for line in str(exc).splitlines() if "error" in line), str(exc).strip()[:200])
+        return {"built": False, "error": f"{type(exc).__name__}: {first.replace(str(folder) + '/', '')}"[:240]}
+    return {"built": True, "binding": split.binding, "host": report["host_cpu_s"], "device": report["device_cpu_s"],
+            "link": report["link_cpu_s"]}
+
+
+def _warm(root: Path, call: dict, binding: str, capability: tuple[int, int], slots: CompilerSlots) -> float:
+    """Build the cache's one-time artifacts (precompiled header, dispatcher) for `binding`; seconds."""
+    start = time.perf_counter()
+    flags = _flags(BuildCache(root, capability=capability, build="fast").arguments(**call), capability)
+    fastbuild.torch_macros(root, flags)
+    fastbuild.precompiled_header(root, flags, slots, binding)
+    if binding == "dispatch":
+        fastbuild.dispatcher(root, flags, slots)
+    return time.perf_counter() - start
+
+
+def bench_builds(args) -> None:
+    if cpp_extension.CUDA_HOME is None and Path("/usr/local/cuda/bin/nvcc").exists():
+        cpp_extension.CUDA_HOME = "/usr/local/cuda"
+    capability = tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else tuple(args.arch)
+    jobs = args.jobs or os.cpu_count() or 1
+    tasks = [t for t in load_tasks(args.solutions) if t.solution][:args.limit]
+    calls = [(t.name, (recorded_calls(t.solution) or [None])[0]) for t in tasks]
+    calls = [(name, call) for name, call in calls if call is not None]
+    if not calls:
+        raise SystemExit(f"{args.solutions}: no reference solution calls load_inline")
+    print(f"{len(calls)} programs, sm_{capability[0]}{capability[1]}, {jobs} at a time"
+          + ("; CPU-only torch: linked without " + " ".join(CPU_ONLY_LIBRARIES) if torch.version.cuda is None else ""))
+    for binding in args.binding:
+        with tempfile.TemporaryDirectory(prefix=f"dice-builds-{binding}-") as cache:
+            root, slots = Path(cache), CompilerSlots(Path(cache), jobs)
+            once = _warm(root, calls[0][1], binding, capability, slots)
+            start = time.perf_counter()
+
+            def job(i):
+                (root / f"p{i}").mkdir()
+                return build_one(calls[i][1], binding, root, root / f"p{i}", capability, slots)
+            with ThreadPoolExecutor(jobs) as pool:
+                results = list(pool.map(job, range(len(calls))))
+            wall = time.perf_counter() - start
+        built = [r for r in results if r["built"]]
+        medians = {k: statistics.median([r[k] for r in built]) if built else float("nan") for k in ("host", "device", "link")}
+        cpu = statistics.median([r["host"] + r["device"] + r["link"] for r in built]) if built else float("nan")
+        print(f"{binding}: built {len(built)}/{len(calls)} in {wall:.0f} s ({60 * len(calls) / wall:.1f} programs/min; "
+              f"header and dispatcher first: {once:.0f} s); median CPU s host {medians['host']:.2f}, device "
+              f"{medians['device']:.2f}, link {medians['link']:.2f}, per program {cpu:.2f}", flush=True)
+        for (name, _), r in zip(calls, results):
+            if not r["built"]:
+                print(f"  - {name}: {r['error']}")
+
+
+def add_arguments(b) -> None:
+    b.add_argument("--solutions", required=True, metavar="JSON", help="a DICE JSON file with cuda_code references")
+    b.add_argument("--binding", nargs="+", choices=("dispatch", "pybind"), default=["dispatch", "pybind"],
+                   help="bindings to build with, in this order")
+    b.add_argument("--jobs", type=int, default=None, help="programs built at once (default: the CPU count)")
+    b.add_argument("--limit", type=int, help="only the first N solutions")
+    b.add_argument("--arch", type=int, nargs=2, default=(9, 0), metavar=("MAJOR", "MINOR"),
+                   help="the architecture to build for without a GPU (default: 9 0, Hopper)")
