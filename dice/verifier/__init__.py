@@ -16,7 +16,8 @@
 | `kernels` | what the profiler saw, and which kernels the candidate compiled (machine code) |
 | `checks` | the rules as plain functions |
 | `keeper` | the process above every worker: child subreaper, parent-death watch, tree kills |
-| `build`, `inline`, `cxx`, `fastbuild`, `prebuild` | load_inline: the build cache, the fast split build, the CPU prebuild pool |
+| `build`, `inline`, `cxx`, `fastbuild`, `prebuild` | load_inline: the build cache, the fast split build, the CPU prebuild pool (DESIGN.md §8.5) |
+| `dispatch.h`, `dispatch.cpp` | the fast build's generic binding: per-program entries, one Python dispatcher per torch build |
 """
 import atexit
 import threading
