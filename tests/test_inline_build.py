@@ -15,7 +15,7 @@ from dice.prompts import EXAMPLE_LOAD_INLINE
 from dice.verifier import build as build_module
 from dice.verifier.build import BuildCache, BuildError
 from dice.verifier.cxx import normalise
-from dice.verifier.fastbuild import CompilerSlots, FastBuildFailed, Flags, MainCppError
+from dice.verifier.fastbuild import CompilerSlots, FastBuildFailed, Flags, SharedCompileError
 from dice.verifier.inline import Unsplittable, cuda_cu, main_cpp, recorded_calls, split_program
 
 HAVE_NVCC = Path("/usr/local/cuda/bin/nvcc").exists() and shutil.which("c++") is not None
@@ -136,6 +136,20 @@ def test_dict_functions_and_prototype_kernels():
     s = split(cuda, "void go(torch::Tensor y);", {"go": "Set y[0] to one."})
     assert 'm.def("go", torch::wrap_pybind_function(go), "Set y[0] to one.");' in s.host
     assert s.host.count("struct __dice_call_k") == 1 and s.device.count("void __dice_launch_k(") == 1
+
+
+def test_shared_errors_are_names_declared_nowhere():
+    """Hand-made compiler lines: an undeclared name torch's headers and the program do not
+    declare is torch's error too; one they declare, and our own shims' names, are not."""
+    from dice.verifier.fastbuild import shared_error
+    names, declared = frozenset({"min", "Tensor"}), frozenset({"helper"})
+    assert shared_error('cuda.cu(9): error: identifier "idx2" is undefined', names, declared)
+    assert shared_error("main.cpp:2:1: error: \u2018Tensr\u2019 in namespace \u2018torch\u2019 does not name a type",
+                        names, declared)
+    for line in ("main.cpp:5:9: error: 'min' was not declared in this scope",
+                 'cuda.cu(3): error: identifier "helper" is undefined', "error: 'x' has incomplete type",
+                 'cuda.cu(4): error: identifier "__dice_config_k" is undefined'):
+        assert shared_error(line, names, declared) is None, line
 
 
 def test_generic_binding_unit():
@@ -290,7 +304,7 @@ def test_fallback_to_torch(tmp_path, monkeypatch, cuda_home):
     assert fake.calls == 2 and cache.history[-1]["reason"] == "fast build failed: nvcc: error"
 
     def main_cpp_error(*args):
-        raise MainCppError(f"{tmp_path}/main.cpp:2:1: error: 'Tensr' does not name a type")
+        raise SharedCompileError(f"{tmp_path}/main.cpp:2:1: error: 'Tensr' does not name a type")
     monkeypatch.setattr(build_module, "fast_build", main_cpp_error)
     with pytest.raises(BuildError, match="does not name a type"):
         cache.load_inline("x", "Tensr f();", cuda_sources=MANY, functions=["f"])
@@ -316,7 +330,7 @@ def _compile_only(tmp_path, call: dict, root: Path, binding: str = "pybind"):
                          str(tmp_path / "cuda.cu"), fastbuild.torch_macros(root, flags), tuple(flags.host_defines),
                          binding)
     pch = fastbuild.precompiled_header(root, flags, slots, binding)
-    library, report = fastbuild._compile_and_link(unit, flags, tmp_path, pch, slots)
+    library, report = fastbuild._compile_and_link(unit, flags, tmp_path, pch, slots, fastbuild.header_names(root, flags))
     if binding == "dispatch":
         report["dispatcher"] = str(fastbuild.dispatcher(root, flags, slots))
     return library, report
@@ -325,19 +339,31 @@ def _compile_only(tmp_path, call: dict, root: Path, binding: str = "pybind"):
 @pytest.mark.slow
 def test_split_units_compile(tmp_path, cuda_home, shared_cache):
     """EXAMPLE_LOAD_INLINE and MANY compile the split way on a precompiled header; an error in
-    cpp_sources is torch's own (MainCppError), one in a kernel only fails the fast build."""
+    cpp_sources is torch's own (SharedCompileError), one in a kernel only fails the fast build."""
     library, report = _compile_only(tmp_path, recorded_calls(EXAMPLE_LOAD_INLINE)[0], shared_cache)
     assert library.exists() and report["pch"] and report["host_cpu_s"] + report["device_cpu_s"] < 30
     many = dict(name="many", cpp_sources=CPP, cuda_sources=MANY, functions=["run"])
     (tmp_path / "m").mkdir()
     assert _compile_only(tmp_path / "m", many, shared_cache)[1]["kernels"] == ["affine", "total"]
     (tmp_path / "e").mkdir()
-    with pytest.raises(MainCppError, match="main.cpp:2"):
+    with pytest.raises(SharedCompileError, match="main.cpp:2"):
         _compile_only(tmp_path / "e", {**many, "cpp_sources": "torch::Tensr run(torch::Tensor x, double a, double b);"},
                       shared_cache)
     (tmp_path / "k").mkdir()
     with pytest.raises(FastBuildFailed, match="cuda.cu"):
         _compile_only(tmp_path / "k", {**many, "cuda_sources": MANY.replace("y[i] = s.a", "y[i] = s.c")}, shared_cache)
+    # a name declared nowhere fails torch's build too: the verdict; `min` unqualified in host code
+    # is declared by the CUDA headers torch's nvcc pass sees, so only torch's build can decide
+    for binding in ("pybind", "dispatch"):
+        (tmp_path / f"u{binding}").mkdir()
+        with pytest.raises(SharedCompileError, match='identifier "dice_nowhere" is undefined'):
+            _compile_only(tmp_path / f"u{binding}", {**many, "cuda_sources": MANY.replace("s.a * x[i]", "dice_nowhere")},
+                          shared_cache, binding)
+    (tmp_path / "h").mkdir()
+    with pytest.raises(FastBuildFailed, match="min"):
+        _compile_only(tmp_path / "h", {**many, "cuda_sources": MANY.replace("int64_t n = x.numel();",
+                                                                           "int64_t n = min(x.numel(), 4L);")},
+                      shared_cache, "dispatch")
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ import torch.utils.cpp_extension as cpp_extension
 from ..tasks import load_tasks
 from ..verifier import fastbuild
 from ..verifier.build import BuildCache
-from ..verifier.fastbuild import CompilerSlots, FastBuildFailed, Flags, MainCppError
+from ..verifier.fastbuild import CompilerSlots, FastBuildFailed, Flags, SharedCompileError
 from ..verifier.inline import Unsplittable, recorded_calls, split_program
 
 CPU_ONLY_LIBRARIES = ("-lc10_cuda", "-ltorch_cuda")
@@ -54,7 +54,7 @@ def build_one(call: dict, binding: str, root: Path, folder: Path, capability: tu
                               binding)
         pch = fastbuild.precompiled_header(root, flags, slots, split.binding)
         _, report = fastbuild._compile_and_link(split, flags, folder, pch, slots)
-    except (Unsplittable, FastBuildFailed, MainCppError) as exc:
+    except (Unsplittable, FastBuildFailed, SharedCompileError) as exc:
         first = next((line for line in str(exc).splitlines() if "error" in line), str(exc).strip()[:200])
         return {"built": False, "error": f"{type(exc).__name__}: {first.replace(str(folder) + '/', '')}"[:240]}
     return {"built": True, "binding": split.binding, "host": report["host_cpu_s"], "device": report["device_cpu_s"],

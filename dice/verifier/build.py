@@ -9,9 +9,10 @@ is torch's own load_inline; "fast" first tries `fastbuild.fast_build` (the progr
 device unit without torch's headers and one host unit on a precompiled header, with the generic
 binding of dispatch.h/dispatch.cpp where it applies; DESIGN.md §8.5) and falls back to torch's
 load_inline whenever the split is refused or its build fails, so the verdict is always the one
-torch's build gives (with torch's binding, an error in main.cpp's own lines is the one failure
-reported without the fallback: torch's main.cpp is that text). A generic-binding library is
-cached as `<name>.dispatch.so` beside a `.dispatcher` file naming the dice_dispatch module.
+torch's build gives (a compile error torch's build must hit as well, `fastbuild.shared_error`,
+is reported without the fallback: an error in torch's main.cpp lines, a name declared nowhere).
+A generic-binding library is cached as `<name>.dispatch.so` beside a `.dispatcher` file naming
+the dice_dispatch module.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 import torch.utils.cpp_extension
 
 from .cxx import normalise
-from .fastbuild import CompilerSlots, FastBuildFailed, MainCppError, fast_build
+from .fastbuild import CompilerSlots, FastBuildFailed, SharedCompileError, fast_build
 from .inline import Unsplittable
 
 BUILDS = ("fast", "torch")
@@ -134,7 +135,10 @@ class BuildCache:
             self.history.append({"name": name, "how": "torch", "reason": reason,
                                  "wall_s": time.perf_counter() - start})
             return loaded if arguments["is_python_module"] else str(library)
-        except (BuildError, MainCppError) as exc:
+        except (BuildError, SharedCompileError) as exc:
+            if isinstance(exc, SharedCompileError):
+                self.history.append({"name": name, "how": "fast", "reason": "compile error torch's build shares",
+                                     "wall_s": time.perf_counter() - start})
             self.failed[name] = str(exc) if isinstance(exc, BuildError) else build_error_message(str(exc), build_dir)
             raise BuildError(self.failed[name]) from None
         except Exception as exc:

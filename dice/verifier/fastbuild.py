@@ -15,8 +15,11 @@ precompiled dispatch.h (torch/types.h and the entry templates) and the `dice_dis
 PYBIND11_MODULE binding on a precompiled torch/extension.h, whose deferred template instantiation
 costs several CPU seconds in every unit.
 
-Failures are not verdicts unless torch's build must fail the same way: with torch's binding, an
-error in the host unit's first lines, which are torch's main.cpp verbatim, raises `MainCppError`;
+Failures are not verdicts unless torch's build must fail the same way (`shared_error`): an error
+in the host unit's first lines when they are torch's main.cpp verbatim, or a name used but
+declared nowhere: neither by the program nor in any header torch's build sees (`header_names`:
+every identifier and macro of torch/extension.h under g++ and of torch's cuda.cu prefix with
+torch/extension.h under nvcc, implicit CUDA headers included). Those raise `SharedCompileError`;
 any other failure raises `FastBuildFailed` and the caller builds with torch's load_inline instead."""
 
 from __future__ import annotations
@@ -55,14 +58,18 @@ TAKES_VALUE = {"-Xptxas", "--ptxas-options", "-maxrregcount", "--maxrregcount", 
                "-code", "--gpu-architecture", "-Xcudafe"}
 RESERVED_MACRO = re.compile(r"NDEBUG|_(?!_CUDA_NO_)\w*|(C10|TORCH|AT|CAFFE2?|PYBIND11|USE)_\w*")
 PCH_REJECTED = "not used because"
+IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+QUOTED = r"['\u2018\"](\w+)['\u2019\"]"
+UNDECLARED = re.compile(rf"error: (?:identifier \"(\w+)\" is undefined|{QUOTED} (?:was not declared in this scope|"
+                        rf"does not name a type|has not been declared)|{QUOTED} in namespace \S+ does not name a type)")
 
 
 class FastBuildFailed(Exception):
     """The split build failed where torch's build might not; build with torch's load_inline instead."""
 
 
-class MainCppError(Exception):
-    """A compiler error in torch's own main.cpp lines: torch's build fails on it as well."""
+class SharedCompileError(Exception):
+    """A compiler error torch's own build hits as well (`shared_error`): the verdict, no fallback."""
 
 
 class Flags:
@@ -285,11 +292,51 @@ def torch_macros(root: Path, flags: Flags) -> frozenset[str]:
     return frozenset(json.loads((folder / "macros.json").read_text()))
 
 
+def header_names(root: Path, flags: Flags) -> frozenset[str] | None:
+    """Every identifier and macro name in what torch's build compiles before a program's own
+    lines: main.cpp's torch/extension.h under g++, and cuda.cu's prefix plus torch/extension.h
+    (which cuda_sources include) under nvcc. A name outside this set and not declared by the
+    program is undeclared in torch's build too. None if the preprocessors failed."""
+    nvcc = [f for f in flags.cuda_flags if not f.startswith("-gencode")]
+    key = hashlib.sha256(json.dumps([flags.cxx, flags.pch(), flags.nvcc, nvcc, compiler_version(tuple(flags.cxx)),
+                                     compiler_version(tuple(flags.nvcc))]).encode()).hexdigest()
+
+    def make(folder: Path) -> bool:
+        (folder / "main.cpp").write_text("#include <torch/extension.h>\n")
+        (folder / "cuda.cu").write_text("\n".join([*TORCH_PREFIX, "#include <torch/extension.h>"]) + "\n")
+        names = set()
+        for argv in ([*flags.cxx, *flags.pch(), "-E", str(folder / "main.cpp")],
+                     [*flags.cxx, *flags.pch(), "-E", "-dM", str(folder / "main.cpp")],
+                     [*flags.nvcc, *nvcc, "-E", str(folder / "cuda.cu")],
+                     [*flags.nvcc, *nvcc, "-E", "-Xcompiler", "-dM", str(folder / "cuda.cu")]):
+            done = subprocess.run(argv, capture_output=True, text=True)
+            if done.returncode != 0:
+                return False
+            names.update(IDENTIFIER.findall(done.stdout))
+        (folder / "names.json").write_text(json.dumps(sorted(names)))
+        return True
+
+    folder = _locked_artifact(root / "names", key[:32], make)
+    return frozenset(json.loads((folder / "names.json").read_text())) if folder else None
+
+
+def shared_error(log: str, names: frozenset[str], declared: frozenset[str]) -> str | None:
+    """The first error line of `log` that names an identifier as undeclared (g++: "was not declared
+    in this scope", "does not name a type", "has not been declared"; nvcc: "is undefined") where
+    that identifier is neither in torch's headers (`names`) nor declared by the program."""
+    for line in log.splitlines():
+        found = UNDECLARED.search(line)
+        name = found and next(g for g in found.groups() if g)
+        if name and name not in names and name not in declared and not name.startswith("__dice"):
+            return line.strip()
+    return None
+
+
 def fast_build(arguments: dict, name: str, build_dir: Path, root: Path, capability: tuple[int, int] | None,
                slots: CompilerSlots) -> tuple[Path, dict]:
     """Build `name`.so in build_dir the split way; (library, report), the report's "dispatcher"
     naming the dice_dispatch module that loads a library with the generic binding (else None).
-    Raises Unsplittable before compiling, MainCppError or FastBuildFailed after."""
+    Raises Unsplittable before compiling, SharedCompileError or FastBuildFailed after."""
     if not arguments["cuda_sources"] or arguments["with_cuda"] is False or arguments.get("sycl_sources") \
             or arguments.get("no_implicit_headers") or arguments.get("use_pch") or capability is None:
         raise Unsplittable("arguments", "not a plain CUDA load_inline call")
@@ -310,12 +357,13 @@ def fast_build(arguments: dict, name: str, build_dir: Path, root: Path, capabili
     if generic is None:
         split = make_split("pybind")
     pch = precompiled_header(root, flags, slots, split.binding)
-    library, report = _compile_and_link(split, flags, build_dir, pch, slots)
+    library, report = _compile_and_link(split, flags, build_dir, pch, slots, header_names(root, flags))
     return library, {**report, "dispatcher": str(generic) if generic else None}
 
 
-def _compile_and_link(split: Split, flags: Flags, build_dir: Path, pch: Path | None,
-                      slots: CompilerSlots) -> tuple[Path, dict]:
+def _compile_and_link(split: Split, flags: Flags, build_dir: Path, pch: Path | None, slots: CompilerSlots,
+                      names: frozenset[str] | None = None) -> tuple[Path, dict]:
+    """Compile both units and link; `names` (header_names) lets an undeclared name be the verdict."""
     (build_dir / "main.cpp").write_text(split.host)
     (build_dir / "cuda.cu").write_text(split.device)
     host = [*flags.cxx, *flags.host(), *(["-include", str(pch), "-Winvalid-pch"] if pch else []),
@@ -328,9 +376,12 @@ def _compile_and_link(split: Split, flags: Flags, build_dir: Path, pch: Path | N
         (host_status, host_s), (device_status, device_s) = host_run.result(), device_run.result()
     host_log = (build_dir / "host.log").read_text(errors="replace")
     if host_status != 0 and _main_cpp_error(host_log, build_dir / "main.cpp", split.main_lines):
-        raise MainCppError(host_log)
+        raise SharedCompileError(host_log)
     if host_status != 0 or device_status != 0:
-        raise FastBuildFailed((host_log if host_status else "") + (build_dir / "device.log").read_text(errors="replace"))
+        log = (host_log if host_status else "") + (build_dir / "device.log").read_text(errors="replace")
+        if names is not None and shared_error(log, names, split.declared):
+            raise SharedCompileError(log)
+        raise FastBuildFailed(log)
     library = build_dir / f"{flags.name_flag.split('=', 1)[1]}.so"
     link_status, link_s = run_compiler([*flags.cxx, str(build_dir / "main.o"), str(build_dir / "cuda.cuda.o"),
                                         *flags.ldflags, "-o", str(library)], build_dir / "link.log", slots)

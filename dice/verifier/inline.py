@@ -89,6 +89,7 @@ class Split:
     main_lines: int           # the host unit's first main_lines lines are torch's main.cpp verbatim
     kernels: list[str] = field(default_factory=list)
     binding: str = "pybind"   # "pybind": torch's PYBIND11_MODULE; "dispatch": dispatch.h's entries
+    declared: frozenset[str] = frozenset()   # every name the program's items declare, either side
 
 
 def main_cpp(cpp_sources: list[str], functions, with_pytorch_error_handling: bool = True) -> str:
@@ -164,12 +165,14 @@ def split_program(cpp_sources: list[str], cuda_sources: list[str], functions, wi
     includes = [*cuda_defines, "#include <cuda_runtime.h>", *TORCH_PREFIX, "#include <cuda_fp16.h>",
                 "#include <cuda_bf16.h>", line]
     device_unit = "\n".join([*(f"#include <{h}>" for h in DEVICE_PRELUDE), *TORCH_PREFIX[1:], line, device])
+    declared = frozenset(cpp_names).union(*(p.names for p in parsed))
     if binding == "pybind":
-        return Split("\n".join([main, *includes, host]), device_unit, main.count("\n") + 1, sorted(kernels))
+        return Split("\n".join([main, *includes, host]), device_unit, main.count("\n") + 1, sorted(kernels),
+                     declared=declared)
     declarations = EXTENSION_INCLUDE.sub("", "\n".join([f'#include "{DISPATCH_HEADER}"', *cpp_sources]))
     host_unit = "\n".join([declarations, *includes, EXTENSION_INCLUDE.sub("", host),
                            dispatch_entries(functions, with_pytorch_error_handling, cpp_names)])
-    return Split(host_unit, device_unit, 0, sorted(kernels), "dispatch")
+    return Split(host_unit, device_unit, 0, sorted(kernels), "dispatch", declared)
 
 
 def dispatch_entries(functions, with_pytorch_error_handling: bool, declared: set[str]) -> str:
