@@ -31,6 +31,10 @@ MEAN_TASK = (FIXTURES / "mean_task.py").read_text()
 MSE_TASK = ("import torch\nimport torch.nn as nn\n\n\nclass Model(nn.Module):\n    def forward(self, x):\n"
             "        return torch.mean((x - 0.5) ** 2)\n\n\ndef get_inputs():\n    return [torch.rand(1 << 20)]\n\n\n"
             "def get_init_inputs():\n    return []\n")
+TABLE_TASK = ("import torch\nimport torch.nn as nn\n\n\nclass Model(nn.Module):\n    def __init__(self):\n"
+              "        super().__init__()\n        self.table = nn.Parameter(torch.randn(100, 8))\n\n"
+              "    def forward(self, idx):\n        return self.table[idx.floor().long()]\n\n\n"
+              "def get_inputs():\n    return [torch.rand(256) * 99]\n\n\ndef get_init_inputs():\n    return []\n")
 BIG_MEAN_TASK = MSE_TASK.replace("torch.mean((x - 0.5) ** 2)", "x.mean()")
 LINEAR_TASK = (FIXTURES / "linear_task.py").read_text()
 
@@ -436,6 +440,20 @@ def test_rules_give_the_right_verdicts(cpu_verifier):
     for (name, (_, _, status, text)), result in zip(RULE_CASES.items(), results):
         assert result.status in status.split("|"), (name, result)
         assert text in result.message, (name, result.message)
+
+
+@pytest.mark.slow
+def test_a_structure_the_reference_cannot_take_runs_as_iid(cpu_verifier):
+    """Float indices (DICE refs/7798's shape): jitter and the structured trials push them past
+    the table and the task's own reference raises; those trials run on the inputs as drawn, so
+    an honest lookup is correct and a wrong one still fails."""
+    honest = ("import torch\nimport torch.nn as nn\nfrom dice_task import Model as _M\n\n\nclass ModelNew(nn.Module):\n"
+              "    def __init__(self):\n        super().__init__()\n        self.table = nn.Parameter(torch.randn(100, 8))\n\n"
+              "    def forward(self, idx):\n        return torch.index_select(self.table, 0, idx.floor().long())\n")
+    good, bad = cpu_verifier.map([(TABLE_TASK, honest), (TABLE_TASK, honest.replace("idx.floor()", "idx.ceil()"))],
+                                 timing=False)
+    assert good.status == "correct", good
+    assert bad.status == "incorrect" and "(plain inputs" in bad.message, bad
 
 
 @pytest.mark.slow

@@ -15,7 +15,9 @@ floating-point tensors a structure (`TRIAL_KINDS`), the same in the judge and th
   share), whatever the subsample's pattern. The factor is never below the dtype's smallest
   normal, so faded values are not flushed to zero: fp16 tensors of more than ~4,096 elements
   are faded less, and their hot element decides less;
-- "scaled": the whole tensor times 1/4 or 4: a constant output, or one off by a scale, fails.
+- "scaled": the whole tensor times 1/4 or 4: a constant output, or one off by a scale, fails;
+- "plain": get_inputs() as drawn, for a trial whose structure the task's own reference cannot take
+  (the Verifier's `_trial_kinds`: e.g. float indices that jitter pushes past their table).
 Signs, zeros and integer tensors (indices) are left alone, so inputs stay in the task's domain.
 Timed calls use "iid" inputs from their own seeds, with integer and boolean tensors also permuted
 (`timed_inputs`): no two timed calls see the same inputs, so outputs cached by value cannot beat
@@ -137,6 +139,8 @@ def stable_seed(*parts) -> int:
 
 def structured(inputs: list, kind: str, seed: int) -> list:
     """`inputs` with the trial kind's structure given to their floating tensors (module docstring)."""
+    if kind == "plain":
+        return list(inputs)
     out = []
     for j, x in enumerate(inputs):
         if not (isinstance(x, torch.Tensor) and x.numel() > 1 and not x.is_complex()):

@@ -70,6 +70,8 @@ from .results import TaskError, VerifyOptions, VerifyResult, static_check, trial
 from .speedup import BUDGET_S, CHECKS_PER_BLOCK, PLAUSIBLE, Timing, paired_rounds
 from .timing import calls_per_block
 
+MAX_TASKS_REMEMBERED = 4096   # tasks whose trial kinds are kept (an RL run sees far fewer at a time)
+
 NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is False); run on a GPU "
           "machine, or use Verifier(device='cpu') to exercise the pool with pure-PyTorch candidates")
 PROFILER_BROKEN = ("the CUDA profiler in the verifier's worker records no kernels (CUPTI unavailable?), or the CuPy "
@@ -126,6 +128,7 @@ class Verifier:
             self._idle.put(worker)
         self._gpu = GpuLock()
         self._seed_base = secrets.randbits(31)
+        self._kinds: dict[tuple, list[str]] = {}   # (task, seeds) -> trial kinds its reference takes
         # load_inline candidates are built on the CPUs ahead of the GPU workers, which then load them
         self._prebuild = (BuildPool(self.cache_dir, build=build or os.environ.get("DICE_INLINE_BUILD") or "fast")
                           if prebuild and self.cuda else None)
@@ -218,16 +221,15 @@ class Verifier:
             self._seed_base if opts.seed is None else opts.seed, opts.trials)
         if opts.seed is None:   # per candidate: outputs another candidate saw cannot serve timing
             timing_seed = 1 + secrets.randbelow(2**31 - 1)
-        kinds = trial_kinds(opts.trials)
         with self._gpu.shared():  # a broken task fails here, blamed on the task, before any compiling
-            self._judge_call({"op": "reference", **task, "init_seed": init_seed, "seed": seeds[0], "kind": kinds[0]})
+            kinds = self._trial_kinds(task, init_seed, seeds)
         load = {"op": "load", **task, "candidate_src": candidate_src, "init_seed": init_seed}
         reply = self._ask(worker, load, _Clock(opts.compile_timeout_s), "loading the candidate module")
         if reply["status"] != "ok":  # the module imported if the failure came after that
             return self._failed(reply, compiled=reply["status"] in ("invalid", "runtime_error"))
         clock, history = _Clock(opts.timeout_s), []
         with self._gpu.shared():
-            reply = self._ask(worker, {"op": "warmup", "seed": warmup_seed}, clock, "running forward")
+            reply = self._ask(worker, {"op": "warmup", "seed": warmup_seed, "kind": kinds[0]}, clock, "running forward")
         if reply["status"] != "ok":
             return self._failed(reply, compiled=True, where="the first forward")
         for i, (seed, kind) in enumerate(zip(seeds, kinds)):
@@ -254,6 +256,30 @@ class Verifier:
             message=(f"correct on {len(seeds)} trials; {timed.runtime_ms:.4g} ms vs eager {timed.baseline_ms:.4g} ms "
                      f"({timed.method}, {timed.rounds} paired rounds, speedup {timed.speedup:.3g}x, 95% CI "
                      f"{timed.ci[0]:.3g}-{timed.ci[1]:.3g}){note}"))
+
+    def _trial_kinds(self, task: dict, init_seed: int, seeds: list[int]) -> list[str]:
+        """Each trial's input structure (`harness.trial_kinds`) with every reference computed, once
+        per task and seeds. A structure the task's own reference cannot take (it raises, e.g. on
+        float indices spiked or jittered past their table) falls back to iid, then to the inputs as
+        drawn ("plain"), so no candidate is judged outside the task's domain; a reference that
+        fails on plain inputs too is the task's error (TaskError)."""
+        key = (task["task_key"], init_seed, tuple(seeds))
+        if key not in self._kinds:
+            kinds = trial_kinds(len(seeds))
+            for i, seed in enumerate(seeds):
+                request = {"op": "reference", **task, "init_seed": init_seed, "seed": seed}
+                for kind in dict.fromkeys([kinds[i], "iid", "plain"]):
+                    try:
+                        self._judge_call({**request, "kind": kind})
+                        kinds[i] = kind
+                        break
+                    except TaskError:
+                        if kind == "plain":
+                            raise
+            if len(self._kinds) >= MAX_TASKS_REMEMBERED:
+                self._kinds.pop(next(iter(self._kinds)), None)
+            self._kinds[key] = kinds
+        return list(self._kinds[key])
 
     def _trial(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, kind: str, where: str,
                clock: _Clock, history: list, opts: VerifyOptions, repeat: bool) -> VerifyResult | None:

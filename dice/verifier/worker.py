@@ -172,7 +172,7 @@ class CandidateHandler:
         """One forward whose outputs are not used, so that lazily compiled kernels (CuPy compiles at
         first launch) and one-time initialisation are behind the first profiled trial."""
         try:
-            self._forward(trial_inputs(self.task, request["seed"], "iid", self.device), request["seed"])
+            self._forward(trial_inputs(self.task, request["seed"], request["kind"], self.device), request["seed"])
         except Exception as exc:
             return self._finish(self._run_error(exc, "the first forward"))
         return self._finish(self._threads_left("the first forward") or {"status": "ok"})
