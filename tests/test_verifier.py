@@ -443,7 +443,7 @@ def test_rules_give_the_right_verdicts(cpu_verifier):
 
 
 @pytest.mark.slow
-def test_a_structure_the_reference_cannot_take_runs_as_iid(cpu_verifier):
+def test_a_structure_the_reference_cannot_take_falls_back(cpu_verifier):
     """Float indices (DICE refs/7798's shape): jitter and the structured trials push them past
     the table and the task's own reference raises; those trials run on the inputs as drawn, so
     an honest lookup is correct and a wrong one still fails."""
@@ -454,6 +454,8 @@ def test_a_structure_the_reference_cannot_take_runs_as_iid(cpu_verifier):
                                  timing=False)
     assert good.status == "correct", good
     assert bad.status == "incorrect" and "(plain inputs" in bad.message, bad
+    timed = cpu_verifier.verify(TABLE_TASK, honest, timing=True)   # timed calls permute instead of jitter
+    assert timed.correct and timed.speedup > 0, timed
 
 
 @pytest.mark.slow

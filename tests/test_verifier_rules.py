@@ -173,6 +173,9 @@ def test_trial_inputs_are_structured_deterministically_and_stay_in_the_domain():
     timed = [timed_inputs([x, idx], 9, k) for k in range(3)]
     assert all(torch.equal(t[1].sort().values, idx.sort().values) for t in timed)   # indices permuted, kept
     assert not torch.equal(timed[0][0], timed[1][0])
+    permuted = timed_inputs([x, idx], 9, 0, "permuted")   # a task that takes no jitter: values kept, moved
+    assert torch.equal(permuted[0].flatten().sort().values, x.flatten().sort().values) and not torch.equal(permuted[0], x)
+    assert torch.equal(structured([x], "plain", 3)[0], x)
 
 
 def test_a_statistic_from_a_subsample_fails_the_hot_and_spiked_trials():

@@ -21,7 +21,7 @@ floating-point tensors a structure (`TRIAL_KINDS`), the same in the judge and th
 Signs, zeros and integer tensors (indices) are left alone, so inputs stay in the task's domain.
 Timed calls use "iid" inputs from their own seeds, with integer and boolean tensors also permuted
 (`timed_inputs`): no two timed calls see the same inputs, so outputs cached by value cannot beat
-the clock.
+the clock. For a task checked on "plain" inputs, timed calls permute every tensor instead.
 """
 from __future__ import annotations
 
@@ -147,8 +147,8 @@ def structured(inputs: list, kind: str, seed: int) -> list:
             out.append(x)
             continue
         g = torch.Generator(device=x.device).manual_seed(stable_seed(seed, j, kind))
-        if not x.is_floating_point():
-            permute = kind == "timed"
+        if not x.is_floating_point() or kind == "permuted":
+            permute = kind in ("timed", "permuted")
             out.append(x.reshape(-1)[torch.randperm(x.numel(), generator=g, device=x.device)].view(x.shape)
                        if permute else x)
         elif kind in ("iid", "timed"):
@@ -176,6 +176,7 @@ def trial_inputs(task: types.ModuleType, seed: int, kind: str, device: torch.dev
     return structured(make_inputs(task, seed, device), kind, seed)
 
 
-def timed_inputs(pristine: list, seed: int, call: int) -> list:
-    """The inputs of timed call `call`: the timing draw `pristine` with new values per call."""
-    return structured(pristine, "timed", stable_seed(seed, call))
+def timed_inputs(pristine: list, seed: int, call: int, kind: str = "timed") -> list:
+    """The inputs of timed call `call`: the timing draw `pristine` with new values per call
+    ("timed"), or, for a task whose reference takes no jitter, every tensor permuted ("permuted")."""
+    return structured(pristine, kind, stable_seed(seed, call))

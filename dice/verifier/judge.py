@@ -70,7 +70,8 @@ class JudgeHandler:
             task = self._task(request["task_key"], request["task_src"])
             model = self._model(task, request["task_key"], request["init_seed"])
             pristine = make_inputs(task, request["seed"], self.device)
-            expected = self._forward(model, timed_inputs(pristine, request["seed"], request["call"]), request["seed"])
+            expected = self._forward(model, timed_inputs(pristine, request["seed"], request["call"], request["inputs"]),
+                                     request["seed"])
         except Exception as exc:
             return self._failed("task_error", describe_exception(exc, "task.py"))
         try:
@@ -87,7 +88,7 @@ class JudgeHandler:
             task = self._task(request["task_key"], request["task_src"])
             model = self._model(task, request["task_key"], request["init_seed"])
             pristine = make_inputs(task, request["seed"], self.device)
-            self.timer = Timer(model, pristine, request["seed"], self.device, request["method"])
+            self.timer = Timer(model, pristine, request["seed"], self.device, request["method"], request["inputs"])
             activity = self.timer.profile() if self.cuda else None
             probe = self.timer.block(-10, 1, 0.0, profiled=False)
         except Exception as exc:

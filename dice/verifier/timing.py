@@ -40,8 +40,9 @@ MIN_MS = 1e-4                   # a call that ran nothing on the GPU still gets 
 class Timer:
     """See the module docstring. `method` is what was asked; `.method` what this model can do."""
 
-    def __init__(self, model: nn.Module, pristine: list, seed: int, device: torch.device, method: str):
-        self.model, self.pristine, self.seed, self.device = model, pristine, seed, device
+    def __init__(self, model: nn.Module, pristine: list, seed: int, device: torch.device, method: str,
+                 inputs: str = "timed"):
+        self.model, self.pristine, self.seed, self.device, self.inputs = model, pristine, seed, device, inputs
         self.cuda = device.type == "cuda"
         self.flush = torch.empty(L2_FLUSH_BYTES if self.cuda else 0, dtype=torch.uint8, device=device)
         self.graph, self._harness = None, None
@@ -53,7 +54,8 @@ class Timer:
 
     def _capture(self) -> bool:
         """Capture the forward on static buffers; True when the graph replays faithfully."""
-        self.static = [trusted.clone(x) if isinstance(x, torch.Tensor) else x for x in timed_inputs(self.pristine, self.seed, -1)]
+        self.static = [trusted.clone(x) if isinstance(x, torch.Tensor) else x
+                       for x in timed_inputs(self.pristine, self.seed, -1, self.inputs)]
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -69,7 +71,7 @@ class Timer:
             return False
         if not all(type(t) is torch.Tensor for t in self.static_out):
             return False
-        fresh = timed_inputs(self.pristine, self.seed, -2)
+        fresh = timed_inputs(self.pristine, self.seed, -2, self.inputs)
         self.graph = graph
         replayed = [trusted.clone(t) for t in self._replay(fresh)]
         eager = self._forward(fresh)
@@ -91,7 +93,7 @@ class Timer:
 
     def profile(self) -> dict:
         """The GPU activity of one timed call (for a graph, of one replay: all replays are alike)."""
-        inputs = timed_inputs(self.pristine, self.seed, -3)
+        inputs = timed_inputs(self.pristine, self.seed, -3, self.inputs)
         run = (lambda: self._replay(inputs)) if self.graph is not None else (lambda: self._forward(inputs))
         return gpu_activity(run)[1]
 
@@ -116,7 +118,7 @@ class Timer:
     def _harness_kernels(self) -> dict:
         if self._harness is None:
             def harness_only():
-                timed_inputs(self.pristine, self.seed, -4)
+                timed_inputs(self.pristine, self.seed, -4, self.inputs)
                 self.flush.zero_()
                 trusted.marker(0)
                 trusted.marker(0)
@@ -132,7 +134,7 @@ class Timer:
         times, checked = (), []          # a tuple: no candidate code can rewrite it in place
         threshold = int(check * COIN)
         for k in range(first, first + calls):
-            inputs = timed_inputs(self.pristine, self.seed, k)
+            inputs = timed_inputs(self.pristine, self.seed, k, self.inputs)
             if self.graph is not None:
                 self._load(inputs)
                 self.flush.zero_()       # not waited for: the GPU is still flushing while the replay is

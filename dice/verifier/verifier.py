@@ -240,11 +240,12 @@ class Verifier:
         if not opts.timing:
             return VerifyResult("correct", compiled=True, message=f"correct on {len(seeds)} trials")
         trials = [activity for _, _, activity in history if activity is not None]
-        timed = self._timing(worker, task, init_seed, timing_seed, clock, opts, trials)
+        inputs = "permuted" if "plain" in kinds else "timed"   # a task that takes no jitter (`_trial_kinds`)
+        timed = self._timing(worker, task, init_seed, timing_seed, clock, opts, trials, inputs)
         if isinstance(timed, Timing) and timed.speedup > PLAUSIBLE:   # measured again by a fresh process
             worker.restart()
             reply = self._ask(worker, load, _Clock(opts.compile_timeout_s), "loading the candidate again")
-            again = (self._timing(worker, task, init_seed, timing_seed, clock, opts, trials) if reply["status"] == "ok"
+            again = (self._timing(worker, task, init_seed, timing_seed, clock, opts, trials, inputs) if reply["status"] == "ok"
                      else self._failed(reply, compiled=True, where="re-measuring a speedup above 10x"))
             timed = again if not isinstance(again, Timing) or again.speedup < timed.speedup else timed
         if isinstance(timed, VerifyResult):
@@ -334,14 +335,15 @@ class Verifier:
                               ran["activity"], reference_activity, qualified_name, opts.rules)
 
     def _timing(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, clock: _Clock,
-                opts: VerifyOptions, trials: list[dict]) -> Timing | VerifyResult:
+                opts: VerifyOptions, trials: list[dict], inputs: str) -> Timing | VerifyResult:
         """The paired timing (`speedup`) under the exclusive GPU lock; a verdict if it fails.
-        `trials`: the correctness trials' GPU activity, which the timed calls' must match."""
-        base_request = {**task, "init_seed": init_seed, "seed": seed}
+        `trials`: the correctness trials' GPU activity, which the timed calls' must match;
+        `inputs`: how timed calls get new inputs (`harness.timed_inputs`)."""
+        base_request = {**task, "init_seed": init_seed, "seed": seed, "inputs": inputs}
         with self._gpu.exclusive():
             prep, base = None, None
             for method in ("graph", "eager"):
-                prep = self._ask(worker, {"op": "time_prepare", "seed": seed, "method": method}, clock, "timing forward")
+                prep = self._ask(worker, {"op": "time_prepare", "seed": seed, "method": method, "inputs": inputs}, clock, "timing forward")
                 if prep["status"] != "ok":
                     return self._failed(prep, compiled=True, where="timing")
                 base = self._judge_call({"op": "baseline_prepare", **base_request, "method": method})

@@ -216,7 +216,7 @@ class CandidateHandler:
         self.pending = []
         try:
             pristine = make_inputs(self.task, request["seed"], self.device)
-            self.timer = Timer(self.model, pristine, request["seed"], self.device, request["method"])
+            self.timer = Timer(self.model, pristine, request["seed"], self.device, request["method"], request["inputs"])
             activity = self.timer.profile() if self.cuda else None
             probe = self.timer.block(-10, 1, 0.0, profiled=False)
         except Exception as exc:
