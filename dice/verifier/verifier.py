@@ -18,21 +18,16 @@ Stages, first failure wins:
 2. load: import the module (compile_error), ModelNew is an nn.Module not derived from the task's
    Model (invalid), ModelNew(*get_init_inputs()) after the same manual_seed as the reference, one
    warm-up forward;
-3. `trials` correctness trials, each with its own seed and input structure (`harness`: iid, then
-   spiked, hot, scaled, spiked values), every one under the profiler (trial 1 calls forward twice).
-   Invalid: the kernels it ran break `checks.kernel_problem` under `rules` (own kernels from the
-   machine code the candidate compiled, `kernels`; "strict": no decoy beside library calls, no
-   library compute the reference lacks, no host round trip; "kernelbench": one own kernel), an
-   input was modified or an output shares an input's memory (unless the reference does the
-   same), an output changed after torch's current stream was done, threads left running, an
-   output exactly equal to an earlier trial's while the references differ, verifier functions
-   replaced. Incorrect: `checks.compare_outputs` (allclose(atol, rtol), NaN/Inf only where the
-   reference has them, relative error of the whole output <= rel_l2) fails on any trial or on
-   the repeated call;
+3. `trials` correctness trials, each with its own seed and input structure (`harness`; a
+   structure the task's own reference cannot take falls back, `_trial_kinds`), every one under
+   the profiler (trial 1 calls forward twice). Invalid: the kernels break `checks.kernel_problem`
+   under `rules`, inputs modified or aliased, outputs changed after the stream was done, threads
+   left running, an output equal to an earlier trial's while the references differ, verifier
+   functions replaced. Incorrect: `checks.compare_outputs` fails on any trial or repeated call;
 4. timing (if `timing`), the GPU lock held exclusively: `timing.Timer` in the worker and in the
-   judge (CUDA graphs when both capture faithfully, else eager under the host clock), paired
-   blocks until the speedup is stable (`speedup`); the timed kernels obey the same rule, and a
-   secret sample of the timed calls is compared with the reference (incorrect if any fails).
+   judge (CUDA graphs when both capture faithfully, else eager calls timed from the GPU's own
+   records), paired blocks until the speedup is stable (`speedup`); the timed kernels obey the
+   same rule and a secret sample of the timed calls is compared with the reference.
 Crashes and CUDA faults give runtime_error, hangs timeout; only that worker is replaced (the judge
 too, when a task's own reference faults: its task gets a TaskError, later tasks a sound judge).
 
@@ -102,9 +97,9 @@ class Verifier:
     judges' summed time answering requests: near `judges` x the wall time means the judges, not
     the workers, bound the throughput. `timing_budget_s`: the most a candidate's paired timing
     runs before its interval is stable (`speedup`). `build`: how load_inline programs are built
-    ("fast": `inline` split with a precompiled torch header, "torch": torch's own; default
-    $DICE_INLINE_BUILD or "fast"); `prebuild`: build them in a CPU pool (`prebuild.BuildPool`)
-    while GPU workers verify others."""
+    ("fast": split, precompiled header, generic binding, DESIGN.md §8.5; "torch": torch's own;
+    default $DICE_INLINE_BUILD or "fast"); `prebuild`: build them in a CPU pool
+    (`prebuild.BuildPool`) while GPU workers verify others."""
 
     def __init__(self, workers: int = 4, *, device: str = "cuda", cache_dir: str | Path | None = None,
                  recycle_after: int = 50, reference_cache_gb: float = 4.0, judges: int | None = None,
