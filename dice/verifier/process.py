@@ -257,3 +257,20 @@ def log_summary(log_tail: str, max_lines: int = 8) -> str:
     lines = log_tail.splitlines()
     useful = [line for line in lines if re.search(r"candidate\.py|error|Error|CUDA|Fatal|Abort|assert", line)]
     return "\n".join((useful or lines)[-max_lines:])
+
+
+def close_all(processes: list[WorkerProcess]) -> None:
+    """Close worker processes in parallel: each one's CUDA teardown takes a second or two. Plain
+    threads, since this also runs from atexit, where a ThreadPoolExecutor refuses new work;
+    Python 3.12.0-1 refuse even threads there (gh-113964), and then they close one by one."""
+    closers = []
+    for process in processes:
+        closer = threading.Thread(target=process.close)
+        try:
+            closer.start()
+        except RuntimeError:
+            process.close()
+            continue
+        closers.append(closer)
+    for closer in closers:
+        closer.join()

@@ -45,7 +45,6 @@ import queue
 import secrets
 import shutil
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import replace
@@ -59,7 +58,7 @@ from .checks import kernel_problem, timed_kernel_problem, timed_work_problem
 from .harness import trial_kinds
 from .kernels import qualified_name
 from .prebuild import BuildPool
-from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, describe_exit, log_summary
+from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, close_all, describe_exit, log_summary
 from .protocol import malformed_reply
 from .results import TaskError, VerifyOptions, VerifyResult, static_check, trial_seeds
 from .speedup import BUDGET_S, CHECKS_PER_BLOCK, PLAUSIBLE, Timing, paired_rounds
@@ -135,20 +134,7 @@ class Verifier:
         self.close()
 
     def close(self) -> None:
-        # in parallel: each worker's CUDA teardown takes a second or two. Plain threads, since
-        # this also runs from atexit, where a ThreadPoolExecutor refuses new work; Python 3.12.0-1
-        # refuse even threads there (gh-113964), and then the workers close one by one
-        closers = []
-        for worker in [*self._judges, *self._workers]:
-            closer = threading.Thread(target=worker.close)
-            try:
-                closer.start()
-            except RuntimeError:
-                worker.close()
-                continue
-            closers.append(closer)
-        for closer in closers:
-            closer.join()
+        close_all([*self._judges, *self._workers])
         if self._prebuild is not None:
             self._prebuild.close()
         shutil.rmtree(self._log_dir, ignore_errors=True)
