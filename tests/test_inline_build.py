@@ -318,22 +318,13 @@ def shared_cache(tmp_path_factory):
 
 
 def _compile_only(tmp_path, call: dict, root: Path, binding: str = "pybind"):
-    """The fast build of one call, linked without the CUDA libraries the CPU wheel lacks; with
-    binding="dispatch" the report also names the dice_dispatch module built the same way."""
+    """The fast build of one call with `binding`, linked without the CUDA libraries the CPU wheel lacks."""
     from dice.verifier import fastbuild
-    cache = BuildCache(root, capability=(9, 0), build="fast")
-    arguments = cache.arguments(**call)
+    arguments = BuildCache(root, capability=(9, 0), build="fast").arguments(**call)
     flags = Flags(arguments, "ext", (9, 0))
     flags.ldflags = [f for f in flags.ldflags if f not in ("-lc10_cuda", "-ltorch_cuda")]
-    slots = CompilerSlots(root)
-    unit = split_program([arguments["cpp_sources"]], [arguments["cuda_sources"]], arguments["functions"], True,
-                         str(tmp_path / "cuda.cu"), fastbuild.torch_macros(root, flags), tuple(flags.host_defines),
-                         binding)
-    pch = fastbuild.precompiled_header(root, flags, slots, binding)
-    library, report = fastbuild._compile_and_link(unit, flags, tmp_path, pch, slots, fastbuild.header_names(root, flags))
-    if binding == "dispatch":
-        report["dispatcher"] = str(fastbuild.dispatcher(root, flags, slots))
-    return library, report
+    return fastbuild.fast_build(arguments, "ext", tmp_path, root, (9, 0), CompilerSlots(root), flags=flags,
+                                binding=binding)
 
 
 @pytest.mark.slow

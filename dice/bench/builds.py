@@ -27,7 +27,7 @@ from ..tasks import load_tasks
 from ..verifier import fastbuild
 from ..verifier.build import BuildCache
 from ..verifier.fastbuild import CompilerSlots, FastBuildFailed, Flags, SharedCompileError
-from ..verifier.inline import Unsplittable, recorded_calls, split_program
+from ..verifier.inline import Unsplittable, recorded_calls
 
 CPU_ONLY_LIBRARIES = ("-lc10_cuda", "-ltorch_cuda")
 
@@ -44,20 +44,12 @@ def build_one(call: dict, binding: str, root: Path, folder: Path, capability: tu
     """Compile and link one load_inline call; {"built": bool, CPU seconds or "error"}."""
     arguments = BuildCache(root, capability=capability, build="fast").arguments(**call)
     try:
-        flags = _flags(arguments, capability)
-        sources = [arguments[k] if not isinstance(arguments[k], str) else [arguments[k]]
-                   for k in ("cpp_sources", "cuda_sources")]
-        if not (arguments["is_python_module"] and arguments["functions"]):
-            binding = "pybind"
-        split = split_program(*sources, arguments["functions"], arguments.get("with_pytorch_error_handling", True),
-                              str(folder / "cuda.cu"), fastbuild.torch_macros(root, flags), tuple(flags.host_defines),
-                              binding)
-        pch = fastbuild.precompiled_header(root, flags, slots, split.binding)
-        _, report = fastbuild._compile_and_link(split, flags, folder, pch, slots)
+        _, report = fastbuild.fast_build(arguments, "ext", folder, root, capability, slots,
+                                         flags=_flags(arguments, capability), binding=binding)
     except (Unsplittable, FastBuildFailed, SharedCompileError) as exc:
         first = next((line for line in str(exc).splitlines() if "error" in line), str(exc).strip()[:200])
         return {"built": False, "error": f"{type(exc).__name__}: {first.replace(str(folder) + '/', '')}"[:240]}
-    return {"built": True, "binding": split.binding, "host": report["host_cpu_s"], "device": report["device_cpu_s"],
+    return {"built": True, "binding": report["binding"], "host": report["host_cpu_s"], "device": report["device_cpu_s"],
             "link": report["link_cpu_s"]}
 
 

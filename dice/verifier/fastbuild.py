@@ -333,23 +333,25 @@ def shared_error(log: str, names: frozenset[str], declared: frozenset[str]) -> s
 
 
 def fast_build(arguments: dict, name: str, build_dir: Path, root: Path, capability: tuple[int, int] | None,
-               slots: CompilerSlots) -> tuple[Path, dict]:
+               slots: CompilerSlots, *, flags: Flags | None = None, binding: str | None = None) -> tuple[Path, dict]:
     """Build `name`.so in build_dir the split way; (library, report), the report's "dispatcher"
     naming the dice_dispatch module that loads a library with the generic binding (else None).
-    Raises Unsplittable before compiling, SharedCompileError or FastBuildFailed after."""
+    `flags`: torch's (default: `Flags` of the call); `binding`: "pybind" forces torch's binding,
+    otherwise the generic one wherever it applies. Raises Unsplittable before compiling,
+    SharedCompileError or FastBuildFailed after."""
     if not arguments["cuda_sources"] or arguments["with_cuda"] is False or arguments.get("sycl_sources") \
             or arguments.get("no_implicit_headers") or arguments.get("use_pch") or capability is None:
         raise Unsplittable("arguments", "not a plain CUDA load_inline call")
-    flags = Flags(arguments, name, capability)
+    flags = flags or Flags(arguments, name, capability)
     sources = [arguments[k] if not isinstance(arguments[k], str) else [arguments[k]]
                for k in ("cpp_sources", "cuda_sources")]
 
-    def make_split(binding: str) -> Split:
+    def make_split(way: str) -> Split:
         return split_program(*sources, arguments["functions"], arguments.get("with_pytorch_error_handling", True),
-                             str(build_dir / "cuda.cu"), torch_macros(root, flags), tuple(flags.host_defines), binding)
+                             str(build_dir / "cuda.cu"), torch_macros(root, flags), tuple(flags.host_defines), way)
 
     generic = None
-    if arguments["is_python_module"] and arguments["functions"]:
+    if binding != "pybind" and arguments["is_python_module"] and arguments["functions"]:
         try:
             split, generic = make_split("dispatch"), dispatcher(root, flags, slots)
         except Unsplittable:   # torch's binding instead: it may still split, or fail as torch's main.cpp would
@@ -357,13 +359,18 @@ def fast_build(arguments: dict, name: str, build_dir: Path, root: Path, capabili
     if generic is None:
         split = make_split("pybind")
     pch = precompiled_header(root, flags, slots, split.binding)
-    library, report = _compile_and_link(split, flags, build_dir, pch, slots, header_names(root, flags))
-    return library, {**report, "dispatcher": str(generic) if generic else None}
+    try:
+        library, report = _compile_and_link(split, flags, build_dir, pch, slots)
+    except FastBuildFailed as exc:   # the headers' names are read only when a build fails
+        names = header_names(root, flags)
+        if names is not None and shared_error(str(exc), names, split.declared):
+            raise SharedCompileError(str(exc)) from None
+        raise
+    return library, {**report, "binding": split.binding, "dispatcher": str(generic) if generic else None}
 
 
-def _compile_and_link(split: Split, flags: Flags, build_dir: Path, pch: Path | None, slots: CompilerSlots,
-                      names: frozenset[str] | None = None) -> tuple[Path, dict]:
-    """Compile both units and link; `names` (header_names) lets an undeclared name be the verdict."""
+def _compile_and_link(split: Split, flags: Flags, build_dir: Path, pch: Path | None,
+                      slots: CompilerSlots) -> tuple[Path, dict]:
     (build_dir / "main.cpp").write_text(split.host)
     (build_dir / "cuda.cu").write_text(split.device)
     host = [*flags.cxx, *flags.host(), *(["-include", str(pch), "-Winvalid-pch"] if pch else []),
@@ -378,10 +385,7 @@ def _compile_and_link(split: Split, flags: Flags, build_dir: Path, pch: Path | N
     if host_status != 0 and _main_cpp_error(host_log, build_dir / "main.cpp", split.main_lines):
         raise SharedCompileError(host_log)
     if host_status != 0 or device_status != 0:
-        log = (host_log if host_status else "") + (build_dir / "device.log").read_text(errors="replace")
-        if names is not None and shared_error(log, names, split.declared):
-            raise SharedCompileError(log)
-        raise FastBuildFailed(log)
+        raise FastBuildFailed((host_log if host_status else "") + (build_dir / "device.log").read_text(errors="replace"))
     library = build_dir / f"{flags.name_flag.split('=', 1)[1]}.so"
     link_status, link_s = run_compiler([*flags.cxx, str(build_dir / "main.o"), str(build_dir / "cuda.cuda.o"),
                                         *flags.ldflags, "-o", str(library)], build_dir / "link.log", slots)

@@ -10,9 +10,10 @@ floating-point tensors a structure (`TRIAL_KINDS`), the same in the judge and th
   subsample, which sees about its share of them, is off by ~20% (sd); two spiked trials let such
   an estimate through with a chance of about 0.1-0.4%, by task (DESIGN.md §8.2);
 - "hot": one element per tensor kept as drawn (the largest in magnitude of HOT_DRAWS random
-  ones, so it is not near zero), every other times HOT_FADE / numel, so the hot element decides a sum or mean by a factor of ~256: an estimate from a subsample of any
-  fraction f < 1 either misses it (off by its whole share) or holds it (off by 1/f times its
-  share), whatever the subsample's pattern. The factor is never below the dtype's smallest
+  ones, so it is not near zero), every other times HOT_FADE / numel, so the hot element decides
+  a sum or mean by a factor of ~256: an estimate from a subsample of any fraction f < 1 either
+  misses it (off by its whole share) or holds it (off by 1/f times its share), whatever the
+  subsample's pattern. The factor is never below the dtype's smallest
   normal, so faded values are not flushed to zero: fp16 tensors of more than ~4,096 elements
   are faded less, and their hot element decides less;
 - "scaled": the whole tensor times 1/4 or 4: a constant output, or one off by a scale, fails;

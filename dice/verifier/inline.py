@@ -13,11 +13,11 @@ rewritten into calls of launch shims the device unit defines) after either torch
 verbatim (binding "pybind", on a precompiled torch/extension.h) or the cpp_sources on torch/types.h
 with the generic binding's entries at the end (binding "dispatch", dispatch.h; every
 `#include <torch/extension.h>` blanked), so one g++ run on a precompiled header replaces two full
-parses. Anything the split
-cannot reproduce exactly raises `Unsplittable` and the caller builds with torch's own
-load_inline: templated kernels, host code touching device symbols or kernels outside a launch,
-device code naming torch, `#if` blocks or namespaces at file scope, cpp_sources that hold more
-than function declarations (in the merged unit they would be visible to cuda.cu's code).
+parses. Anything the split cannot reproduce exactly raises `Unsplittable` and the caller builds
+with torch's own load_inline: templated kernels, host code touching device symbols or kernels
+outside a launch, device code naming torch, `#if` blocks or namespaces at file scope, cpp_sources
+that hold more than function declarations (in the merged unit they would be visible to cuda.cu's
+code).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class Kernel:
 
 @dataclass
 class Split:
-    host: str                 # the g++ unit: torch's main.cpp (or the dispatch entries), then cuda.cu's host side
+    host: str                 # the g++ unit: torch's main.cpp or the cpp_sources, cuda.cu's host side
     device: str               # the nvcc unit
     main_lines: int           # the host unit's first main_lines lines are torch's main.cpp verbatim
     kernels: list[str] = field(default_factory=list)
@@ -405,4 +405,5 @@ def _rewrite_launches(source: str, item: Item, kernels: dict[str, Kernel]) -> st
     return "".join(out)
 
 
-__all__ = ["DEVICE_PRELUDE", "Split", "Unsplittable", "cuda_cu", "main_cpp", "normalise", "recorded_calls", "split_program"]
+__all__ = ["DEVICE_PRELUDE", "Split", "Unsplittable", "cuda_cu", "main_cpp", "normalise", "recorded_calls",
+           "split_program"]

@@ -226,8 +226,9 @@ class Verifier:
         if isinstance(timed, Timing) and timed.speedup > PLAUSIBLE:   # measured again by a fresh process
             worker.restart()
             reply = self._ask(worker, load, _Clock(opts.compile_timeout_s), "loading the candidate again")
-            again = (self._timing(worker, task, init_seed, timing_seed, clock, opts, trials, inputs) if reply["status"] == "ok"
-                     else self._failed(reply, compiled=True, where="re-measuring a speedup above 10x"))
+            again = (self._timing(worker, task, init_seed, timing_seed, clock, opts, trials, inputs)
+                     if reply["status"] == "ok" else
+                     self._failed(reply, compiled=True, where="re-measuring a speedup above 10x"))
             timed = again if not isinstance(again, Timing) or again.speedup < timed.speedup else timed
         if isinstance(timed, VerifyResult):
             return timed
@@ -324,7 +325,8 @@ class Verifier:
         with self._gpu.exclusive():
             prep, base = None, None
             for method in ("graph", "eager"):
-                prep = self._ask(worker, {"op": "time_prepare", "seed": seed, "method": method, "inputs": inputs}, clock, "timing forward")
+                prep = self._ask(worker, {"op": "time_prepare", "seed": seed, "method": method, "inputs": inputs},
+                                 clock, "timing forward")
                 if prep["status"] != "ok":
                     return self._failed(prep, compiled=True, where="timing")
                 base = self._judge_call({"op": "baseline_prepare", **base_request, "method": method})
