@@ -5,9 +5,15 @@ Every flag is a field of `dice.config.TrainConfig`; README lists them. With neit
 dice-tiny on tasks `dice.taskgen` generates with a fixed seed, written into the run folder. The
 run folder defaults to a new `runs/<phase>-<time>/`. Under `torchrun --nproc_per_node N train.py
 ...` the model is sharded with FSDP2.
+
+Before any work or write, the validation layer checks the flags (`TrainConfig.validate`, then
+`check_usage`: exit status 2), the machine (`check_machine`), every input and output path
+(`check_paths`: the rules of `dice.inputs` and of run folders, `dice.runtime.check_run_folder`)
+and whether the sizes can fit in memory (`check_memory`, `dice.memory`).
 """
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -15,10 +21,15 @@ from pathlib import Path
 
 import torch
 
+from dice.checkpoint import read_config
 from dice.cli import fail_cleanly, usage_error
-from dice.config import EMBEDDED, config_from_args, with_embedded_defaults
-from dice.runtime import check_run_folder
-from dice.sft import init_model_folder, train_sft
+from dice.config import EMBEDDED, RL_PHASES, config_from_args, with_embedded_defaults
+from dice.inputs import input_path, output_folder
+from dice.memory import check_fits, kv_cache_bytes, micro_batch_bytes, parameter_bytes
+from dice.runtime import check_run_folder, latest_checkpoint
+from dice.sft import INIT_ENTRIES, init_model_folder, sft_sizes, train_sft
+
+MODEL_GIVE = "pass --model DIR (a downloaded SDAR/DICE checkpoint, or a folder written by train.py)"
 
 
 def check_usage(cfg, embedded: bool) -> None:
@@ -39,19 +50,81 @@ def check_usage(cfg, embedded: bool) -> None:
             usage_error("train.py", f"--phase {cfg.phase} needs --steps N (RL steps to run)")
     if cfg.resume and not cfg.out:
         usage_error("train.py", "--resume needs --out DIR, the run folder to continue")
+    if cfg.phase in RL_PHASES and bool(cfg.eval_every) != bool(cfg.eval_data):
+        usage_error("train.py", "--eval-every N and --eval-data FILE go together (the held-out tasks, and how "
+                                "often to evaluate on them); give both or neither")
 
 
 def check_machine(cfg) -> None:
-    """What this machine or the model folder cannot do: one line, exit status 1."""
+    """What this machine cannot do: one line, exit status 1."""
     if cfg.phase in ("infill", "e2e") and not torch.cuda.is_available():
         sys.exit(f"train.py: --phase {cfg.phase} rewards kernels with the verifier, which needs a CUDA GPU "
                          "(and cupy) that this machine lacks; run it on a GPU machine")
     if cfg.phase == "sft" and cfg.attention == "flex" and not torch.cuda.is_available():
         sys.exit("train.py: --attention flex needs a CUDA GPU (FlexAttention has no CPU backward); "
                          "use --attention dense or auto on this machine")
-    if cfg.phase != "init" and not Path(cfg.model).is_dir():
-        sys.exit(f"train.py: model folder {cfg.model} does not exist; pass --model DIR (a downloaded "
-                         "SDAR/DICE checkpoint, or a folder written by train.py)")
+
+
+def check_paths(cfg, embedded: bool) -> None:
+    """Inputs exist, are of their kind and readable, the model's config.json is usable (exit 1);
+    outputs follow `dice.inputs` (nothing the user made is overwritten, never inside an input) and
+    run folders `check_run_folder` (exit 2; a --resume's files that cannot be read: exit 1)."""
+    if cfg.phase == "init":
+        input_path(cfg.data, "--data", "file", "give --data a .json or .jsonl file of records to train the tokenizer on")
+        output_folder(cfg.out, "--out", INIT_ENTRIES, overwrite=cfg.overwrite, inputs={"--data": cfg.data})
+        return
+    input_path(cfg.model, "--model", "folder", MODEL_GIVE)
+    read_config(cfg.model)
+    if not embedded:
+        kind = "file" if cfg.phase == "sft" else "any"
+        input_path(cfg.data, "--data", kind, "give --data a .json or .jsonl file of records" if kind == "file" else
+                   "give --data a DICE .json task file or a KernelBench folder")
+    if cfg.eval_data:
+        input_path(cfg.eval_data, "--eval-data", "any", "give --eval-data a DICE .json task file or a KernelBench folder")
+    inputs = {"--model": cfg.model, "--eval-data": cfg.eval_data} | ({} if embedded else {"--data": cfg.data})
+    check_run_folder(Path(cfg.out), cfg.resume, cfg.overwrite, inputs=inputs,
+                     also=("tasks.json",) if embedded and not cfg.resume else ())
+
+
+def check_memory(cfg) -> None:
+    """Sizes whose lower-bound memory (`dice.memory`) exceeds what this process's device has free:
+    exit status 1, before the model loads. SFT: float32 parameters with their gradient and AdamW
+    state, and a micro-batch's logits (dense attention on a CPU); RL: the same parameters and the
+    rollout KV cache the sampler allocates up front."""
+    config, world = read_config(cfg.model), int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    parts = {"float32 parameters, gradients and AdamW state": parameter_bytes(config, 16, world)}
+    if cfg.phase == "sft":
+        sized, _ = sft_sizes(cfg, device)
+        if sized.max_len < config.block_size:
+            usage_error("train.py", f"--max-len {sized.max_len} is below the block size {config.block_size} of "
+                                    f"{cfg.model} (rows are whole blocks); pass --max-len {config.block_size} or more")
+        row = sized.max_len - sized.max_len % config.block_size
+        dense = cfg.attention == "dense" or not cuda
+        parts["a micro-batch's logits" + (" and dense attention" if dense else "")] = micro_batch_bytes(
+            config, sized.batch_size, 2 * row, dense)
+        fix = "lower --batch-size or --max-len (or spread the model over processes with torchrun)"
+    else:
+        batch = min(cfg.rollout_batch, -(-cfg.tasks_per_step * cfg.group_size // world))
+        parts["the rollout KV cache"] = kv_cache_bytes(config, batch, cfg.max_new_tokens + 1, 2 if cuda else 4)
+        fix = "lower --rollout-batch or --max-new-tokens"
+    check_fits(parts, device, fix)
+
+
+def interrupted(out: Path, argv) -> str:
+    """What Ctrl-C leaves: the command that resumes the run, or why none can."""
+    try:
+        latest = latest_checkpoint(out)
+    except Exception:   # a pointer cut by the interrupt itself
+        latest = None
+    if latest is None:
+        return (f"no checkpoint was written to {out}, so the run cannot be resumed (--save-every N writes them)"
+                if out.exists() else "nothing was written")
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--overwrite", "--resume")]
+    if "--out" not in args and not any(a.startswith("--out=") for a in args):
+        args += ["--out", str(out)]
+    return f"{latest.name} is saved; continue the run with: python train.py {shlex.join(args)} --resume"
 
 
 def write_embedded_data(phase: str, out: Path) -> Path:
@@ -76,10 +149,11 @@ def main(argv=None) -> None:
     check_machine(cfg)
     if not cfg.out:
         cfg.out = f"runs/{cfg.phase}-{time.strftime('%Y%m%d-%H%M%S')}"
+    check_paths(cfg, embedded)
+    if cfg.phase != "init":
+        check_memory(cfg)
     out = Path(cfg.out)
     created = not out.exists()
-    if cfg.phase != "init":
-        check_run_folder(out, cfg.resume, cfg.overwrite)
     try:
         if embedded:
             kept = cfg.resume and (out / "tasks.json").is_file()   # a resumed run keeps its file as it is
@@ -92,10 +166,13 @@ def main(argv=None) -> None:
         else:
             from dice.rl import train_rl
             train_rl(cfg)
-    except BaseException:
+    except BaseException as e:
         # a run that failed before its first step leaves no folder behind (only rank 0 removes it)
-        if created and int(os.environ.get("RANK", "0")) == 0 and not (out / "metrics.jsonl").exists():
+        main_rank = int(os.environ.get("RANK", "0")) == 0
+        if created and main_rank and not (out / "metrics.jsonl").exists():
             shutil.rmtree(out, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt) and main_rank:
+            raise KeyboardInterrupt(interrupted(out, argv)) from None
         raise
 
 

@@ -76,17 +76,51 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     if not file.is_file():
         raise CheckpointError(f"{file} not found: point --model at a folder with an SDAR/DICE config.json")
     try:
-        config = ModelConfig.from_dict(json.loads(file.read_text()))
-    except json.JSONDecodeError as e:
+        keys = json.loads(file.read_text())
+        if not isinstance(keys, dict):
+            raise CheckpointError(f"{file} holds a JSON {type(keys).__name__}, not an object of config keys; "
+                                  "re-download or fix it")
+        config = ModelConfig.from_dict(keys)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file} is not valid JSON ({e}); re-download or fix it") from None
     except KeyError as e:
         raise CheckpointError(f"{file} lacks required key(s) {e}; is this an SDAR/DICE config?") from None
+    problem = config_problem(config)
+    if problem:
+        raise CheckpointError(f"{file}: {problem}; fix that key (a published SDAR/DICE config.json has it right)")
     # SDAR configs carry these as null/false; this model implements neither, so it would give wrong logits
     unsupported = [k for k in ("rope_scaling", "use_sliding_window") if config.extra.get(k)]
     if unsupported:
         raise CheckpointError(f"{file} sets {', '.join(unsupported)}, which this implementation does not support "
                               "(SDAR and DICE checkpoints leave them null/false)")
     return config
+
+
+POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "block_size", "max_position_embeddings")
+
+
+def config_problem(config: ModelConfig) -> str | None:
+    """What makes a config unusable (a wrong type, a size below 1, heads that do not divide, an odd
+    head width for RoPE, a mask id outside the vocabulary), in words; None when it is usable."""
+    for name in POSITIVE_INTS:
+        value = getattr(config, name)
+        if type(value) is not int or value < 1:
+            return f"{name} must be a whole number >= 1, not {value!r}"
+    for name in ("rms_norm_eps", "rope_theta"):
+        value = getattr(config, name)
+        if type(value) not in (int, float) or not value > 0:
+            return f"{name} must be a number > 0, not {value!r}"
+    if type(config.tie_word_embeddings) is not bool:
+        return f"tie_word_embeddings must be true or false, not {config.tie_word_embeddings!r}"
+    if type(config.mask_token_id) is not int or not 0 <= config.mask_token_id < config.vocab_size:
+        return f"mask_token_id must be a token id below vocab_size {config.vocab_size}, not {config.mask_token_id!r}"
+    if config.num_attention_heads % config.num_key_value_heads:
+        return (f"num_key_value_heads {config.num_key_value_heads} does not divide num_attention_heads "
+                f"{config.num_attention_heads}")
+    if config.head_dim % 2:
+        return f"head_dim must be even (rotate-half RoPE), not {config.head_dim}"
+    return None
 
 
 def weight_files(path: str | os.PathLike) -> dict[str, Path]:

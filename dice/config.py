@@ -1,9 +1,10 @@
 """The configuration of `python train.py`: one dataclass whose fields are the flags (DESIGN.md §4, §7).
 
-Every field of `TrainConfig` is a `--flag` (`config_from_args`); CHOICES and AT_LEAST bound the
-values, HELP is the --help text. Defaults that depend on the phase (learning rate, loss
-normalisation) are filled in `__post_init__`; those that depend on the machine (SFT batch and row
-length: 0 = auto) in `dice.sft`. The defaults are the originals' (DESIGN.md §4, §7): AdamW betas
+Every field of `TrainConfig` is a `--flag` (`config_from_args`); CHOICES and RANGES bound the
+values (`validate`), HELP is the --help text, grouped by the phases that use a flag (PHASE_FLAGS:
+a flag given to a phase that does not use it is an error, not silently ignored). Defaults that
+depend on the phase (learning rate, loss normalisation) are filled in `__post_init__`; those that
+depend on the machine (SFT batch and row length: 0 = auto) in `dice.sft`. The defaults are the originals' (DESIGN.md §4, §7): AdamW betas
 (0.9, 0.999) and SFT lr 1e-5 constant after warm-up (deadlykitten4/DICE
 `Training/SFT/llama_factory_sdar/examples/train_full_sdar/sdar_*_full.yaml`: `lr_scheduler_type:
 constant_with_warmup`), SDAR's per-micro-batch token mean for SFT, TraceRL's
@@ -18,17 +19,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from .cli import ArgumentParser
+from .errors import UsageError
 from .sampler import REMASKING
+from .tokenizer import SPECIAL_TOKENS
 
 
 @dataclass
 class TrainConfig:
-    """Flags of `python train.py`: every field is a `--flag`; CHOICES and AT_LEAST below bound their
+    """Flags of `python train.py`: every field is a `--flag`; CHOICES and RANGES below bound their
     values, HELP is their --help text (see also README)."""
     phase: str = "sft"
     model: str = ""
@@ -86,17 +91,8 @@ class TrainConfig:
     verify_timeout: float = 15.0
 
     def __post_init__(self):
-        for name, allowed in CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
-                                 f"not {getattr(self, name)!r}")
-        for name, low in AT_LEAST.items():
-            if getattr(self, name) < low:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
-        rl = self.phase in ("infill", "e2e")
+        self.validate()
+        rl = self.phase in RL_PHASES
         if not self.lr:
             self.lr = 1e-6 if rl else 1e-5
         if rl and not self.batch_size:
@@ -104,18 +100,71 @@ class TrainConfig:
         norms = ("step", "response") if rl else ("batch", "sample")
         self.loss_norm = self.loss_norm or norms[0]
         if self.loss_norm not in norms:
-            raise ValueError(f"--loss-norm for --phase {self.phase} must be one of {', '.join(norms)}, "
+            raise UsageError(f"--loss-norm for --phase {self.phase} must be one of {', '.join(norms)}, "
                              f"not {self.loss_norm!r}")
-        if self.resume and self.overwrite:
-            raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
 
+    def validate(self) -> None:
+        """Every value a run could not mean is a UsageError naming its flag: choices, RANGES, finite
+        floats, a model shape whose heads do not divide (--phase init), greedy RL rollouts."""
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise UsageError(f"--{_flag(name)} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
+        for name, rule in RANGES.items():
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UsageError(f"--{_flag(name)} must be a finite number, got {value}")
+            if not _within(value, rule):
+                raise UsageError(f"--{_flag(name)} must be {rule}, got {value}")
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
+            raise UsageError(f"--hidden-size {self.hidden_size} must be an even multiple of --num-heads "
+                             f"{self.num_heads} (each head's width is even for RoPE); change one of them")
+        if self.num_heads % self.num_kv_heads:
+            raise UsageError(f"--num-kv-heads {self.num_kv_heads} must divide --num-heads {self.num_heads} "
+                             "(each key/value head serves a group of query heads); change one of them")
+        if self.phase in RL_PHASES and self.temperature == 0:
+            raise UsageError("--temperature 0 samples every response of a group alike, so no group has an "
+                             "advantage and RL learns nothing; pass a --temperature above 0 (DICE: 1.0)")
+        if self.resume and self.overwrite:
+            raise UsageError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
+
+
+RL_PHASES = ("infill", "e2e")
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _within(value, rule: str) -> bool:
+    """`value` obeys `rule`: ">= x", "> x", "[a, b]" or "[a, b)"."""
+    if rule[0] in "[(":
+        low, high = (float(v) for v in rule[1:-1].split(","))
+        return (low <= value if rule[0] == "[" else low < value) and (value <= high if rule[-1] == "]" else value < high)
+    op, bound = rule.split()
+    return value >= float(bound) if op == ">=" else value > float(bound)
 
 CHOICES = {"phase": ("init", "sft", "infill", "e2e"), "dtype": ("auto", "bf16", "fp32"),
            "schedule": ("constant", "cosine"), "attention": ("auto", "flex", "dense"), "remasking": REMASKING,
            "reward": ("correct", "speedup")}
-AT_LEAST = {"steps": 0, "epochs": 0, "batch_size": 0, "grad_accum": 1, "max_len": 0, "tasks_per_step": 1,
-            "group_size": 1, "max_new_tokens": 1, "temperature": 0, "steps_per_block": 1, "rollout_batch": 1,
-            "updates_per_step": 0, "rows_per_update": 1}
+# the range of every number flag (`_within`)
+RANGES = {"steps": ">= 0", "epochs": ">= 0", "batch_size": ">= 0", "grad_accum": ">= 1", "lr": ">= 0",
+          "min_lr_ratio": "[0, 1]", "warmup": ">= 0", "weight_decay": ">= 0", "adam_beta1": "[0, 1)",
+          "adam_beta2": "[0, 1)", "grad_clip": "> 0", "max_len": ">= 0", "save_every": ">= 0",
+          "keep_checkpoints": ">= 0", "vocab_size": f">= {len(SPECIAL_TOKENS) + 256}", "hidden_size": ">= 2",
+          "num_layers": ">= 1", "num_heads": ">= 1", "num_kv_heads": ">= 1", "intermediate_size": ">= 1",
+          "block_size": ">= 1", "tasks_per_step": ">= 1", "group_size": ">= 2", "max_new_tokens": ">= 1",
+          "temperature": ">= 0", "threshold": "[0, 1]", "steps_per_block": ">= 1", "rollout_batch": ">= 1",
+          "updates_per_step": ">= 0", "rows_per_update": ">= 1", "clip_eps": "[0, 1)", "kl_beta": ">= 0",
+          "eval_every": ">= 0", "verifier_workers": ">= 1", "verify_timeout": "> 0"}
+# the flags only some phases use (every other flag: every phase but init); init uses INIT_FLAGS alone
+PHASE_FLAGS = {
+    "init": ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+             "block_size"),
+    "sft": ("epochs", "grad_accum", "schedule", "min_lr_ratio", "warmup", "max_len", "sft_infill"),
+    "infill/e2e": ("tasks_per_step", "group_size", "max_new_tokens", "temperature", "remasking", "threshold",
+                   "steps_per_block", "rollout_batch", "updates_per_step", "rows_per_update", "clip_eps", "kl_beta",
+                   "reference_model", "reward", "eval_every", "eval_data", "verifier_workers", "verify_timeout")}
+INIT_FLAGS = ("phase", "data", "out", "overwrite") + PHASE_FLAGS["init"]
 HELP = {
     "phase": "init: a from-scratch model folder; sft: masked-diffusion SFT; infill, e2e: the BiC-RL phases",
     "model": "the model folder to train; required with --data (neither: the embedded default, dice-tiny)",
@@ -143,7 +192,8 @@ HELP = {
     "save_every": "write a checkpoint every N steps (0: only final/)",
     "keep_checkpoints": "checkpoints kept, newest first (0: all)",
     "resume": "continue the run in --out from its newest checkpoint (its settings must match)",
-    "overwrite": "replace the earlier run in --out (its final/, metrics.jsonl, checkpoints/, run.json)",
+    "overwrite": "replace what --out holds that this command writes: an earlier run (final/, metrics.jsonl, "
+                 "checkpoints/, run.json), the embedded default's tasks.json, --phase init's config and tokenizer",
     "seed": "seed of the initialisation, data order and noise",
     "gradient_checkpointing": "recompute each layer's forward in the backward pass (less memory)",
     "sft_infill": "also teach kernel records under the infilling prompt",
@@ -186,26 +236,89 @@ EMBEDDED = {"sft": ({"steps": 30, "save_every": 10}, ("train", 200)),
             "infill": (_RL_DEMO, ("rl", 200)), "e2e": (_RL_DEMO, ("rl", 200))}
 
 
-def _parser(with_defaults: bool) -> ArgumentParser:
-    parser = ArgumentParser(prog="train.py", description="SFT and BiC-RL training (see README)",
+def _group_of(name: str) -> str:
+    """The --help group of a field: the phase(s) that use it."""
+    if name in ("phase", "data", "out", "overwrite"):
+        return "every phase"
+    return next((f"--phase {phase}" for phase, names in PHASE_FLAGS.items() if name in names),
+                "training (--phase sft, infill, e2e)")
+
+
+def _shown_default(name: str, phase: str | None) -> str:
+    """The default of a field as the phase(s) use it, and the embedded run's value where it sets one:
+    "(default: 0; embedded run: 30)", or with no --phase, per phase where they differ."""
+    if name in INIT_FLAGS or phase == "init":
+        default = getattr(TrainConfig(), name)
+        return "" if default is False or default == "" else f" (default: {default})"
+    phases = {"sft": "sft", "e2e": "infill/e2e"} if phase is None else {phase: phase}
+    used = {label: getattr(TrainConfig(phase=p), name) for p, label in phases.items()}
+    embedded = {label: EMBEDDED[p][0][name] for p, label in phases.items() if name in EMBEDDED[p][0]}
+
+    def shown(value) -> str:
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    def listed(values: dict) -> str:
+        if len({shown(v) for v in values.values()}) == 1 and len(values) == len(phases):
+            return shown(next(iter(values.values())))
+        return ", ".join(f"{label} {shown(v)}" for label, v in values.items())
+
+    text = "" if all(v is False or v == "" for v in used.values()) else f"default: {listed(used)}"
+    if embedded:
+        text += ("; " if text else "") + f"embedded run (no --model/--data): {listed(embedded)}"
+    return f" ({text})" if text else ""
+
+
+def _listed(group: str, phase: str | None) -> bool:
+    """Whether `train.py --phase PHASE --help` lists a flag of this group (every group without --phase)."""
+    if phase is None or group == "every phase":
+        return True
+    if phase == "init":
+        return group == "--phase init"
+    return group.startswith("training") or group == ("--phase sft" if phase == "sft" else "--phase infill/e2e")
+
+
+def _parser(with_defaults: bool, phase: str | None = None) -> ArgumentParser:
+    """train.py's parser; --help groups the flags by the phases that use them, only `phase`'s groups
+    when --phase is given, and shows each default as that phase uses it (`_shown_default`)."""
+    parser = ArgumentParser(prog="train.py", description="SFT and BiC-RL training (see README); "
+                            "`train.py --phase PHASE --help` lists that phase's flags alone",
                             argument_default=None if with_defaults else argparse.SUPPRESS)
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
+        title = _group_of(f.name)
+        helped = HELP[f.name] + _shown_default(f.name, phase) if _listed(title, phase) else argparse.SUPPRESS
+        group = groups.setdefault(title, parser.add_argument_group(title))
+        flag = "--" + _flag(f.name)
         default = {"default": f.default} if with_defaults else {}
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", help=HELP[f.name], **default)
+            group.add_argument(flag, action="store_true", help=helped, **default)
         else:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            parser.add_argument(flag, type=kind, choices=CHOICES.get(f.name), help=HELP[f.name], **default)
+            group.add_argument(flag, type=kind, choices=CHOICES.get(f.name), help=helped, **default)
     return parser
+
+
+def _phase_asked(argv: list[str] | None) -> str | None:
+    """The --phase on the command line, if it is one (for --help, before the parser exists)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    values = [b for a, b in zip(args, args[1:]) if a == "--phase"] + [a[8:] for a in args if a.startswith("--phase=")]
+    return values[-1] if values and values[-1] in CHOICES["phase"] else None
 
 
 def config_from_args(argv: list[str] | None = None) -> tuple[TrainConfig, set[str]]:
     """argparse over the TrainConfig fields (`--batch-size 8`, `--resume`, ...): the config, and the
-    names of the fields given on the command line."""
-    parser = _parser(with_defaults=True)
+    names of the fields given on the command line. A value no run could mean (`TrainConfig.validate`)
+    and a flag the phase does not use are usage errors (exit status 2)."""
+    parser = _parser(with_defaults=True, phase=_phase_asked(argv))
     args = parser.parse_args(argv)
     given = set(vars(_parser(with_defaults=False).parse_args(argv)))
+    uses = INIT_FLAGS if args.phase == "init" else [f.name for f in dataclasses.fields(TrainConfig) if not any(
+        f.name in names for phase, names in PHASE_FLAGS.items() if args.phase not in phase.split("/"))]
+    unused = sorted(given - set(uses), key=[f.name for f in dataclasses.fields(TrainConfig)].index)
+    if unused:
+        phases = next((p for p, names in PHASE_FLAGS.items() if unused[0] in names), "sft, infill, e2e")
+        parser.error(f"--{_flag(unused[0])} is a flag of --phase {phases}, which --phase {args.phase} does not "
+                     "use; drop it")
     try:
         return TrainConfig(**vars(args)), given
     except ValueError as e:

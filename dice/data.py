@@ -47,6 +47,8 @@ def read_records(path: str | Path) -> list[dict]:
     """The records of a JSON list or a JSONL file (one object per line; blank lines skipped); a line
     that does not parse is reported with its line number in the file."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"data file {path} is a folder; pass --data FILE (.json or .jsonl records)")
     if not path.is_file():
         raise DataError(f"data file {path} not found; pass --data FILE (.json or .jsonl records)")
     text = read_text(path)
@@ -91,34 +93,52 @@ def record_to_text(record: dict, *, one_shot: str | None = "load_inline", infill
     infilling prompt (the record's prefix and suffix around the gap) for a kernel record, `think`
     DICE's response format (`dice.prompts.chat_response`)."""
     if "messages" in record:
-        prompt, answer = _messages_prompt(record["messages"])
+        messages = record["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                     and isinstance(m.get("content"), str) for m in messages):
+            raise TypeError("its messages must be a list of objects with a role and a content string")
+        prompt, answer = _messages_prompt(messages)
         return prompt, chat_response(answer, think)
     if "pytorch_code" in record:
-        if not str(record.get("cuda_code", "")).strip():   # DICE's end-to-end RL file: tasks without solutions
+        if not record.get("cuda_code") or (isinstance(record["cuda_code"], str) and not record["cuda_code"].strip()):
+            # DICE's end-to-end RL file: tasks without solutions
             raise ValueError("it has a pytorch_code task but no cuda_code solution (or an empty one): a task for "
                              "RL (--phase e2e), not an SFT example; add its solution as cuda_code or leave it out")
-        skeleton = {"prefix": record["prefix"], "suffix": record["suffix"]} if infill else {}
-        user = kernel_prompt(record["pytorch_code"], one_shot=one_shot, **skeleton)
-        answer = f"```python\n{record['cuda_code'].strip()}\n```"
+        fields = ("pytorch_code", "cuda_code") + (("prefix", "suffix") if infill else ())
+        user_text, code = _strings(record, fields)[:2]
+        skeleton = dict(zip(("prefix", "suffix"), _strings(record, ("prefix", "suffix")))) if infill else {}
+        user = kernel_prompt(user_text, one_shot=one_shot, **skeleton)
+        answer = f"```python\n{code.strip()}\n```"
     elif "instruction" in record:
-        user = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
-        answer = record["output"]
+        instruction, answer = _strings(record, ("instruction", "output"))
+        extra = _strings(record, ("input",))[0] if record.get("input") else ""
+        user = instruction + (f"\n\n{extra}" if extra else "")
     else:
-        user, answer = record["prompt"], record["response"]
-    if not isinstance(user, str) or not isinstance(answer, str):
-        raise TypeError("its prompt and response must be strings")
+        user, answer = _strings(record, ("prompt", "response"))
     return chat_prompt(user), chat_response(answer, think)
+
+
+def _strings(record: dict, keys: tuple[str, ...]) -> list[str]:
+    """The record's values of `keys`; a missing key is a KeyError, a value that is no string a TypeError."""
+    values = [record[key] for key in keys]
+    for key, value in zip(keys, values):
+        if not isinstance(value, str):
+            raise TypeError(f"its {key} must be a string, not {type(value).__name__} {value!r:.40}")
+    return values
 
 
 def record_texts(record: dict, where: str, *, one_shot: str | None = "load_inline",
                  infill_copies: bool = False, think: bool = False) -> list[tuple[str, str]]:
     """`record_to_text` of a record, plus its infilling copy with `infill_copies` (see
     `tokenize_records`); a record of no known format is a DataError naming `where`."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where} is a JSON {type(record).__name__}, not a record object; write each record as "
+                        "an object such as {\"prompt\": ..., \"response\": ...}")
     try:
         texts = [record_to_text(record, one_shot=one_shot, think=think)]
         if infill_copies and "prefix" in record and "cuda_code" in record:
             texts.append(record_to_text(record, one_shot=one_shot, infill=True, think=think))
-    except (KeyError, AttributeError) as e:
+    except KeyError as e:
         raise DataError(f"{where} is not a prompt/response, alpaca, messages or pytorch_code/cuda_code "
                         f"record (it has no {e}); fix the record or leave it out") from None
     except (TypeError, ValueError) as e:

@@ -49,7 +49,9 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         d = dict(d)
         if d.get("head_dim") is None and "hidden_size" in d and "num_attention_heads" in d:
-            d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+            # a wrong type or a zero head count is left to `dice.checkpoint.config_problem` to name
+            sizes = (d["hidden_size"], d["num_attention_heads"])
+            d["head_dim"] = sizes[0] // sizes[1] if all(type(v) is int and v > 0 for v in sizes) else None
         if d.get("num_key_value_heads") is None and "num_attention_heads" in d:
             d["num_key_value_heads"] = d["num_attention_heads"]
         missing = [f.name for f in dataclasses.fields(cls)

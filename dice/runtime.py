@@ -11,8 +11,9 @@ Run directory layout (`--out DIR`):
     DIR/final/                        the model folder after the last step
     DIR/run.json                      the settings a --resume must match (data hash, batch, seed, ...)
 A run never overwrites another: an --out holding any of these is refused, untouched, unless
---resume (continue it; every setting in run.json must match, --steps may grow) or --overwrite
-(delete them, just before the first step) says what to do with it.
+--resume (continue it; every setting in run.json must match, --steps may grow, and every file it
+reads is checked first) or --overwrite (delete them, just before the first step) says what to do
+with it; the rule of every command's outputs (`dice.inputs`).
 Randomness is a function of (seed, step, global row), never of a running generator, so a run
 resumed from step k continues exactly as the unbroken run would, on any number of processes.
 """
@@ -24,19 +25,23 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import sys
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
 
 from .checkpoint import CheckpointError, from_published, has_weights, load_model, read_config, save_model
 from .config import TrainConfig
-from .errors import UserError
+from .errors import UsageError, UserError
+from .inputs import output_folder
 from .model import SDAR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "added_tokens.json",
@@ -195,22 +200,71 @@ def checkpoint_folders(ckpts: Path) -> list[tuple[int, Path]]:
 
 
 class RunFolderError(UserError):
-    """An --out whose earlier run this one would overwrite or not continue exactly."""
+    """An --out whose earlier run this one would not continue exactly, or whose files a resume cannot read."""
 
 
 RUN_ENTRIES = ("final", "metrics.jsonl", "checkpoints", "run.json")
 
 
-def check_run_folder(out: Path, resuming: bool, overwriting: bool) -> None:
+def check_run_folder(out: Path, resuming: bool, overwriting: bool, *, also: tuple[str, ...] = (),
+                     inputs: dict | None = None) -> None:
     """Refuse, touching nothing, an --out holding an earlier run unless --resume or --overwrite says
-    what to do with it, and a --resume of a run that left no checkpoint to continue from."""
+    what to do with it (a UsageError, as for every output: `dice.inputs`), an --out that is a file,
+    unwritable or inside an input, and `also` (other entries the run writes, e.g. tasks.json) where
+    they exist already. With --resume: refuse a folder that holds no run, or a run without
+    checkpoints, and any of its files that a resume reads but cannot (`check_resumable`)."""
+    if resuming:
+        if not out.is_dir():
+            raise UsageError(f"--resume: {out} does not exist, so there is no run to continue; check --out, or drop "
+                             "--resume to start a new run")
+        if not any((out / name).exists() for name in RUN_ENTRIES):
+            raise UsageError(f"--resume: {out} holds no run (no {', '.join(RUN_ENTRIES)}); check --out, or drop "
+                             "--resume to start a new run there")
+        if latest_checkpoint(out) is None:
+            raise RunFolderError(f"{out} holds a run without checkpoints (it ran with --save-every 0), so --resume "
+                                 "has nothing to continue from; pass --overwrite to replace it or choose another --out")
+        check_resumable(out)
+        return
+    output_folder(out, "--out", also, overwrite=overwriting, inputs=inputs or {})
     found = [name for name in RUN_ENTRIES if (out / name).exists()]
-    if found and not (resuming or overwriting):
-        raise RunFolderError(f"{out} holds an earlier run ({', '.join(found)}); pass --resume to continue it, "
-                             "--overwrite to replace it, or choose another --out")
-    if resuming and found and latest_checkpoint(out) is None:
-        raise RunFolderError(f"{out} holds a run without checkpoints (it ran with --save-every 0), so --resume "
-                             "has nothing to continue from; pass --overwrite to replace it or choose another --out")
+    if found and not overwriting:
+        raise UsageError(f"{out} holds an earlier run ({', '.join(found)}); pass --resume to continue it, "
+                         "--overwrite to replace it, or choose another --out")
+
+
+def check_resumable(out: Path) -> None:
+    """Every file a --resume reads, read before anything is written: run.json, each line of
+    metrics.jsonl, and the checkpoint `latest` names (its trainer_state.pt and safetensors files
+    complete); one that is cut or corrupt is an error naming it (and the line) and the fix."""
+    settings = out / "run.json"
+    if settings.is_file():
+        try:
+            if not isinstance(json.loads(settings.read_text()), dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RunFolderError(f"{settings} is not a JSON object of the run's settings ({e}); restore it, or "
+                                 "start a new run with --overwrite or another --out") from None
+    metrics = out / "metrics.jsonl"
+    for number, line in enumerate(metrics.read_text(errors="replace").splitlines() if metrics.is_file() else [], 1):
+        try:
+            record = json.loads(line) if line.strip() else {"step": 0}
+            if not isinstance(record, dict) or type(record.get("step")) is not int:
+                raise ValueError("no whole-number step")
+        except ValueError as e:
+            raise RunFolderError(f"{metrics} line {number} is not a metrics record ({e}); a run killed while writing "
+                                 "cuts its last line: delete that line and resume again") from None
+    checkpoint = latest_checkpoint(out)
+    files = [checkpoint / "trainer_state.pt", *sorted(checkpoint.glob("*.safetensors"))]
+    for file in files:
+        try:
+            if file.suffix == ".pt":
+                zipfile.ZipFile(file).close()   # torch.save's zip: a cut file has no central directory
+            else:
+                safe_open(str(file), framework="pt")
+        except (zipfile.BadZipFile, SafetensorError, OSError) as e:
+            raise CheckpointError(f"{file} is cut or corrupt ({e}); write the name of an earlier complete step_* "
+                                  f"folder into {out / 'checkpoints' / 'latest'} to resume from it, or start again "
+                                  "with --overwrite") from None
 
 
 def digest(path: str | Path) -> str:
@@ -270,9 +324,9 @@ def latest_checkpoint(out: Path) -> Path | None:
     pointer = out / "checkpoints" / "latest"
     if not pointer.is_file():
         return None
-    name = pointer.read_text().strip()
+    name = pointer.read_text(errors="replace").strip()
     path = out / "checkpoints" / name
-    if not (path / "trainer_state.pt").is_file():
+    if not re.fullmatch(r"step_\d+", name) or not (path / "trainer_state.pt").is_file():
         raise CheckpointError(f"{pointer} names {name}, which is missing or incomplete; write the name of a "
                               "complete step_* folder there to resume from it, or choose another --out")
     return path
@@ -290,12 +344,18 @@ def resume(out: Path, model, optimizer, log) -> tuple[int, dict]:
     from safetensors.torch import load_file
     path = latest_checkpoint(out)
     if path is None:
-        log(f"--resume: no checkpoint in {out / 'checkpoints'}; starting at step 1")
-        return 0, {}
-    state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
-    weights = {}
-    for f in sorted(path.glob("*.safetensors")):
-        weights.update(load_file(f))
+        raise RunFolderError(f"--resume: {out / 'checkpoints'} holds no checkpoint to continue from")
+    try:
+        state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+        weights = {}
+        for f in sorted(path.glob("*.safetensors")):
+            weights.update(load_file(f))
+        if not isinstance(state, dict) or not {"step", "optimizer"} <= state.keys():
+            raise KeyError("step and optimizer")
+    except (RuntimeError, OSError, EOFError, KeyError, TypeError, pickle.UnpicklingError, SafetensorError) as e:
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {str(e)[:120]}); write the name of an "
+                              f"earlier complete step_* folder into {out / 'checkpoints' / 'latest'}, or start again "
+                              "with --overwrite") from None
     weights = from_published(weights)
     if model.config.tie_word_embeddings:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]

@@ -28,7 +28,8 @@ from .diffusion import count_samples, diffusion_loss
 from .model import ModelConfig
 from .prompts import thinks
 from .rollout import one_shot_style
-from .runtime import (MetricsLog, build_model, check_resume, check_run_folder, checkpoint_step, digest, lr_at,
+from .checkpoint import INDEX, SINGLE
+from .runtime import (TOKENIZER_FILES, MetricsLog, build_model, check_resume, check_run_folder, checkpoint_step, digest, lr_at,
                       make_logger, make_optimizer, progress_line, resume, row_generator, run_settings, save_checkpoint,
                       save_final, setup_runtime, start_run)
 from .tokenizer import load_tokenizer
@@ -140,14 +141,21 @@ def train_sft(cfg: TrainConfig) -> Path:
     return save_final(model, optimizer, out, cfg.model, rt, log)
 
 
+# what --phase init writes into --out, or with --overwrite removes first (weights of another config)
+INIT_ENTRIES = ("config.json", *TOKENIZER_FILES, SINGLE, INDEX)
+
+
 def init_model_folder(cfg: TrainConfig) -> Path:
     """`--phase init`: train a byte-level BPE on the prompts and responses of --data and write a
     model folder with it and a config.json (no weights: SFT then starts from scratch). Prompts
-    carry no one-shot example (`dice_one_shot: null`), which keeps them short for small models."""
+    carry no one-shot example (`dice_one_shot: null`), which keeps them short for small models.
+    With --overwrite the INIT_ENTRIES of an earlier model folder are removed first."""
     from .tokenizer import train_tokenizer
     out = Path(cfg.out)
     texts = ["".join(record_texts(r, f"{cfg.data}: record {i}", one_shot=None)[0])
              for i, r in enumerate(read_records(cfg.data))]
+    for name in INIT_ENTRIES if cfg.overwrite else ():
+        (out / name).unlink(missing_ok=True)
     tok = train_tokenizer(texts, cfg.vocab_size, out)
     config = ModelConfig(
         vocab_size=tok.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,

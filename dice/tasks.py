@@ -125,12 +125,27 @@ def _load_json(path: Path) -> list[Task]:
         if any(s is not None for s in split) and not all(isinstance(s, str) for s in split):
             raise DataError(f"{where}: has only part of prefix/middle/suffix; give all three strings or none")
         ident = record.get("id", record.get("idx", i))
-        level = record.get("level")
+        if not isinstance(ident, (str, int)) or isinstance(ident, bool):
+            raise DataError(f"{where}: its id must be a string or a whole number, not {ident!r:.40}")
+        if record.get("cuda_code") is not None and not isinstance(record["cuda_code"], str):
+            raise DataError(f"{where}: its cuda_code must be a string (the solution's source), not "
+                            f"{type(record['cuda_code']).__name__} {record['cuda_code']!r:.40}")
         tasks.append(Task(
             name=f"{path.stem}/{ident}",
-            level=int(level) if level is not None else file_level,
+            level=_record_level(record.get("level"), where, file_level),
             source=record["pytorch_code"],
             prefix=split[0], middle=split[1], suffix=split[2],
             solution=record.get("cuda_code"),
         ))
     return tasks
+
+
+def _record_level(level, where: str, file_level: int | None) -> int | None:
+    """A record's level: a whole number (or its digits as a string: DICE's files); the file's without one."""
+    if level is None:
+        return file_level
+    if isinstance(level, str) and level.strip().isdigit():
+        level = int(level)
+    if type(level) is not int or level < 0:
+        raise DataError(f"{where}: its level must be a whole number >= 0 (KernelBench's 1, 2, 3), not {level!r:.40}")
+    return level
