@@ -23,9 +23,12 @@ so the order follows the model's confidence.
 
 Inputs are checked and solutions generated on any machine (a CPU generates in float32); only running
 the kernels needs a CUDA GPU: without one, `--save-solutions DIR` keeps what was generated for
-`--solutions DIR` on a GPU machine.
+`--solutions DIR` on a GPU machine, and `--out` lists them as unverified. Every flag and path, and
+the memory generation needs, are checked before any work; `--out` and `--save-solutions` never
+replace an existing file without `--overwrite` and never write into an input (`dice.inputs`).
 """
 import json
+import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -33,8 +36,12 @@ from pathlib import Path
 
 import torch
 
-from dice.cli import ArgumentParser, ProgressLine, at_least, eta, fail_cleanly
+from dice.checkpoint import read_config
+from dice.cli import ArgumentParser, ProgressLine, at_least, eta, fail_cleanly, in_range
 from dice.data import DataError, read_text
+from dice.errors import UsageError
+from dice.inputs import input_path, output_file, output_folder
+from dice.memory import check_fits, kv_cache_bytes, parameter_bytes
 from dice.metrics import format_summary, summarize
 from dice.prompts import keeps_skeleton
 from dice.sampler import REMASKING
@@ -54,14 +61,16 @@ DICE_BLOCK_SIZE = 4
 def parse_args(argv=None):
     p = ArgumentParser(prog="evaluate.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--tasks", required=True, help="a KernelBench folder, a task .py file or a DICE .json file")
-    p.add_argument("--level", type=int, nargs="+", default=None, help="only these levels (default: all)")
+    p.add_argument("--level", type=at_least(0), nargs="+", default=None, help="only these levels (default: all)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="generate solutions with this model folder")
     source.add_argument("--solutions", help="a folder of solutions, or 'reference' for the tasks' cuda_code")
     p.add_argument("--samples", type=at_least(1), default=None, help="solutions generated per task (pass@k; default: 1)")
     p.add_argument("--infill", action="store_true",
                    help="kernel infilling: prompt with the task's skeleton; a program that drops it is invalid")
-    p.add_argument("--out", default=None, help="write the summary and every verdict here (JSON)")
+    p.add_argument("--out", default=None, help="write the summary and every verdict here (JSON, a new file)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file and the entries of "
+                   "--save-solutions DIR this run writes")
     p.add_argument("--save-solutions", default=None, metavar="DIR",
                    help="with --model: write every generated program to DIR/<task name>.py (DIR/<task name>/<k>.py "
                         "with --samples k), the layout --solutions DIR reads")
@@ -71,7 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--rules", choices=("strict", "kernelbench"), default="strict",
                    help="the kernel rule: strict (DICE's own kernels, the RL reward) or kernelbench (one own kernel "
                         "launched suffices, to compare with published numbers)")
-    p.add_argument("--timeout", type=float, default=120.0,
+    p.add_argument("--timeout", type=in_range(0, None, above=True), default=120.0,
                    help="seconds a candidate may run before it is called a timeout (a hanging kernel costs this)")
     p.add_argument("--protocol", choices=tuple(PROTOCOLS), default="default",
                    help="with --model: default (the flags below) or dice (DICE's evaluation settings: one greedy "
@@ -85,13 +94,16 @@ def parse_args(argv=None):
     p.add_argument("--remasking", choices=REMASKING, default=None,
                    help="with --model: the sampler's remasking rule (default: low_confidence_dynamic)")
     p.add_argument("--batch-size", type=at_least(1), default=64, help="with --model: sequences generated per batch")
-    p.add_argument("--seed", type=int, default=0, help="with --model: sampling seed")
+    p.add_argument("--seed", type=at_least(0), default=0, help="with --model: sampling seed")
     p.add_argument("--limit", type=at_least(1), default=None, help="evaluate only the first N tasks")
     args = p.parse_args(argv)
     if args.save_solutions and not args.model:
         p.error("argument --save-solutions: only with --model (it saves what the model generates)")
-    if args.out and not Path(args.out).resolve().parent.is_dir():
-        p.error(f"argument --out: the folder of {args.out} does not exist; create it or choose another path")
+    if args.out:
+        try:
+            output_file(args.out, "--out", overwrite=args.overwrite, inputs=inputs_of(args))
+        except UsageError as e:
+            p.error(str(e))
     fixed = PROTOCOLS[args.protocol]
     for name, value in fixed.items():
         given = getattr(args, name)
@@ -105,8 +117,20 @@ def parse_args(argv=None):
     return args
 
 
+def inputs_of(args) -> dict:
+    """The inputs no output may be, or lie inside."""
+    return {"--tasks": args.tasks, "--model": args.model,
+            "--solutions": args.solutions if args.solutions != "reference" else None}
+
+
+def solution_entries(tasks, samples: int) -> list[str]:
+    """The entries `write_solutions` writes under its folder: <task name>.py, or <task name>/ per task."""
+    return list(dict.fromkeys(f"{t.name}.py" if samples == 1 else t.name for t in tasks))
+
+
 def read_solutions(args, tasks) -> list[tuple[object, str | None]]:
-    """(task, source or None) pairs from --solutions."""
+    """(task, source or None) pairs from --solutions; a folder holding none of the tasks' solutions
+    is an error, one missing some a warning (each missing one is scored compile_error)."""
     pairs = []
     if args.solutions == "reference":
         if all(t.solution is None for t in tasks):
@@ -115,14 +139,20 @@ def read_solutions(args, tasks) -> list[tuple[object, str | None]]:
         for t in tasks:
             pairs.append((t, t.solution))
         return pairs
-    root = Path(args.solutions)
-    if not root.is_dir():
-        raise FileNotFoundError(f"solutions folder {root} does not exist; pass --solutions DIR (DIR/<task name>.py "
-                                "files, as --save-solutions writes them) or --solutions reference")
+    root = input_path(args.solutions, "--solutions", "folder", "pass --solutions DIR (DIR/<task name>.py files, as "
+                      "--save-solutions writes them) or --solutions reference")
     for t in tasks:
         single, folder = root / f"{t.name}.py", root / t.name
         files = [single] if single.is_file() else sorted(folder.glob("*.py")) if folder.is_dir() else []
         pairs += [(t, read_text(f)) for f in files] or [(t, None)]
+    missing = sum(code is None for _, code in pairs)
+    if missing == len(tasks):
+        raise DataError(f"--solutions {root} holds no solution of the {len(tasks)} tasks (looked for "
+                        f"{root / (tasks[0].name + '.py')} or .py files in {root / tasks[0].name}/); pass the folder "
+                        "--save-solutions wrote for these --tasks")
+    if missing:
+        print(f"warning: --solutions {root} has no solution for {missing} of the {len(tasks)} tasks; they count "
+              "as compile_error", file=sys.stderr)
     return pairs
 
 
@@ -130,7 +160,11 @@ def write_solutions(root: Path, pairs: list[tuple[object, str | None]], samples:
     """Write generated programs where `read_solutions` finds them: root/<task name>.py, or
     root/<task name>/<k>.py for k = 0..samples-1 (zero-padded, so names sort in sample order); an
     answer without code is an empty file, which reads back as no solution, so a re-verification
-    counts the same samples."""
+    counts the same samples. An entry there already (main let only --overwrite through) is replaced
+    whole, so no earlier sample of a task is read back with the new ones."""
+    for name in solution_entries([t for t, _ in pairs], samples):
+        if (root / name).is_dir():
+            shutil.rmtree(root / name)
     seen: dict[str, int] = {}
     width = len(str(samples - 1))
     for task, code in pairs:
@@ -145,10 +179,8 @@ def generate_solutions(args, tasks) -> list[tuple[object, str | None]]:
     from dice import load_model, load_tokenizer
     from dice.rollout import complete, one_shot_style, task_prompt_ids
     cuda = torch.cuda.is_available()
+    check_memory(args, len(tasks) * args.samples, cuda)
     model = load_model(args.model, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
-    if args.protocol == "dice" and model.config.block_size != DICE_BLOCK_SIZE:
-        raise DataError(f"--protocol dice decodes blocks of {DICE_BLOCK_SIZE} and {args.model} has block_size "
-                        f"{model.config.block_size} in its config.json; use --protocol default for this model")
     tok = load_tokenizer(args.model)
     prompts, owners = [], []
     for t in tasks:
@@ -174,6 +206,40 @@ def generate_solutions(args, tasks) -> list[tuple[object, str | None]]:
         write_solutions(Path(args.save_solutions), pairs, args.samples)
         print(f"wrote {len(pairs)} programs to {args.save_solutions}", file=sys.stderr)
     return pairs
+
+
+def check_generation_inputs(args, tasks) -> None:
+    """--model: a model folder with a usable config.json (for --protocol dice, of DICE's block size);
+    --save-solutions: a folder where none of the entries this run writes exists (or --overwrite),
+    outside every input."""
+    if not args.model:
+        return
+    input_path(args.model, "--model", "folder", "pass --model DIR (a downloaded SDAR/DICE checkpoint or a folder "
+               "written by train.py)")
+    block = read_config(args.model).block_size
+    if args.protocol == "dice" and block != DICE_BLOCK_SIZE:
+        raise DataError(f"--protocol dice decodes blocks of {DICE_BLOCK_SIZE} and {args.model} has block_size "
+                        f"{block} in its config.json; use --protocol default for this model")
+    if args.save_solutions:
+        output_folder(args.save_solutions, "--save-solutions", solution_entries(tasks, args.samples),
+                      overwrite=args.overwrite, inputs=inputs_of(args))
+
+
+def check_memory(args, prompts: int, cuda: bool) -> None:
+    """The weights and the KV cache of a batch of generations must fit in free memory (`dice.memory`)."""
+    config, size = read_config(args.model), 2 if cuda else 4
+    parts = {"weights": parameter_bytes(config, size),
+             "the KV cache": kv_cache_bytes(config, min(args.batch_size, prompts), args.max_new_tokens + 1, size)}
+    check_fits(parts, torch.device("cuda" if cuda else "cpu"), "lower --batch-size or --max-new-tokens")
+
+
+def write_unverified(args, pairs) -> None:
+    """--out of a run that generated without a GPU: the programs, in --save-solutions, not yet verified."""
+    records = [{"task": t.name, "level": t.level, "status": "unverified", "has_code": bool(code)} for t, code in pairs]
+    Path(args.out).write_text(json.dumps({"verified": False, "solutions": args.save_solutions, "summary": None,
+                                          "results": records}, indent=1))
+    print(f"wrote {args.out} (unverified: verify with --solutions {args.save_solutions} on a GPU machine)",
+          file=sys.stderr)
 
 
 def verdict_without_running(task, code: str | None, infill: bool):
@@ -212,6 +278,7 @@ def main(argv=None) -> None:
     tasks = tasks[:args.limit] if args.limit else tasks
     if not tasks:
         sys.exit(f"error: no tasks in {args.tasks}" + (f" at level(s) {args.level}" if args.level else ""))
+    check_generation_inputs(args, tasks)
     gpu = torch.cuda.is_available()
     if args.model and not gpu and not args.save_solutions:
         sys.exit(f"{NO_GPU}; pass --save-solutions DIR to generate the programs here and verify them later "
@@ -222,6 +289,8 @@ def main(argv=None) -> None:
             sys.exit(f"{NO_GPU}; run this command on a GPU machine (its {len(pairs)} solutions were read fine)")
         print(f"{NO_GPU}; verify the programs later with `python evaluate.py --tasks {args.tasks} --solutions "
               f"{args.save_solutions}` on a GPU machine", file=sys.stderr)
+        if args.out:
+            write_unverified(args, pairs)
         return
     from dice.verifier import Verifier
     early = [verdict_without_running(t, code, args.infill) for t, code in pairs]

@@ -4,7 +4,9 @@
                      [--remasking low_confidence_static|low_confidence_dynamic] [--seed N] ...
 
 Without --model the small model shipped inside the package is used. The extracted `ModelNew`
-source is printed (and written to --out); --verify runs the kernel verifier on it (needs a GPU).
+source is printed (and written to --out, which must not exist yet unless --overwrite); --verify
+runs the kernel verifier on it (needs a GPU). Every flag, path and the memory the generation needs
+(`dice.memory`) are checked before the model loads.
 """
 import re
 import sys
@@ -15,7 +17,11 @@ import torch
 
 import dice
 from dice import load_model, load_tokenizer
-from dice.cli import ArgumentParser, ProgressLine, at_least, eta, fail_cleanly
+from dice.checkpoint import read_config
+from dice.cli import ArgumentParser, ProgressLine, at_least, eta, fail_cleanly, in_range
+from dice.errors import UsageError
+from dice.inputs import input_path, output_file
+from dice.memory import check_fits, kv_cache_bytes, parameter_bytes
 from dice.rollout import complete, one_shot_style, task_prompt_ids
 from dice.sampler import REMASKING
 from dice.tasks import load_tasks
@@ -28,17 +34,18 @@ def parse_args(argv=None):
     p.add_argument("--prompt", required=True,
                    help="a KernelBench-format task .py file, or a DICE .json file (its first task)")
     p.add_argument("--model", default=None, help="model folder (default: the embedded dice-tiny)")
-    p.add_argument("--out", default=None, help="write the generated ModelNew source here")
+    p.add_argument("--out", default=None, help="write the generated ModelNew source here (a new file)")
+    p.add_argument("--overwrite", action="store_true", help="replace the --out file if it exists")
     p.add_argument("--verify", action="store_true", help="verify the kernel (needs a CUDA GPU)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=1024, help="tokens generated at most")
     p.add_argument("--steps-per-block", type=at_least(1), default=4, help="denoising steps per block")
     p.add_argument("--remasking", choices=REMASKING, default="low_confidence_dynamic",
                    help="which masked positions a denoising step unmasks")
-    p.add_argument("--threshold", type=float, default=0.9, help="confidence threshold of low_confidence_dynamic")
+    p.add_argument("--threshold", type=in_range(0, 1), default=0.9, help="confidence threshold of low_confidence_dynamic")
     p.add_argument("--temperature", type=at_least(0.0, float), default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=at_least(0), default=0, help="sample among the k likeliest tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--top-p", type=in_range(0, 1, above=True), default=1.0, help="nucleus sampling, in (0, 1]")
+    p.add_argument("--seed", type=at_least(0), default=0, help="sampling seed")
     p.add_argument("--infill", action="store_true",
                    help="fill in the task's skeleton (DICE .json tasks with a prefix/middle/suffix)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
@@ -47,27 +54,35 @@ def parse_args(argv=None):
     p.add_argument("--fused", action="store_true",
                    help="run each denoising step as one persistent CUDA kernel (Hopper GPU, bf16)")
     args = p.parse_args(argv)
-    if not 0 < args.top_p <= 1:
-        p.error(f"argument --top-p: must be in (0, 1], got {args.top_p}")
-    if not 0 <= args.threshold <= 1:
-        p.error(f"argument --threshold: must be in [0, 1], got {args.threshold}")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         p.error(f"argument --device: use cpu, cuda or cuda:N, not {args.device!r}")
     if args.fused and args.device == "cpu":
         p.error("argument --fused: the fused kernel runs on a CUDA GPU; drop --fused or use --device cuda")
     if args.device != "cpu" and int(args.device.partition(":")[2] or 0) >= torch.cuda.device_count():
         p.error(f"argument --device: this machine has no {args.device} GPU; use --device cpu")
-    if args.out and not Path(args.out).resolve().parent.is_dir():
-        p.error(f"argument --out: the folder of {args.out} does not exist; create it or choose another path")
+    if args.out:
+        try:
+            output_file(args.out, "--out", overwrite=args.overwrite,
+                        inputs={"--prompt": args.prompt, "--model": args.model or EMBEDDED_MODEL})
+        except UsageError as e:
+            p.error(str(e))
     return args
+
+
+def check_memory(args, model_dir: Path) -> None:
+    """The weights in the generation dtype and the sampler's KV cache for the whole length must fit
+    in the device's free memory (`dice.memory`; the prompt's length counts one token here)."""
+    config, device = read_config(model_dir), torch.device(args.device)
+    size = 2 if device.type == "cuda" else 4
+    parts = {"weights": parameter_bytes(config, size),
+             "the KV cache": kv_cache_bytes(config, 1, args.max_new_tokens + 1, size)}
+    check_fits(parts, device, "lower --max-new-tokens")
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    model_dir = Path(args.model) if args.model else EMBEDDED_MODEL
-    if not model_dir.is_dir():
-        sys.exit(f"error: model folder {model_dir} does not exist; pass --model DIR (a downloaded "
-                 "SDAR/DICE checkpoint or a folder written by train.py)")
+    model_dir = input_path(args.model or EMBEDDED_MODEL, "--model", "folder", "pass --model DIR (a downloaded "
+                           "SDAR/DICE checkpoint or a folder written by train.py)")
     tasks = load_tasks(args.prompt)
     if not tasks:
         sys.exit(f"error: {args.prompt} holds no task; give --prompt a task .py file or a non-empty DICE .json file")
@@ -75,6 +90,7 @@ def main(argv=None) -> None:
     if args.infill and task.prefix is None:
         sys.exit(f"error: --infill needs a task with a prefix/middle/suffix split and {task.name} has none; "
                  "drop --infill or use a DICE .json task that has the split")
+    check_memory(args, model_dir)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = load_model(model_dir, device=args.device, dtype=dtype)
     tok = load_tokenizer(model_dir)

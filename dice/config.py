@@ -114,10 +114,10 @@ class TrainConfig:
             if isinstance(value, float) and not math.isfinite(value):
                 raise UsageError(f"--{_flag(name)} must be a finite number, got {value}")
             if not _within(value, rule):
-                raise UsageError(f"--{_flag(name)} must be {rule}, got {value}")
+                raise UsageError(f"--{_flag(name)} must be {'in ' * (rule[0] in '[(')}{rule}, got {value}")
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
-            raise UsageError(f"--hidden-size {self.hidden_size} must be an even multiple of --num-heads "
-                             f"{self.num_heads} (each head's width is even for RoPE); change one of them")
+            raise UsageError(f"--hidden-size {self.hidden_size} / --num-heads {self.num_heads} must be a whole, even "
+                             "head width (RoPE rotates pairs of its channels); change one of them")
         if self.num_heads % self.num_kv_heads:
             raise UsageError(f"--num-kv-heads {self.num_kv_heads} must divide --num-heads {self.num_heads} "
                              "(each key/value head serves a group of query heads); change one of them")
@@ -155,7 +155,7 @@ RANGES = {"steps": ">= 0", "epochs": ">= 0", "batch_size": ">= 0", "grad_accum":
           "block_size": ">= 1", "tasks_per_step": ">= 1", "group_size": ">= 2", "max_new_tokens": ">= 1",
           "temperature": ">= 0", "threshold": "[0, 1]", "steps_per_block": ">= 1", "rollout_batch": ">= 1",
           "updates_per_step": ">= 0", "rows_per_update": ">= 1", "clip_eps": "[0, 1)", "kl_beta": ">= 0",
-          "eval_every": ">= 0", "verifier_workers": ">= 1", "verify_timeout": "> 0"}
+          "eval_every": ">= 0", "verifier_workers": ">= 1", "verify_timeout": "> 0", "seed": "[0, 4294967295]"}
 # the flags only some phases use (every other flag: every phase but init); init uses INIT_FLAGS alone
 PHASE_FLAGS = {
     "init": ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",

@@ -64,6 +64,10 @@ def check_fits(parts: dict[str, int], device: torch.device, fix: str) -> None:
     """Refuse when the parts (what -> bytes) need more than `device` has free, naming them and `fix`."""
     need, free = sum(parts.values()), free_bytes(device)
     if need > free:
-        shown = ", ".join(f"{what} {size / GIB:.1f} GiB" for what, size in parts.items())
-        raise MemoryShortage(f"these sizes need at least {need / GIB:.1f} GiB on {device} ({shown}) and "
-                             f"{free / GIB:.1f} GiB is free; {fix}")
+        shown = ", ".join(f"{what} {_gib(size)}" for what, size in parts.items())
+        raise MemoryShortage(f"these sizes need at least {_gib(need)} on {device} ({shown}) and {_gib(free)} "
+                             f"is free; {fix}")
+
+
+def _gib(size: int) -> str:
+    return f"{size / GIB:.1f} GiB" if size >= GIB / 10 else f"{size / GIB:.3f} GiB"

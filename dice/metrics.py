@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from .cli import ArgumentParser, fail_cleanly
+from .cli import ArgumentParser, at_least, fail_cleanly
 from .data import DataError
 
 
@@ -174,17 +174,27 @@ def read_outcomes(path: str | Path, levels: Iterable[int] = ()) -> dict[tuple[st
     path, levels = Path(path), set(levels)
     not_ours = f"{path} is not an `evaluate.py --out` file (JSON with a 'results' list of task verdicts)"
     try:
-        records = json.loads(path.read_text())["results"]
-        outcomes: dict[tuple[str, int | None], list[bool]] = defaultdict(list)
-        for r in records:
-            if not levels or r.get("level") in levels:
-                outcomes[(r["task"], r.get("level"))].append(bool(r["correct"]))
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         raise DataError(f"{path} does not exist; give the file `evaluate.py --out` wrote") from None
     except IsADirectoryError:
         raise DataError(f"{path} is a folder; give the file `evaluate.py --out` wrote") from None
-    except (ValueError, KeyError, TypeError, AttributeError):   # bad JSON or text (UnicodeDecodeError), wrong fields
+    except ValueError:   # bad JSON or text (UnicodeDecodeError)
         raise DataError(not_ours) from None
+    if not isinstance(data, dict) or not isinstance(data.get("results"), list):
+        raise DataError(not_ours)
+    if data.get("verified") is False:
+        raise DataError(f"{path} lists solutions that were not verified (evaluate.py generated them without a GPU); "
+                        f"verify them with evaluate.py --solutions {data.get('solutions')} on a GPU machine first")
+    outcomes: dict[tuple[str, int | None], list[bool]] = defaultdict(list)
+    for i, r in enumerate(data["results"]):
+        if not isinstance(r, dict) or not isinstance(r.get("task"), str) or type(r.get("correct")) is not bool \
+                or not (r.get("level") is None or type(r.get("level")) is int):
+            raise DataError(f"{path}: result {i} is not a verdict (a task name, a level or null, and correct true "
+                            f"or false) but {json.dumps(r)[:80]}, so {path.name} is not an `evaluate.py --out` file "
+                            "(or it was edited)")
+        if not levels or r.get("level") in levels:
+            outcomes[(r["task"], r.get("level"))].append(r["correct"])
     return dict(outcomes)
 
 
@@ -193,7 +203,7 @@ def main(argv=None) -> None:
                        description="Compare two evaluate.py --out files task by task (paired sign test).")
     p.add_argument("a", help="the first evaluate.py --out file")
     p.add_argument("b", help="the second, on the same tasks")
-    p.add_argument("--level", type=int, nargs="+", default=[], help="only these levels (default: all)")
+    p.add_argument("--level", type=at_least(0), nargs="+", default=[], help="only these levels (default: all)")
     args = p.parse_args(argv)
     c = compare(read_outcomes(args.a, args.level), read_outcomes(args.b, args.level))
     if not c.tasks:

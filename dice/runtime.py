@@ -152,7 +152,8 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 
 
 def row_generator(seed: int, step: int, row: int) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_000_003 + row)
+    # folded into torch's 64-bit seed range (large seeds overflowed it); smaller values are unchanged
+    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_000_003 + row) % 2 ** 63)
 
 
 # ---------------------------------------------------------------- checkpoints and logs

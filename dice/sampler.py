@@ -215,6 +215,12 @@ class Rows:
     def masks_in_block(self, j: int, block_size: int) -> list[int]:
         return [0 if d else block_size - (r if j == 0 else 0) for d, r in zip(self.done, self.rem)]
 
+    def counted_in_block(self, b0: int, b1: int) -> int:
+        """Positions of block [b0, b1) within the rows' length limits: what progress counts, so the
+        count ends at the limits (a last block's positions past a limit are generated, then cut)."""
+        return sum(max(0, min(b1, g0 + limit) - max(b0, g0))
+                   for d, g0, limit in zip(self.done, self.g0, self.limit) if not d)
+
     def finished(self, b0: int, b1: int, eos: torch.Tensor | None) -> list[int]:
         """Rows that finish with the block [b0, b1): enough positions, or an eos id in the block
         (only this reads the GPU, once a block, and only when there are eos ids)."""
@@ -280,7 +286,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
     for j in range(rows.blocks):
         b0, b1 = (rows.F + j) * bs, (rows.F + j + 1) * bs
         masked, masks = rows.generated[:, b0:b1].clone(), rows.masks_in_block(j, bs)
-        positions_done += sum(masks)
+        positions_done += rows.counted_in_block(b0, b1)
         for k, n_k in enumerate(schedule):
             # static: a row with m masks is complete once the schedule has unmasked m; dynamic
             # unmasks a data-dependent number, so it asks the GPU (one sync a step)

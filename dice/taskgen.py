@@ -1,8 +1,8 @@
 """A synthetic kernel curriculum: KernelBench-format tasks with CuPy reference solutions.
 
-    python -m dice.taskgen --out DIR [--train 4000] [--valid 90] [--heldout 60] [--rl 600] [--seed 0]
+    python -m dice.taskgen --out DIR [--train 4000] [--valid 90] [--heldout 60] [--rl 600] [--seed 0] [--overwrite]
 
-writes DIR/train.json, DIR/valid.json, DIR/heldout.json and DIR/rl.json, DICE-style records (`id`, `level`,
+writes (never over existing files without --overwrite) DIR/train.json, DIR/valid.json, DIR/heldout.json and DIR/rl.json, DICE-style records (`id`, `level`,
 `ops`, `pytorch_code`, `cuda_code`, `prefix`, `middle`, `suffix`), usable as SFT data (pytorch_code +
 cuda_code), as infill RL tasks (prefix/middle/suffix, the middle being the CUDA source) and as
 end-to-end RL or evaluation tasks.
@@ -40,12 +40,17 @@ import hashlib
 import itertools
 import json
 import random
+import time
 from pathlib import Path
 
 import torch
 
-from .cli import ArgumentParser, at_least, fail_cleanly
+from .cli import ArgumentParser, ProgressLine, at_least, eta, fail_cleanly
+from .errors import UsageError
+from .inputs import output_folder
 from .verifier import VerifyOptions
+
+SPLIT_FILES = ("train.json", "valid.json", "heldout.json", "rl.json")
 
 # name -> (torch statement on x, CUDA statement on v, constant kinds); {a}/{lo}/{hi} are constants
 ELEMENTWISE = {
@@ -325,12 +330,15 @@ def passed_by_a_constant(task: dict) -> bool:
     return bool((y - slack).max() <= (y + slack).min())
 
 
-def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str], evaluation: bool) -> list[dict]:
+def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str], evaluation: bool,
+          drawn=lambda: None) -> list[dict]:
     """Tasks at `levels` whose composition is (heldout) or is not (not heldout) a held-out one;
     a task whose PyTorch source is already in `seen`, or an evaluation task whose output one value
-    matches (`passed_by_a_constant`), is dropped, so the count can fall short."""
+    matches (`passed_by_a_constant`), is dropped, so the count can fall short. `drawn()` is called
+    after each draw."""
     tasks = []
     for level in levels:
+        drawn()
         while True:
             ops = sample_composition(rng, level)
             if is_heldout_composition(ops) == heldout:
@@ -342,18 +350,19 @@ def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str], 
     return tasks
 
 
-def generate_split(n_train: int, n_valid: int, n_heldout: int, seed: int = 0, *,
-                   n_rl: int = 0) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
+def generate_split(n_train: int, n_valid: int, n_heldout: int, seed: int = 0, *, n_rl: int = 0,
+                   drawn=lambda: None) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
     """(train, valid, heldout, rl) task records, without a PyTorch source twice: train, valid and
     rl mix levels 30/30/40 (before de-duplication) over compositions free of held-out pairs, heldout
     is level 3 with one; no valid, heldout or rl task has an output one value matches (module
-    docstring). rl is drawn last, so it changes none of the other three splits."""
+    docstring). rl is drawn last, so it changes none of the other three splits. `drawn()` is
+    called after each of the n_train + n_valid + n_heldout + n_rl draws (progress)."""
     rng = random.Random(seed)
     seen: set[str] = set()
-    train = _draw(rng, _level_mix(n_train), False, seen, evaluation=False)
-    valid = _draw(rng, _level_mix(n_valid), False, seen, evaluation=True)
-    heldout = _draw(rng, [3] * n_heldout, True, seen, evaluation=True)
-    rl = _draw(rng, _level_mix(n_rl), False, seen, evaluation=True)
+    train = _draw(rng, _level_mix(n_train), False, seen, evaluation=False, drawn=drawn)
+    valid = _draw(rng, _level_mix(n_valid), False, seen, evaluation=True, drawn=drawn)
+    heldout = _draw(rng, [3] * n_heldout, True, seen, evaluation=True, drawn=drawn)
+    rl = _draw(rng, _level_mix(n_rl), False, seen, evaluation=True, drawn=drawn)
     for split, tasks in (("train", train), ("valid", valid), ("heldout", heldout), ("rl", rl)):
         for i, t in enumerate(tasks):
             t["id"] = f"{split}-{i:05d}-L{t['level']}-{'-'.join(t['ops'])}"
@@ -368,14 +377,28 @@ def main(argv=None) -> None:
     p.add_argument("--heldout", type=at_least(0), default=60, help="held-out level-3 tasks drawn")
     p.add_argument("--rl", type=at_least(0), default=600, help="RL-phase tasks drawn (fewer after de-duplication)")
     p.add_argument("--seed", type=int, default=0, help="the same seed writes the same files")
+    p.add_argument("--overwrite", action="store_true", help="replace train.json, valid.json, heldout.json and "
+                   "rl.json where --out holds them already")
     args = p.parse_args(argv)
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        p.error(f"argument --out: {out} is a file; give a folder for train.json, valid.json, heldout.json and rl.json")
-    train, valid, heldout, rl = generate_split(args.train, args.valid, args.heldout, args.seed, n_rl=args.rl)
+    try:
+        output_folder(out, "--out", SPLIT_FILES, overwrite=args.overwrite)
+    except UsageError as e:
+        p.error(str(e))
+    total, done, started, line = args.train + args.valid + args.heldout + args.rl, [0], time.perf_counter(), \
+        ProgressLine()
+
+    def drawn():
+        done[0] += 1
+        rate = done[0] / max(time.perf_counter() - started, 1e-9)
+        line.update(f"drawing tasks: {done[0]}/{total} | {rate:.0f}/s | ETA {eta(total - done[0], rate)}")
+
+    train, valid, heldout, rl = generate_split(args.train, args.valid, args.heldout, args.seed, n_rl=args.rl,
+                                               drawn=drawn)
+    line.close()
     out.mkdir(parents=True, exist_ok=True)
-    for name, tasks in (("train", train), ("valid", valid), ("heldout", heldout), ("rl", rl)):
-        (out / f"{name}.json").write_text(json.dumps(tasks, indent=1))
+    for name, tasks in zip(SPLIT_FILES, (train, valid, heldout, rl)):
+        (out / name).write_text(json.dumps(tasks, indent=1))
     print(f"wrote {len(train)} train, {len(valid)} valid, {len(heldout)} held-out and {len(rl)} RL tasks to {out}")
 
 

@@ -80,7 +80,7 @@ def test_messages_without_a_last_user_turn_are_a_data_error(messages):
 @pytest.mark.parametrize("record, text", [
     ({"pytorch_code": "class Model: pass", "cuda_code": "  \n"}, "no cuda_code solution"),   # DICE's e2e RL file
     ({"pytorch_code": "class Model: pass"}, r"record 0 is not usable: it has a pytorch_code task but no cuda_code"),
-    ({"prompt": None, "response": None}, "must be strings"),
+    ({"prompt": None, "response": None}, "its prompt must be a string, not NoneType"),
 ])
 def test_records_without_a_real_answer_are_a_data_error(record, text):
     with pytest.raises(DataError, match=text):
