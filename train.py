@@ -50,6 +50,9 @@ def check_usage(cfg, embedded: bool) -> None:
             usage_error("train.py", f"--phase {cfg.phase} needs --steps N (RL steps to run)")
     if cfg.resume and not cfg.out:
         usage_error("train.py", "--resume needs --out DIR, the run folder to continue")
+    if cfg.phase in RL_PHASES and cfg.group_size < 2:
+        usage_error("train.py", "--group-size 1 gives every group one reward, so no group has an advantage and RL "
+                                "learns nothing; pass --group-size 2 or more (DICE: 16)")
     if cfg.phase in RL_PHASES and bool(cfg.eval_every) != bool(cfg.eval_data):
         usage_error("train.py", "--eval-every N and --eval-data FILE go together (the held-out tasks, and how "
                                 "often to evaluate on them); give both or neither")

@@ -152,7 +152,7 @@ RANGES = {"steps": ">= 0", "epochs": ">= 0", "batch_size": ">= 0", "grad_accum":
           "adam_beta2": "[0, 1)", "grad_clip": "> 0", "max_len": ">= 0", "save_every": ">= 0",
           "keep_checkpoints": ">= 0", "vocab_size": f">= {len(SPECIAL_TOKENS) + 256}", "hidden_size": ">= 2",
           "num_layers": ">= 1", "num_heads": ">= 1", "num_kv_heads": ">= 1", "intermediate_size": ">= 1",
-          "block_size": ">= 1", "tasks_per_step": ">= 1", "group_size": ">= 2", "max_new_tokens": ">= 1",
+          "block_size": ">= 1", "tasks_per_step": ">= 1", "group_size": ">= 1", "max_new_tokens": ">= 1",
           "temperature": ">= 0", "threshold": "[0, 1]", "steps_per_block": ">= 1", "rollout_batch": ">= 1",
           "updates_per_step": ">= 0", "rows_per_update": ">= 1", "clip_eps": "[0, 1)", "kl_beta": ">= 0",
           "eval_every": ">= 0", "verifier_workers": ">= 1", "verify_timeout": "> 0", "seed": "[0, 4294967295]"}

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from ..cli import ArgumentParser
+from ..cli import ArgumentParser, at_least
 from ..model import SDAR_SHAPES
 
 
@@ -30,30 +30,30 @@ def main(argv=None) -> None:
     sub = parser.add_subparsers(dest="what", required=True)
     s = sub.add_parser("sample", help="decoding tokens/s vs autoregressive and the roofline")
     s.add_argument("--shape", type=str.lower, choices=SDAR_SHAPES, default="1.7b", help="public SDAR shape")
-    s.add_argument("--gen", type=int, default=1024, help="new tokens per sequence")
-    s.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
-    s.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="batch sizes to run")
-    s.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
-    s.add_argument("--eager-gen", type=int, default=128, help="tokens for the (slow) eager batch-1 row")
-    s.add_argument("--compile-batch", type=int, nargs="*", default=[1], help="batches also run with compile=True")
+    s.add_argument("--gen", type=at_least(1), default=1024, help="new tokens per sequence")
+    s.add_argument("--prompt-len", type=at_least(1), default=128, help="prompt tokens")
+    s.add_argument("--batch", type=at_least(1), nargs="+", default=[1, 64], help="batch sizes to run")
+    s.add_argument("--repeats", type=at_least(1), default=3, help="timed runs per row (median)")
+    s.add_argument("--eager-gen", type=at_least(1), default=128, help="tokens for the (slow) eager batch-1 row")
+    s.add_argument("--compile-batch", type=at_least(1), nargs="*", default=[1], help="batches also run with compile=True")
     s.add_argument("--fused", action="store_true", help="also run batch 1 with the fused decoding kernel (Hopper)")
     pr = sub.add_parser("profile", help="where a batch-1 decode forward spends its time; decode attention vs SDPA")
     pr.add_argument("--shape", type=str.lower, choices=SDAR_SHAPES, default="1.7b", help="public SDAR shape")
-    pr.add_argument("--cache-len", type=int, default=1024, help="cached tokens the decode step attends to")
-    pr.add_argument("--repeats", type=int, default=50, help="timed CUDA-graph replays (median)")
+    pr.add_argument("--cache-len", type=at_least(1), default=1024, help="cached tokens the decode step attends to")
+    pr.add_argument("--repeats", type=at_least(1), default=50, help="timed CUDA-graph replays (median)")
     pr.add_argument("--no-compile", action="store_true", help="eager decoder layers")
     pr.add_argument("--max-autotune", action="store_true", help="let Inductor pick Triton or cuBLAS per product shape")
     fz = sub.add_parser("fused", help="the persistent fused decoding kernel vs the compiled layer-by-layer step")
     fz.add_argument("--shape", type=str.lower, choices=SDAR_SHAPES, default="1.7b", help="public SDAR shape")
-    fz.add_argument("--cache-len", type=int, default=1024, help="cached tokens the decode step attends to")
-    fz.add_argument("--repeats", type=int, default=50, help="timed CUDA-graph replays (median)")
+    fz.add_argument("--cache-len", type=at_least(1), default=1024, help="cached tokens the decode step attends to")
+    fz.add_argument("--repeats", type=at_least(1), default=50, help="timed CUDA-graph replays (median)")
     t = sub.add_parser("train", help="SFT step time, tokens/s, memory and MFU (torchrun: FSDP2 over N GPUs)")
     t.add_argument("--shape", type=train_shape, default="1.7b",
                    help="1.7b, 4b, 8b, or a model folder whose config.json to use")
-    t.add_argument("--seq-len", type=int, default=4096, help="tokens per row (doubled to [x_t ; x_0])")
-    t.add_argument("--batch", type=int, default=1, help="rows per process")
-    t.add_argument("--steps", type=int, default=5, help="timed steps (median)")
-    t.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    t.add_argument("--seq-len", type=at_least(1), default=4096, help="tokens per row (doubled to [x_t ; x_0])")
+    t.add_argument("--batch", type=at_least(1), default=1, help="rows per process")
+    t.add_argument("--steps", type=at_least(1), default=5, help="timed steps (median)")
+    t.add_argument("--warmup", type=at_least(0), default=2, help="untimed steps first")
     t.add_argument("--grad-ckpt", action="store_true",
                    help="recompute each layer's forward in the backward pass (adds an HFU column)")
     m = sub.add_parser("model", help="bf16 vs fp32 logits, flex vs dense attention")

@@ -1,3 +1,4 @@
+from ..cli import fail_cleanly
 from . import main
 
-main()
+fail_cleanly(main)

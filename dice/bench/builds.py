@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.utils.cpp_extension as cpp_extension
 
+from ..cli import at_least
 from ..tasks import load_tasks
 from ..verifier import fastbuild
 from ..verifier.build import BuildCache
@@ -103,7 +104,7 @@ def add_arguments(b) -> None:
     b.add_argument("--solutions", required=True, metavar="JSON", help="a DICE JSON file with cuda_code references")
     b.add_argument("--binding", nargs="+", choices=("dispatch", "pybind"), default=["dispatch", "pybind"],
                    help="bindings to build with, in this order")
-    b.add_argument("--jobs", type=int, default=None, help="programs built at once (default: the CPU count)")
-    b.add_argument("--limit", type=int, help="only the first N solutions")
-    b.add_argument("--arch", type=int, nargs=2, default=(9, 0), metavar=("MAJOR", "MINOR"),
+    b.add_argument("--jobs", type=at_least(1), default=None, help="programs built at once (default: the CPU count)")
+    b.add_argument("--limit", type=at_least(1), help="only the first N solutions")
+    b.add_argument("--arch", type=at_least(0), nargs=2, default=(9, 0), metavar=("MAJOR", "MINOR"),
                    help="the architecture to build for without a GPU (default: 9 0, Hopper)")

@@ -43,7 +43,9 @@ from pathlib import Path
 
 import torch
 
+from ..cli import at_least, in_range
 from ..config import TrainConfig
+from ..memory import check_fits, kv_cache_bytes
 from ..model import SDAR
 from ..rl import Scores, group_advantages, policy_update, rollout
 from ..trace import RoundBatch, flex_shape, round_logprobs
@@ -82,22 +84,22 @@ def add_arguments(p) -> None:
                    help="1.7b, 4b, 8b, or a model folder (its config.json)")
     p.add_argument("--solutions", required=True, metavar="FILE.json",
                    help="DICE JSON whose cuda_code programs the rollouts replay")
-    p.add_argument("--tasks-per-step", type=int, default=64, help="tasks per step (DICE: 64)")
-    p.add_argument("--group-size", type=int, default=16, help="samples per task (DICE: 16)")
-    p.add_argument("--max-new-tokens", type=int, default=4096,
+    p.add_argument("--tasks-per-step", type=at_least(1), default=64, help="tasks per step (DICE: 64)")
+    p.add_argument("--group-size", type=at_least(2), default=16, help="samples per task (DICE: 16)")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=4096,
                    help="cap of a response; sizes the KV cache (DICE: 4096)")
     p.add_argument("--rollout-batch", type=rollout_batch, default="auto",
                    help="sequences generated per batch, or auto: as many as the GPU memory holds")
-    p.add_argument("--batch-size", type=int, default=2, help="trace rounds per update micro-batch")
+    p.add_argument("--batch-size", type=at_least(1), default=2, help="trace rounds per update micro-batch")
     p.add_argument("--grad-ckpt", action="store_true", help="recompute each layer in the backward pass (4b: needed)")
-    p.add_argument("--workers", type=int, default=8, help="verifier worker processes (and concurrent reward calls)")
-    p.add_argument("--broken", type=float, default=0.3, help="share of rollouts whose program is broken")
+    p.add_argument("--workers", type=at_least(1), default=8, help="verifier worker processes (and concurrent reward calls)")
+    p.add_argument("--broken", type=in_range(0, 1), default=0.3, help="share of rollouts whose program is broken")
     p.add_argument("--reward", choices=("verifier", "python"), default="verifier",
                    help="verifier: the kernel verifier; python: 1 for an unbroken program (no GPU)")
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer that counts tokens (default: the --shape folder's; "
                    f"for 1.7b/4b/8b an estimate of {CHARS_PER_TOKEN} chars a token)")
     p.add_argument("--phase", choices=("e2e", "infill"), default="e2e", help="the prompts of BiC-RL phase 2 or 1")
-    p.add_argument("--verify-timeout", type=float, default=15.0, help="seconds a kernel may run")
+    p.add_argument("--verify-timeout", type=in_range(0, None, above=True), default=15.0, help="seconds a kernel may run")
     p.add_argument("--overlap", choices=OVERLAP, default="stream",
                    help="stream: verify each finished rollout at once; batch: each rollout batch; none: after all")
     p.add_argument("--attention", choices=("auto", "flex", "dense"), default="auto",
@@ -108,7 +110,7 @@ def add_arguments(p) -> None:
                    "--rollout-dtype fp32 --attention dense")
     p.add_argument("--compare", action="store_true", help="run --baseline, then the given settings")
     p.add_argument("--skip-update", action="store_true", help="rollouts only (8b: its AdamW state does not fit a GPU)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights, the broken picks and the sampling")
+    p.add_argument("--seed", type=at_least(0), default=0, help="seed of the weights, the broken picks and the sampling")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,6 +318,12 @@ def bench_rl(args) -> None:
     if max(max(p) for p in prompts) >= config.vocab_size:
         sys.exit(f"--tokenizer {tok_dir} has ids beyond the model's vocabulary of {config.vocab_size}; pass the "
                  "tokenizer of this shape (the SDAR tokenizer for 1.7b/4b/8b) or none")
+    # the sampler's KV cache for the whole length, allocated up front (auto on CUDA: at least one sequence)
+    rollouts, cuda = len(chosen) * args.group_size, rt.device.type == "cuda"
+    batch = (1 if cuda else rollouts) if args.rollout_batch == "auto" else min(args.rollout_batch, rollouts)
+    kv = kv_cache_bytes(config, batch, max(map(len, prompts)) + args.max_new_tokens,
+                        2 if cuda and args.rollout_dtype == "bf16" else 4)
+    check_fits({"the rollout KV cache": kv}, rt.device, "lower --max-new-tokens or --rollout-batch")
     base = TrainConfig(phase=args.phase, tasks_per_step=args.tasks_per_step, group_size=args.group_size,
                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                        gradient_checkpointing=args.grad_ckpt, verifier_workers=args.workers,

@@ -12,6 +12,7 @@ import statistics
 import tempfile
 import time
 
+from ..cli import at_least
 from ..verifier import Verifier
 from .common import table
 
@@ -136,5 +137,5 @@ def bench_stability(args) -> None:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--verifiers", type=int, default=4, help="fresh Verifiers, one after another")
-    p.add_argument("--workers", type=int, default=2, help="worker processes of each Verifier")
+    p.add_argument("--verifiers", type=at_least(1), default=4, help="fresh Verifiers, one after another")
+    p.add_argument("--workers", type=at_least(1), default=2, help="worker processes of each Verifier")

@@ -29,11 +29,13 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from dice.cli import ArgumentParser
+from dice.cli import ArgumentParser, at_least, fail_cleanly
+from dice.data import DataError, read_text
 from dice.tasks import load_tasks
 from dice.verifier import Verifier
 from dice.verifier.prebuild import BuildPool
@@ -302,6 +304,23 @@ def _prebuild_all(cache_dir: str, candidates: list[str], build: str) -> None:
         print(f"  torch's build {count}x: {reason[:200]}")
 
 
+def read_log(log: str) -> dict[str, SimpleNamespace]:
+    """The verdicts a --log holds, by solution name; a line that is not one is an error naming it."""
+    earlier = {}
+    for number, line in enumerate(read_text(log).splitlines(), 1):
+        try:
+            verdict = json.loads(line) if line.strip() else None
+            if verdict is not None and not (isinstance(verdict, dict) and all(
+                    isinstance(verdict.get(k), str) for k in ("name", "status", "message"))):
+                raise ValueError("not an object with name, status and message strings")
+        except ValueError as e:
+            raise DataError(f"--log {log} line {number} is not a verdict ({e}); a run cut while writing leaves its "
+                            "last line cut: delete that line, or the file to start over") from None
+        if verdict is not None:
+            earlier[verdict["name"]] = SimpleNamespace(**verdict)
+    return earlier
+
+
 def check_reference_solutions(path: str, workers: int, timing: bool = False, limit: int | None = None,
                               log: str | None = None, **verifier_options) -> None:
     """Verify every reference solution in a DICE JSON file; print the tally and each rejection.
@@ -313,10 +332,7 @@ def check_reference_solutions(path: str, workers: int, timing: bool = False, lim
     tasks = [t for t in load_tasks(path) if t.solution][:limit]
     if not tasks:
         raise SystemExit(f"{path}: no records with a cuda_code reference solution")
-    earlier = {}
-    if log and os.path.exists(log):
-        with open(log) as f:
-            earlier = {v["name"]: SimpleNamespace(**v) for v in map(json.loads, filter(str.strip, f))}
+    earlier = read_log(log) if log and os.path.exists(log) else {}
     todo = [t for t in tasks if t.name not in earlier]
     start, done = time.perf_counter(), [len(tasks) - len(todo)]
     live = sys.stderr.isatty()   # a counter on a terminal; in a log it would glue onto the rejections
@@ -367,14 +383,14 @@ def check_reference_solutions(path: str, workers: int, timing: bool = False, lim
 
 def main(argv=None) -> None:
     parser = ArgumentParser(prog="python -m dice.bench verify", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=8, help="verifier worker processes")
-    parser.add_argument("--kernels", type=int, default=32, help="CuPy kernels per CuPy row")
-    parser.add_argument("--inline-kernels", type=int, default=4, help="load_inline kernels per load_inline row")
+    parser.add_argument("--workers", type=at_least(1), default=8, help="verifier worker processes")
+    parser.add_argument("--kernels", type=at_least(1), default=32, help="CuPy kernels per CuPy row")
+    parser.add_argument("--inline-kernels", type=at_least(1), default=4, help="load_inline kernels per load_inline row")
     parser.add_argument("--skip-one-process", action="store_true", help="skip the KernelBench-way row")
     parser.add_argument("--check", metavar="JSON", help="instead verify the reference solutions in a DICE JSON file")
     parser.add_argument("--timing", action="store_true", help="with --check: also time each solution")
-    parser.add_argument("--limit", type=int, help="with --check: only the first N solutions")
-    parser.add_argument("--judges", type=int, help="with --check: reference processes (default: one per 8 workers)")
+    parser.add_argument("--limit", type=at_least(1), help="with --check: only the first N solutions")
+    parser.add_argument("--judges", type=at_least(1), help="with --check: reference processes (default: one per 8 workers)")
     parser.add_argument("--log", metavar="JSONL", help="with --check: append each verdict here; solutions "
                         "already logged are skipped (continue a run that was cut short; delete the file to start over)")
     parser.add_argument("--prebuild", action="store_true", help="with --check --build: build every solution "
@@ -383,6 +399,8 @@ def main(argv=None) -> None:
                         "the fast split build, or both side by side (default: both for the bench; for --check the "
                         "verifier's default, fast, and both compares the verdicts)")
     args = parser.parse_args(argv)
+    if args.log and args.check and Path(args.log).resolve() == Path(args.check).resolve():
+        parser.error("argument --log: it is the --check file, which verdicts would be appended to; give another file")
     if not torch.cuda.is_available():
         sys.exit("python -m dice.bench verify needs a CUDA GPU; this machine has none")
     if args.check and args.build:
@@ -399,4 +417,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    fail_cleanly(main)
