@@ -56,6 +56,9 @@ PROTOCOLS = {
 }
 # DICE's models and evaluation decode blocks of this size
 DICE_BLOCK_SIZE = 4
+# the flags of generation, refused without --model (they would change nothing)
+GENERATION_FLAGS = ("samples", "protocol", "max_new_tokens", "steps_per_block", "temperature", "remasking",
+                    "batch_size", "seed", "save_solutions")
 
 
 def parse_args(argv=None):
@@ -82,8 +85,8 @@ def parse_args(argv=None):
                         "launched suffices, to compare with published numbers)")
     p.add_argument("--timeout", type=in_range(0, None, above=True), default=120.0,
                    help="seconds a candidate may run before it is called a timeout (a hanging kernel costs this)")
-    p.add_argument("--protocol", choices=tuple(PROTOCOLS), default="default",
-                   help="with --model: default (the flags below) or dice (DICE's evaluation settings: one greedy "
+    p.add_argument("--protocol", choices=tuple(PROTOCOLS), default=None,
+                   help="with --model: default (the flags below; the default) or dice (DICE's evaluation settings: one greedy "
                         "sample, low_confidence_static, 4096 tokens, 4 steps per block; see the docstring)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=None,
                    help="with --model: tokens per solution (default: 2048)")
@@ -93,12 +96,16 @@ def parse_args(argv=None):
                    help="with --model: sampling temperature (default: 0 for one sample, else 1)")
     p.add_argument("--remasking", choices=REMASKING, default=None,
                    help="with --model: the sampler's remasking rule (default: low_confidence_dynamic)")
-    p.add_argument("--batch-size", type=at_least(1), default=64, help="with --model: sequences generated per batch")
-    p.add_argument("--seed", type=at_least(0), default=0, help="with --model: sampling seed")
+    p.add_argument("--batch-size", type=at_least(1), default=None,
+                   help="with --model: sequences generated per batch (default: 64)")
+    p.add_argument("--seed", type=at_least(0), default=None, help="with --model: sampling seed (default: 0)")
     p.add_argument("--limit", type=at_least(1), default=None, help="evaluate only the first N tasks")
     args = p.parse_args(argv)
-    if args.save_solutions and not args.model:
-        p.error("argument --save-solutions: only with --model (it saves what the model generates)")
+    for name in GENERATION_FLAGS if not args.model else ():
+        if getattr(args, name) is not None:
+            p.error(f"argument --{name.replace('_', '-')}: only with --model (it sets how the model generates "
+                    "solutions, and --solutions reads them); drop it")
+    args.protocol, args.batch_size, args.seed = args.protocol or "default", args.batch_size or 64, args.seed or 0
     if args.out:
         try:
             output_file(args.out, "--out", overwrite=args.overwrite, inputs=inputs_of(args))

@@ -46,6 +46,8 @@ def check_usage(cfg, embedded: bool) -> None:
                                         "(give neither to run the embedded default)")
         if cfg.phase == "sft" and not (cfg.steps or cfg.epochs):
             usage_error("train.py", "--phase sft needs --steps N or --epochs E")
+    if cfg.steps and cfg.epochs:
+        usage_error("train.py", "--steps N and --epochs E both set the run's length; pass one of them")
         if cfg.phase != "sft" and not cfg.steps:
             usage_error("train.py", f"--phase {cfg.phase} needs --steps N (RL steps to run)")
     if cfg.resume and not cfg.out:

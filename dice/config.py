@@ -4,8 +4,8 @@ Every field of `TrainConfig` is a `--flag` (`config_from_args`); CHOICES and RAN
 values (`validate`), HELP is the --help text, grouped by the phases that use a flag (PHASE_FLAGS:
 a flag given to a phase that does not use it is an error, not silently ignored). Defaults that
 depend on the phase (learning rate, loss normalisation) are filled in `__post_init__`; those that
-depend on the machine (SFT batch and row length: 0 = auto) in `dice.sft`. The defaults are the originals' (DESIGN.md §4, §7): AdamW betas
-(0.9, 0.999) and SFT lr 1e-5 constant after warm-up (deadlykitten4/DICE
+depend on the machine (SFT batch and row length: 0 = auto) in `dice.sft`. The defaults are the
+originals' (DESIGN.md §4, §7): AdamW betas (0.9, 0.999) and SFT lr 1e-5 constant after warm-up (deadlykitten4/DICE
 `Training/SFT/llama_factory_sdar/examples/train_full_sdar/sdar_*_full.yaml`: `lr_scheduler_type:
 constant_with_warmup`), SDAR's per-micro-batch token mean for SFT, TraceRL's
 per-step L1 normalisation and one optimiser step per 256 round rows for RL (DICE's
@@ -139,7 +139,8 @@ def _within(value, rule: str) -> bool:
     """`value` obeys `rule`: ">= x", "> x", "[a, b]" or "[a, b)"."""
     if rule[0] in "[(":
         low, high = (float(v) for v in rule[1:-1].split(","))
-        return (low <= value if rule[0] == "[" else low < value) and (value <= high if rule[-1] == "]" else value < high)
+        above_low = low <= value if rule[0] == "[" else low < value
+        return above_low and (value <= high if rule[-1] == "]" else value < high)
     op, bound = rule.split()
     return value >= float(bound) if op == ">=" else value > float(bound)
 

@@ -179,7 +179,9 @@ def read_outcomes(path: str | Path, levels: Iterable[int] = ()) -> dict[tuple[st
         raise DataError(f"{path} does not exist; give the file `evaluate.py --out` wrote") from None
     except IsADirectoryError:
         raise DataError(f"{path} is a folder; give the file `evaluate.py --out` wrote") from None
-    except ValueError:   # bad JSON or text (UnicodeDecodeError)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{not_ours}: it is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except ValueError:   # not UTF-8 text
         raise DataError(not_ours) from None
     if not isinstance(data, dict) or not isinstance(data.get("results"), list):
         raise DataError(not_ours)

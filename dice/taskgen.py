@@ -2,10 +2,10 @@
 
     python -m dice.taskgen --out DIR [--train 4000] [--valid 90] [--heldout 60] [--rl 600] [--seed 0] [--overwrite]
 
-writes (never over existing files without --overwrite) DIR/train.json, DIR/valid.json, DIR/heldout.json and DIR/rl.json, DICE-style records (`id`, `level`,
-`ops`, `pytorch_code`, `cuda_code`, `prefix`, `middle`, `suffix`), usable as SFT data (pytorch_code +
-cuda_code), as infill RL tasks (prefix/middle/suffix, the middle being the CUDA source) and as
-end-to-end RL or evaluation tasks.
+writes DIR/train.json, DIR/valid.json, DIR/heldout.json and DIR/rl.json (never over existing files
+without --overwrite), DICE-style records (`id`, `level`, `ops`, `pytorch_code`, `cuda_code`,
+`prefix`, `middle`, `suffix`), usable as SFT data (pytorch_code + cuda_code), as infill RL tasks
+(prefix/middle/suffix, the middle being the CUDA source) and as end-to-end RL or evaluation tasks.
 
 Levels (as in KernelBench, easy to hard):
   1  one elementwise op or activation, with varied shapes and constants;
@@ -380,6 +380,8 @@ def main(argv=None) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace train.json, valid.json, heldout.json and "
                    "rl.json where --out holds them already")
     args = p.parse_args(argv)
+    if not args.train + args.valid + args.heldout + args.rl:
+        p.error("--train, --valid, --heldout and --rl are all 0, so there is nothing to draw; give one of them a count")
     out = Path(args.out)
     try:
         output_folder(out, "--out", SPLIT_FILES, overwrite=args.overwrite)

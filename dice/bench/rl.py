@@ -99,7 +99,8 @@ def add_arguments(p) -> None:
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer that counts tokens (default: the --shape folder's; "
                    f"for 1.7b/4b/8b an estimate of {CHARS_PER_TOKEN} chars a token)")
     p.add_argument("--phase", choices=("e2e", "infill"), default="e2e", help="the prompts of BiC-RL phase 2 or 1")
-    p.add_argument("--verify-timeout", type=in_range(0, None, above=True), default=15.0, help="seconds a kernel may run")
+    p.add_argument("--verify-timeout", type=in_range(0, None, above=True), default=15.0,
+                   help="seconds a kernel may run")
     p.add_argument("--overlap", choices=OVERLAP, default="stream",
                    help="stream: verify each finished rollout at once; batch: each rollout batch; none: after all")
     p.add_argument("--attention", choices=("auto", "flex", "dense"), default="auto",
