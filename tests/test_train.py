@@ -185,7 +185,7 @@ def test_a_new_run_in_an_out_with_checkpoints_is_a_one_line_error(addition_task,
     out = tmp_path / "out"
     (out / "checkpoints" / "step_000004").mkdir(parents=True)
     res = train(model, data, out, "--steps", "1")
-    assert res.returncode == 1 and res.stderr.strip().count("\n") == 0, res.stderr
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr   # an output path: usage
     assert f"{out} holds an earlier run (checkpoints); pass --resume to continue it, --overwrite" in res.stderr
     assert not (out / "metrics.jsonl").exists()
 
@@ -195,10 +195,11 @@ def snapshot(folder):
     return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(Path(folder).rglob("*")) if f.is_file()}
 
 
-def one_line(res):
-    """The error of a failed run: one line, after any progress lines, exit status 1."""
+def one_line(res, code=1):
+    """The error of a failed run: one line, after any progress lines, exit status `code` (2: an
+    output path, 1: an input's content)."""
     last = res.stderr.strip().splitlines()[-1]
-    assert res.returncode == 1 and last.startswith("error: "), res.stderr
+    assert res.returncode == code and last.startswith("error: "), res.stderr
     return last
 
 
@@ -214,7 +215,7 @@ def test_a_finished_run_is_never_overwritten_without_overwrite(addition_task, tm
     assert {"metrics.jsonl", "run.json", "final/model.safetensors"} <= before.keys()
     other = tmp_path / "other.jsonl"
     other.write_text(data.read_text().splitlines()[0] + "\n")
-    err = one_line(train(model, other, out, "--steps", "1"))
+    err = one_line(train(model, other, out, "--steps", "1"), code=2)
     assert f"{out} holds an earlier run (final, metrics.jsonl, run.json); pass --resume to continue it, " \
            "--overwrite to replace it, or choose another --out" in err
     assert "has nothing to continue from" in one_line(train(model, data, out, "--steps", "4", "--resume"))
