@@ -221,12 +221,13 @@ def check_run_folder(out: Path, resuming: bool, overwriting: bool, *, also: tupl
         if not any((out / name).exists() for name in RUN_ENTRIES):
             raise UsageError(f"--resume: {out} holds no run (no {', '.join(RUN_ENTRIES)}); check --out, or drop "
                              "--resume to start a new run there")
+    output_folder(out, "--out", () if resuming else also, overwrite=overwriting, inputs=inputs or {})
+    if resuming:
         if latest_checkpoint(out) is None:
             raise RunFolderError(f"{out} holds a run without checkpoints (it ran with --save-every 0), so --resume "
                                  "has nothing to continue from; pass --overwrite to replace it or choose another --out")
         check_resumable(out)
         return
-    output_folder(out, "--out", also, overwrite=overwriting, inputs=inputs or {})
     found = [name for name in RUN_ENTRIES if (out / name).exists()]
     if found and not overwriting:
         raise UsageError(f"{out} holds an earlier run ({', '.join(found)}); pass --resume to continue it, "
@@ -246,12 +247,12 @@ def check_resumable(out: Path) -> None:
             raise RunFolderError(f"{settings} is not a JSON object of the run's settings ({e}); restore it, or "
                                  "start a new run with --overwrite or another --out") from None
     metrics = out / "metrics.jsonl"
-    for number, line in enumerate(metrics.read_text(errors="replace").splitlines() if metrics.is_file() else [], 1):
+    for number, line in enumerate(metrics.read_bytes().splitlines() if metrics.is_file() else [], 1):
         try:
             record = json.loads(line) if line.strip() else {"step": 0}
             if not isinstance(record, dict) or type(record.get("step")) is not int:
                 raise ValueError("no whole-number step")
-        except ValueError as e:
+        except ValueError as e:   # UnicodeDecodeError too
             raise RunFolderError(f"{metrics} line {number} is not a metrics record ({e}); a run killed while writing "
                                  "cuts its last line: delete that line and resume again") from None
     checkpoint = latest_checkpoint(out)
