@@ -2,13 +2,13 @@
 
 Every field of `TrainConfig` is a `--flag` (`config_from_args`); CHOICES and AT_LEAST bound the
 values, HELP is the --help text. Defaults that depend on the phase (learning rate, loss
-normalisation) are filled in `__post_init__`; those that depend on the machine (SFT batch and row
+normalisation, gradient clip) are filled in `__post_init__`; those that depend on the machine (SFT batch and row
 length: 0 = auto) in `dice.sft`. The defaults are the originals' (DESIGN.md §4, §7): AdamW betas
 (0.9, 0.999) and SFT lr 1e-5 constant after warm-up (deadlykitten4/DICE
-`Training/SFT/llama_factory_sdar/examples/train_full_sdar/sdar_*_full.yaml`: `lr_scheduler_type:
+`training/sft/llama_factory_sdar/examples/train_full_sdar/sdar_*_full.yaml`: `lr_scheduler_type:
 constant_with_warmup`), SDAR's per-micro-batch token mean for SFT, TraceRL's
-per-step L1 normalisation and one optimiser step per 256 round rows for RL (DICE's
-`training/RL/configs/rl_sdar_kernel_*.yaml`).
+per-step L1 normalisation, one optimiser step per 256 round rows, DICE's effective gradient clip
+and a fresh AdamW per step for RL (DICE's `training/RL/configs/rl_sdar_kernel_*.yaml`, DESIGN.md §7).
 
 EMBEDDED is what `python train.py --phase sft|infill|e2e` runs with neither --model nor --data:
 the shipped dice-tiny on tasks `dice.taskgen` generates with a fixed seed, short enough for a demo
@@ -24,6 +24,10 @@ from pathlib import Path
 
 from .cli import ArgumentParser
 from .sampler import REMASKING
+
+# DICE's gradient is 1/32 of ours at the same loss (its 32 accumulation steps divide it twice: DESIGN.md §7),
+# so its clip of 1.0 (`max_grad_norm`, DeepSpeed's `gradient_clipping`) is 32 here
+RL_GRAD_CLIP = 32.0
 
 
 @dataclass
@@ -45,7 +49,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    grad_clip: float = 1.0
+    grad_clip: float = 0.0
     loss_norm: str = ""
     max_len: int = 0
     dtype: str = "auto"
@@ -76,6 +80,8 @@ class TrainConfig:
     rollout_batch: int = 64
     updates_per_step: int = 0
     rows_per_update: int = 256
+    minibatch_order: str = "contiguous"
+    optimizer_state: str = "step"
     clip_eps: float = 0.2
     kl_beta: float = 0.01
     reference_model: bool = False
@@ -99,6 +105,8 @@ class TrainConfig:
         rl = self.phase in ("infill", "e2e")
         if not self.lr:
             self.lr = 1e-6 if rl else 1e-5
+        if not self.grad_clip:
+            self.grad_clip = RL_GRAD_CLIP if rl else 1.0
         if rl and not self.batch_size:
             self.batch_size = 8
         norms = ("step", "response") if rl else ("batch", "sample")
@@ -112,7 +120,8 @@ class TrainConfig:
 
 CHOICES = {"phase": ("init", "sft", "infill", "e2e"), "dtype": ("auto", "bf16", "fp32"),
            "schedule": ("constant", "cosine"), "attention": ("auto", "flex", "dense"), "remasking": REMASKING,
-           "reward": ("correct", "speedup")}
+           "reward": ("correct", "speedup"), "minibatch_order": ("contiguous", "shuffle"),
+           "optimizer_state": ("step", "run")}
 AT_LEAST = {"steps": 0, "epochs": 0, "batch_size": 0, "grad_accum": 1, "max_len": 0, "tasks_per_step": 1,
             "group_size": 1, "max_new_tokens": 1, "temperature": 0, "steps_per_block": 1, "rollout_batch": 1,
             "updates_per_step": 0, "rows_per_update": 1}
@@ -134,7 +143,8 @@ HELP = {
     "weight_decay": "AdamW weight decay of the matrices",
     "adam_beta1": "AdamW beta1",
     "adam_beta2": "AdamW beta2 (DICE/LLaMA-Factory: 0.999)",
-    "grad_clip": "gradient-norm clipping",
+    "grad_clip": "gradient-norm clipping of the loss as defined here; 0 = 1.0 for SFT (DICE's), 32 for RL "
+                 "(DICE's 1.0 on its gradient, which is 1/32 of ours: DESIGN.md §7); inf: none",
     "loss_norm": "SFT: batch (SDAR: each micro-batch's masked-token CE/p sum over its response tokens) or "
                  "sample (a mean over samples); RL: step (TraceRL/DICE: each round's sum over the step's "
                  "response width L1) or response (each response over its own length); default the first",
@@ -165,6 +175,9 @@ HELP = {
     "rollout_batch": "RL: sequences generated per batch",
     "updates_per_step": "RL: optimiser steps per RL step; 0 = one per --rows-per-update trace rounds (DICE)",
     "rows_per_update": "RL: trace rounds per optimiser step when --updates-per-step is 0 (DICE: 8 GPUs x 32)",
+    "minibatch_order": "RL: which rounds share an optimiser step: contiguous (DICE: consecutive rows, response by "
+                       "response) or shuffle (seeded, mixing the whole rollout)",
+    "optimizer_state": "RL: AdamW moments live for one RL step (step: DICE, a new optimiser per step) or the run",
     "clip_eps": "RL: PPO clip range",
     "kl_beta": "RL: weight of the k3 KL term",
     "reference_model": "RL: KL against a frozen copy of --model instead of the rollout policy",
