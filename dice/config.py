@@ -41,11 +41,12 @@ class TrainConfig:
     steps: int = 0
     epochs: float = 0.0
     batch_size: int = 0
-    grad_accum: int = 1
+    grad_accum: int = 0
     lr: float = 0.0
     schedule: str = "constant"
     min_lr_ratio: float = 0.1
     warmup: int = 0
+    warmup_ratio: float = 0.03
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -60,6 +61,7 @@ class TrainConfig:
     seed: int = 0
     gradient_checkpointing: bool = False
     sft_infill: bool = False
+    sft_pad_targets: bool = False
     attention: str = "auto"
     # --phase init: a from-scratch model folder (tokenizer trained on --data, config, no weights)
     vocab_size: int = 4096
@@ -122,7 +124,7 @@ CHOICES = {"phase": ("init", "sft", "infill", "e2e"), "dtype": ("auto", "bf16", 
            "schedule": ("constant", "cosine"), "attention": ("auto", "flex", "dense"), "remasking": REMASKING,
            "reward": ("correct", "speedup"), "minibatch_order": ("contiguous", "shuffle"),
            "optimizer_state": ("step", "run")}
-AT_LEAST = {"steps": 0, "epochs": 0, "batch_size": 0, "grad_accum": 1, "max_len": 0, "tasks_per_step": 1,
+AT_LEAST = {"steps": 0, "epochs": 0, "batch_size": 0, "grad_accum": 0, "max_len": 0, "tasks_per_step": 1,
             "group_size": 1, "max_new_tokens": 1, "temperature": 0, "steps_per_block": 1, "rollout_batch": 1,
             "updates_per_step": 0, "rows_per_update": 1}
 HELP = {
@@ -134,12 +136,14 @@ HELP = {
            "required for --phase init (the new model folder) and with --resume",
     "steps": "optimiser steps (SFT) or RL steps; required with --data (SFT: this or --epochs)",
     "epochs": "SFT passes over the data, when --steps is 0",
-    "batch_size": "rows per process per micro-batch; 0 = SFT 8 on CUDA, 1 on a CPU; RL 8 trace rounds",
-    "grad_accum": "SFT micro-batches per optimiser step",
+    "batch_size": "rows per process per micro-batch; 0 = SFT 1 (DICE's per GPU); RL 8 trace rounds",
+    "grad_accum": "SFT micro-batches per optimiser step; 0 = on CUDA 8 / processes (DICE's 8 rows a step: 8 GPUs "
+                  "x 1), on a CPU 1",
     "lr": "peak learning rate; 0 = 1e-5 for SFT / 1e-6 for RL (DESIGN.md §4, §7)",
     "schedule": "SFT learning rate after the warm-up: constant (DICE's) or cosine to --min-lr-ratio",
     "min_lr_ratio": "--schedule cosine decays to this fraction of --lr",
-    "warmup": "linear warm-up steps (DICE's SFT: 3 percent of its steps)",
+    "warmup": "SFT: linear warm-up steps from lr 0; 0 = --warmup-ratio of the steps",
+    "warmup_ratio": "SFT: warm-up as a fraction of the steps when --warmup is 0, rounded up (DICE's 0.03)",
     "weight_decay": "AdamW weight decay of the matrices",
     "adam_beta1": "AdamW beta1",
     "adam_beta2": "AdamW beta2 (DICE/LLaMA-Factory: 0.999)",
@@ -148,7 +152,8 @@ HELP = {
     "loss_norm": "SFT: batch (SDAR: each micro-batch's masked-token CE/p sum over its response tokens) or "
                  "sample (a mean over samples); RL: step (TraceRL/DICE: each round's sum over the step's "
                  "response width L1) or response (each response over its own length); default the first",
-    "max_len": "SFT row length in tokens (rounded down to the block size); 0 = 2048 on CUDA, 1024 on a CPU",
+    "max_len": "SFT row length in tokens (rounded down to the block size); 0 = 6144 on CUDA (DICE's cutoff_len), "
+               "1024 on a CPU",
     "dtype": "auto: bf16 autocast on CUDA, fp32 on CPU",
     "save_every": "write a checkpoint every N steps (0: only final/)",
     "keep_checkpoints": "checkpoints kept, newest first (0: all)",
@@ -157,6 +162,8 @@ HELP = {
     "seed": "seed of the initialisation, data order and noise",
     "gradient_checkpointing": "recompute each layer's forward in the backward pass (less memory)",
     "sft_infill": "also teach kernel records under the infilling prompt",
+    "sft_pad_targets": "SFT: pad each example to a block multiple with pad tokens trained as its response's end "
+                       "(DICE's LLaMA-Factory fork; the model learns to fill the last block; default: pads untrained)",
     "attention": "SFT masks: flex (FlexAttention, CUDA only) or dense; auto: flex on CUDA",
     "vocab_size": "--phase init: BPE vocabulary size",
     "hidden_size": "--phase init: hidden size",
