@@ -92,6 +92,7 @@ class TrainConfig:
     eval_data: str = ""
     verifier_workers: int = 8
     verify_timeout: float = 15.0
+    prompt_template: str = ""
 
     def __post_init__(self):
         for name, allowed in CHOICES.items():
@@ -193,6 +194,9 @@ HELP = {
     "eval_data": "RL: held-out tasks for --eval-every",
     "verifier_workers": "RL: kernel verifier worker processes",
     "verify_timeout": "RL: seconds a sampled kernel may run before it is a timeout",
+    "prompt_template": "RL: a text file holding the whole prompt, chat markup included, with {{pytorch_code}} "
+                       "(and for --phase infill {{prefix}}, {{suffix}}) where the task goes, e.g. DICE's own prompt "
+                       "(default: our prompt in DICE's RL chat format for SDAR/DICE models, ChatML for others)",
 }
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "dice-tiny"

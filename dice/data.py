@@ -159,8 +159,8 @@ def with_pad_targets(examples: list[Example], block_size: int, pad_id: int) -> l
     last block after its end. DICE's LLaMA-Factory fork does this to every example
     (training/sft/llama_factory_sdar/src/llamafactory/data/processor/supervised.py, lines 88-92:
     `labels += [pad_token_id] * pad_len`); by default pads belong to no sample and are never trained."""
-    return [Example(e.prompt_ids, e.response_ids + [pad_id] * (-(len(e.prompt_ids) + len(e.response_ids)) % block_size))
-            for e in examples]
+    pads = [-(len(e.prompt_ids) + len(e.response_ids)) % block_size for e in examples]
+    return [Example(e.prompt_ids, e.response_ids + [pad_id] * n) for e, n in zip(examples, pads)]
 
 
 def pack_rows(examples: list[Example], row_len: int, block_size: int, pad_id: int) -> list[dict]:

@@ -42,8 +42,9 @@ from typing import Sequence
 import torch
 
 from .rewards import RewardFn, Scores, score, verifier_reward
-from .rollout import (auto_rollout_batch, complete, generate_and_score, generation_copy, one_shot_style,
-                      task_prompt_ids)
+from .prompts import PromptFormat
+from .rollout import (auto_rollout_batch, complete, generate_and_score, generation_copy, load_prompt_template,
+                      prompt_format, task_prompt_ids)
 from .checkpoint import load_model
 from .data import DataError
 from .trace import Round, RoundBatch, build_round_batch, round_logprobs, row_weights, trace_rounds
@@ -57,7 +58,7 @@ from .runtime import (MetricsLog, build_model, check_resume, check_run_folder, c
 RESUME_FIELDS = ("phase", "seed", "tasks_per_step", "group_size", "max_new_tokens", "temperature", "remasking",
                  "threshold", "steps_per_block", "updates_per_step", "rows_per_update", "loss_norm", "clip_eps",
                  "kl_beta", "reference_model", "reward", "lr", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip",
-                 "minibatch_order", "optimizer_state")
+                 "minibatch_order", "optimizer_state", "prompt_template")
 
 
 def group_advantages(rewards: Sequence[float], group_size: int) -> list[float | None]:
@@ -146,7 +147,7 @@ class _FullParameters:
 
 def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: RewardFn, seed: int, infill: bool, *,
             overlap: str = "stream", low_precision: bool = True, auto_batch: bool = False,
-            lengths: Sequence[int] | None = None):
+            lengths: Sequence[int] | None = None, fmt: PromptFormat | None = None):
     """Generate `group_size` responses per task and reward them while generation goes on
     (`dice.rollout.generate_and_score`; overlap "stream": each block's finished responses go to
     the reward at once, up to `verifier_workers` calls at a time). Sample j of the task in slot k
@@ -156,11 +157,12 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
     auto_batch as many as fit in memory (`auto_rollout_batch`). lengths: one forced response
     length per response, in that order (`python -m dice.bench rl`). Returns (completions,
     rewards, results, timings): `results` are the verifier results of every completion, in order
-    (None where the reward has none, see `Scores`); timings also name the rollout batch used."""
+    (None where the reward has none, see `Scores`); timings also name the rollout batch used.
+    fmt: the prompt format (None: the model's, `prompt_format`)."""
     prompts, owners, seeds = [], [], []
-    style = one_shot_style(model)
+    fmt = fmt or prompt_format(model)
     for t, k in zip(tasks, slots):
-        ids = task_prompt_ids(tok, t, infill=infill, one_shot=style)
+        ids = task_prompt_ids(tok, t, infill=infill, fmt=fmt)
         prompts += [ids] * cfg.group_size
         owners += [t] * cfg.group_size
         seeds += [seed + k * cfg.group_size + j for j in range(cfg.group_size)]
@@ -245,16 +247,18 @@ def _micro(items: list, size: int):
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, infill: bool, rt) -> dict:
+def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, infill: bool, rt,
+                    fmt: PromptFormat | None = None) -> dict:
     """Greedy generation on held-out tasks: the mean reward and, with the verifier, KernelBench's
     compiled / correct / fast_1 rates (dice.metrics) as fractions of all tasks.
 
     Process r generates tasks r, r + world, ... (task i with seed i, so the split changes no
     result) and the counts are summed over processes: every process must call this, inside the
-    full-parameter context under FSDP, since generation gathers no parameters itself."""
+    full-parameter context under FSDP, since generation gathers no parameters itself. fmt: the
+    prompt format (None: the model's)."""
     mine = list(range(rt.rank, len(tasks), rt.world))
-    style = one_shot_style(model)
-    completions = complete(model, tok, [task_prompt_ids(tok, tasks[i], infill=infill, one_shot=style) for i in mine],
+    fmt = fmt or prompt_format(model)
+    completions = complete(model, tok, [task_prompt_ids(tok, tasks[i], infill=infill, fmt=fmt) for i in mine],
                            batch_size=cfg.rollout_batch, seed=mine, max_new_tokens=cfg.max_new_tokens,
                            steps_per_block=cfg.steps_per_block, remasking=cfg.remasking, threshold=cfg.threshold,
                            temperature=0.0)
@@ -291,8 +295,14 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
                             "a DICE JSON file whose records have prefix, middle and suffix, or use --phase e2e")
     if eval_tasks is None and cfg.eval_every:
         eval_tasks = load_tasks(cfg.eval_data)
+    template = load_prompt_template(cfg.prompt_template, infill) if cfg.prompt_template else None
     tok = load_tokenizer(cfg.model)
     model = build_model(cfg, rt, log)
+    fmt = prompt_format(model, template)
+    eval_fmt = prompt_format(model) if infill else fmt   # the evaluation prompts end to end
+    if template and infill and cfg.eval_every:
+        log("--prompt-template holds an infilling prompt: the end-to-end evaluation of --eval-every asks in the "
+            "model's own prompt format")
     ref_model = load_model(cfg.model, device=rt.device).eval().requires_grad_(False) if cfg.reference_model else None
     optimizer = make_optimizer(model, cfg)
     tasks_sha = hashlib.sha256(json.dumps([dataclasses.astuple(t) for t in ordered]).encode()).hexdigest()
@@ -318,7 +328,7 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
     def evaluate(at_step: int, label: str) -> None:
         model.eval()
         with torch.no_grad(), (gather or contextlib.nullcontext()):
-            ev = evaluate_policy(model, tok, eval_tasks, cfg, eval_reward, infill=False, rt=rt)
+            ev = evaluate_policy(model, tok, eval_tasks, cfg, eval_reward, infill=False, rt=rt, fmt=eval_fmt)
         metrics.write({"step": at_step, **ev})
         log(f"{label}: " + json.dumps(ev))
 
@@ -336,7 +346,7 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
             with torch.no_grad(), (gather or contextlib.nullcontext()):
                 completions, rewards, results, timing = rollout(
                     model, tok, [step_set[k] for k in slots], slots, cfg, reward_fn,
-                    seed=(cfg.seed * 100_003 + step) * 10_007, infill=infill)
+                    seed=(cfg.seed * 100_003 + step) * 10_007, infill=infill, fmt=fmt)
             advantages = group_advantages(rewards, cfg.group_size)
             model.train()
             t_update = time.perf_counter()

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from .config import TrainConfig
-from .data import DataError, RowStream, collate, read_records, record_texts, tokenize_records, with_pad_targets
+from .data import (DataError, RowStream, collate, read_records, record_texts, tokenize_records,
+                   with_pad_targets)
 from .diffusion import count_samples, diffusion_loss
 from .model import ModelConfig
 from .prompts import thinks
@@ -35,7 +36,8 @@ from .tokenizer import load_tokenizer
 
 # what a resumed SFT run must keep (besides data, model, row length and micro-batches per step)
 RESUME_FIELDS = ("phase", "seed", "batch_size", "loss_norm", "lr", "schedule", "warmup", "warmup_ratio",
-                 "min_lr_ratio", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip", "sft_infill", "sft_pad_targets")
+                 "min_lr_ratio", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip", "sft_infill",
+                 "sft_pad_targets")
 
 
 # DICE's SFT (training/sft/llama_factory_sdar/examples/train_full_sdar/sdar_8b_full.yaml): rows of
