@@ -22,6 +22,7 @@ import torch
 
 from ..cli import ArgumentParser
 from ..model import SDAR_SHAPES
+from .common import BenchRun, BudgetSpent, add_run_arguments
 
 
 def main(argv=None) -> None:
@@ -65,6 +66,9 @@ def main(argv=None) -> None:
     rl.add_arguments(sub.add_parser("rl", help="one BiC-RL step: generate / verify / update time, the bound"))
     # verify's flags live in bench_verify, which parses (and lists with --help) everything after "verify"
     sub.add_parser("verify", add_help=False, help="kernels verified per minute (CuPy vs load_inline), or --check")
+    for sub_parser in sub.choices.values():
+        if sub_parser.prog.split()[-1] != "verify":
+            add_run_arguments(sub_parser)
     args, rest = parser.parse_known_args(argv)
     if args.what == "verify":
         from .verify import main as verify_main
@@ -72,17 +76,20 @@ def main(argv=None) -> None:
         return
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.what == "rl":   # runs on a CPU too (a smoke test with --reward python)
-        rl.bench_rl(args)
-        return
-    if args.what == "builds":   # compiles only: runs on a CPU too
-        builds.bench_builds(args)
-        return
-    if not torch.cuda.is_available() and args.what != "train":
+    from . import decode, fused, train
+    benches = {"sample": decode.bench_sample, "profile": decode.bench_profile, "fused": fused.bench_fused,
+               "train": train.bench_train, "model": train.bench_model, "stability": stability.bench_stability,
+               "rl": rl.bench_rl, "builds": builds.bench_builds}
+    # rl (with --reward python) and builds (compiles only) run on a CPU too
+    if not torch.cuda.is_available() and args.what not in ("train", "rl", "builds"):
         sys.exit("python -m dice.bench needs a CUDA GPU; this machine has none")
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and args.what == "train":
         print("note: dice.bench train is meant for a CUDA GPU; this machine has none, so it runs on the CPU "
               "(slow for the SDAR shapes)", file=sys.stderr)
-    from . import decode, fused, train
-    {"sample": decode.bench_sample, "profile": decode.bench_profile, "fused": fused.bench_fused,
-     "train": train.bench_train, "model": train.bench_model, "stability": stability.bench_stability}[args.what](args)
+    bench = BenchRun(args.what, args.budget_s, args.out)
+    try:
+        benches[args.what](args, bench)
+    except BudgetSpent:
+        pass
+    finally:
+        bench.finish()
