@@ -92,12 +92,13 @@ def _completion(tokenizer, prompt: Sequence[int], g: Generated) -> Completion:
 def complete(model, tokenizer, prompts: Sequence[Sequence[int]], *, batch_size: int = 64,
              seed: int | Sequence[int] = 0, progress: Callable[[int], None] | None = None,
              lengths: Sequence[int] | None = None, on_done: Callable[[int, Completion], None] | None = None,
-             **generate_kwargs) -> list[Completion]:
+             stop_at_eos: bool = True, **generate_kwargs) -> list[Completion]:
     """Generate for every prompt in batches of `batch_size` (prompts sorted by length for tighter
     batches; the sampler is batch-invariant and prompt i always uses its own seed, seed + i or
     seed[i], so the grouping does not change any result). lengths: per prompt, the sampler's
     forced response length (`generate`). on_done(i, completion): called as prompt i finishes,
-    before that block's `progress` call."""
+    before that block's `progress` call. stop_at_eos=False: every prompt runs to max_new_tokens
+    (DICE's evaluation scripts, `evaluate.py --dice-scripts`)."""
     seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed + i for i in range(len(prompts))]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[Completion | None] = [None] * len(prompts)
@@ -111,7 +112,8 @@ def complete(model, tokenizer, prompts: Sequence[Sequence[int]], *, batch_size: 
             if on_done is not None:
                 on_done(chunk[row], out[chunk[row]])
 
-        result = generate(model, [prompts[i] for i in chunk], eos_token_ids=tokenizer.eos_token_ids,
+        eos = tokenizer.eos_token_ids if stop_at_eos else ()
+        result = generate(model, [prompts[i] for i in chunk], eos_token_ids=eos,
                           seed=[seeds[i] for i in chunk], progress=report, on_finish=finished,
                           lengths=None if lengths is None else [lengths[i] for i in chunk], **generate_kwargs)
         done += result.num_tokens
