@@ -8,7 +8,7 @@ Tasks: a KernelBench folder (level*/NN_Name.py), one task .py, or a DICE JSON fi
 1); `--solutions DIR` reads `DIR/<task name>.py` (or every .py in `DIR/<task name>/`);
 `--solutions reference` takes the JSON records' own `cuda_code`; `--save-solutions DIR` keeps
 what `--model` generated in that layout, so it can be verified again without generating. Prints
-and writes per-level compiled %, correct %, fast_0/1/2, geometric-mean speedup and pass@k.
+and writes per-level compiled %, correct %, fast_p, geometric-mean speedup and pass@k.
 
 `--infill` is DICE's kernel-infilling evaluation: tasks must carry a prefix/middle/suffix split
 (DICE .json), the prompt shows the skeleton (prefix and suffix around a gap), and a program that
