@@ -2,8 +2,8 @@
 
 Every field of `TrainConfig` is a `--flag` (`config_from_args`); CHOICES and AT_LEAST bound the
 values, HELP is the --help text. Defaults that depend on the phase (learning rate, loss
-normalisation, gradient clip) are filled in `__post_init__`; those that depend on the machine (SFT batch and row
-length: 0 = auto) in `dice.sft`. The defaults are the originals' (DESIGN.md §4, §7): AdamW betas
+normalisation, gradient clip) are filled in `__post_init__`; those that depend on the machine (SFT
+batch, row length and micro-batches per step: 0 = auto) in `dice.sft`. The defaults are the originals' (DESIGN.md §4, §7): AdamW betas
 (0.9, 0.999) and SFT lr 1e-5 constant after warm-up (deadlykitten4/DICE
 `training/sft/llama_factory_sdar/examples/train_full_sdar/sdar_*_full.yaml`: `lr_scheduler_type:
 constant_with_warmup`), SDAR's per-micro-batch token mean for SFT, TraceRL's

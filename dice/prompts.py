@@ -1,20 +1,20 @@
 '''The one prompt format of SFT, RL, sampling and evaluation, and reading code out of answers.
 
-DESIGN.md §4 and §6. The model's input for a KernelBench-style task is always
+DESIGN.md §4 and §6. The model's input for a KernelBench-style task is always (`PromptFormat.text`)
 
-    chat_prompt(kernel_prompt(task_src))                         # end to end
-    chat_prompt(kernel_prompt(task_src, prefix=p, suffix=s))     # infilling (RL phase 1)
+    chat_prompt(kernel_prompt(task_src), chat)                         # end to end
+    chat_prompt(kernel_prompt(task_src, prefix=p, suffix=s), chat)     # infilling (RL phase 1)
 
 and a training target is chat_response(answer), or chat_response(answer, think=True) for a model
 whose chat template writes a think block (`thinks`: SDAR/DICE). `PromptFormat` says which: the
 chat turn (`CHAT_FORMATS`: ChatML, or DICE's RL rollout shape) and the one-shot example around our
 kernel prompt, or a user's whole prompt text (`--prompt-template FILE`, `fill_template`) with
-DICE's placeholders, so DICE's own wording can be used without being shipped here. kernel_prompt carries the content of
-KernelBench's prompt (instruction, a one-shot elementwise-add example, the task's `Model`,
-the request for `ModelNew`) in our own words, except for its first sentence and the closing
-request, which keep KernelBench's wording (DICE's prompts are KernelBench's). extract_code
-takes the program out of an answer (after its think block, if it starts with one); keeps_skeleton
-tells whether an infilling answer kept the given prefix and suffix.
+DICE's placeholders, so DICE's own wording can be used without being shipped here.
+kernel_prompt carries the content of KernelBench's prompt (instruction, a one-shot elementwise-add
+example, the task's `Model`, the request for `ModelNew`) in our own words, except for its first
+sentence and the closing request, which keep KernelBench's wording (DICE's prompts are
+KernelBench's). extract_code takes the program out of an answer (after its think block, if it
+starts with one); keeps_skeleton tells whether an infilling answer kept the given prefix and suffix.
 '''
 from __future__ import annotations
 
