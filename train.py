@@ -26,6 +26,7 @@ from dice.cli import fail_cleanly, usage_error
 from dice.config import EMBEDDED, RL_PHASES, config_from_args, with_embedded_defaults
 from dice.inputs import input_path, output_folder
 from dice.memory import check_fits, kv_cache_bytes, micro_batch_bytes, parameter_bytes
+from dice.rollout import load_prompt_template
 from dice.runtime import check_run_folder, latest_checkpoint
 from dice.sft import INIT_ENTRIES, init_model_folder, sft_sizes, train_sft
 
@@ -86,7 +87,10 @@ def check_paths(cfg, embedded: bool) -> None:
                    "give --data a DICE .json task file or a KernelBench folder")
     if cfg.eval_data:
         input_path(cfg.eval_data, "--eval-data", "any", "give --eval-data a DICE .json task file or a KernelBench folder")
-    inputs = {"--model": cfg.model, "--eval-data": cfg.eval_data} | ({} if embedded else {"--data": cfg.data})
+    if cfg.prompt_template:
+        load_prompt_template(cfg.prompt_template, cfg.phase == "infill")
+    inputs = {"--model": cfg.model, "--eval-data": cfg.eval_data, "--prompt-template": cfg.prompt_template} | (
+        {} if embedded else {"--data": cfg.data})
     check_run_folder(Path(cfg.out), cfg.resume, cfg.overwrite, inputs=inputs,
                      also=("tasks.json",) if embedded and not cfg.resume else ())
 
@@ -101,7 +105,7 @@ def check_memory(cfg) -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     parts = {"float32 parameters, gradients and AdamW state": parameter_bytes(config, 16, world)}
     if cfg.phase == "sft":
-        sized, _ = sft_sizes(cfg, device)
+        sized, _ = sft_sizes(cfg, device, world)
         if sized.max_len < config.block_size:
             usage_error("train.py", f"--max-len {sized.max_len} is below the block size {config.block_size} of "
                                     f"{cfg.model} (rows are whole blocks); pass --max-len {config.block_size} or more")

@@ -3,13 +3,14 @@
 Every field of `TrainConfig` is a `--flag` (`config_from_args`); CHOICES and RANGES bound the
 values (`validate`), HELP is the --help text, grouped by the phases that use a flag (PHASE_FLAGS:
 a flag given to a phase that does not use it is an error, not silently ignored). Defaults that
-depend on the phase (learning rate, loss normalisation) are filled in `__post_init__`; those that
-depend on the machine (SFT batch and row length: 0 = auto) in `dice.sft`. The defaults are the
-originals' (DESIGN.md §4, §7): AdamW betas (0.9, 0.999) and SFT lr 1e-5 constant after warm-up (deadlykitten4/DICE
-`Training/SFT/llama_factory_sdar/examples/train_full_sdar/sdar_*_full.yaml`: `lr_scheduler_type:
+depend on the phase (learning rate, loss normalisation, gradient clip) are filled in
+`__post_init__`; those that depend on the machine (SFT batch, row length and micro-batches per
+step: 0 = auto) in `dice.sft`. The defaults are the originals' (DESIGN.md §4, §7): AdamW betas
+(0.9, 0.999) and SFT lr 1e-5 constant after warm-up (deadlykitten4/DICE
+`training/sft/llama_factory_sdar/examples/train_full_sdar/sdar_*_full.yaml`: `lr_scheduler_type:
 constant_with_warmup`), SDAR's per-micro-batch token mean for SFT, TraceRL's
-per-step L1 normalisation and one optimiser step per 256 round rows for RL (DICE's
-`training/RL/configs/rl_sdar_kernel_*.yaml`).
+per-step L1 normalisation, one optimiser step per 256 round rows, DICE's effective gradient clip
+and a fresh AdamW per step for RL (DICE's `training/RL/configs/rl_sdar_kernel_*.yaml`, DESIGN.md §7).
 
 EMBEDDED is what `python train.py --phase sft|infill|e2e` runs with neither --model nor --data:
 the shipped dice-tiny on tasks `dice.taskgen` generates with a fixed seed, short enough for a demo
@@ -30,6 +31,10 @@ from .errors import UsageError
 from .sampler import REMASKING
 from .tokenizer import SPECIAL_TOKENS
 
+# DICE's gradient is 1/32 of ours at the same loss (its 32 accumulation steps divide it twice: DESIGN.md §7),
+# so its clip of 1.0 (`max_grad_norm`, DeepSpeed's `gradient_clipping`) is 32 here
+RL_GRAD_CLIP = 32.0
+
 
 @dataclass
 class TrainConfig:
@@ -42,15 +47,16 @@ class TrainConfig:
     steps: int = 0
     epochs: float = 0.0
     batch_size: int = 0
-    grad_accum: int = 1
+    grad_accum: int = 0
     lr: float = 0.0
     schedule: str = "constant"
     min_lr_ratio: float = 0.1
     warmup: int = 0
+    warmup_ratio: float = 0.03
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    grad_clip: float = 1.0
+    grad_clip: float = 0.0
     loss_norm: str = ""
     max_len: int = 0
     dtype: str = "auto"
@@ -61,6 +67,7 @@ class TrainConfig:
     seed: int = 0
     gradient_checkpointing: bool = False
     sft_infill: bool = False
+    sft_pad_targets: bool = False
     attention: str = "auto"
     # --phase init: a from-scratch model folder (tokenizer trained on --data, config, no weights)
     vocab_size: int = 4096
@@ -81,6 +88,8 @@ class TrainConfig:
     rollout_batch: int = 64
     updates_per_step: int = 0
     rows_per_update: int = 256
+    minibatch_order: str = "contiguous"
+    optimizer_state: str = "step"
     clip_eps: float = 0.2
     kl_beta: float = 0.01
     reference_model: bool = False
@@ -89,12 +98,15 @@ class TrainConfig:
     eval_data: str = ""
     verifier_workers: int = 8
     verify_timeout: float = 15.0
+    prompt_template: str = ""
 
     def __post_init__(self):
         self.validate()
         rl = self.phase in RL_PHASES
         if not self.lr:
             self.lr = 1e-6 if rl else 1e-5
+        if not self.grad_clip:
+            self.grad_clip = RL_GRAD_CLIP if rl else 1.0
         if rl and not self.batch_size:
             self.batch_size = 8
         norms = ("step", "response") if rl else ("batch", "sample")
@@ -111,7 +123,7 @@ class TrainConfig:
                 raise UsageError(f"--{_flag(name)} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
         for name, rule in RANGES.items():
             value = getattr(self, name)
-            if isinstance(value, float) and not math.isfinite(value):
+            if isinstance(value, float) and not math.isfinite(value) and not (name in ENDLESS and value == math.inf):
                 raise UsageError(f"--{_flag(name)} must be a finite number, got {value}")
             if not _within(value, rule):
                 raise UsageError(f"--{_flag(name)} must be {'in ' * (rule[0] in '[(')}{rule}, got {value}")
@@ -146,25 +158,30 @@ def _within(value, rule: str) -> bool:
 
 CHOICES = {"phase": ("init", "sft", "infill", "e2e"), "dtype": ("auto", "bf16", "fp32"),
            "schedule": ("constant", "cosine"), "attention": ("auto", "flex", "dense"), "remasking": REMASKING,
-           "reward": ("correct", "speedup")}
-# the range of every number flag (`_within`)
-RANGES = {"steps": ">= 0", "epochs": ">= 0", "batch_size": ">= 0", "grad_accum": ">= 1", "lr": ">= 0",
-          "min_lr_ratio": "[0, 1]", "warmup": ">= 0", "weight_decay": ">= 0", "adam_beta1": "[0, 1)",
-          "adam_beta2": "[0, 1)", "grad_clip": "> 0", "max_len": ">= 0", "save_every": ">= 0",
-          "keep_checkpoints": ">= 0", "vocab_size": f">= {len(SPECIAL_TOKENS) + 256}", "hidden_size": ">= 2",
-          "num_layers": ">= 1", "num_heads": ">= 1", "num_kv_heads": ">= 1", "intermediate_size": ">= 1",
-          "block_size": ">= 1", "tasks_per_step": ">= 1", "group_size": ">= 1", "max_new_tokens": ">= 1",
-          "temperature": ">= 0", "threshold": "[0, 1]", "steps_per_block": ">= 1", "rollout_batch": ">= 1",
-          "updates_per_step": ">= 0", "rows_per_update": ">= 1", "clip_eps": "[0, 1)", "kl_beta": ">= 0",
-          "eval_every": ">= 0", "verifier_workers": ">= 1", "verify_timeout": "> 0", "seed": "[0, 4294967295]"}
+           "reward": ("correct", "speedup"), "minibatch_order": ("contiguous", "shuffle"),
+           "optimizer_state": ("step", "run")}
+# the range of every number flag (`_within`); every float must be finite but those of ENDLESS
+RANGES = {"steps": ">= 0", "epochs": ">= 0", "batch_size": ">= 0", "grad_accum": ">= 0", "lr": ">= 0",
+          "min_lr_ratio": "[0, 1]", "warmup": ">= 0", "warmup_ratio": "[0, 1]", "weight_decay": ">= 0",
+          "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "grad_clip": ">= 0", "max_len": ">= 0",
+          "save_every": ">= 0", "keep_checkpoints": ">= 0", "vocab_size": f">= {len(SPECIAL_TOKENS) + 256}",
+          "hidden_size": ">= 2", "num_layers": ">= 1", "num_heads": ">= 1", "num_kv_heads": ">= 1",
+          "intermediate_size": ">= 1", "block_size": ">= 1", "tasks_per_step": ">= 1", "group_size": ">= 1",
+          "max_new_tokens": ">= 1", "temperature": ">= 0", "threshold": "[0, 1]", "steps_per_block": ">= 1",
+          "rollout_batch": ">= 1", "updates_per_step": ">= 0", "rows_per_update": ">= 1", "clip_eps": "[0, 1)",
+          "kl_beta": ">= 0", "eval_every": ">= 0", "verifier_workers": ">= 1", "verify_timeout": "> 0",
+          "seed": "[0, 4294967295]"}
+ENDLESS = ("grad_clip",)   # inf: no clipping
 # the flags only some phases use (every other flag: every phase but init); init uses INIT_FLAGS alone
 PHASE_FLAGS = {
     "init": ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
              "block_size"),
-    "sft": ("epochs", "grad_accum", "schedule", "min_lr_ratio", "warmup", "max_len", "sft_infill"),
+    "sft": ("epochs", "grad_accum", "schedule", "min_lr_ratio", "warmup", "warmup_ratio", "max_len", "sft_infill",
+            "sft_pad_targets"),
     "infill/e2e": ("tasks_per_step", "group_size", "max_new_tokens", "temperature", "remasking", "threshold",
-                   "steps_per_block", "rollout_batch", "updates_per_step", "rows_per_update", "clip_eps", "kl_beta",
-                   "reference_model", "reward", "eval_every", "eval_data", "verifier_workers", "verify_timeout")}
+                   "steps_per_block", "rollout_batch", "updates_per_step", "rows_per_update", "minibatch_order",
+                   "optimizer_state", "clip_eps", "kl_beta", "reference_model", "reward", "eval_every", "eval_data",
+                   "verifier_workers", "verify_timeout", "prompt_template")}
 INIT_FLAGS = ("phase", "data", "out", "overwrite") + PHASE_FLAGS["init"]
 HELP = {
     "phase": "init: a from-scratch model folder; sft: masked-diffusion SFT; infill, e2e: the BiC-RL phases",
@@ -175,20 +192,24 @@ HELP = {
            "required for --phase init (the new model folder) and with --resume",
     "steps": "optimiser steps (SFT) or RL steps; required with --data (SFT: this or --epochs)",
     "epochs": "SFT passes over the data, when --steps is 0",
-    "batch_size": "rows per process per micro-batch; 0 = SFT 8 on CUDA, 1 on a CPU; RL 8 trace rounds",
-    "grad_accum": "SFT micro-batches per optimiser step",
+    "batch_size": "rows per process per micro-batch; 0 = SFT 1 (DICE's per GPU); RL 8 trace rounds",
+    "grad_accum": "SFT micro-batches per optimiser step; 0 = on CUDA 8 / processes (DICE's 8 rows a step: 8 GPUs "
+                  "x 1), on a CPU 1",
     "lr": "peak learning rate; 0 = 1e-5 for SFT / 1e-6 for RL (DESIGN.md §4, §7)",
     "schedule": "SFT learning rate after the warm-up: constant (DICE's) or cosine to --min-lr-ratio",
     "min_lr_ratio": "--schedule cosine decays to this fraction of --lr",
-    "warmup": "linear warm-up steps (DICE's SFT: 3 percent of its steps)",
+    "warmup": "SFT: linear warm-up steps from lr 0; 0 = --warmup-ratio of the steps",
+    "warmup_ratio": "SFT: warm-up as a fraction of the steps when --warmup is 0, rounded up (DICE's 0.03)",
     "weight_decay": "AdamW weight decay of the matrices",
     "adam_beta1": "AdamW beta1",
     "adam_beta2": "AdamW beta2 (DICE/LLaMA-Factory: 0.999)",
-    "grad_clip": "gradient-norm clipping",
+    "grad_clip": "gradient-norm clipping of the loss as defined here; 0 = 1.0 for SFT (DICE's), 32 for RL "
+                 "(DICE's 1.0 on its gradient, which is 1/32 of ours: DESIGN.md §7); inf: none",
     "loss_norm": "SFT: batch (SDAR: each micro-batch's masked-token CE/p sum over its response tokens) or "
                  "sample (a mean over samples); RL: step (TraceRL/DICE: each round's sum over the step's "
                  "response width L1) or response (each response over its own length); default the first",
-    "max_len": "SFT row length in tokens (rounded down to the block size); 0 = 2048 on CUDA, 1024 on a CPU",
+    "max_len": "SFT row length in tokens (rounded down to the block size); 0 = 6144 on CUDA (DICE's cutoff_len), "
+               "1024 on a CPU",
     "dtype": "auto: bf16 autocast on CUDA, fp32 on CPU",
     "save_every": "write a checkpoint every N steps (0: only final/)",
     "keep_checkpoints": "checkpoints kept, newest first (0: all)",
@@ -198,6 +219,8 @@ HELP = {
     "seed": "seed of the initialisation, data order and noise",
     "gradient_checkpointing": "recompute each layer's forward in the backward pass (less memory)",
     "sft_infill": "also teach kernel records under the infilling prompt",
+    "sft_pad_targets": "SFT: pad each example to a block multiple with pad tokens trained as its response's end "
+                       "(DICE's LLaMA-Factory fork; the model learns to fill the last block; default: pads untrained)",
     "attention": "SFT masks: flex (FlexAttention, CUDA only) or dense; auto: flex on CUDA",
     "vocab_size": "--phase init: BPE vocabulary size",
     "hidden_size": "--phase init: hidden size",
@@ -216,6 +239,9 @@ HELP = {
     "rollout_batch": "RL: sequences generated per batch",
     "updates_per_step": "RL: optimiser steps per RL step; 0 = one per --rows-per-update trace rounds (DICE)",
     "rows_per_update": "RL: trace rounds per optimiser step when --updates-per-step is 0 (DICE: 8 GPUs x 32)",
+    "minibatch_order": "RL: which rounds share an optimiser step: contiguous (DICE: consecutive rows, response by "
+                       "response) or shuffle (seeded, mixing the whole rollout)",
+    "optimizer_state": "RL: AdamW moments live for one RL step (step: DICE, a new optimiser per step) or the run",
     "clip_eps": "RL: PPO clip range",
     "kl_beta": "RL: weight of the k3 KL term",
     "reference_model": "RL: KL against a frozen copy of --model instead of the rollout policy",
@@ -224,6 +250,9 @@ HELP = {
     "eval_data": "RL: held-out tasks for --eval-every",
     "verifier_workers": "RL: kernel verifier worker processes",
     "verify_timeout": "RL: seconds a sampled kernel may run before it is a timeout",
+    "prompt_template": "RL: a text file holding the whole prompt, chat markup included, with {{pytorch_code}} "
+                       "(and for --phase infill {{prefix}}, {{suffix}}) where the task goes, e.g. DICE's own prompt "
+                       "(default: our prompt in DICE's RL chat format for SDAR/DICE models, ChatML for others)",
 }
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "dice-tiny"
