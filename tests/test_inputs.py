@@ -134,11 +134,12 @@ BAD_CONFIGS = {"hidden_size": ("384", "hidden_size must be a whole number >= 1, 
 CASES = [
     # train.py: values no run could mean
     *[Case(f"train {flag} {value}", "train", f"{SFT} {flag} {value}", 2, message) for flag, value, message in [
-        ("--grad-clip", "-1", "--grad-clip must be > 0, got -1.0"), ("--grad-clip", "0", "--grad-clip must be > 0"),
+        ("--grad-clip", "-1", "--grad-clip must be >= 0, got -1.0"), ("--grad-clip", "nan", "--grad-clip must be a finite"),
+        ("--warmup-ratio", "2", "--warmup-ratio must be in [0, 1], got 2.0"),
         ("--save-every", "-1", "--save-every must be >= 0"), ("--keep-checkpoints", "-2", "--keep-checkpoints must be >= 0"),
         ("--warmup", "-1", "--warmup must be >= 0"), ("--weight-decay", "-0.1", "--weight-decay must be >= 0"),
         ("--lr", "-1", "--lr must be >= 0, got -1.0"), ("--lr", "nan", "--lr must be a finite number"),
-        ("--batch-size", "-1", "--batch-size must be >= 0"), ("--grad-accum", "0", "--grad-accum must be >= 1"),
+        ("--batch-size", "-1", "--batch-size must be >= 0"), ("--grad-accum", "-1", "--grad-accum must be >= 0"),
         ("--max-len", "-5", "--max-len must be >= 0"), ("--max-len", "3", "--max-len 3 is below the block size 4"),
         ("--min-lr-ratio", "2", "--min-lr-ratio must be in [0, 1]"), ("--adam-beta2", "1", "--adam-beta2 must be in [0, 1)"),
         ("--seed", "-1", "--seed must be in [0, 4294967295]"), ("--epochs", "2", "--steps N and --epochs E both"),
@@ -161,7 +162,9 @@ CASES = [
         ("--eval-data", "x.json", "--eval-every N and --eval-data"), ("--threshold", "1.5", "--threshold must be in [0, 1]"),
         ("--clip-eps", "-0.1", "--clip-eps must be in [0, 1)"), ("--kl-beta", "-1", "--kl-beta must be >= 0"),
         ("--tasks-per-step", "0", "--tasks-per-step must be >= 1"), ("--max-new-tokens", "0", "--max-new-tokens must be >= 1"),
-        ("--epochs", "1", "--epochs is a flag of --phase sft, which --phase e2e does not use")]],
+        ("--epochs", "1", "--epochs is a flag of --phase sft, which --phase e2e does not use"),
+        ("--minibatch-order", "random", "--minibatch-order: invalid choice: 'random'"),
+        ("--sft-pad-targets", "", "--sft-pad-targets is a flag of --phase sft")]],
     # train.py: output paths
     Case("train --resume into a missing folder", "train", RESUME.replace("{case}/run", "{case}/typo"), 2,
          "--resume: {case}/typo does not exist, so there is no run to continue"),
@@ -226,6 +229,11 @@ CASES = [
     Case("e2e --data missing on a GPU", "train", E2E.replace("tasks.json", "nope.json"), 1, "--data {ws}/nope.json does "
          "not exist", patch=gpu_with(80 * 2 ** 30)),
     Case("e2e on a CPU", "train", E2E, 1, "rewards kernels with the verifier, which needs a CUDA GPU"),
+    Case("e2e --prompt-template missing on a GPU", "train", f"{E2E} --prompt-template {{ws}}/nope.txt", 1,
+         "--prompt-template {ws}/nope.txt: no such file", patch=gpu_with(80 * 2 ** 30)),
+    Case("e2e --prompt-template without the task's place", "train", f"{E2E} --prompt-template {{case}}/t.txt", 1,
+         "--prompt-template {case}/t.txt:", setup=lambda ws, case: write(case, "t.txt", "no place for the task"),
+         patch=gpu_with(80 * 2 ** 30)),
     # sample.py
     *[Case(f"sample {flag} {value}", "sample", f"{SAMPLE} {flag} {value}", 2, message) for flag, value, message in [
         ("--max-new-tokens", "0", "--max-new-tokens: must be >= 1"), ("--temperature", "nan", "must be a finite number"),
@@ -238,6 +246,10 @@ CASES = [
         ("--out", "{ws}/model/x.py", "is inside the input --model")]],
     Case("sample --out unwritable", "sample", f"{SAMPLE} --out {{case}}/ro/x.py", 2, "{case}/ro is not writable",
          patch=unwritable("ro")),
+    Case("sample --prompt-template missing", "sample", f"{SAMPLE} --prompt-template {{ws}}/nope.txt", 1,
+         "--prompt-template {ws}/nope.txt: no such file"),
+    Case("sample --out the --prompt-template", "sample", f"{SAMPLE} --prompt-template {{case}}/t.txt --out {{case}}/t.txt "
+         "--overwrite", 2, "is the input --prompt-template", setup=lambda ws, case: write(case, "t.txt", "{{pytorch_code}}")),
     Case("sample --max-new-tokens 1000000000", "sample", f"{SAMPLE} --max-new-tokens 1000000000", 1,
          "the KV cache"),
     Case("sample --prompt missing", "sample", SAMPLE.replace("kb/level1/1_LeakyRelu.py", "nope.py"), 1, "no such task file"),
@@ -286,6 +298,10 @@ CASES = [
     Case("evaluate --model sizes over memory", "evaluate", f"{GEN} --save-solutions {{case}}/s --max-new-tokens 1000000000",
          1, "lower --batch-size or --max-new-tokens"),
     Case("evaluate --model on a CPU", "evaluate", GEN, 1, "running the kernels needs a CUDA GPU"),
+    Case("evaluate --prompt-template missing", "evaluate", f"{GEN} --prompt-template {{ws}}/nope.txt", 1,
+         "--prompt-template {ws}/nope.txt: no such file"),
+    Case("evaluate --protocol kernelbench --timeout 5", "evaluate", f"{EVAL} --protocol kernelbench --timeout 5", 2,
+         "--timeout: --protocol kernelbench verifies with 180"),
     # dice.taskgen
     Case("taskgen --out holding the user's train.json", "taskgen", "--out {case}/o --train 3", 2,
          "already holds train.json, which this command would replace", setup=lambda ws, case: write(case, "o/train.json", "[]")),
