@@ -96,4 +96,19 @@ def output_folder(path: str | os.PathLike, flag: str, entries: Iterable[str], *,
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise UsageError(f"argument {flag}: {path} already holds {shown}, which this command would replace; pass "
                          "--overwrite to replace them, or choose another folder")
+    replaceable(path, found, flag, inputs)
     return found
+
+
+def replaceable(path: Path, names: Iterable[str], flag: str, inputs: Mapping[str, str | os.PathLike | None]) -> None:
+    """Refuse to let --overwrite replace an entry of `path` that is, or holds, one of the inputs (a
+    run's final/ that is the --model being trained)."""
+    for name in names:
+        entry = (path / name).resolve()
+        for input_flag, source in inputs.items():
+            if source and Path(source).exists():
+                source = Path(source).resolve()
+                if source == entry or source.is_relative_to(entry):
+                    raise UsageError(f"argument {flag}: --overwrite would replace {path / name}, which holds the input "
+                                     f"{input_flag} {source}; copy that input elsewhere first, or choose another "
+                                     f"{flag}")

@@ -41,7 +41,7 @@ from safetensors import SafetensorError, safe_open
 from .checkpoint import CheckpointError, from_published, has_weights, load_model, read_config, save_model
 from .config import TrainConfig
 from .errors import UsageError, UserError
-from .inputs import output_folder
+from .inputs import output_folder, replaceable
 from .model import SDAR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "added_tokens.json",
@@ -238,6 +238,7 @@ def check_run_folder(out: Path, resuming: bool, overwriting: bool, *, also: tupl
         check_resumable(out)
         return
     found = [name for name in RUN_ENTRIES if (out / name).exists()]
+    replaceable(out, found if overwriting else (), "--out", inputs or {})
     if found and not overwriting:
         raise UsageError(f"{out} holds an earlier run ({', '.join(found)}); pass --resume to continue it, "
                          "--overwrite to replace it, or choose another --out")
