@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dice.checkpoint import read_config
+from dice.checkpoint import CheckpointError, read_config
 from dice.cli import fail_cleanly, usage_error
 from dice.config import EMBEDDED, RL_PHASES, config_from_args, with_embedded_defaults
 from dice.inputs import input_path, output_folder
@@ -47,10 +47,10 @@ def check_usage(cfg, embedded: bool) -> None:
                                         "(give neither to run the embedded default)")
         if cfg.phase == "sft" and not (cfg.steps or cfg.epochs):
             usage_error("train.py", "--phase sft needs --steps N or --epochs E")
-    if cfg.steps and cfg.epochs:
-        usage_error("train.py", "--steps N and --epochs E both set the run's length; pass one of them")
         if cfg.phase != "sft" and not cfg.steps:
             usage_error("train.py", f"--phase {cfg.phase} needs --steps N (RL steps to run)")
+    if cfg.steps and cfg.epochs:
+        usage_error("train.py", "--steps N and --epochs E both set the run's length; pass one of them")
     if cfg.resume and not cfg.out:
         usage_error("train.py", "--resume needs --out DIR, the run folder to continue")
     if cfg.phase in RL_PHASES and cfg.group_size < 2:
@@ -125,7 +125,7 @@ def interrupted(out: Path, argv) -> str:
     """What Ctrl-C leaves: the command that resumes the run, or why none can."""
     try:
         latest = latest_checkpoint(out)
-    except Exception:   # a pointer cut by the interrupt itself
+    except CheckpointError:   # a pointer cut by the interrupt itself
         latest = None
     if latest is None:
         return (f"no checkpoint was written to {out}, so the run cannot be resumed (--save-every N writes them)"

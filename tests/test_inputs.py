@@ -163,6 +163,7 @@ CASES = [
         ("--clip-eps", "-0.1", "--clip-eps must be in [0, 1)"), ("--kl-beta", "-1", "--kl-beta must be >= 0"),
         ("--tasks-per-step", "0", "--tasks-per-step must be >= 1"), ("--max-new-tokens", "0", "--max-new-tokens must be >= 1"),
         ("--epochs", "1", "--epochs is a flag of --phase sft, which --phase e2e does not use"),
+        ("--steps", "0", "--phase e2e needs --steps N (RL steps to run)"),
         ("--minibatch-order", "random", "--minibatch-order: invalid choice: 'random'"),
         ("--sft-pad-targets", "", "--sft-pad-targets is a flag of --phase sft")]],
     # train.py: output paths
