@@ -227,3 +227,23 @@ def test_ctrl_c_of_a_real_run_resumes_with_the_printed_command(addition_task, tm
     resumed = subprocess.run([sys.executable, str(ROOT / "train.py"), *last.split("python train.py ")[1].split()],
                              capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr and "step 12/12" in resumed.stderr
+
+
+@pytest.mark.gpu
+def test_memory_on_a_gpu_is_cudas_free_memory_and_bounds_its_kv_cache():
+    """On CUDA the free figure is the device's and the estimate is at most what the cache takes there
+    (the allocator rounds each tensor up); a rollout cache of 10^9 tokens is refused up front."""
+    from dice import load_model
+    from dice.config import TrainConfig
+    from dice.memory import MemoryShortage, free_bytes, kv_cache_bytes
+    device = torch.device("cuda")
+    assert 0 < free_bytes(device) <= torch.cuda.get_device_properties(device).total_memory
+    model = load_model(TINY, device="cuda", dtype=torch.bfloat16)
+    before = torch.cuda.memory_allocated(device)
+    cache = model.new_cache(3, 12)
+    kv_only = kv_cache_bytes(model.config, 3, 12, 2) - 3 * 12 * 26   # without the sampler's rows
+    assert torch.cuda.memory_allocated(device) - before >= kv_only == 36 * 2 * 2 * 2 * 16 * 2
+    del cache
+    cfg = TrainConfig(phase="e2e", model=str(DICE_TINY), data=str(EXAMPLE), steps=1, max_new_tokens=10 ** 9)
+    with pytest.raises(MemoryShortage, match="the rollout KV cache"):
+        command("train").check_memory(cfg)
