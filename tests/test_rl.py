@@ -292,6 +292,27 @@ def test_tiny_run_with_python_reward_raises_the_reward(tmp_path):
     assert load_model(tmp_path / "out" / "final").config.extra["dice_one_shot"] is None
 
 
+@pytest.mark.slow
+def test_train_rl_loss_of_the_shared_stream_equals_the_per_round_rows(tmp_path):
+    """train.py's RL loop (--phase e2e; infill shares the code) on a fixed seed: one step with a
+    response's rounds beside one clean stream and one with a doubled row per round roll out the same
+    responses and report the same loss."""
+    folder = rl_model_folder(tmp_path / "model")
+
+    def reward(tasks, completions):
+        return [sum(t % 3 == 0 for t in c.tokens) / max(len(c.tokens), 1) for c in completions]
+
+    losses = []
+    for rows in ("response", "round"):
+        cfg = TrainConfig(phase="e2e", model=str(folder), out=str(tmp_path / rows), steps=1, tasks_per_step=2,
+                          group_size=4, max_new_tokens=12, rollout_batch=8, update_rows=rows, seed=3)
+        train_rl(cfg, reward_fn=reward, tasks=TASKS[:2])
+        record = json.loads((tmp_path / rows / "metrics.jsonl").read_text())
+        assert record["groups_kept_pct"] == 100
+        losses.append(record["loss"])
+    assert losses[0] != 0 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
 def test_step_metrics_count_the_results_of_every_rollout_batch(tmp_path, monkeypatch):
     """2 tasks x 4 samples in rollout batches of 4: the reward runs once per block in which samples
     finish (here once per batch: a batch's samples finish together), and every sample is compiled,
