@@ -6,7 +6,8 @@ compiles and is correct; in the `infill` phase also only if the program keeps th
 and suffix), and form group z-score advantages A = (R - mean_g) / std_g, dropping groups whose
 rewards are all equal.
 
-Trace -> training rounds: `dice.trace`.
+Trace -> training rounds: `dice.trace`; their forwards, a response's rounds beside one clean
+stream in micro-batches sized by tokens: `dice.packing`.
 
 Objective per loss token (ids kept from generation, never re-tokenised):
     rho = exp(logp_new - logp_old)
