@@ -1,5 +1,5 @@
-"""`python -m dice.bench rl` on the CPU: the replayed programs, the token counts, and one step of a
-tiny model with the Python reward (issue 27)."""
+"""`python -m dice.bench rl` on the CPU: the replayed programs and their references' verdicts, the
+token counts, and one step of a tiny model with the Python reward (issues 27, 36)."""
 import ast
 import dataclasses
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dice.bench.rl import CHARS_PER_TOKEN, ReplayTokenizer, replay_programs, with_device_line
+from dice.bench.replay import CHARS_PER_TOKEN, ReplayTokenizer, replay_programs, with_device_line
 from dice.bench.verify import CUPY_CANDIDATE, INLINE_CANDIDATE, TASK
 from dice.tasks import load_tasks
 
@@ -110,7 +110,7 @@ class VerdictVerifier:
 
 def test_only_references_the_verifier_calls_correct_are_replayed_each_checked_once(tmp_path):
     from dice.bench.common import BenchRun
-    from dice.bench.rl import correct_references
+    from dice.bench.replay import correct_references
     from dice.tasks import Task
     verdicts = ["correct", "incorrect", "correct", "task_error", "compile_error", "correct", "correct"]
     tasks = [Task(f"t{i}", 1 + i // 4, f"class Model: pass  # {i}", solution=f"# {v}\nclass ModelNew: pass  # {i}")
@@ -129,7 +129,7 @@ def test_only_references_the_verifier_calls_correct_are_replayed_each_checked_on
 
 
 def test_the_tokenizer_that_counts(tmp_path, monkeypatch):
-    from dice.bench.rl import tokenizer_folder
+    from dice.bench.replay import tokenizer_folder
     monkeypatch.chdir(tmp_path)
     assert tokenizer_folder("1.7b", None) is None and tokenizer_folder("1.7b", "given") == "given"
     (tmp_path / "shared" / "sdar-chat").mkdir(parents=True)

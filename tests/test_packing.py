@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dice import load_model
-from dice.attention import block_diffusion_visible, streams_mask
+from dice.attention import streams_mask
 from dice.diffusion import doubled_logits
 from dice.packing import (RoundGroup, flex_shape, group_rounds, micro_batches, pack, pad_batch, packed_logprobs,
                           update_flops)
