@@ -39,63 +39,72 @@ UPDATE_ROWS = ("response", "round")
 
 @dataclass
 class RoundGroup:
-    """Rounds of the response `k` that share one clean stream; each round's loss tokens weigh its weight."""
+    """Rounds of the response `k` that share one clean stream: round i's loss tokens weigh
+    weights[i] and its noisy copy holds the blocks copies[i] (those of its loss tokens, or with
+    `whole` every block); `tokens` counts the clean stream and every copy."""
     k: int
     completion: Completion
+    block_size: int
+    whole: bool = False
     rounds: list[Round] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
+    copies: list[list[int]] = field(default_factory=list)
+    length: int = field(init=False)    # of the clean stream: prompt, response and tail
+    tokens: int = field(init=False)
 
-    def length(self) -> int:
+    def __post_init__(self):
         c = self.completion
-        return len(c.prompt_ids) + len(c.tokens) + len(c.tail_tokens)
+        self.length = len(c.prompt_ids) + len(c.tokens) + len(c.tail_tokens)
+        self.tokens = self.length + sum(self._size(blocks) for blocks in self.copies)
 
-    def copy_blocks(self, rnd: Round, block_size: int, whole: bool) -> list[int]:
-        """The blocks of round `rnd`'s noisy copy: those holding its loss tokens, or every block."""
-        if whole:
-            return list(range(-(-self.length() // block_size)))
-        return sorted({p // block_size for p in rnd.loss})
+    def _size(self, blocks: list[int]) -> int:
+        """Tokens of the (sorted) blocks: all full but one the sequence ends in."""
+        return len(blocks) * self.block_size - max(0, (blocks[-1] + 1) * self.block_size - self.length) if blocks else 0
 
-    def tokens(self, block_size: int, whole: bool) -> int:
-        n = self.length()
-        return n + sum(min(n, (b + 1) * block_size) - b * block_size
-                       for rnd in self.rounds for b in self.copy_blocks(rnd, block_size, whole))
+    def copy_of(self, rnd: Round) -> tuple[list[int], int]:
+        """The blocks of round `rnd`'s noisy copy and their tokens."""
+        bs = self.block_size
+        blocks = list(range(-(-self.length // bs))) if self.whole else sorted({p // bs for p in rnd.loss})
+        return blocks, self._size(blocks)
+
+    def add(self, rnd: Round, weight: float) -> None:
+        blocks, size = self.copy_of(rnd)
+        self.rounds.append(rnd)
+        self.weights.append(weight)
+        self.copies.append(blocks)
+        self.tokens += size
 
 
 def group_rounds(items: Sequence[tuple[int, Completion, Round]], weights: Sequence[float], rows: str,
                  block_size: int, budget: int) -> list[RoundGroup]:
     """One optimiser step's round rows (k, completion, round) with their weights as groups: with
     rows "response" every response's rounds in one group (in order of first appearance), split
-    where a group would pass `budget` tokens; with "round" one group per round."""
+    where a group would pass `budget` tokens; with "round" one group per round, its copy whole."""
     if rows not in UPDATE_ROWS:
         raise ValueError(f"rows must be one of {UPDATE_ROWS}, got {rows!r}")
-    groups: dict[int, RoundGroup] = {}
+    open_group: dict[int, RoundGroup] = {}
     out = []
     for (k, c, rnd), w in zip(items, weights):
-        group = groups.get(k) if rows == "response" else None
-        if group is not None:
-            group.rounds.append(rnd)
-            group.weights.append(w)
-            if group.tokens(block_size, False) <= budget:
-                continue
-            group.rounds.pop(), group.weights.pop()
-        groups[k] = RoundGroup(k, c, [rnd], [w])
-        out.append(groups[k])
+        group = open_group.get(k) if rows == "response" else None
+        if group is None or group.tokens + group.copy_of(rnd)[1] > budget:
+            group = open_group[k] = RoundGroup(k, c, block_size, whole=rows == "round")
+            out.append(group)
+        group.add(rnd, w)
     return out
 
 
-def micro_batches(groups: list[RoundGroup], budget: int, block_size: int, whole: bool) -> list[list[RoundGroup]]:
+def micro_batches(groups: list[RoundGroup], budget: int) -> list[list[RoundGroup]]:
     """Groups in micro-batches of at most `budget` tokens each (a group over it alone): first-fit
     decreasing, ties in the given order, so the plan depends on the groups alone."""
-    sizes = [g.tokens(block_size, whole) for g in groups]
     bins: list[list[RoundGroup]] = []
     loads: list[int] = []
-    for i in sorted(range(len(groups)), key=lambda i: -sizes[i]):
-        j = next((j for j, load in enumerate(loads) if load + sizes[i] <= budget), len(bins))
+    for g in sorted(groups, key=lambda g: -g.tokens):
+        j = next((j for j, load in enumerate(loads) if load + g.tokens <= budget), len(bins))
         if j == len(bins):
             bins.append([])
             loads.append(0)
-        bins[j].append(groups[i])
-        loads[j] += sizes[i]
+        bins[j].append(g)
+        loads[j] += g.tokens
     return bins
 
 
@@ -117,18 +126,18 @@ class PackedBatch:
     visible_pairs: int = 0
 
 
-def _layout(group: RoundGroup, block_size: int, mask_id: int, whole: bool) -> tuple[dict, int]:
+def _layout(group: RoundGroup, mask_id: int) -> tuple[dict, int]:
     """Per-token columns (id, position, stream, loss, target, weight) of [x_t^1 ; ... ; x_t^R ; x_0]
     for one group, and its visible (query, key) pairs: a clean query at p sees the clean blocks up
     to its own, a noisy block b of s tokens its own s and the b * block_size clean tokens before it."""
-    c = group.completion
+    c, block_size = group.completion, group.block_size
     seq = torch.tensor(c.prompt_ids + c.tokens + c.tail_tokens, dtype=torch.long)
     n = len(seq)
     clean_pos = torch.arange(n)
     pairs = int(((clean_pos // block_size + 1) * block_size).clamp(max=n).sum())
     parts = []
-    for r, (rnd, w) in enumerate(zip(group.rounds, group.weights), start=1):
-        blocks = torch.tensor(group.copy_blocks(rnd, block_size, whole), dtype=torch.long)
+    for r, (rnd, w, copy) in enumerate(zip(group.rounds, group.weights, group.copies), start=1):
+        blocks = torch.tensor(copy, dtype=torch.long)
         pos = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
         pos = pos[pos < n]
         sizes = (blocks * block_size + block_size).clamp(max=n) - blocks * block_size
@@ -143,15 +152,14 @@ def _layout(group: RoundGroup, block_size: int, mask_id: int, whole: bool) -> tu
     return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}, pairs
 
 
-def pack(rows: list[list[RoundGroup]], block_size: int, mask_id: int, pad_id: int,
-         advantages: Sequence[float], whole: bool = False) -> PackedBatch:
+def pack(rows: list[list[RoundGroup]], mask_id: int, pad_id: int, advantages: Sequence[float]) -> PackedBatch:
     """A micro-batch whose row i holds the groups rows[i] one after another (sample ids 0, 1, ...),
     padded to the longest row with `pad_id` (sample -1) along the position grid."""
     laid, pairs = [], 0
     for groups in rows:
         cols = []
         for s, g in enumerate(groups):
-            col, visible = _layout(g, block_size, mask_id, whole)
+            col, visible = _layout(g, mask_id)
             cols.append({**col, "sample": torch.full_like(col["pos"], s),
                          "advantage": torch.full((len(col["pos"]),), float(advantages[g.k]))})
             pairs += visible

@@ -171,15 +171,13 @@ def update_plan(completions, advantages, cfg, rt, block_size: int, mask_id: int,
         return [], 0, 0
     U = cfg.updates_per_step or max(1, math.ceil(n_rows / cfg.rows_per_update))
     width = int(rt.all_max(max((len(completions[k].tokens) for k in kept), default=0)))   # L1
-    whole = cfg.update_rows == "round"
     plan = []
     for step in optimiser_steps(items, U):
         weights = row_weights(step, cfg.loss_norm, width=width, rows=int(rt.all_sum(len(step))),
                               responses=n_responses, updates=U)
         groups = group_rounds(step, weights, cfg.update_rows, block_size, cfg.update_tokens)
-        chunks = micro_batches(groups, cfg.update_tokens, block_size, whole)
-        batches = [pack([chunk] if use_flex else [[g] for g in chunk], block_size, mask_id, pad_id, advantages, whole)
-                   for chunk in chunks]
+        batches = [pack([chunk] if use_flex else [[g] for g in chunk], mask_id, pad_id, advantages)
+                   for chunk in micro_batches(groups, cfg.update_tokens)]
         plan.append(batches + [empty_batch(block_size, pad_id)] * (int(rt.all_max(len(batches))) - len(batches)))
     return plan, n_responses, n_rows
 

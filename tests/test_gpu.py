@@ -129,7 +129,7 @@ def test_flex_packed_update_rows_equal_dense():
         steps = [s for b in range(0, n, 4) for s in rng.choices(range(4 * b, 4 * b + 4), k=min(4, n - b))]
         comps.append(Completion(rng.choices(range(1000), k=prompt_len), rng.choices(range(1000), k=n), steps, "", None))
     items = [(k, c, r) for k, c in enumerate(comps) for r in trace_rounds(c.step_map, len(c.prompt_ids), 4)]
-    batch = pack([group_rounds(items, [1.0] * len(items), "response", 4, 10**6)], 4, 151669, 0, [1.0] * 3)
+    batch = pack([group_rounds(items, [1.0] * len(items), "response", 4, 10**6)], 151669, 0, [1.0] * 3)
     assert batch.stream.max() >= 3 and batch.ids.shape[1] > 256
     dense, flex = packed_logprobs(model, batch, use_flex=False), packed_logprobs(model, batch, use_flex=True)
     assert dense.shape == (sum(len(c.tokens) for c in comps),)

@@ -9,7 +9,7 @@ import torch
 from dice import load_model
 from dice.attention import streams_mask
 from dice.diffusion import doubled_logits
-from dice.packing import (RoundGroup, flex_shape, group_rounds, micro_batches, pack, pad_batch, packed_logprobs,
+from dice.packing import (flex_shape, group_rounds, micro_batches, pack, pad_batch, packed_logprobs,
                           update_flops)
 from dice.rollout import Completion
 from dice.trace import row_weights, trace_rounds
@@ -58,9 +58,11 @@ def test_token_counts_hand_computed():
     c = Completion(list(range(10, 17)), [5, 6, 7, 8], [1, 2, 3, 4], "", None)
     rounds = trace_rounds(c.step_map, 7, 4)
     assert [r.loss for r in rounds] == [[7, 8], [9], [10]]
-    assert RoundGroup(0, c, rounds, [1.0] * 3).tokens(4, whole=False) == 24
-    assert sum(RoundGroup(0, c, [r], [1.0]).tokens(4, whole=True) for r in rounds) == 66
-    batch = pack([[RoundGroup(0, c, rounds, [1.0] * 3)]], 4, MASK, 0, [1.0])
+    items = [(0, c, r) for r in rounds]
+    [shared] = group_rounds(items, [1.0] * 3, "response", 4, budget=10**6)
+    assert shared.tokens == 24
+    assert sum(g.tokens for g in group_rounds(items, [1.0] * 3, "round", 4, budget=10**6)) == 66
+    batch = pack([[shared]], MASK, 0, [1.0])
     assert batch.tokens == 24 and batch.ids.shape == (1, 24)
     # [x_t^1 (block 1, block 2) ; x_t^2 (block 2) ; x_t^3 (block 2) ; x_0]
     assert batch.stream[0].tolist() == [1] * 7 + [2] * 3 + [3] * 3 + [0] * 11
@@ -72,7 +74,7 @@ def test_token_counts_hand_computed():
 def test_visible_pairs_and_tokens_count_the_mask():
     items = round_items()
     groups = group_rounds(items, [1.0] * len(items), "response", 4, budget=10**6)
-    batch = pad_batch(pack([groups], 4, MASK, 0, ADVANTAGES), *flex_shape(1, 200))
+    batch = pad_batch(pack([groups], MASK, 0, ADVANTAGES), *flex_shape(1, 200))
     real = batch.sample_ids >= 0
     mask = streams_mask(batch.position_ids // 4, batch.stream, batch.sample_ids)
     assert batch.tokens == int(real.sum())
@@ -84,10 +86,10 @@ def test_groups_split_at_the_budget_and_micro_batches_hold_it():
     for budget in (30, 45, 80, 10**6):
         groups = group_rounds(items, list(range(len(items))), "response", 4, budget)
         assert sorted(w for g in groups for w in g.weights) == list(range(len(items)))   # every row once
-        assert all(g.tokens(4, False) <= budget or len(g.rounds) == 1 for g in groups)
-        chunks = micro_batches(groups, budget, 4, False)
+        assert all(g.tokens <= budget or len(g.rounds) == 1 for g in groups)
+        chunks = micro_batches(groups, budget)
         assert sorted(id(g) for c in chunks for g in c) == sorted(map(id, groups))
-        assert all(sum(g.tokens(4, False) for g in c) <= budget or len(c) == 1 for c in chunks)
+        assert all(sum(g.tokens for g in c) <= budget or len(c) == 1 for c in chunks)
     assert len(group_rounds(items, [0.0] * len(items), "response", 4, 10**6)) == 4
     assert len(group_rounds(items, [0.0] * len(items), "round", 4, 10**6)) == len(items)
 
@@ -105,21 +107,20 @@ def per_round_rows_objective(model, items, weights, coef):
         noisy[rnd.masked] = MASK
         loss_at = torch.zeros(n, dtype=torch.bool)
         loss_at[rnd.loss] = True
-        logits = doubled_logits(model, noisy[None], seq[None], torch.arange(n)[None], torch.zeros(1, n, dtype=torch.long),
-                                loss_at[None], use_flex=False)
+        logits = doubled_logits(model, noisy[None], seq[None], torch.arange(n)[None],
+                                torch.zeros(1, n, dtype=torch.long), loss_at[None], use_flex=False)
         logp = logits.log_softmax(-1).gather(1, seq[loss_at][:, None])[:, 0]
         for p, lp in zip(rnd.loss, logp):
             total = total + coef[k, id(rnd), p] * f32(w) * f32(ADVANTAGES[k]) * lp
     return total
 
 
-def packed_objective(model, chunks, coef, layout: str, rows: str):
+def packed_objective(model, chunks, coef, layout: str):
     """The same sum over the packed micro-batches; each loss token's key read back from the batch."""
     total = torch.zeros((), dtype=torch.float64)
-    whole = rows == "round"
     for chunk in chunks:
         rows_of = [chunk] if layout != "one row per group" else [[g] for g in chunk]
-        batch = pack(rows_of, 4, MASK, 0, ADVANTAGES, whole)
+        batch = pack(rows_of, MASK, 0, ADVANTAGES)
         if layout == "one padded row":
             batch = pad_batch(batch, *flex_shape(1, batch.ids.shape[1] + 1))
         logp = packed_logprobs(model, batch, use_flex=False)
@@ -144,9 +145,9 @@ def test_shared_clean_stream_loss_and_gradients_equal_the_per_round_rows_fp64(ro
     params = list(model.parameters())
     want = per_round_rows_objective(model, items, weights, coef)
     want_grads = torch.autograd.grad(want, params)
-    chunks = micro_batches(group_rounds(items, weights, rows, 4, budget), budget, 4, rows == "round")
+    chunks = micro_batches(group_rounds(items, weights, rows, 4, budget), budget)
     assert len(chunks) > 1 or budget == 10**6
-    got = packed_objective(model, chunks, coef, layout, rows)
+    got = packed_objective(model, chunks, coef, layout)
     got_grads = torch.autograd.grad(got, params)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
     for (name, _), a, b in zip(model.named_parameters(), got_grads, want_grads):
@@ -159,7 +160,8 @@ def test_update_flops_hand_computed():
     24-token hand-computed layout above."""
     model = load_model(TINY)
     c = Completion(list(range(10, 17)), [5, 6, 7, 8], [1, 2, 3, 4], "", None)
-    batch = pack([[RoundGroup(0, c, trace_rounds(c.step_map, 7, 4), [1.0] * 3)]], 4, MASK, 0, [1.0])
+    batch = pack([group_rounds([(0, c, r) for r in trace_rounds(c.step_map, 7, 4)], [1.0] * 3, "response", 4, 99)],
+                 MASK, 0, [1.0])
     # clean: 4 * 4 + 4 * 8 + 3 * 11 = 81; noisy: 4 * (4 + 4) + 3 * (3 + 8) * 3 = 131
     assert batch.visible_pairs == 81 + 131
     layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 160 + 2 * 64 + 2 * 16
@@ -189,7 +191,7 @@ def test_padded_flex_batch_gives_the_dense_log_probs():
     comps = [Completion(p, g.tokens, g.step_map, "", None, g.tail_tokens, g.tail_step_map)
              for p, g in zip(prompts, out.sequences)]
     items = round_items(comps)
-    batch = pack([group_rounds(items, [1.0] * len(items), "response", 4, 10**6)], 4, MASK, 0, [1.0, 1.0, 1.0])
+    batch = pack([group_rounds(items, [1.0] * len(items), "response", 4, 10**6)], MASK, 0, [1.0, 1.0, 1.0])
     assert flex_shape(*batch.ids.shape) != batch.ids.shape
     with torch.no_grad():
         dense, flex = packed_logprobs(model, batch, use_flex=False), packed_logprobs(model, batch, use_flex=True)

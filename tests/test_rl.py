@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dice import load_model
-from dice.packing import RoundGroup, group_rounds, pack, packed_logprobs
+from dice.packing import group_rounds, pack, packed_logprobs
 from dice.rl import group_advantages, policy_loss, policy_update, row_weights, trace_rounds, train_rl
 from dice.runtime import Runtime
 from dice.rollout import Completion
@@ -53,6 +53,34 @@ def test_trace_rounds_tail_is_context_not_loss():
     assert as_lists(rounds) == [([6, 7, 8, 9, 10, 11], [6, 8]), ([7, 9], [7, 9])]
 
 
+def plain_trace_rounds(step_map, prompt_len, block_size, tail_step_map=()):
+    """DESIGN.md §7's rounds, one block and one step at a time."""
+    blocks = {}
+    for i, step in enumerate([*step_map, *tail_step_map]):
+        pos = prompt_len + i
+        blocks.setdefault(pos // block_size, []).append((pos, step, i < len(step_map)))
+    rounds = []
+    for tokens in blocks.values():
+        for r, s in enumerate(sorted({step for _, step, in_response in tokens if in_response})):
+            if r == len(rounds):
+                rounds.append(([], []))
+            rounds[r][0].extend(p for p, step, _ in tokens if step >= s)
+            rounds[r][1].extend(p for p, step, in_response in tokens if step == s and in_response)
+    return [(sorted(m), sorted(l)) for m, l in rounds]
+
+
+def test_trace_rounds_equal_the_plain_replay_on_random_step_maps():
+    import random
+    rng = random.Random(0)
+    for _ in range(300):
+        prompt_len, n, tail = rng.randint(1, 13), rng.randint(1, 30), rng.randint(0, 3)
+        step_map = [rng.randint(1, 12) for _ in range(n)]
+        tail_map = [rng.randint(1, 12) for _ in range(tail)]
+        assert as_lists(trace_rounds(step_map, prompt_len, 4, tail_map)) == \
+            plain_trace_rounds(step_map, prompt_len, 4, tail_map)
+    assert trace_rounds([], 5, 4, [1, 2]) == []
+
+
 class Recorder(torch.nn.Module):
     """Wraps a model and records the ids and logits of every uncached sampler forward."""
 
@@ -91,7 +119,8 @@ def test_rounds_replay_exactly_what_the_sampler_saw(remasking, threshold, prompt
     assert not eos_cut or (len(tokens) < 14 and tokens[-1] in eos)
     comp = Completion(prompt, tokens, step_map, "", None, out.tail_tokens[0], out.tail_step_map[0])
     rounds = trace_rounds(step_map, prompt_len, 4, comp.tail_step_map)
-    batch = pack([[RoundGroup(0, comp, rounds, [1.0] * len(rounds))]], 4, model.config.mask_token_id, 0, [1.0])
+    batch = pack([group_rounds([(0, comp, r) for r in rounds], [1.0] * len(rounds), "response", 4, 10**6)],
+                 model.config.mask_token_id, 0, [1.0])
     # the sampler's forward k (1-based) is denoising step k, over the clean past and the current
     # block; a round's noisy copy must show the model exactly that: the clean stream before the
     # block, the copy's block (tail positions included) in the state of that step
@@ -160,7 +189,7 @@ def test_loss_token_weights_of_both_normalisations_hand_computed():
     step = row_weights(items, "step", width=4, rows=4, responses=2, updates=1)
     response = row_weights(items, "response", width=4, rows=4, responses=2, updates=1)
     assert step == [1 / 16] * 4 and response == [1 / 4, 1 / 8, 1 / 8, 1 / 8]
-    batch = pack([group_rounds(items, response, "response", 4, 10**6)], 4, 3, 0, [1.0, -1.0])
+    batch = pack([group_rounds(items, response, "response", 4, 10**6)], 3, 0, [1.0, -1.0])
     torch.testing.assert_close(batch.token_weight, torch.tensor([1 / 4, 1 / 4, 1 / 8, 1 / 8, 1 / 8, 1 / 8]))
     assert batch.token_weight.sum() == pytest.approx(1.0)    # each response weighs 1 / responses
 
@@ -246,8 +275,8 @@ def test_gradient_raises_positive_and_lowers_negative_advantage_tokens(sign):
     prompt, tokens = list(range(10, 17)), [5, 6, 7, 8, 9]
     comp = Completion(prompt, tokens, [1, 2, 2, 3, 4], "", None)
     rounds = trace_rounds(comp.step_map, len(prompt), 4)
-    batch = pack([[RoundGroup(0, comp, rounds, [1 / len(tokens)] * len(rounds))]], 4, model.config.mask_token_id, 0,
-                 [sign])
+    batch = pack([group_rounds([(0, comp, r) for r in rounds], [1 / len(tokens)] * len(rounds), "response", 4, 10**6)],
+                 model.config.mask_token_id, 0, [sign])
     before = packed_logprobs(model, batch, use_flex=False).detach()
     loss, _ = policy_loss(packed_logprobs(model, batch, False), before, batch.advantage, clip_eps=0.2, kl_beta=0.0)
     (loss * batch.token_weight).sum().backward()

@@ -159,7 +159,9 @@ def tokenizer_folder(shape: str, given: str | None) -> str | None:
     """The tokenizer that counts tokens (the --tokenizer help), or None for the estimate."""
     if given:
         return given
-    has_tokenizer = lambda folder: any((Path(folder) / f).is_file() for f in ("tokenizer.json", "vocab.json"))  # noqa: E731
+    def has_tokenizer(folder) -> bool:
+        return any((Path(folder) / f).is_file() for f in ("tokenizer.json", "vocab.json"))
+
     if shape.lower() in SDAR_SHAPES:
         return next((folder for folder in SDAR_TOKENIZER if has_tokenizer(folder)), None)
     return shape if has_tokenizer(shape) else None
