@@ -59,7 +59,9 @@ class RoundGroup:
 
     def _size(self, blocks: list[int]) -> int:
         """Tokens of the (sorted) blocks: all full but one the sequence ends in."""
-        return len(blocks) * self.block_size - max(0, (blocks[-1] + 1) * self.block_size - self.length) if blocks else 0
+        if not blocks:
+            return 0
+        return len(blocks) * self.block_size - max(0, (blocks[-1] + 1) * self.block_size - self.length)
 
     def copy_of(self, rnd: Round) -> tuple[list[int], int]:
         """The blocks of round `rnd`'s noisy copy and their tokens."""
