@@ -255,16 +255,16 @@ def bench_rl(args, bench) -> None:
 
 def _tokenizer_and_model(args, config, rt, chosen):
     """(tokenizer folder or None, the replay tokenizer, the policy, the chosen tasks' prompt ids)."""
-    from ..rollout import task_prompt_ids
+    from ..rollout import prompt_format, task_prompt_ids
     from ..tokenizer import load_tokenizer
     tok_dir = tokenizer_folder(args.shape, args.tokenizer)
     tok = ReplayTokenizer(load_tokenizer(tok_dir) if tok_dir else None, config.vocab_size, config.mask_token_id)
-    prompts = [task_prompt_ids(tok, t, infill=args.phase == "infill",
-                               one_shot=config.extra.get("dice_one_shot", "load_inline")) for t in chosen]
+    model = build_policy(config, rt.device, args.grad_ckpt, args.seed)
+    prompts = [task_prompt_ids(tok, t, infill=args.phase == "infill", fmt=prompt_format(model)) for t in chosen]
     if max(max(p) for p in prompts) >= config.vocab_size:
         sys.exit(f"--tokenizer {tok_dir} has ids beyond the model's vocabulary of {config.vocab_size}; pass the "
                  "tokenizer of this shape (the SDAR tokenizer for 1.7b/4b/8b) or none")
-    return tok_dir, tok, build_policy(config, rt.device, args.grad_ckpt, args.seed), prompts
+    return tok_dir, tok, model, prompts
 
 
 def _describe(args, config, rt, chosen, replay, prompts, lengths, tok_dir, verdicts) -> None:
