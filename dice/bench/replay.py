@@ -141,16 +141,17 @@ def correct_references(tasks: list, count: int, verifier, bench, timeout_s: floa
         batch = ordered[looked:looked + count - len(chosen)]
         looked += len(batch)
         todo = [t for t in batch if reference_key(t) not in verdicts]
-        broken = set()
-        results, _, _ = bench.verify_map(verifier, [(t.source, t.solution) for t in todo], "checking references",
-                                         on_broken_task=lambda i, _: broken.add(i), trials=3, timeout_s=timeout_s)
-        for i, (t, r) in enumerate(zip(todo, results)):
-            if r is not None or i in broken:
-                verdicts[reference_key(t)] = "task_error" if i in broken else r.status
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(verdicts, indent=0, sort_keys=True))
-        tmp.replace(path)
-        bench.check("the step")
+        if todo:
+            broken = set()
+            results, _, _ = bench.verify_map(verifier, [(t.source, t.solution) for t in todo], "checking references",
+                                             on_broken_task=lambda i, _: broken.add(i), trials=3, timeout_s=timeout_s)
+            for i, (t, r) in enumerate(zip(todo, results)):
+                if r is not None or i in broken:
+                    verdicts[reference_key(t)] = "task_error" if i in broken else r.status
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(verdicts, indent=0, sort_keys=True))
+            tmp.replace(path)
+            bench.check("the step")
         chosen += [t for t in batch if verdicts.get(reference_key(t)) == "correct"]
     return chosen, collections.Counter(verdicts.get(reference_key(t), "unchecked") for t in ordered[:looked])
 
