@@ -205,7 +205,6 @@ def generate_solutions(args, tasks) -> list[tuple[object, str | None]]:
     from dice.rollout import complete, load_prompt_template, prompt_format, task_prompt_ids
     template = load_prompt_template(args.prompt_template, args.infill) if args.prompt_template else None
     cuda = torch.cuda.is_available()
-    check_memory(args, len(tasks) * args.samples, cuda)
     dtype = getattr(torch, args.decoding["cuda_dtype"]) if cuda else torch.float32
     model = load_model(args.model, device="cuda" if cuda else "cpu", dtype=dtype)
     tok = load_tokenizer(args.model)
@@ -240,9 +239,9 @@ def generate_solutions(args, tasks) -> list[tuple[object, str | None]]:
 
 
 def check_generation_inputs(args, tasks) -> None:
-    """--model: a model folder with a usable config.json (for --protocol dice, of DICE's block size);
-    --save-solutions: a folder where none of the entries this run writes exists (or --overwrite),
-    outside every input."""
+    """--model: a model folder with a usable config.json (for --protocol dice, of DICE's block size),
+    a prompt template that fits, sizes that fit in memory; --save-solutions: a folder where none of
+    the entries this run writes exists (or --overwrite), outside every input."""
     if not args.model:
         return
     input_path(args.model, "--model", "folder", "pass --model DIR (a downloaded SDAR/DICE checkpoint or a folder "
@@ -256,6 +255,7 @@ def check_generation_inputs(args, tasks) -> None:
     if args.save_solutions:
         output_folder(args.save_solutions, "--save-solutions", solution_entries(tasks, args.samples),
                       overwrite=args.overwrite, inputs=inputs_of(args))
+    check_memory(args, len(tasks) * args.samples, torch.cuda.is_available())
 
 
 def check_memory(args, prompts: int, cuda: bool) -> None:

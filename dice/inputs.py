@@ -66,14 +66,14 @@ def _writable_folder(folder: Path, flag: str, path: Path) -> None:
 
 
 def output_file(path: str | os.PathLike, flag: str, *, overwrite: bool,
-                inputs: Mapping[str, str | os.PathLike | None] = {}) -> Path:
+                inputs: Mapping[str, str | os.PathLike | None] | None = None) -> Path:
     """Check a file the command will write (module docstring); its folder must exist already."""
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"argument {flag}: {path} is a folder; give the path of a file to write")
     if not path.resolve().parent.is_dir():
         raise UsageError(f"argument {flag}: the folder of {path} does not exist; create it or choose another path")
-    _inside_an_input(path, flag, inputs)
+    _inside_an_input(path, flag, inputs or {})
     _writable_folder(path.resolve().parent, flag, path)
     if path.exists() and not overwrite:
         raise UsageError(f"argument {flag}: {path} already exists; pass --overwrite to replace it, or choose "
@@ -82,21 +82,21 @@ def output_file(path: str | os.PathLike, flag: str, *, overwrite: bool,
 
 
 def output_folder(path: str | os.PathLike, flag: str, entries: Iterable[str], *, overwrite: bool,
-                  inputs: Mapping[str, str | os.PathLike | None] = {}) -> list[str]:
+                  inputs: Mapping[str, str | os.PathLike | None] | None = None) -> list[str]:
     """Check a folder the command will write `entries` (names relative to it) into (module
     docstring); it may exist, and is created with its parents. Returns the entries that exist
     already: with `overwrite` the caller replaces those."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UsageError(f"argument {flag}: {path} is a file; give a folder")
-    _inside_an_input(path, flag, inputs)
+    _inside_an_input(path, flag, inputs or {})
     _writable_folder(path, flag, path)
     found = [name for name in entries if (path / name).exists() or (path / name).is_symlink()]
     if found and not overwrite:
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise UsageError(f"argument {flag}: {path} already holds {shown}, which this command would replace; pass "
                          "--overwrite to replace them, or choose another folder")
-    replaceable(path, found, flag, inputs)
+    replaceable(path, found, flag, inputs or {})
     return found
 
 
