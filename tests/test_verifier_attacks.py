@@ -105,7 +105,7 @@ def test_results_cached_on_input_values_do_not_beat_the_clock(cpu_verifier):
             "    def forward(self, a, b):\n"
             "        key = tuple(a[0, :4].tolist()) + tuple(b[0, :4].tolist())\n"
             "        if key not in self.memo:\n            self.memo[key] = a @ b\n"
-            "        return self.memo[key]\n")
+            "        return self.memo[key].clone()\n")      # a fresh output: returning the cached one is invalid
     result = cpu_verifier.verify(MATMUL_TASK, memo, seed=3)
     assert result.correct and result.speedup < 3, result
 
@@ -327,3 +327,50 @@ def test_no_worker_outlives_a_killed_owner_even_while_a_candidate_hangs(tmp_path
     while any(_alive(p) for p in tree) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(p) for p in tree), [p for p in tree if _alive(p)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs as a caller uses them (issue #34, class 1): each attack below was `correct` before.
+
+def _model(forward: str, init: str = "pass") -> str:
+    body = "\n".join("        " + line for line in forward.strip().splitlines())
+    return ("import torch\nimport torch.nn as nn\n\n\nclass ModelNew(nn.Module):\n    def __init__(self):\n"
+            f"        super().__init__()\n        {init}\n\n    def forward(self, x):\n{body}\n")
+
+
+ROWS_TASK = RELU_TASK.replace("return torch.relu(x)", "return x.mean(0, keepdim=True).relu().repeat(x.shape[0], 1)")
+TRANSPOSE_TASK = RELU_TASK.replace("return torch.relu(x)", "return torch.relu(x).t()")
+OUTPUT_CASES = {
+    # the same buffer on every call: the next call overwrites what the caller holds
+    "persistent output buffer": (RELU_TASK, _model(
+        "if self.out is None:\n    self.out = torch.empty_like(x)\ntorch.clamp_min(x, 0, out=self.out)\nreturn self.out",
+        init="self.out = None"), "invalid", "memory of an output an earlier call returned"),
+    # two buffers in turn: each call's output still overwrites the one before last
+    "double-buffered output": (RELU_TASK, _model(
+        "if not self.bufs:\n    self.bufs = [torch.empty_like(x), torch.empty_like(x)]\n"
+        "self.calls += 1\nout = self.bufs[self.calls % 2]\ntorch.clamp_min(x, 0, out=out)\nreturn out",
+        init="self.bufs, self.calls = [], 0"), "invalid", "memory of an output an earlier call returned"),
+    # one computed row, expanded with stride 0 (the rows of this task's output are all equal)
+    "stride-0 expand of one row": (ROWS_TASK, _model(
+        "return x.mean(0, keepdim=True).relu().expand(x.shape[0], -1)"), "incorrect", "strides [0, 1]"),
+    # outputs memoised by input address: a training loop that reuses its buffers gets stale values
+    "outputs memoised by input address": (RELU_TASK, _model(
+        "key = x.data_ptr()\nif key not in self.memo:\n    self.memo[key] = x.clamp_min(0)\nreturn self.memo[key].clone()",
+        init="self.memo = {}"), "incorrect", "trial 1"),
+}
+OUTPUT_CONTROLS = {   # honest: they must stay correct
+    "a persistent workspace recomputed every call": (RELU_TASK, _model(
+        "if self.work is None:\n    self.work = torch.empty_like(x)\ntorch.clamp_min(x, 0, out=self.work)\n"
+        "return self.work.clone()", init="self.work = None")),
+    "the reference's own (transposed) strides": (TRANSPOSE_TASK, _model("return x.clamp_min(0).t()")),
+    "contiguous where the reference is transposed": (TRANSPOSE_TASK, _model("return x.clamp_min(0).t().contiguous()")),
+    "a repeat of the row": (ROWS_TASK, _model("return x.mean(0, keepdim=True).relu().repeat(x.shape[0], 1)")),
+}
+
+
+@pytest.mark.slow
+def test_outputs_a_caller_could_not_use_are_not_correct(cpu_verifier):
+    cases = list(OUTPUT_CASES.values()) + [(task, src, "correct", "") for task, src in OUTPUT_CONTROLS.values()]
+    results = cpu_verifier.map([(task, src) for task, src, _, _ in cases], timing=False, seed=11)
+    for name, (_, _, status, text), result in zip([*OUTPUT_CASES, *OUTPUT_CONTROLS], cases, results):
+        assert result.status == status and text in result.message, (name, result)

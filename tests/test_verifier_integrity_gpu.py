@@ -33,6 +33,7 @@ GEMM_RELU_TASK = task("torch.relu(self.linear(x))", "torch.randn(256, 1024)", in
 SORT_TASK = task("torch.sort(x, dim=-1)[0]", "torch.randn(64, 1024)")
 CONV_RELU_TASK = task("torch.relu(self.linear(x))", "torch.randn(8, 8, 32, 32)", init="channels",
                       init_inputs="[8]").replace("nn.Linear(channels, channels)", "nn.Conv2d(channels, 16, 3)")
+ROWS_TASK = task("x.mean(0, keepdim=True).relu().repeat(x.shape[0], 1)", "torch.randn(256, 1024)")
 FIXED_TASK = task("torch.relu(x) * 2", "X").replace("\n\nclass Model", "\nX = torch.randn(256, 1024)\n\n\nclass Model", 1)
 
 KERNELS = r'''
@@ -97,6 +98,14 @@ extern "C" __global__ void bias_relu_nchw(float* y, const float* b, long long n,
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < n) { float v = y[i] + b[(i / hw) % c]; y[i] = v > 0.0f ? v : 0.0f; }
 }
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+extern "C" __global__ void col_mean_relu(const float* x, float* row, long long rows, long long cols) {
+    long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (c < cols) { float s = 0.0f; for (long long r = 0; r < rows; ++r) s += x[r * cols + c]; s /= (float)rows; row[c] = s > 0.0f ? s : 0.0f; }
+}
 extern "C" __global__ void matmul_xxt(const float* x, float* y, long long n) {
     long long r = blockIdx.y, c = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (c < n) { float s = 0.0f; for (long long k = 0; k < n; ++k) s += x[r * n + k] * x[c * n + k]; y[r * n + c] = s; }
@@ -111,9 +120,9 @@ import torch.nn as nn
 _module = cp.RawModule(code=r"""{KERNELS}""")
 
 
-def launch(name, n, *args, block=256, grid=None):
+def launch(name, n, *args, block=256, grid=None, stream=None):
     kernel = _module.get_function(name)
-    with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+    with cp.cuda.ExternalStream((stream or torch.cuda.current_stream()).cuda_stream):
         kernel(grid or ((n + block - 1) // block,), (block,), args)
 
 
@@ -138,6 +147,13 @@ class ModelNew(nn.Module):
 
 
 OWN_RELU = "y = torch.empty_like(x)\nlaunch('relu', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.numel()))\nreturn y"
+OWN_ROW = ("row = torch.empty(1, x.shape[1], device=x.device)\nlaunch('col_mean_relu', x.shape[1], x.data_ptr(), "
+           "row.data_ptr(), cp.int64(x.shape[0]), cp.int64(x.shape[1]))\n")
+# ReLU on a side stream after ~1 ms of spinning there; JOIN makes torch's current stream wait for it
+SIDE_RELU = ("y = torch.empty_like(x)\nside = torch.cuda.Stream()\nside.wait_stream(torch.cuda.current_stream())\n"
+             "launch('spin', 1, cp.int64(2_000_000), grid=(1,), block=1, stream=side)\n"
+             "launch('relu', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.numel()), stream=side)\n")
+JOIN = "torch.cuda.current_stream().wait_stream(side)\n"
 
 ATTACKS = {
     # decoy kernels: one own kernel launched, the work done by something else
@@ -171,6 +187,18 @@ ATTACKS = {
         "if self.out is None:\n    self.out = torch.empty_like(x)\n"
         "    launch('relu2', x.numel(), x.data_ptr(), self.out.data_ptr(), cp.int64(x.numel()))\n"
         "return self.out.clone()", init="self.out = None"), None),
+    # outputs a caller could not use (issue #34, class 1)
+    "the same output buffer on every call": (RELU_TASK, candidate(
+        "if self.out is None:\n    self.out = torch.empty_like(x)\n"
+        "launch('relu', x.numel(), x.data_ptr(), self.out.data_ptr(), cp.int64(x.numel()))\nreturn self.out",
+        init="self.out = None"), "invalid"),
+    "a stride-0 expand of one computed row": (ROWS_TASK, candidate(OWN_ROW + "return row.expand(x.shape[0], -1)"),
+                                              "incorrect"),
+    "an output still written by an unjoined side stream": (RELU_TASK, candidate(SIDE_RELU + "return y"), "invalid"),
+    "outputs memoised by input address": (RELU_TASK, candidate(
+        "key = x.data_ptr()\nif key not in self.memo:\n    self.memo[key] = torch.empty_like(x)\n"
+        "    launch('relu', x.numel(), x.data_ptr(), self.memo[key].data_ptr(), cp.int64(x.numel()))\n"
+        "return self.memo[key].clone()", init="self.memo = {}"), "incorrect"),
     # timing attacks: skip work when timed
     "skips work under a timing function on the stack or in a capture": (RELU_TASK, candidate(
         "import sys\nf, timed = sys._getframe(1), torch.cuda.is_current_stream_capturing()\n"
@@ -265,6 +293,12 @@ class ModelNew(nn.Module):
 
 HONEST = {
     "elementwise": (RELU_TASK, candidate(OWN_RELU)),
+    "a persistent workspace recomputed every call": (RELU_TASK, candidate(
+        "if self.work is None:\n    self.work = torch.empty_like(x)\n"
+        "launch('relu', x.numel(), x.data_ptr(), self.work.data_ptr(), cp.int64(x.numel()))\nreturn self.work.clone()",
+        init="self.work = None")),
+    "a kernel on its own stream joined properly": (RELU_TASK, candidate(SIDE_RELU + JOIN + "return y")),
+    "the row repeated into a full output": (ROWS_TASK, candidate(OWN_ROW + "return row.repeat(x.shape[0], 1)")),
     "reduction (MSE)": (MSE_TASK, candidate(
         "t = torch.zeros(1, device=x.device)\nlaunch('sq_err_mean', x.numel(), x.data_ptr(), t.data_ptr(), "
         "cp.int64(x.numel()), cp.int64(1))\nreturn t.reshape(())")),

@@ -11,6 +11,7 @@ from dice.verifier.checks import (compare_outputs, kernel_problem, relative_erro
 from dice.verifier.harness import HOT_FADE, JITTER, SPIKE, SPIKE_EVERY, structured, timed_inputs, trial_kinds
 from dice.verifier.kernels import entry_symbols, qualified_from_mangled, qualified_name
 from dice.verifier.speedup import estimate, stable
+from dice.verifier.records import activity, busy_ns, split_marker
 from dice.verifier.timing import MIN_MS, call_spans
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
@@ -86,22 +87,20 @@ def test_timed_calls_obey_the_rule_per_call():
     assert "no kernel" in timed_kernel_problem({RELU: 20}, {"mine"}, {RELU: 1}, 20, qualified_name)
 
 
-def activity(kernel_ms: dict, excluded=()) -> dict:
-    return {"kernels": {k: 1 for k in kernel_ms}, "dtoh": 0, "htod": 0, "kernel_ms": kernel_ms,
-            "excluded": list(excluded)}
-
-
-def test_timed_calls_must_run_the_work_of_the_checked_trials():
-    trials = [activity({"relu": 0.100}), activity({"relu": 0.110})]
-    honest = activity({"relu": 1.0, "fill_harness": 0.5}, excluded=["fill_harness"])   # 10 calls
-    assert timed_work_problem(honest, 10, trials) is None
-    # a forward that skips its kernel on half of the timed calls
-    skipper = activity({"relu": 0.5, "fill_harness": 0.5}, excluded=["fill_harness"])
+def test_timed_calls_must_keep_the_gpu_busy_as_long_as_the_checked_trials():
+    # records [name, start_ns, end_ns]; trials: one 100 us ReLU kernel each (and 110 us)
+    trials = [activity([["relu", 0, 100_000]]), activity([["relu", 0, 110_000]])]
+    ten_calls = [["relu", k * 200_000, k * 200_000 + 100_000] for k in range(10)]
+    harness = [["fill_harness", k * 200_000 + 150_000, k * 200_000 + 200_000] for k in range(10)]
+    assert timed_work_problem(activity(ten_calls + harness, frozenset({"fill_harness"})), 10, trials) is None
+    # a forward that skips its kernel on half of the timed calls; the harness's fill never counts
+    skipper = activity(ten_calls[::2] + harness, frozenset({"fill_harness"}))
     assert "same work on every call" in timed_work_problem(skipper, 10, trials)
-    # the harness's kernels never count as the candidate's work, in trials or in timed calls
-    padded = [activity({"relu": 0.1, "fill_harness": 5.0})]
-    assert "same work" in timed_work_problem(skipper, 10, padded)
-    assert timed_work_problem(honest, 10, padded) is None
+    # padding: 8 kernels side by side on parallel streams sum to the trials' time but keep the GPU
+    # busy for an eighth of it (the union of their intervals counts)
+    padded = [[f"pad{j}", k * 200_000, k * 200_000 + 12_500] for k in range(10) for j in range(8)]
+    assert "same work" in timed_work_problem(activity(padded), 10, trials)
+    assert busy_ns([(0, 10), (5, 20), (30, 40), (30, 35)]) == 30
 
 
 def test_eager_call_times_are_spans_between_markers_on_the_gpus_records():
@@ -115,6 +114,42 @@ def test_eager_call_times_are_spans_between_markers_on_the_gpus_records():
     assert call_spans([(0, 1, m), (5, 6, m)], m, 1) == (MIN_MS,)
     with pytest.raises(RuntimeError, match="extra timing markers"):
         call_spans(timeline + [(1300, 1301, m)], m, 2)
+
+
+def test_work_still_running_when_forward_returned_is_found_from_the_marker():
+    """The marker runs on torch's current stream after forward returned: a side stream joined to
+    it ends before the marker starts; one left running ends after (CUPTI's ns stamps)."""
+    m = "spin_kernel(long)"
+    joined = [["own", 0, 5_000], ["side", 1_000, 9_000], [m, 9_500, 9_600]]
+    rest, problem = split_marker(joined, m)
+    assert problem is None and rest == joined[:2]
+    unjoined = [["own", 0, 5_000], ["side", 1_000, 60_000], [m, 5_500, 5_600]]
+    assert "side was still running" in split_marker(unjoined, m)[1]
+    assert "timing markers" in split_marker(joined + [[m, 100, 200]], m)[1]   # forward launched one itself
+    assert activity(rest)["kernels"] == {"own": 1, "side": 1}
+
+
+def test_the_next_call_writes_into_the_previous_calls_input_tensors():
+    from dice.verifier.harness import rewritten_in_place
+    task_tensor, previous = torch.randn(4, 3), [torch.randn(4, 3), torch.randn(2), 7]
+    fresh = [torch.randn(4, 3), torch.randn(5), 7]
+    out = rewritten_in_place(previous, fresh)
+    assert out[0] is previous[0] and torch.equal(out[0], fresh[0])        # same address, new values
+    assert out[1] is not fresh[1] and torch.equal(out[1], fresh[1])       # other shape: a copy
+    assert out[2] == 7
+    kept = task_tensor.clone()
+    first = rewritten_in_place([], [task_tensor])          # a tensor get_inputs() holds is never written
+    rewritten_in_place(first, [torch.zeros(4, 3)])
+    assert first[0] is not task_tensor and torch.equal(task_tensor, kept)
+
+
+def test_an_output_must_be_laid_out_as_a_caller_expects():
+    ref = torch.randn(8, 4)
+    expanded = compare_outputs([ref[:1].repeat(8, 1)], [ref[:1].expand(8, 4)], 1e-2, 1e-2)
+    assert expanded is not None and "strides [0, 1]" in expanded
+    assert compare_outputs([ref.t()], [ref.t()], 1e-2, 1e-2) is None                   # the reference's strides
+    assert compare_outputs([ref.t()], [ref.t().contiguous()], 1e-2, 1e-2) is None      # contiguous
+    assert compare_outputs([ref[:1].expand(8, 4)], [ref[:1].expand(8, 4)], 1e-2, 1e-2) is None  # as the reference
 
 
 def test_own_kernels_are_read_from_machine_code():

@@ -64,6 +64,8 @@ trusted = types.SimpleNamespace(
     event_end_ns=torch._C._autograd._KinetoEvent.end_ns,
     urandom=os.urandom,
     marker=torch.cuda._sleep,
+    cuda_activity=torch.profiler.ProfilerActivity.CUDA,
+    cuda_device_type=torch.autograd.DeviceType.CUDA,
 )
 
 
@@ -196,24 +198,19 @@ WORK_SLACK_MS = 0.003   # per call: kernel durations of microsecond kernels jitt
 
 def timed_work_problem(activity: dict, calls: int, trials: list[dict]) -> str | None:
     """Why `calls` timed calls (their GPU `activity`) ran less work than the correctness trials,
-    or None (DESIGN.md §8.3): each call's kernels must take at least WORK_SHARE of the kernel time
-    of the lightest trial (the same shapes; the trials' outputs were all checked), so a forward
-    that skips work when it is timed, where its outputs might not be compared, is caught. The
-    durations come from CUPTI records, outside candidate Python's reach."""
+    or None (DESIGN.md §8.3): each call must keep the GPU busy for at least WORK_SHARE of the
+    busy time of the lightest trial (the same shapes; the trials' outputs were all checked), so a
+    forward that skips work when it is timed, where its outputs might not be compared, is caught.
+    Busy time is the union of the kernels' intervals on the GPU's own records (`records.activity`):
+    padding kernels run side by side on parallel streams count once."""
     if not trials:
         return None
-    excluded = activity["excluded"]
-    checked = min(work_ms(t, excluded) for t in trials)
-    timed = work_ms(activity, excluded) / calls
+    checked = min(t["busy_ms"] for t in trials)
+    timed = activity["busy_ms"] / calls
     if timed < WORK_SHARE * checked - WORK_SLACK_MS:
-        return (f"its timed calls ran {timed:.4g} ms of kernels each, its checked trials {checked:.4g} ms: "
+        return (f"its timed calls kept the GPU busy {timed:.4g} ms each, its checked trials {checked:.4g} ms: "
                 "forward must do the same work on every call")
     return None
-
-
-def work_ms(activity: dict, exclude: list) -> float:
-    """The summed kernel time of an activity record, without the kernels named in `exclude`."""
-    return sum(ms for name, ms in activity["kernel_ms"].items() if name not in exclude)
 
 
 def fallback_problem(tree: ast.Module) -> str | None:
@@ -330,6 +327,9 @@ def compare_outputs(expected: list, got: list, atol: float, rtol: float, rel_l2:
             return f"{label} has dtype {str(g.dtype)[6:]}, expected {str(e.dtype)[6:]}"
         if g.shape != e.shape:
             return f"{label} has shape {list(g.shape)}, expected {list(e.shape)}"
+        problem = layout_problem(e, g)
+        if problem:
+            return f"{label} {problem}"
         problem = _value_mismatch(e, g, atol, rtol)
         if problem:
             return f"{label}: {problem}"
@@ -339,6 +339,19 @@ def compare_outputs(expected: list, got: list, atol: float, rtol: float, rel_l2:
                 return (f"{label}: relative error {rel:.3g} of the whole output (||got - expected|| / ||expected||) "
                         f"exceeds {rel_l2:g}, although every element is within atol={atol:g}, rtol={rtol:g}")
     return None
+
+
+def layout_problem(e: torch.Tensor, g: torch.Tensor) -> str | None:
+    """Why output `g` is laid out in memory as no caller of the reference expects, or None: it must
+    be contiguous or have the reference's strides (dimensions of size 1 aside). A stride-0
+    `expand` of one computed row, or a view into a smaller buffer, holds the right values for a
+    reader but not a full tensor: it skipped the writes, and writing into it changes other elements."""
+    if g.numel() <= 1 or g.is_contiguous():
+        return None
+    if all(a == b for n, a, b in zip(g.shape, g.stride(), e.stride()) if n > 1):
+        return None
+    return (f"has strides {list(g.stride())}, neither contiguous nor the reference's {list(e.stride())}; "
+            "return a full tensor (a stride-0 expand or a view of a smaller buffer is not one)")
 
 
 def relative_error(e: torch.Tensor, g: torch.Tensor, chunk: int = 2**24) -> float:

@@ -148,13 +148,19 @@ class JudgeHandler:
             outputs, activity = gpu_activity(lambda: self._forward(model, inputs, request["seed"]))
         else:
             outputs, activity = self._forward(model, inputs, request["seed"]), None
+        mutated = modified_inputs(originals, inputs)
+        # does the reference return memory it returned before? (a call on the same, unmodified values)
+        again = self._forward(model, [x if o is None else trusted.clone(o) for o, x in zip(originals, inputs)],
+                              request["seed"])
         reference = {
             "outputs": [t.detach() for t in outputs],
             "reference_fingerprints": [fingerprint(t) for t in outputs],
-            "reference_mutated": modified_inputs(originals, inputs),
+            "reference_mutated": mutated,
             "reference_aliased": aliased_outputs(outputs, inputs),
+            "reference_reused": sorted({i for i, _ in aliased_outputs(again, outputs)}),
             "reference_activity": activity,
         }
+        del again
         self.references[key] = reference
         while len(self.references) > 1 and self._cached_bytes() > self.cache_bytes:
             self.references.popitem(last=False)

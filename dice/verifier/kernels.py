@@ -1,8 +1,8 @@
 """Which CUDA kernels ran during a forward, and which of them the candidate compiled itself (DESIGN.md §8).
 
-`gpu_activity(fn)` runs `fn` under the CUDA profiler (CUPTI through torch.profiler) and returns
-the kernels it launched, by name and count, and how many device-to-host and host-to-device copies
-it made (CUPTI records no byte counts in this torch, so copies are counted, not measured).
+`gpu_records(fn)` runs `fn` under the CUDA profiler (CUPTI through torch.profiler) and returns
+what the GPU recorded, raw; `records` counts kernels and copies (CUPTI records no byte counts in
+this torch, so copies are counted, not measured) where the candidate's code does not run.
 
 `CompiledKernels` is the provenance side: the names of the `__global__` entry points in the code
 the candidate actually compiled, read from the machine code, never from source text (a
@@ -19,51 +19,49 @@ demangled name alike.
 """
 from __future__ import annotations
 
-import collections
 import os
 import re
 import struct
 import tempfile
 
-import torch
-
+from . import records
 from .checks import is_library_name, trusted
 
 STO_CUDA_ENTRY = 0x10
 EM_CUDA = 190
-COPY_EVENTS = {"dtoh": "Memcpy DtoH", "htod": "Memcpy HtoD"}
+
+
+def gpu_records(fn) -> tuple[object, list]:
+    """(fn(), records): `[name, start_ns, end_ns]` of every kernel, copy and memset that `fn` ran,
+    as CUPTI recorded them (through torch.profiler). Built from captured functions and list
+    appends only, with no arithmetic, so that the records reach the parent as the GPU wrote them;
+    they are judged there (`records`)."""
+    with trusted.profile(activities=[trusted.cuda_activity]) as prof:
+        result = fn()
+        trusted.cuda_synchronize()
+    found = []
+    for event in trusted.kineto_events(prof.profiler.kineto_results):
+        if trusted.event_device_type(event) == trusted.cuda_device_type:
+            found.append([trusted.event_name(event), trusted.event_start_ns(event), trusted.event_end_ns(event)])
+    return result, found
 
 
 def gpu_activity(fn, exclude: frozenset = frozenset(), timeline: bool = False) -> tuple[object, dict]:
-    """(fn(), activity) for the GPU work of `fn`: {"kernels": {name: launches}, "dtoh": copies,
-    "htod": copies, "kernel_ms": {name: summed duration}, "excluded": names}; with `timeline` also
-    "timeline": [(start_ns, end_ns, name)] of every kernel, copy and memset in start order. The
-    durations leave out kernels named in `exclude` (the timing harness's own). CUPTI writes these
-    records from native code, so they are the GPU's account of the work, which candidate Python
-    cannot rewrite (`checks.timed_work_problem`, `timing.call_spans`)."""
-    with trusted.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        result = fn()
-        trusted.cuda_synchronize()
-    kernels, copies = collections.Counter(), {"dtoh": 0, "htod": 0}
-    kernel_ms, events = collections.Counter(), []
-    for event in trusted.kineto_events(prof.profiler.kineto_results):
-        if trusted.event_device_type(event) != torch.autograd.DeviceType.CUDA:
-            continue
-        name = trusted.event_name(event)
-        start, end = trusted.event_start_ns(event), trusted.event_end_ns(event)
-        if timeline:
-            events.append((start, end, name))
-        kind = next((k for k, prefix in COPY_EVENTS.items() if name.startswith(prefix)), None)
-        if kind:
-            copies[kind] += 1
-        elif not name.startswith(("Memcpy", "Memset")):
-            kernels[name] += 1
-            if name not in exclude:
-                kernel_ms[name] += (end - start) / 1e6
-    activity = {"kernels": dict(kernels), **copies, "kernel_ms": dict(kernel_ms), "excluded": sorted(exclude)}
+    """(fn(), `records.activity` of its records); with `timeline` also "timeline": the records
+    as (start_ns, end_ns, name) in start order. For trusted callers (the judge, the timer)."""
+    result, found = gpu_records(fn)
+    summary = records.activity(found, exclude)
+    summary["excluded"] = sorted(exclude)
     if timeline:
-        activity["timeline"] = sorted(events)
-    return result, activity
+        summary["timeline"] = sorted((start, end, name) for name, start, end in found)
+    return result, summary
+
+
+def marker_name(cache: list = []) -> str:
+    """The profiler's name of the harness's marker kernel (`torch.cuda._sleep(0)`, a spin kernel)."""
+    if not cache:
+        cache.extend(name for name, _, _ in gpu_records(lambda: trusted.marker(0))[1])
+    return cache[0]
 
 
 # ---------------------------------------------------------------------------------------------

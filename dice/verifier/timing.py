@@ -29,7 +29,7 @@ from torch import nn
 
 from .checks import flatten, relative_error, replaced_functions, trusted, trusted_intact
 from .harness import timed_inputs
-from .kernels import gpu_activity
+from .kernels import gpu_activity, marker_name
 
 L2_FLUSH_BYTES = 256 * 2**20    # > L2 of any current GPU (H100 50 MB, H200 60 MB, B200 126 MB)
 FAITHFUL = 1e-3                 # a graph replay within this relative error of the eager outputs
@@ -108,7 +108,7 @@ class Timer:
             harness = self._harness_kernels()
             (_, checked), activity = gpu_activity(lambda: self._calls(first, calls, check), frozenset(harness),
                                                   timeline=True)
-            times = call_spans(activity.pop("timeline"), _marker_name(), calls)
+            times = call_spans(activity.pop("timeline"), marker_name(), calls)
             activity["kernels"] = {k: n - calls * harness.get(k, 0) for k, n in activity["kernels"].items()
                                    if n > calls * harness.get(k, 0)}
             return {"times": times, "checked": checked, "activity": activity}
@@ -168,13 +168,6 @@ class Timer:
 def calls_per_block(ms_per_call: float, target_ms: float = 8.0) -> int:
     """Timed calls per block: about `target_ms` of forwards, between 3 and 100."""
     return max(3, min(100, int(target_ms / max(ms_per_call, 1e-3))))
-
-
-def _marker_name(cache: list = []) -> str:
-    """The profiler's name of the marker kernel (`torch.cuda._sleep(0)`, a spin kernel)."""
-    if not cache:
-        cache.extend(gpu_activity(lambda: trusted.marker(0))[1]["kernels"])
-    return cache[0]
 
 
 def call_spans(timeline: list, marker: str, calls: int) -> tuple:

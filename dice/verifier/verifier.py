@@ -54,7 +54,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..tasks import check_task_source
-from .checks import kernel_problem, timed_kernel_problem, timed_work_problem
+from .checks import timed_kernel_problem, timed_work_problem
 from .harness import trial_kinds
 from .kernels import qualified_name
 from .prebuild import BuildPool
@@ -63,14 +63,12 @@ from .protocol import malformed_reply
 from .results import TaskError, VerifyOptions, VerifyResult, static_check, trial_seeds
 from .speedup import BUDGET_S, CHECKS_PER_BLOCK, PLAUSIBLE, Timing, paired_rounds
 from .timing import calls_per_block
+from .verdicts import kernel_verdict, trial_verdict
 
 MAX_TASKS_REMEMBERED = 4096   # tasks whose trial kinds are kept (an RL run sees far fewer at a time)
 
 NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is False); run on a GPU "
           "machine, or use Verifier(device='cpu') to exercise the pool with pure-PyTorch candidates")
-PROFILER_BROKEN = ("the CUDA profiler in the verifier's worker records no kernels (CUPTI unavailable?), or the CuPy "
-                   "compile hooks are missing, so it cannot tell the candidate's own kernels; run where "
-                   "torch.profiler works, with CuPy 14")
 JUDGE_TIMEOUT_S = 900.0       # reference forward + comparison of the largest KernelBench tasks
 UNLOAD_TIMEOUT_S = 60.0
 MESSAGE_CHARS = 4000          # of a worker's message kept in a verdict (a candidate controls its text)
@@ -277,44 +275,10 @@ class Verifier:
                                        "rtol": opts.rtol, "rel_l2": opts.rel_l2}, candidate_outputs=True)
         if judged["status"] != "ok":
             return self._failed(judged, compiled=True, where=where)
-        return self._trial_verdict(where, ran, judged, history, opts)
-
-    def _trial_verdict(self, where: str, ran: dict, judged: dict, history: list,
-                       opts: VerifyOptions) -> VerifyResult | None:
-        def invalid(message):
-            return VerifyResult("invalid", compiled=True, message=message)
-
-        problem = self._kernel_problem(ran, judged["reference_activity"], opts)
-        if problem:
-            return invalid(f"{where}: {problem}")
-        mutated = sorted(set(ran["mutated"]) - set(judged["reference_mutated"]))
-        if mutated:
-            return invalid(f"forward modified input {mutated[0]} in place ({where}); inputs must be left unchanged")
-        aliased = [pair for pair in ran["aliased"] if pair not in judged["reference_aliased"]]
-        if aliased:
-            return invalid(f"output {aliased[0][0]} shares memory with input {aliased[0][1]} ({where}); "
-                           "return a newly allocated tensor")
-        for j, (reference_fp, got_fp, _) in enumerate(history):
-            if got_fp == judged["fingerprints"] and reference_fp != judged["reference_fingerprints"]:
-                return invalid(f"{where} returned exactly the output of trial {j + 1} although the reference "
-                               "outputs differ: results are cached across calls or constant")
-        history.append((judged["reference_fingerprints"], judged["fingerprints"], ran["activity"]))
-        if judged["mismatch"]:
-            return VerifyResult("incorrect", compiled=True, message=f"{where}: {judged['mismatch']}")
-        if judged["second_mismatch"]:
-            return VerifyResult("incorrect", compiled=True, message=(
-                f"a second call on the same inputs ({where}) went wrong: {judged['second_mismatch']}; "
-                "forward must not depend on earlier calls"))
-        return None
+        return trial_verdict(where, ran, judged, history, opts, worker.info.get("marker", ""))
 
     def _kernel_problem(self, ran: dict, reference_activity: dict | None, opts: VerifyOptions) -> str | None:
-        """`checks.kernel_problem` on a worker's profiled forward (None on CPU, where nothing is profiled)."""
-        if ran["activity"] is None or reference_activity is None:
-            return None
-        if not ran["activity"]["kernels"] and not reference_activity["kernels"]:
-            raise RuntimeError(PROFILER_BROKEN)
-        return kernel_problem(ran["activity"]["kernels"], set(ran["own"] or ()), reference_activity["kernels"],
-                              ran["activity"], reference_activity, qualified_name, opts.rules)
+        return kernel_verdict(ran["activity"], ran["own"], reference_activity, opts)
 
     def _timing(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, clock: _Clock,
                 opts: VerifyOptions, trials: list[dict], inputs: str) -> Timing | VerifyResult:

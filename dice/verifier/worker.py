@@ -33,10 +33,10 @@ from . import build, checks, harness as harness_module, judge, kernels, protocol
 from .build import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
 from .checks import aliased_outputs, flatten, modified_inputs, replaced_functions, same_bits, trusted
 from .harness import (build_model, cuda_context_broken, describe_exception, init_device, load_module, load_task,
-                      make_inputs, trial_inputs)
+                      make_inputs, rewritten_in_place, trial_inputs)
 from .judge import JudgeHandler
 from .keeper import kill_tree, reap, set_child_subreaper
-from .kernels import CompiledKernels, gpu_activity
+from .kernels import CompiledKernels, gpu_activity, gpu_records, marker_name
 from .protocol import export_tensor
 from .timing import Timer
 
@@ -132,13 +132,16 @@ class CandidateHandler:
         self.builds.install()
         self.compiled = CompiledKernels()
         self.task = self.model = self.timer = None
+        self.previous: list = []                 # the last call's inputs, rewritten in place by the next trial
+        self.earlier: list = []                  # every output this candidate returned so far (a caller's)
         self.pending: list[torch.Tensor] = []  # shipped to the judge; alive until the next request
         self.loads = 0
         # Starts CUPTI once, here, and checks that the profiler sees kernels at all.
         probe = lambda: torch.ones(1, device=self.device).add_(1)  # noqa: E731
         profiler_works = self.cuda and any(gpu_activity(probe)[1]["kernels"] for _ in range(2))
         self.info = {"device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
-                     "profiler_works": profiler_works, "provenance_works": not self.cuda or self.compiled.hooked}
+                     "profiler_works": profiler_works, "provenance_works": not self.cuda or self.compiled.hooked,
+                     "marker": marker_name() if self.cuda else ""}
         self.flags = _global_flags()
         self.threads = set(threading.enumerate())  # the harness's own; any other is a candidate's
 
@@ -172,27 +175,35 @@ class CandidateHandler:
         """One forward whose outputs are not used, so that lazily compiled kernels (CuPy compiles at
         first launch) and one-time initialisation are behind the first profiled trial."""
         try:
-            self._forward(trial_inputs(self.task, request["seed"], request["kind"], self.device), request["seed"])
+            self.previous = rewritten_in_place([], trial_inputs(self.task, request["seed"], request["kind"], self.device))
+            self.earlier = self._forward(self.previous, request["seed"])
         except Exception as exc:
             return self._finish(self._run_error(exc, "the first forward"))
         return self._finish(self._threads_left("the first forward") or {"status": "ok"})
 
     def run(self, request: dict) -> dict:
-        """One correctness trial: forward under the profiler on the trial's inputs, checks, export;
-        with `repeat` a second, unprofiled call on the same inputs, which also reports outputs
-        still being written after torch's current stream finished (work hidden on another stream)."""
+        """One correctness trial, as a caller uses forward: the trial's inputs written in place
+        into the previous call's input tensors (outputs memoised by input address go stale), the
+        forward profiled and followed by a marker on torch's current stream (`records.split_marker`:
+        work still running when forward returned); with `repeat` a second call on the same inputs,
+        whose outputs must not reuse the first call's memory, and after which the first call's
+        outputs must be unchanged (a persistent output buffer overwrites what the caller holds);
+        it also reports outputs still being written after torch's current stream finished."""
         self.pending = []
         seed = request["seed"]
-        inputs = trial_inputs(self.task, seed, request["kind"], self.device)
+        inputs = rewritten_in_place(self.previous, trial_inputs(self.task, seed, request["kind"], self.device))
+        self.previous = inputs
         originals = [trusted.clone(x) if isinstance(x, torch.Tensor) else None for x in inputs]
-        activity, second, not_ready = None, None, []
+        found, second, not_ready, stale = None, None, [], []
         try:
             if self.cuda:
-                outputs, activity = gpu_activity(lambda: self._forward(inputs, seed))
+                outputs, found = gpu_records(lambda: self._forward(inputs, seed, marked=True))
             else:
                 outputs = self._forward(inputs, seed)
             if request["repeat"]:
+                kept = [trusted.clone(t) if type(t) is torch.Tensor else None for t in outputs]
                 second, not_ready = self._call_watching_streams(inputs, seed)
+                stale = [i for i, (k, t) in enumerate(zip(kept, outputs)) if k is not None and not same_bits(k, t)]
         except Exception as exc:
             return self._finish(self._run_error(exc, "forward"))
         for i, t in enumerate(outputs + (second or [])):
@@ -206,14 +217,19 @@ class CandidateHandler:
             return self._finish({"status": "invalid", "message": f"output {not_ready[0]} was still being "
                                  "written after torch's current stream finished: forward launched work on "
                                  "another stream without making the current stream wait for it"})
+        calls = [outputs] + ([second] if second is not None else [])
+        reused = sorted({i for k, call in enumerate(calls)
+                         for i, _ in aliased_outputs(call, self.earlier + [t for c in calls[:k] for t in c])})
+        self.earlier += [t for call in calls for t in call]
         return self._finish({"status": "ok", "outputs": self._ship(outputs),
                              "second": self._ship(second) if second is not None else None,
-                             "activity": activity, "own": sorted(self.compiled.names()) if self.cuda else None,
-                             "mutated": modified_inputs(originals, inputs), "aliased": aliased_outputs(outputs, inputs)})
+                             "records": found, "own": sorted(self.compiled.names()) if self.cuda else None,
+                             "mutated": modified_inputs(originals, inputs), "aliased": aliased_outputs(outputs, inputs),
+                             "reused": reused, "stale": stale})
 
     def time_prepare(self, request: dict) -> dict:
         """A Timer on the timing seed's inputs, as a graph if asked and faithful; its kernels."""
-        self.pending = []
+        self.pending, self.earlier, self.previous = [], [], []
         try:
             pristine = make_inputs(self.task, request["seed"], self.device)
             self.timer = Timer(self.model, pristine, request["seed"], self.device, request["method"], request["inputs"])
@@ -240,10 +256,13 @@ class CandidateHandler:
         self._drop_candidate()
         return {"status": "ok"}
 
-    def _forward(self, inputs: list, seed: int) -> list:
+    def _forward(self, inputs: list, seed: int, marked: bool = False) -> list:
         trusted.manual_seed(seed)
         with trusted.no_grad():
-            return flatten(self.model(*inputs))
+            outputs = flatten(self.model(*inputs))
+        if marked:
+            trusted.marker(0)   # on torch's current stream, after forward returned (`records.split_marker`)
+        return outputs
 
     def _call_watching_streams(self, inputs: list, seed: int) -> tuple[list, list[int]]:
         """Forward once; on CUDA also the outputs that changed after torch's stream was done."""
@@ -303,7 +322,7 @@ class CandidateHandler:
     def _drop_candidate(self) -> None:
         kill_tree(os.getpid(), include_root=False)   # processes the candidate started, daemons included
         reap()
-        self.pending, self.model, self.task, self.timer = [], None, None, None
+        self.pending, self.previous, self.earlier, self.model, self.task, self.timer = [], [], [], None, None, None
         for name in [m for m in sys.modules if m.startswith("dice_candidate_") or m == "dice_task"]:
             del sys.modules[name]
         _restore_global_flags(self.flags)
