@@ -374,3 +374,35 @@ def test_outputs_a_caller_could_not_use_are_not_correct(cpu_verifier):
     results = cpu_verifier.map([(task, src) for task, src, _, _ in cases], timing=False, seed=11)
     for name, (_, _, status, text), result in zip([*OUTPUT_CASES, *OUTPUT_CONTROLS], cases, results):
         assert result.status == status and text in result.message, (name, result)
+
+
+# ---------------------------------------------------------------------------------------------
+# Precision downgrades (issue #34, class 2): TF32 or fp16 GEMMs in an fp32 task, CPU stand-ins.
+
+TF32 = ("def tf32(t):   # fp32 rounded to TF32's 10 mantissa bits, as tensor cores read it\n"
+        "    return ((t.contiguous().view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)\n")
+GEMMS = {   # name: (forward of ModelNew(a, b), strict verdict, dice verdict)
+    "TF32 GEMM": ("return tf32(a) @ tf32(b)", "incorrect", "correct"),
+    # (under dice too: the hot trial's faded inputs fall below fp16's range)
+    "fp16 GEMM": ("return (a.half() @ b.half()).float()", "incorrect", "incorrect"),
+    "fp32 GEMM summed in float64 (another order)": ("return (a.double() @ b.double()).float()", "correct", "correct"),
+}
+GEMM_TASK = MATMUL_TASK.replace("[torch.randn(256, 256), torch.randn(256, 256)]", "[torch.rand(256, 64), torch.rand(64, 256)]")
+ROUNDED_TASK = RELU_TASK.replace("return torch.relu(x)", "return (x + 4096.0) - 4096.0")   # fp32 rounds x to ~5e-4
+
+
+def _gemm(forward: str) -> str:
+    return (f"import torch\nimport torch.nn as nn\n\n{TF32}\n\nclass ModelNew(nn.Module):\n"
+            f"    def forward(self, a, b):\n        {forward}\n")
+
+
+@pytest.mark.slow
+def test_an_fp32_task_computed_in_lower_precision_is_incorrect_under_the_strict_precision(cpu_verifier):
+    pairs = [(GEMM_TASK, _gemm(forward)) for forward, _, _ in GEMMS.values()]   # errors ~1e-3 of outputs ~16
+    exact = _model("return x.clone()")   # the exact values; the reference's own fp32 rounding is ~5e-4
+    for precision, column in (("strict", 1), ("dice", 2)):
+        results = cpu_verifier.map(pairs + [(ROUNDED_TASK, exact)], timing=False, precision=precision, seed=5)
+        for (name, case), result in zip(GEMMS.items(), results):
+            assert result.status == case[column], (precision, name, result)
+        assert results[-1].correct, results[-1]     # within 8x the reference's own error
+    assert "incorrect" == cpu_verifier.verify(ROUNDED_TASK, exact, timing=False, atol=1e-4, rel_l2=1e-4, seed=5).status

@@ -147,6 +147,11 @@ class ModelNew(nn.Module):
 
 
 OWN_RELU = "y = torch.empty_like(x)\nlaunch('relu', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.numel()))\nreturn y"
+GEMM_INIT = "lin = nn.Linear(args[0], args[0])\n        self.weight, self.bias = lin.weight, lin.bias"
+BIAS_RELU = ("launch('bias_relu', y.numel(), y.data_ptr(), self.bias.data_ptr(), cp.int64(y.shape[0]), "
+             "cp.int64(y.shape[1]))\nreturn y")
+TF32_GEMM = candidate("torch.backends.cuda.matmul.allow_tf32 = True\ny = x @ self.weight.t()\n" + BIAS_RELU,
+                      init=GEMM_INIT)
 OWN_ROW = ("row = torch.empty(1, x.shape[1], device=x.device)\nlaunch('col_mean_relu', x.shape[1], x.data_ptr(), "
            "row.data_ptr(), cp.int64(x.shape[0]), cp.int64(x.shape[1]))\n")
 # ReLU on a side stream after ~1 ms of spinning there; JOIN makes torch's current stream wait for it
@@ -199,6 +204,10 @@ ATTACKS = {
         "key = x.data_ptr()\nif key not in self.memo:\n    self.memo[key] = torch.empty_like(x)\n"
         "    launch('relu', x.numel(), x.data_ptr(), self.memo[key].data_ptr(), cp.int64(x.numel()))\n"
         "return self.memo[key].clone()", init="self.memo = {}"), "incorrect"),
+    # precision downgrades in an fp32 task (issue #34, class 2): the GEMM kept in PyTorch, in TF32 or fp16
+    "a TF32 GEMM in an fp32 task": (GEMM_RELU_TASK, TF32_GEMM, "incorrect"),
+    "an fp16 GEMM in an fp32 task": (GEMM_RELU_TASK, candidate(
+        "y = (x.half() @ self.weight.half().t()).float()\n" + BIAS_RELU, init=GEMM_INIT), "incorrect"),
     # timing attacks: skip work when timed
     "skips work under a timing function on the stack or in a capture": (RELU_TASK, candidate(
         "import sys\nf, timed = sys._getframe(1), torch.cuda.is_current_stream_capturing()\n"
@@ -317,10 +326,8 @@ HONEST = {
         "return y", init="conv = nn.Conv2d(args[0], 16, 3)\n        self.weight, self.bias = conv.weight, conv.bias")),
     "load_inline elementwise": (RELU_TASK, INLINE_RELU),
     "load_inline reduction (MSE)": (MSE_TASK, INLINE_MSE),
-    "GEMM kept in PyTorch, own fused bias + ReLU": (GEMM_RELU_TASK, candidate(
-        "y = x @ self.weight.t()\nlaunch('bias_relu', y.numel(), y.data_ptr(), self.bias.data_ptr(), "
-        "cp.int64(y.shape[0]), cp.int64(y.shape[1]))\nreturn y",
-        init="lin = nn.Linear(args[0], args[0])\n        self.weight, self.bias = lin.weight, lin.bias")),
+    "GEMM kept in PyTorch, own fused bias + ReLU": (GEMM_RELU_TASK, candidate("y = x @ self.weight.t()\n" + BIAS_RELU,
+                                                                            init=GEMM_INIT)),
 }
 
 
@@ -336,6 +343,11 @@ def test_the_kernelbench_rule_accepts_a_decoy_the_strict_rule_rejects(verifier):
     decoy = candidate("noop(x)\nreturn x.clamp_min(0)")
     assert verifier.verify(RELU_TASK, decoy, timing=False, rules="kernelbench").correct
     assert verifier.verify(RELU_TASK, decoy, timing=False).status == "invalid"
+
+
+def test_the_dice_precision_accepts_a_tf32_gemm_the_strict_one_rejects(verifier):
+    assert verifier.verify(GEMM_RELU_TASK, TF32_GEMM, timing=False, trials=3, precision="dice").correct
+    assert verifier.verify(GEMM_RELU_TASK, TF32_GEMM, timing=False, trials=3).status == "incorrect"
 
 
 @pytest.fixture(scope="module")

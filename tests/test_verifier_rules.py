@@ -11,6 +11,8 @@ from dice.verifier.checks import (compare_outputs, kernel_problem, relative_erro
 from dice.verifier.harness import HOT_FADE, JITTER, SPIKE, SPIKE_EVERY, structured, timed_inputs, trial_kinds
 from dice.verifier.kernels import entry_symbols, qualified_from_mangled, qualified_name
 from dice.verifier.speedup import estimate, stable
+from dice.verifier import VerifyOptions
+from dice.verifier.precision import own_error, tolerances
 from dice.verifier.records import activity, busy_ns, split_marker
 from dice.verifier.timing import MIN_MS, call_spans
 
@@ -188,6 +190,22 @@ def test_outputs_below_atol_cannot_pass_with_garbage():
     honest = (ref.double() * (1 + 1e-4 * torch.randn_like(ref).double())).float()
     assert compare_outputs([ref], [honest], 1e-2, 1e-2) is None
     assert relative_error(torch.zeros(4), torch.zeros(4)) == 0.0
+
+
+def test_the_precision_rule_by_hand():
+    """strict: fp32 at 1e-4 (KernelBench main), atol and rel_l2 raised to 8x the reference's own
+    error against float64 but never above 1e-2; fp16 at 1e-2; dice: 1e-2 everywhere."""
+    f32, f16 = torch.zeros(3), torch.zeros(3, dtype=torch.float16)
+    assert tolerances([f32, f16], [(1e-6, 1e-7), (0.0, 0.0)], "strict") == [[1e-4, 1e-4, 1e-4], [1e-2] * 3]
+    assert tolerances([f32], [(1e-4, 5e-5)], "strict") == [[pytest.approx(8e-4), 1e-4, pytest.approx(4e-4)]]
+    assert tolerances([f32], [(0.5, 0.1)], "strict") == [[1e-2, 1e-4, 1e-2]]        # capped at DICE's
+    assert tolerances([f32], None, "strict") == [[1e-4, 1e-4, 1e-4]]                 # no float64 run
+    assert tolerances([f32, f16], None, "dice") == [[1e-2] * 3, [1e-2] * 3]
+    assert tolerances([f32], None, "strict", atol=0.5) == [[0.5, 1e-4, 1e-4]]        # an explicit option wins
+    exact = torch.tensor([1.0, 2.0, float("nan")], dtype=torch.float64)
+    assert own_error(exact.float() + torch.tensor([0.0, 1e-3, 0.0]), exact) == pytest.approx((1e-3, 1e-3 / 5 ** 0.5), rel=1e-3)
+    with pytest.raises(ValueError, match="precision"):
+        VerifyOptions(precision="loose")
 
 
 def test_trial_inputs_are_structured_deterministically_and_stay_in_the_domain():

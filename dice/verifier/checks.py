@@ -312,14 +312,18 @@ def fingerprint(t: torch.Tensor) -> list:
     return [str(t.dtype), list(t.shape), int(torch.sum(bits, dtype=torch.int64))] + bits[index].tolist()
 
 
-def compare_outputs(expected: list, got: list, atol: float, rtol: float, rel_l2: float = 1e-2) -> str | None:
+def compare_outputs(expected: list, got: list, atol: float = 1e-2, rtol: float = 1e-2, rel_l2: float = 1e-2,
+                    per_output: list | None = None) -> str | None:
     """None when `got` matches `expected`, else why not: allclose(atol, rtol) with NaN/Inf exactly
     where expected, and for floating outputs also ||g - e||_2 <= rel_l2 * ||e||_2 over the finite
     elements (`relative_error`), so that an output whose true values all sit below atol (a
-    softmax over 65,536 columns) cannot pass with values of the wrong size."""
+    softmax over 65,536 columns) cannot pass with values of the wrong size. `per_output`:
+    [atol, rtol, rel_l2] for each output instead (`precision.tolerances`)."""
     if len(got) != len(expected):
         return f"forward returned {len(got)} tensor(s), the reference returns {len(expected)}"
     for i, (e, g) in enumerate(zip(expected, got)):
+        if per_output is not None:
+            atol, rtol, rel_l2 = per_output[i]
         label = f"output {i}" if len(expected) > 1 else "output"
         if g.device.type != e.device.type:
             return f"{label} is on {g.device.type}, the reference's is on {e.device.type}"

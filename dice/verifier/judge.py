@@ -9,6 +9,7 @@ comparison nor the baseline.
 """
 from __future__ import annotations
 
+import copy
 import types
 from collections import OrderedDict
 
@@ -19,6 +20,7 @@ from .checks import aliased_outputs, compare_outputs, fingerprint, flatten, modi
 from .harness import (build_model, cuda_context_broken, describe_exception, init_device, load_task, make_inputs,
                       nbytes, timed_inputs, trial_inputs)
 from .kernels import gpu_activity
+from .precision import in_float64, is_exact_float, loosest, math_flags, own_error, tolerances
 from .protocol import import_tensor
 from .timing import Timer
 
@@ -34,7 +36,9 @@ class JudgeHandler:
         self.cache_bytes = int(config["reference_cache_gb"] * 2**30)
         self.tasks: dict[str, types.ModuleType] = {}
         self.models: OrderedDict = OrderedDict()      # (task_key, init_seed) -> reference Model
-        self.references: OrderedDict = OrderedDict()  # (task_key, init_seed, seed, kind) -> reference record
+        self.references: OrderedDict = OrderedDict()  # (task_key, init_seed, seed, kind, precision) -> reference
+        self.models64: OrderedDict = OrderedDict()    # (task_key, init_seed) -> the reference Model in float64
+        self.task_errors: dict = {}                   # (task_key, init_seed, precision) -> loosest own_error
         self.timer: Timer | None = None               # the baseline of the timing in progress
         self.info = {"device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu"}
 
@@ -54,11 +58,12 @@ class JudgeHandler:
         try:
             got = [import_tensor(data) for data in request["outputs"]]
             second = [import_tensor(data) for data in request["second"]] if request["second"] is not None else None
-            tolerance = (request["atol"], request["rtol"], request["rel_l2"])
-            reply = {"status": "ok", "mismatch": compare_outputs(reference["outputs"], got, *tolerance),
-                     "second_mismatch": compare_outputs(reference["outputs"], second, *tolerance) if second is not None else None,
+            allowed = self._tolerances(request, reference["outputs"], reference["own_error"])
+            reply = {"status": "ok", "mismatch": compare_outputs(reference["outputs"], got, per_output=allowed),
+                     "second_mismatch": (compare_outputs(reference["outputs"], second, per_output=allowed)
+                                         if second is not None else None),
                      "fingerprints": [fingerprint(t) for t in got],
-                     **{k: v for k, v in reference.items() if k != "outputs"}}
+                     **{k: v for k, v in reference.items() if k not in ("outputs", "own_error")}}
         except Exception as exc:  # e.g. outputs too large to compare in the memory left
             return self._failed("runtime_error", f"comparing the outputs failed: {describe_exception(exc)}")
         del got, second  # releases the CUDA IPC mappings of the candidate's memory
@@ -67,6 +72,7 @@ class JudgeHandler:
     def compare_timed(self, request: dict) -> dict:
         """A timed call's outputs against the reference on that call's inputs (never cached)."""
         try:
+            math_flags(request["precision"])
             task = self._task(request["task_key"], request["task_src"])
             model = self._model(task, request["task_key"], request["init_seed"])
             pristine = make_inputs(task, request["seed"], self.device)
@@ -76,7 +82,8 @@ class JudgeHandler:
             return self._failed("task_error", describe_exception(exc, "task.py"))
         try:
             got = [import_tensor(data) for data in request["outputs"]]
-            mismatch = compare_outputs(expected, got, request["atol"], request["rtol"], request["rel_l2"])
+            errors = self.task_errors.get((request["task_key"], request["init_seed"], request["precision"]))
+            mismatch = compare_outputs(expected, got, per_output=self._tolerances(request, expected, errors))
         except Exception as exc:
             return self._failed("runtime_error", f"comparing the outputs failed: {describe_exception(exc)}")
         del got
@@ -85,6 +92,7 @@ class JudgeHandler:
     def baseline_prepare(self, request: dict) -> dict:
         """The eager reference's Timer for the candidate's timing seed; the reference's timed kernels."""
         try:
+            math_flags(request["precision"])
             task = self._task(request["task_key"], request["task_src"])
             model = self._model(task, request["task_key"], request["init_seed"])
             pristine = make_inputs(task, request["seed"], self.device)
@@ -97,10 +105,15 @@ class JudgeHandler:
 
     def baseline_block(self, request: dict) -> dict:
         try:
+            math_flags(request["precision"])
             block = self.timer.block(request["first"], request["calls"], 0.0)   # profiled as the candidate's are
         except Exception as exc:
             return self._failed("task_error", describe_exception(exc, "task.py"))
         return {"status": "ok", "times": [float(t) for t in block["times"]]}
+
+    @staticmethod
+    def _tolerances(request: dict, outputs: list, errors: list | None) -> list:
+        return tolerances(outputs, errors, request["precision"], request["atol"], request["rtol"], request["rel_l2"])
 
     def _failed(self, status: str, message: str) -> dict:
         # a reference that hit a device-side assert leaves this context unusable: without a new
@@ -136,10 +149,11 @@ class JudgeHandler:
         return outputs
 
     def _reference(self, request: dict) -> dict:
-        key = (request["task_key"], request["init_seed"], request["seed"], request["kind"])
+        key = (request["task_key"], request["init_seed"], request["seed"], request["kind"], request["precision"])
         if key in self.references:
             self.references.move_to_end(key)
             return self.references[key]
+        math_flags(request["precision"])
         task = self._task(request["task_key"], request["task_src"])
         model = self._model(task, request["task_key"], request["init_seed"])
         inputs = trial_inputs(task, request["seed"], request["kind"], self.device)
@@ -159,12 +173,34 @@ class JudgeHandler:
             "reference_aliased": aliased_outputs(outputs, inputs),
             "reference_reused": sorted({i for i, _ in aliased_outputs(again, outputs)}),
             "reference_activity": activity,
+            "own_error": self._own_error(model, originals, inputs, outputs, request),
         }
         del again
+        if reference["own_error"] is not None:
+            task_key = (request["task_key"], request["init_seed"], request["precision"])
+            self.task_errors[task_key] = loosest(self.task_errors.get(task_key), reference["own_error"])
         self.references[key] = reference
         while len(self.references) > 1 and self._cached_bytes() > self.cache_bytes:
             self.references.popitem(last=False)
         return reference
+
+    def _own_error(self, model: nn.Module, originals: list, inputs: list, outputs: list, request: dict) -> list | None:
+        """The reference's own rounding error per output (`precision.own_error`): the same Model
+        in float64 on the trial's inputs, only where the strict rule needs it (fp32 / fp64
+        outputs); None where the Model does not run in float64 (fp32 tensors made inside forward)."""
+        if request["precision"] != "strict" or not any(is_exact_float(t) for t in outputs):
+            return None
+        try:
+            key = (request["task_key"], request["init_seed"])
+            if key not in self.models64:
+                self.models64[key] = copy.deepcopy(model).double()
+                while len(self.models64) > self.MODELS_KEPT:
+                    self.models64.popitem(last=False)
+            values = [x if o is None else o for o, x in zip(originals, inputs)]
+            exact = self._forward(self.models64[key], in_float64(values), request["seed"])
+        except Exception:
+            return None
+        return [own_error(e, x) if is_exact_float(e) else (0.0, 0.0) for e, x in zip(outputs, exact)]
 
     def _cached_bytes(self) -> int:
         return sum(nbytes(r["outputs"]) for r in self.references.values())

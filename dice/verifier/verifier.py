@@ -195,7 +195,8 @@ class Verifier:
 
     def _run_candidate(self, worker: WorkerProcess, task_src: str, candidate_src: str,
                        opts: VerifyOptions) -> VerifyResult:
-        task = {"task_src": task_src, "task_key": hashlib.sha256(task_src.encode()).hexdigest()}
+        task = {"task_src": task_src, "task_key": hashlib.sha256(task_src.encode()).hexdigest(),
+                "precision": opts.precision}
         init_seed, seeds, timing_seed, warmup_seed = trial_seeds(
             self._seed_base if opts.seed is None else opts.seed, opts.trials)
         if opts.seed is None:   # per candidate: outputs another candidate saw cannot serve timing
@@ -244,7 +245,7 @@ class Verifier:
         float indices spiked or jittered past their table) falls back to iid, then to the inputs as
         drawn ("plain"), so no candidate is judged outside the task's domain; a reference that
         fails on plain inputs too is the task's error (TaskError)."""
-        key = (task["task_key"], init_seed, tuple(seeds))
+        key = (task["task_key"], task["precision"], init_seed, tuple(seeds))
         if key not in self._kinds:
             kinds = trial_kinds(len(seeds))
             for i, seed in enumerate(seeds):
@@ -271,8 +272,8 @@ class Verifier:
             if ran["status"] != "ok":
                 return self._failed(ran, compiled=True, where=where)
             judged = self._judge_call({"op": "compare", **task, "init_seed": init_seed, "seed": seed, "kind": kind,
-                                       "outputs": ran["outputs"], "second": ran["second"], "atol": opts.atol,
-                                       "rtol": opts.rtol, "rel_l2": opts.rel_l2}, candidate_outputs=True)
+                                       "outputs": ran["outputs"], "second": ran["second"], **opts.tolerance()},
+                                      candidate_outputs=True)
         if judged["status"] != "ok":
             return self._failed(judged, compiled=True, where=where)
         return trial_verdict(where, ran, judged, history, opts, worker.info.get("marker", ""))
@@ -333,7 +334,7 @@ class Verifier:
                 return VerifyResult("invalid", compiled=True, message=f"timing: {problem}")
         for call, outputs in reply["checked"]:
             judged = self._judge_call({"op": "compare_timed", **base_request, "call": call, "outputs": outputs,
-                                       "atol": opts.atol, "rtol": opts.rtol, "rel_l2": opts.rel_l2},
+                                       **opts.tolerance()},
                                       candidate_outputs=True)
             if judged["status"] != "ok":
                 return self._failed(judged, compiled=True, where=f"timed call {call}")

@@ -35,6 +35,7 @@ from .checks import aliased_outputs, flatten, modified_inputs, replaced_function
 from .harness import (build_model, cuda_context_broken, describe_exception, init_device, load_module, load_task,
                       make_inputs, rewritten_in_place, trial_inputs)
 from .judge import JudgeHandler
+from .precision import math_flags
 from .keeper import kill_tree, reap, set_child_subreaper
 from .kernels import CompiledKernels, gpu_activity, gpu_records, marker_name
 from .protocol import export_tensor
@@ -150,6 +151,7 @@ class CandidateHandler:
         if self.task is not None:  # the previous candidate was not unloaded (its worker kept running)
             self._drop_candidate()
         self.task = load_task(request["task_src"], "dice_task")
+        math_flags(request["precision"])   # before the candidate's import: what it sets itself is its own
         self.builds.install()  # again: an earlier candidate may have replaced load_inline
         self.compiled.start([str(self.builds.root)])
         self.loads += 1
