@@ -1,3 +1,7 @@
+import json
+import os
+import time
+
 import pytest
 import torch
 
@@ -9,6 +13,34 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """With DICE_TEST_LOG=FILE, one JSON line per test as it ends (`python -m dice.bench check`
+    reads them, so a run cut short still says what passed and how long each test took)."""
+    path = os.environ.get("DICE_TEST_LOG")
+    if not path or not (report.when == "call" or report.outcome != "passed"):
+        return
+    with open(path, "a") as log:
+        log.write(json.dumps({"test": report.nodeid, "when": report.when, "outcome": report.outcome,
+                              "seconds": round(report.duration, 2), "at": round(time.time(), 1),
+                              "slow": "slow" in report.keywords}) + "\n")
+
+
+@pytest.fixture(scope="session")
+def gpu_cache(tmp_path_factory):
+    """One build cache for the whole GPU session: the fast build's precompiled header and
+    dispatcher, and CuPy's NVRTC cache, are made once."""
+    return tmp_path_factory.mktemp("gpu-cache")
+
+
+@pytest.fixture(scope="session")
+def verifier(gpu_cache):
+    """One GPU Verifier pool for the whole session (workers start once, the judge caches reference
+    outputs per task): the GPU tests verify through it, mostly with `map` so candidates overlap."""
+    from dice.verifier import Verifier
+    with Verifier(workers=8, cache_dir=gpu_cache, timing_budget_s=2.0) as v:
+        yield v
 
 
 def make_tiny_model_folder(folder, texts, *, vocab_size=300, hidden=64, layers=2):

@@ -50,11 +50,23 @@ def test_graphs_cache_and_brute_force_agree_on_the_tiny_model(remasking, thresho
         model.lm_head.weight *= 8
     kw = dict(max_new_tokens=21, remasking=remasking, threshold=threshold)
     runs = [generate(model, PROMPTS, cuda_graphs=True, **kw), generate(model, PROMPTS, cuda_graphs=False, **kw),
-            generate(model, PROMPTS, use_cache=False, **kw), generate(model, PROMPTS, compile=True, **kw)]
-    assert runs[0].tokens == runs[1].tokens == runs[2].tokens == runs[3].tokens
-    assert runs[0].step_map == runs[1].step_map == runs[2].step_map == runs[3].step_map
+            generate(model, PROMPTS, use_cache=False, **kw)]
+    assert runs[0].tokens == runs[1].tokens == runs[2].tokens
+    assert runs[0].step_map == runs[1].step_map == runs[2].step_map
     for i, p in enumerate(PROMPTS):
         assert generate(model, [p], **kw).tokens[0] == runs[0].tokens[i]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remasking,threshold", [("low_confidence_static", 0.9), ("low_confidence_dynamic", 0.5)])
+def test_compiled_steps_agree_with_graphs_on_the_tiny_model(remasking, threshold):
+    """torch.compile'd steps (an Inductor compile per step shape: the slow part) decode as the graphs do."""
+    model = load_model(TINY, device="cuda")
+    with torch.no_grad():
+        model.lm_head.weight *= 8
+    kw = dict(max_new_tokens=21, remasking=remasking, threshold=threshold)
+    graphs, compiled = generate(model, PROMPTS, **kw), generate(model, PROMPTS, compile=True, **kw)
+    assert graphs.tokens == compiled.tokens and graphs.step_map == compiled.step_map
 
 
 def test_graphs_crossing_kv_buckets_agree_with_brute_force(monkeypatch):

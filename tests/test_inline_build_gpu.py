@@ -1,12 +1,11 @@
 """The fast load_inline build on a GPU: through the Verifier it gives torch's verdict on correct,
 incorrect, compile-broken, crashing and unsplittable programs, and a BuildPool prebuild is what the
-workers then load. Run with `pytest -m gpu tests/test_inline_build_gpu.py` (torch's builds take
-about a minute each)."""
+workers then load. Run with `pytest -m gpu tests/test_inline_build_gpu.py`; torch's own builds (about
+a minute of CPU each) are the slow test."""
 import os
 
 import pytest
 
-from dice.bench.verify import build_way
 from dice.verifier import Verifier
 from dice.verifier.prebuild import BuildPool
 
@@ -95,26 +94,36 @@ def program(edits: dict) -> str:
     return text
 
 
-def verdicts(build: str, cache_dir) -> list:
-    with build_way(build), Verifier(workers=4, cache_dir=cache_dir) as verifier:
-        return verifier.map([(TASK, program(edits)) for edits, _ in PROGRAMS.values()], timing=False, trials=2)
+@pytest.fixture(scope="module")
+def fast_verdicts(verifier):
+    """The session pool's verdicts (the fast build, DESIGN.md §8.5) on every program, in one map."""
+    return verifier.map([(TASK, program(edits)) for edits, _ in PROGRAMS.values()], timing=False, trials=2)
 
 
-def test_fast_build_gives_torchs_verdicts(tmp_path):
-    fast = verdicts("fast", tmp_path / "fast")
-    assert (tmp_path / "fast" / "torch_extensions" / "pch").is_dir()
-    torch_way = verdicts("torch", tmp_path / "torch")
-    for (name, (_, expected)), f, t in zip(PROGRAMS.items(), fast, torch_way):
-        assert f.status == t.status == expected, (name, f.message, t.message)
+def test_fast_build_gives_the_expected_verdicts(fast_verdicts):
+    for (name, (_, expected)), result in zip(PROGRAMS.items(), fast_verdicts):
+        assert result.status == expected, (name, result.message)
 
 
-def test_prebuilt_extension_is_loaded(tmp_path):
-    candidate = program({})
-    with BuildPool(tmp_path, processes=2) as pool:
+@pytest.mark.slow
+def test_torchs_build_gives_the_fast_builds_verdicts(fast_verdicts, tmp_path):
+    """torch's own load_inline (about a minute of CPU per program, built in parallel by the pool's
+    prebuild) decides every verdict as the fast build did."""
+    with Verifier(workers=4, cache_dir=tmp_path, build="torch") as torch_way:
+        results = torch_way.map([(TASK, program(edits)) for edits, _ in PROGRAMS.values()], timing=False, trials=2)
+    for (name, (_, expected)), fast, slow in zip(PROGRAMS.items(), fast_verdicts, results):
+        assert fast.status == slow.status == expected, (name, fast.message, slow.message)
+
+
+def test_prebuilt_extension_is_loaded(verifier, gpu_cache):
+    """A BuildPool prebuild (the fast way, its precompiled header and the generic binding) into the
+    session's cache is what a worker then loads: no new build."""
+    candidate = program({"affine_relu": "affine_relu_prebuilt"})
+    with BuildPool(gpu_cache, processes=2) as pool:
         report = pool.submit(candidate).result()
-    assert report["status"] == "built" and report["builds"][0]["how"] == "fast", report
-    assert report["builds"][0]["dispatcher"], report   # the generic binding
-    libraries = sorted(os.listdir(tmp_path / "torch_extensions"))
-    with build_way("fast"), Verifier(workers=1, cache_dir=tmp_path) as verifier:
-        assert verifier.verify(TASK, candidate, timing=False, trials=2).status == "correct"
-    assert sorted(os.listdir(tmp_path / "torch_extensions")) == libraries   # no new build
+    build = report["builds"][0] if report.get("builds") else {}
+    assert report["status"] == "built" and build.get("how") == "fast", report
+    assert build["dispatcher"] and build["pch"], report   # the generic binding, on the precompiled header
+    libraries = sorted(os.listdir(gpu_cache / "torch_extensions"))
+    assert verifier.verify(TASK, candidate, timing=False, trials=2).status == "correct"
+    assert sorted(os.listdir(gpu_cache / "torch_extensions")) == libraries   # no new build

@@ -494,6 +494,7 @@ def test_candidates_load_inline_goes_through_the_build_cache(cpu_verifier):
 def test_reference_check_reports_a_broken_task_and_goes_on(tmp_path, capsys):
     """`python -m dice.bench verify --check`: a task whose own reference fails is one `task_error`
     line, and every other solution is still verified."""
+    from dice.bench.common import BenchRun
     from dice.bench.verify import check_reference_solutions
     broken = RELU_TASK.replace("return [torch.randn(256, 1024)]", "raise RuntimeError('broken task')")
     records = [{"pytorch_code": RELU_TASK, "cuda_code": GOOD, "level": 1},
@@ -501,7 +502,7 @@ def test_reference_check_reports_a_broken_task_and_goes_on(tmp_path, capsys):
                {"pytorch_code": RELU_TASK, "cuda_code": candidate("return x.clamp_min(1)"), "level": 1}]
     path = tmp_path / "refs.json"
     path.write_text(json.dumps(records))
-    check_reference_solutions(str(path), workers=2, device="cpu", cache_dir=tmp_path / "cache")
+    check_reference_solutions(BenchRun("verify"), str(path), workers=2, device="cpu", cache_dir=tmp_path / "cache")
     out = capsys.readouterr().out
     assert "1/3 reference solutions verified correct" in out
     assert "incorrect: 1" in out and "task_error: 1" in out
@@ -509,11 +510,11 @@ def test_reference_check_reports_a_broken_task_and_goes_on(tmp_path, capsys):
 
     # a run cut short (here: --limit 2) leaves its verdicts in the log; the next run does the rest
     log = tmp_path / "verdicts.jsonl"
-    check_reference_solutions(str(path), workers=2, limit=2, log=str(log), device="cpu", cache_dir=tmp_path / "cache")
+    check_reference_solutions(BenchRun("verify"), str(path), workers=2, limit=2, log=str(log), device="cpu", cache_dir=tmp_path / "cache")
     assert [json.loads(line)["status"] for line in log.read_text().splitlines()] in (["correct", "task_error"],
                                                                                      ["task_error", "correct"])
     capsys.readouterr()
-    check_reference_solutions(str(path), workers=2, log=str(log), device="cpu", cache_dir=tmp_path / "cache",
+    check_reference_solutions(BenchRun("verify"), str(path), workers=2, log=str(log), device="cpu", cache_dir=tmp_path / "cache",
                               judges=2)
     out = capsys.readouterr().out
     assert [line.split(":")[1].strip() for line in out.splitlines() if line.startswith("- ")] == ["incorrect"]

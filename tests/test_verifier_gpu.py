@@ -1,14 +1,13 @@
 """GPU tests of the kernel verifier: real CuPy and load_inline kernels, faults, and reward hacks.
 
-Run on a CUDA machine with `pytest -m gpu tests/test_verifier_gpu.py` (about 3 minutes; the two
-load_inline builds take most of it)."""
+Run on a CUDA machine with `pytest -m gpu tests/test_verifier_gpu.py`. The candidates that need no
+particular order are verified together, once, by the session's pool (`untimed`): each test then
+reads its own verdict."""
 
 import time
 from pathlib import Path
 
 import pytest
-
-from dice.verifier import Verifier
 
 pytestmark = pytest.mark.gpu
 
@@ -87,10 +86,25 @@ WRONG = cupy_candidate(RELU_FORWARD.replace("relu_kernel", "copy_kernel"))
 POISON = cupy_candidate(RELU_FORWARD.replace("relu_kernel", "far_write_kernel"))
 
 
+NVRTC_BROKEN = KERNELS + '\nextern "C" __global__ void broken_kernel(float* y) { y[0] = missing_name; }\n'
+BROKEN_INLINE = INLINE_RELU.replace("y[i] = x[i] > 0.0f", "y[i] = undefined_thing > 0.0f")
+UNTIMED = {   # name: (task, candidate), verified together by `untimed`
+    "wrong": (RELU_TASK, WRONG),
+    "poison": (RELU_TASK, POISON),
+    "broken load_inline": (RELU_TASK, BROKEN_INLINE),
+    "nvrtc error at import": (RELU_TASK, cupy_candidate("launch('broken_kernel', 1, x.data_ptr())\nreturn x",
+                                                        extra="_module.get_function('broken_kernel')",
+                                                        kernels=NVRTC_BROKEN)),
+    "nvrtc error in forward": (RELU_TASK, cupy_candidate("launch('broken_kernel', 1, x.data_ptr())\nreturn x",
+                                                         kernels=NVRTC_BROKEN)),
+}
+
+
 @pytest.fixture(scope="module")
-def verifier(tmp_path_factory):
-    with Verifier(workers=4, cache_dir=tmp_path_factory.mktemp("verifier-cache"), timing_budget_s=3.0) as v:
-        yield v
+def untimed(verifier):
+    """{name: result} of UNTIMED and CHEATS, all verified in one `map` (timing off)."""
+    cases = {**UNTIMED, **{f"cheat: {k}": v[:2] for k, v in CHEATS.items()}}
+    return dict(zip(cases, verifier.map(list(cases.values()), timing=False, seed=1000)))
 
 
 def test_correct_cupy_kernel_passes_with_a_speedup(verifier):
@@ -109,31 +123,27 @@ def test_correct_load_inline_kernel_passes_and_its_build_is_cached(verifier):
     assert list((verifier.cache_dir / "torch_extensions").glob("dice_ext_*.so"))
 
 
-def test_broken_load_inline_build_is_a_compile_error_with_compiler_lines(verifier):
-    broken = INLINE_RELU.replace("y[i] = x[i] > 0.0f", "y[i] = undefined_thing > 0.0f")
-    result = verifier.verify(RELU_TASK, broken, timing=False)
+def test_broken_load_inline_build_is_a_compile_error_with_compiler_lines(untimed):
+    result = untimed["broken load_inline"]
     assert result.status == "compile_error" and not result.compiled
     assert "undefined_thing" in result.message and "cuda.cu" in result.message
 
 
-@pytest.mark.parametrize("at_import", [True, False])
-def test_nvrtc_errors_are_compile_errors(verifier, at_import):
-    kernels = KERNELS + '\nextern "C" __global__ void broken_kernel(float* y) { y[0] = missing_name; }\n'
-    extra = "_module.get_function('broken_kernel')" if at_import else ""
-    forward = "launch('broken_kernel', 1, x.data_ptr())\nreturn x"
-    result = verifier.verify(RELU_TASK, cupy_candidate(forward, extra=extra, kernels=kernels), timing=False)
+@pytest.mark.parametrize("where", ["at import", "in forward"])
+def test_nvrtc_errors_are_compile_errors(untimed, where):
+    result = untimed[f"nvrtc error {where}"]
     assert result.status == "compile_error" and not result.compiled, result.message
     assert "missing_name" in result.message
 
 
-def test_wrong_kernel_is_incorrect_with_mismatch_stats(verifier):
-    result = verifier.verify(RELU_TASK, WRONG, timing=False)
+def test_wrong_kernel_is_incorrect_with_mismatch_stats(untimed):
+    result = untimed["wrong"]
     assert result.status == "incorrect"
     assert "trial 1" in result.message and "max abs error" in result.message
 
 
-def test_illegal_address_costs_only_its_worker(verifier):
-    result = verifier.verify(RELU_TASK, POISON, timing=False)
+def test_illegal_address_costs_only_its_worker(verifier, untimed):
+    result = untimed["poison"]
     assert result.status == "runtime_error", result.message
     assert "illegal" in result.message.lower() or "worker process" in result.message
     assert verifier.verify(RELU_TASK, GOOD, timing=False).correct
@@ -154,6 +164,7 @@ def test_a_reference_that_asserts_on_the_device_costs_only_its_task(verifier):
 
 HANG = ("flag = torch.zeros(1, dtype=torch.int32, device=x.device)\n"
         "launch('spin_kernel', 1, flag.data_ptr(), x.data_ptr(), cp.int64(1))\ntorch.cuda.synchronize()\nreturn x")
+SPINNING = "import os\nopen(os.environ['DICE_TEST_SPINNING'], 'w').close()\n"   # written just before the launch
 OWNER = '''import sys
 from dice.verifier import Verifier
 v = Verifier(workers=1, judges=1, cache_dir=sys.argv[3])
@@ -170,12 +181,16 @@ def test_no_worker_outlives_a_killed_owner_while_a_kernel_hangs(tmp_path):
     import sys
     from dice.verifier.keeper import descendants
     (tmp_path / "task.py").write_text(RELU_TASK)
-    (tmp_path / "candidate.py").write_text(cupy_candidate(HANG))
+    (tmp_path / "candidate.py").write_text(cupy_candidate(SPINNING + HANG))
     (tmp_path / "owner.py").write_text(OWNER)
+    spinning = tmp_path / "spinning"
     owner = subprocess.Popen([sys.executable, str(tmp_path / "owner.py"), str(tmp_path / "task.py"),
                               str(tmp_path / "candidate.py"), str(tmp_path / "cache")],
-                             cwd=Path(__file__).resolve().parents[1])
-    time.sleep(30)    # the pool starts, the candidate compiles and its kernel starts spinning
+                             cwd=Path(__file__).resolve().parents[1], env={**os.environ, "DICE_TEST_SPINNING": str(spinning)})
+    deadline = time.monotonic() + 120    # the pool starts, the candidate compiles and launches its kernel
+    while not spinning.exists() and owner.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
     tree = descendants(owner.pid)
     assert owner.poll() is None and len(tree) >= 2, tree
     os.kill(owner.pid, signal.SIGKILL)
@@ -196,7 +211,7 @@ def test_hanging_kernel_times_out(verifier):
     hang = cupy_candidate("flag = torch.zeros(1, dtype=torch.int32, device=x.device)\n"
                           "launch('spin_kernel', 1, flag.data_ptr(), x.data_ptr(), cp.int64(1))\n"
                           "torch.cuda.synchronize()\nreturn x")
-    result = verifier.verify(RELU_TASK, hang, timing=False, timeout_s=10)
+    result = verifier.verify(RELU_TASK, hang, timing=False, timeout_s=4)
     assert result.status == "timeout", result.message
     assert verifier.verify(RELU_TASK, GOOD, timing=False).correct
 
@@ -228,9 +243,9 @@ CHEATS = {
 
 
 @pytest.mark.parametrize("name", list(CHEATS))
-def test_reward_hacks_are_invalid(verifier, name):
-    task, candidate, reason = CHEATS[name]
-    result = verifier.verify(task, candidate, timing=False, seed=1000 + list(CHEATS).index(name))
+def test_reward_hacks_are_invalid(untimed, name):
+    reason = CHEATS[name][2]
+    result = untimed[f"cheat: {name}"]
     assert result.status == "invalid", (name, result)
     assert reason in result.message, (name, result.message)
 

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from dice.verifier import Verifier
 
 pytestmark = pytest.mark.gpu
 
@@ -254,15 +253,19 @@ TIMING_ATTACKS = {
 
 
 @pytest.fixture(scope="module")
-def verifier(tmp_path_factory):
-    with Verifier(workers=4, cache_dir=tmp_path_factory.mktemp("integrity-cache"), timing_budget_s=2.0) as v:
-        yield v
+def timed(verifier):
+    """{name: result} of every attack, honest control and timing attack (and the honest ReLU the
+    timing attacks are held against), verified with timing in one `map` of the session's pool."""
+    cases = {**{f"attack: {k}": v[:2] for k, v in ATTACKS.items()}, **{f"honest: {k}": v for k, v in HONEST.items()},
+             **{f"timing: {k}": (RELU_TASK, v) for k, v in TIMING_ATTACKS.items()},
+             "honest relu": (RELU_TASK, candidate(OWN_RELU))}
+    return dict(zip(cases, verifier.map(list(cases.values()), timing=True)))
 
 
 @pytest.mark.parametrize("name", list(ATTACKS))
-def test_every_attack_class_is_not_correct(verifier, name):
-    task_src, src, status = ATTACKS[name]
-    result = verifier.verify(task_src, src, timing=True)
+def test_every_attack_class_is_not_correct(timed, name):
+    status = ATTACKS[name][2]
+    result = timed[f"attack: {name}"]
     assert not result.correct, (name, result)
     if status:
         assert result.status == status, (name, result)
@@ -332,9 +335,8 @@ HONEST = {
 
 
 @pytest.mark.parametrize("name", list(HONEST))
-def test_honest_controls_stay_correct(verifier, name):
-    task_src, src = HONEST[name]
-    result = verifier.verify(task_src, src)
+def test_honest_controls_stay_correct(timed, name):
+    result = timed[f"honest: {name}"]
     assert result.correct, (name, result)
     assert result.speedup_ci[0] <= result.speedup <= result.speedup_ci[1]
 
@@ -346,18 +348,14 @@ def test_the_kernelbench_rule_accepts_a_decoy_the_strict_rule_rejects(verifier):
 
 
 def test_the_dice_precision_accepts_a_tf32_gemm_the_strict_one_rejects(verifier):
-    assert verifier.verify(GEMM_RELU_TASK, TF32_GEMM, timing=False, trials=3, precision="dice").correct
-    assert verifier.verify(GEMM_RELU_TASK, TF32_GEMM, timing=False, trials=3).status == "incorrect"
-
-
-@pytest.fixture(scope="module")
-def honest_relu(verifier):
-    result = verifier.verify(RELU_TASK, candidate(OWN_RELU))
-    assert result.correct, result
-    return result
+    dice = verifier.verify(GEMM_RELU_TASK, TF32_GEMM, timing=False, trials=3, precision="dice")
+    strict = verifier.verify(GEMM_RELU_TASK, TF32_GEMM, timing=False, trials=3)
+    assert dice.correct and strict.status == "incorrect", (dice, strict)
 
 
 @pytest.mark.parametrize("name", list(TIMING_ATTACKS))
-def test_timing_attacks_gain_nothing(verifier, honest_relu, name):
-    result = verifier.verify(RELU_TASK, TIMING_ATTACKS[name])
+def test_timing_attacks_gain_nothing(timed, name):
+    honest_relu = timed["honest relu"]
+    assert honest_relu.correct, honest_relu
+    result = timed[f"timing: {name}"]
     assert not result.correct or result.speedup <= 1.25 * honest_relu.speedup_ci[1], (name, result, honest_relu)

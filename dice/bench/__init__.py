@@ -1,4 +1,4 @@
-"""Benchmarks on random SDAR-shaped models (GPU): `python -m dice.bench sample|profile|fused|train|model|verify|stability|rl|builds`.
+"""Benchmarks on random SDAR-shaped models (GPU): `python -m dice.bench sample|profile|fused|train|model|verify|stability|rl|builds|check`.
 
 Every number is a median over repeated runs after warm-up; each table names the roofline it is
 compared with (`common`: H200 HBM 4.8 TB/s, bf16 dense matmul 790 TFLOP/s). Current numbers, with
@@ -13,6 +13,7 @@ their commands and hardware: `dice/PERFORMANCE.md`.
 | `builds` | `builds` (load_inline fast-build CPU per program, generic vs torch's binding; no GPU needed) |
 | `stability` | `stability` (honest candidates' speedups from fresh Verifiers: do they repeat?) |
 | `rl` | `rl` (one BiC-RL step at DICE's settings: generate / verify / update seconds, the bound) |
+| `check` | `check` (the GPU test suite and the headline numbers above in one call, one table last) |
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 
 from ..cli import ArgumentParser
 from ..model import SDAR_SHAPES
+from .common import BenchRun, BudgetSpent, add_run_arguments
 
 
 def main(argv=None) -> None:
@@ -58,13 +60,19 @@ def main(argv=None) -> None:
                    help="recompute each layer's forward in the backward pass (adds an HFU column)")
     m = sub.add_parser("model", help="bf16 vs fp32 logits, flex vs dense attention")
     m.add_argument("--shape", type=str.lower, choices=SDAR_SHAPES, default="1.7b", help="public SDAR shape")
-    from . import builds, rl, stability
+    from . import builds, check, rl, stability
+    check.add_arguments(sub.add_parser("check", help="the GPU test suite and the headline benchmarks in one call "
+                                                     "(from a checkout)"))
     builds.add_arguments(sub.add_parser("builds", help="load_inline fast-build CPU per program, generic vs torch's "
                                                        "binding (no GPU needed)"))
     stability.add_arguments(sub.add_parser("stability", help="the same candidates' speedups from fresh Verifiers"))
     rl.add_arguments(sub.add_parser("rl", help="one BiC-RL step: generate / verify / update time, the bound"))
     # verify's flags live in bench_verify, which parses (and lists with --help) everything after "verify"
     sub.add_parser("verify", add_help=False, help="kernels verified per minute (CuPy vs load_inline), or --check")
+    for name, sub_parser in sub.choices.items():
+        if name != "verify":
+            add_run_arguments(sub_parser)
+    sub.choices["check"].set_defaults(budget_s=540.0)   # the whole check in one 10-minute call
     args, rest = parser.parse_known_args(argv)
     if args.what == "verify":
         from .verify import main as verify_main
@@ -72,17 +80,20 @@ def main(argv=None) -> None:
         return
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.what == "rl":   # runs on a CPU too (a smoke test with --reward python)
-        rl.bench_rl(args)
-        return
-    if args.what == "builds":   # compiles only: runs on a CPU too
-        builds.bench_builds(args)
-        return
-    if not torch.cuda.is_available() and args.what != "train":
+    from . import decode, fused, train
+    benches = {"sample": decode.bench_sample, "profile": decode.bench_profile, "fused": fused.bench_fused,
+               "train": train.bench_train, "model": train.bench_model, "stability": stability.bench_stability,
+               "rl": rl.bench_rl, "builds": builds.bench_builds, "check": check.bench_check}
+    # rl (with --reward python) and builds (compiles only) run on a CPU too
+    if not torch.cuda.is_available() and args.what not in ("train", "rl", "builds"):
         sys.exit("python -m dice.bench needs a CUDA GPU; this machine has none")
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and args.what == "train":
         print("note: dice.bench train is meant for a CUDA GPU; this machine has none, so it runs on the CPU "
               "(slow for the SDAR shapes)", file=sys.stderr)
-    from . import decode, fused, train
-    {"sample": decode.bench_sample, "profile": decode.bench_profile, "fused": fused.bench_fused,
-     "train": train.bench_train, "model": train.bench_model, "stability": stability.bench_stability}[args.what](args)
+    bench = BenchRun(args.what, args.budget_s, args.out)
+    try:
+        benches[args.what](args, bench)
+    except BudgetSpent:
+        pass
+    finally:
+        bench.finish()

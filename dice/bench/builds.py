@@ -64,7 +64,7 @@ def _warm(root: Path, call: dict, binding: str, capability: tuple[int, int], slo
     return time.perf_counter() - start
 
 
-def bench_builds(args) -> None:
+def bench_builds(args, bench) -> None:
     if cpp_extension.CUDA_HOME is None and Path("/usr/local/cuda/bin/nvcc").exists():
         cpp_extension.CUDA_HOME = "/usr/local/cuda"
     capability = tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else tuple(args.arch)
@@ -77,26 +77,36 @@ def bench_builds(args) -> None:
     print(f"{len(calls)} programs, sm_{capability[0]}{capability[1]}, {jobs} at a time"
           + ("; CPU-only torch: linked without " + " ".join(CPU_ONLY_LIBRARIES) if torch.version.cuda is None else ""))
     for binding in args.binding:
+        bench.check(f"the {binding} binding")
         with tempfile.TemporaryDirectory(prefix=f"dice-builds-{binding}-") as cache:
             root, slots = Path(cache), CompilerSlots(Path(cache), jobs)
+            bench.progress(f"{binding}: precompiled header and dispatcher")
             once = _warm(root, calls[0][1], binding, capability, slots)
-            start = time.perf_counter()
+            start, results = time.perf_counter(), [None] * len(calls)
 
             def job(i):
+                if bench.left() <= 0:   # the budget is spent: no new build starts
+                    return
                 (root / f"p{i}").mkdir()
-                return build_one(calls[i][1], binding, root, root / f"p{i}", capability, slots)
+                results[i] = build_one(calls[i][1], binding, root, root / f"p{i}", capability, slots)
+                bench.progress(f"{binding}: programs built", sum(r is not None for r in results), len(calls))
             with ThreadPoolExecutor(jobs) as pool:
-                results = list(pool.map(job, range(len(calls))))
+                list(pool.map(job, range(len(calls))))
             wall = time.perf_counter() - start
-        built = [r for r in results if r["built"]]
+        done = [r for r in results if r is not None]
+        built = [r for r in done if r["built"]]
         medians = {k: statistics.median([r[k] for r in built]) if built else float("nan") for k in ("host", "device", "link")}
         cpu = statistics.median([r["host"] + r["device"] + r["link"] for r in built]) if built else float("nan")
-        print(f"{binding}: built {len(built)}/{len(calls)} in {wall:.0f} s ({60 * len(calls) / wall:.1f} programs/min; "
-              f"header and dispatcher first: {once:.0f} s); median CPU s host {medians['host']:.2f}, device "
-              f"{medians['device']:.2f}, link {medians['link']:.2f}, per program {cpu:.2f}", flush=True)
+        bench.row({"binding": binding, "built": f"{len(built)}/{len(done)}", "programs": len(calls),
+                   "seconds": f"{wall:.0f}", "programs/min": f"{60 * len(done) / wall:.1f}",
+                   "header+dispatcher s": f"{once:.0f}", "CPU s host": f"{medians['host']:.2f}",
+                   "device": f"{medians['device']:.2f}", "link": f"{medians['link']:.2f}",
+                   "per program": f"{cpu:.2f}"}, partial=len(done) < len(calls))
         for (name, _), r in zip(calls, results):
-            if not r["built"]:
+            if r is not None and not r["built"]:
                 print(f"  - {name}: {r['error']}")
+        if len(done) < len(calls):
+            bench.check(f"the rest of the {binding} binding")
 
 
 def add_arguments(b) -> None:

@@ -1,10 +1,15 @@
 """What the benchmarks share: the H200 ceilings, the weight bytes a decode forward reads, CUDA-graph
-timing and plain-text tables."""
+timing, plain-text tables, and `BenchRun` (progress, a time budget, results kept as they arrive)."""
 from __future__ import annotations
 
+import json
 import statistics
+import sys
+import time
 
 import torch
+
+from ..cli import ProgressLine, at_least
 
 HBM_BYTES_PER_S = 4.8e12   # H200 datasheet (~4.3 TB/s measured copy)
 BF16_FLOPS = 790e12        # bf16 dense matmul, measured on the H200
@@ -37,3 +42,105 @@ def median_replay_ms(graph, repeats: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+class BudgetSpent(Exception):
+    """Raised where a benchmark would start new work after its `--budget-s` has passed."""
+
+
+class BenchRun:
+    """What every `python -m dice.bench ...` shows while it works, and where it stops.
+
+    progress(phase, done, total) writes "[bench 41 s] phase: 12/32" on stderr (redrawn in place on
+    a terminal, in a log at most every 5 s); check() raises BudgetSpent once `budget_s` seconds have
+    passed, so a benchmark calls it where new work would start, never inside a measurement; row()
+    prints a finished result at once and appends it to `out` as a JSON line, so a run cut short
+    keeps what it finished; finish() prints the rows as one table, a row the budget cut short
+    marked partial, and what was not started."""
+
+    def __init__(self, name: str, budget_s: float | None = None, out: str | None = None):
+        self.name, self.budget_s, self.start = name, budget_s, time.perf_counter()
+        self.rows: list[tuple[dict, bool]] = []
+        self.cut: str | None = None
+        self._line = ProgressLine(every_s=5.0)
+        self._out = open(out, "a") if out else None
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        """Seconds of the budget left (inf without one)."""
+        return float("inf") if self.budget_s is None else self.budget_s - self.elapsed()
+
+    def check(self, doing: str) -> None:
+        """Raise BudgetSpent, naming `doing` as not started, once the budget is spent."""
+        if self.left() <= 0:
+            self.cut = self.cut or doing
+            raise BudgetSpent(doing)
+
+    def progress(self, phase: str, done: int | None = None, total: int | None = None) -> None:
+        count = "" if done is None else f": {done}/{total}" if total else f": {done}"
+        self._line.update(f"[{self.name} {self.elapsed():.0f} s] {phase}{count}")
+
+    def row(self, row: dict, partial: bool = False) -> dict:
+        self.rows.append((row, partial))
+        self._line.close()
+        print(" | ".join(f"{k}={v}" for k, v in row.items()) + (" | partial" if partial else ""),
+              file=sys.stderr, flush=True)
+        if self._out:
+            record = {"bench": self.name, "elapsed_s": round(self.elapsed(), 1), **row, "partial": partial}
+            self._out.write(json.dumps(record) + "\n")
+            self._out.flush()
+        return row
+
+    def verify_map(self, verifier, pairs: list, phase: str, on_broken_task=None, **options) -> tuple[list, float, bool]:
+        """verifier.map(pairs, **options) with a progress line, stopped (no new candidate started;
+        those running finish) once the budget is spent: (the results, None where not run or the
+        task is broken; seconds; whether every pair was verified)."""
+        results, finished, start = [None] * len(pairs), set(), time.perf_counter()
+
+        def done(i, result=None):
+            results[i] = result
+            finished.add(i)
+            self.progress(phase, len(finished), len(pairs))
+            if len(finished) < len(pairs):
+                self.check(f"the rest of {phase}")
+
+        def broken(i, error):
+            if on_broken_task is not None:
+                on_broken_task(i, error)
+            done(i)
+
+        self.check(phase)
+        self.progress(phase, 0, len(pairs))
+        try:
+            verifier.map(pairs, progress=done, on_broken_task=broken, **options)
+        except BudgetSpent:
+            pass
+        return results, time.perf_counter() - start, len(finished) == len(pairs)
+
+    def finish(self, title: str = "") -> None:
+        self._line.close()
+        if self._out:
+            self._out.close()
+            self._out = None
+        if self.rows:
+            keys = list(dict.fromkeys(k for r, _ in self.rows for k in r))
+            marked = any(p for _, p in self.rows)
+            print(f"\n{title}" if title else "")
+            print(table([{**{k: r.get(k, "") for k in keys}, **({"partial": "yes" if p else ""} if marked else {})}
+                         for r, p in self.rows]))
+        if self.cut is not None:
+            print(f"{self.name}: the budget of {self.budget_s:g} s was spent after {self.elapsed():.0f} s; "
+                  f"not started: {self.cut}")
+
+
+DEFAULT_BUDGET_S = 270.0   # a default run ends within 5 minutes on one H200, the work in flight included
+
+
+def add_run_arguments(parser) -> None:
+    """--budget-s and --out, which every benchmark takes (`BenchRun`)."""
+    parser.add_argument("--budget-s", type=at_least(1, float), default=DEFAULT_BUDGET_S,
+                        help="seconds after which no new work starts (what runs finishes); the table of what "
+                        "finished is printed, rows cut short marked partial")
+    parser.add_argument("--out", metavar="JSONL", help="append each result here as it arrives")

@@ -2,7 +2,6 @@
 and `python -m dice.bench profile` (where a batch-1 decode forward spends its time)."""
 from __future__ import annotations
 
-import sys
 import time
 import statistics
 
@@ -12,7 +11,7 @@ from ..model import random_model
 from .common import HBM_BYTES_PER_S, forward_weight_bytes, median_replay_ms, table
 
 
-def bench_sample(args) -> None:
+def bench_sample(args, bench) -> None:
     """Block-diffusion decoding vs autoregressive decoding with the same cache code, vs the
     weight-bandwidth roofline (weights bytes / 4.8 TB/s per forward)."""
     from ..sampler import generate
@@ -21,10 +20,12 @@ def bench_sample(args) -> None:
     model = random_model(args.shape)
     roofline_fps = HBM_BYTES_PER_S / forward_weight_bytes(model)
     prompt = torch.randint(0, 150000, (args.prompt_len,)).tolist()
-    rows = []
 
     def run(label, batch, block_size, steps, graphs, remasking="low_confidence_static", m=model, compile=False,
             gen=args.gen, repeats=args.repeats, fused=False):
+        what = f"{label}, batch {batch}, graphs {graphs}, compile {compile}, fused {fused}"
+        bench.check(what)
+        bench.progress(what)
         saved = m.config.block_size
         m.config.block_size = block_size
         try:
@@ -43,10 +44,9 @@ def bench_sample(args) -> None:
             m.config.block_size = saved
         t = statistics.median(times)
         fps = res.forwards / t
-        rows.append({"decode": label, "batch": batch, "gen": gen, "graphs": graphs, "compile": compile, "fused": fused,
-                     "tokens/s": round(res.num_tokens / t), "forwards": res.forwards,
-                     "ms/forward": round(1e3 / fps, 3), "% roofline fwd/s": round(100 * fps / roofline_fps, 1)})
-        print(table(rows[-1:]), file=sys.stderr, flush=True)
+        bench.row({"decode": label, "batch": batch, "gen": gen, "graphs": graphs, "compile": compile, "fused": fused,
+                   "tokens/s": round(res.num_tokens / t), "forwards": res.forwards,
+                   "ms/forward": round(1e3 / fps, 3), "% roofline fwd/s": round(100 * fps / roofline_fps, 1)})
 
     run("diffusion B=4 S=4", 1, 4, 4, False, gen=args.eager_gen)   # eager: what the graphs save
     for batch in args.batch:
@@ -63,7 +63,6 @@ def bench_sample(args) -> None:
     print(f"\nsample bench: random SDAR-{args.shape} bf16, prompt {args.prompt_len}, "
           f"{torch.cuda.get_device_name()}; roofline {roofline_fps:.0f} forwards/s "
           f"({forward_weight_bytes(model) / 1e9:.2f} GB weights / 4.8 TB/s)")
-    print(table(rows))
 
 
 def kernel_group(name: str) -> str:
@@ -78,7 +77,7 @@ def kernel_group(name: str) -> str:
     return "other"
 
 
-def bench_profile(args) -> None:
+def bench_profile(args, bench) -> None:
     """Where one batch-1 decode forward spends its time: CUDA-graph replays of the block step
     (4 new tokens against a cache of `--cache-len`, compiled layers unless --no-compile) timed
     with CUDA events, then profiled; kernels are grouped by `kernel_group`, and
@@ -91,6 +90,7 @@ def bench_profile(args) -> None:
         inductor_config.max_autotune_gemm = True
         inductor_config.max_autotune_gemm_backends = "ATEN,TRITON"
     torch.manual_seed(0)
+    bench.progress("the block step: capture and replays")
     model = random_model(args.shape)
     n, T = args.cache_len, 4
     cache = model.new_cache(1, n + 2 * T)
@@ -124,6 +124,8 @@ def bench_profile(args) -> None:
           f"compile {not args.no_compile}, max-autotune {args.max_autotune}, {torch.cuda.get_device_name()}; replay {replay_ms:.3f} ms "
           f"(median of {args.repeats}), roofline {roofline_ms:.3f} ms, {calls // args.repeats} kernels per forward")
     print(table(rows))
+    bench.check("decode attention and matrix products")
+    bench.progress("decode attention and matrix products")
     print(f"\ndecode attention per layer, {T} queries x {n + 2 * T} keys, {model.config.num_hidden_layers} "
           f"layers' K/V in one compiled CUDA graph:")
     print(table(decode_attention_rows(model.config, n + 2 * T, T)))

@@ -10,7 +10,7 @@ from ..model import random_model
 from .common import HBM_BYTES_PER_S, forward_weight_bytes, median_replay_ms, table
 
 
-def bench_fused(args) -> None:
+def bench_fused(args, bench) -> None:
     """The persistent fused decoding kernel (`dice.fused_decode`) against the compiled
     layer-by-layer step: CUDA-graph replays of one block step (T new tokens against a cache of
     `--cache-len`), medians of `--repeats`, the relative error of its logits against the
@@ -38,18 +38,22 @@ def bench_fused(args) -> None:
         for T, lf in ((4, 0), (8, 4)):
             new = (ids[:, n:n + T], pos[:, n:n + T], valid[:, n:n + T])
             for name in ("compiled layer-by-layer", "fused kernel"):
+                bench.check(f"{name}, {T} new tokens")
+                bench.progress(f"{name}, {T} new tokens")
                 step = (FusedForward(model, prefilled(), True) if name.startswith("fused")
                         else CachedForward(model, prefilled(), True, compile=True))
                 step(*new, 0, lf)
                 ms = median_replay_ms(next(iter(step.graphs.values()))["graph"], args.repeats)
                 rows.append({"step": name, "new tokens": T, "ms / forward": round(ms, 3),
                              "% of roofline": round(100 * roofline_ms / ms, 1), "rel. error vs layers": "-"})
-                print(table(rows[-1:]), file=sys.stderr, flush=True)
+                print(" | ".join(f"{k}={v}" for k, v in rows[-1].items()), file=sys.stderr, flush=True)
             dec, cache = step.decoder, step.cache      # the loop's last step: the fused kernel
             slots = torch.arange(n, n + T, device="cuda")
             ref = model.step_logits(*new, prefilled(), slots, n + T, lf).float()
             got = dec.step_logits(*new, cache, slots, n + T, lf).float()
             rows[-1]["rel. error vs layers"] = f"{((got - ref).norm() / ref.norm()).item():.1e}"
+        bench.check("the kernel's timestamps")
+        bench.progress("the kernel's timestamps")
         phases = dec.all_phases
         trace = torch.zeros(dec.programs, phases + 1, 2, dtype=torch.int64, device="cuda")
         slots = torch.arange(n, n + 4, device="cuda")

@@ -49,7 +49,6 @@ from ..rl import Scores, group_advantages, policy_update, rollout
 from ..trace import RoundBatch, flex_shape, round_logprobs
 from ..rollout import OVERLAP
 from ..tasks import load_tasks
-from .common import table
 
 CHARS_PER_TOKEN = 3.8   # the SDAR tokenizer on the 99 DICE infilling references: 71,964 chars, 18,862 tokens
 SALT = "__device__ int dice_bench_salt_{tag};"
@@ -236,7 +235,7 @@ def allocate_optimizer_state(model, optimizer) -> None:
 
 
 def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: TrainConfig, rt, optimizer, reward,
-             skip_update: bool) -> tuple[dict, str]:
+             skip_update: bool, bench) -> tuple[dict, str]:
     """One timed step with the levers `s`: (its table row, a line of verdicts and update counts)."""
     cfg = dataclasses.replace(base, attention=s.attention,
                               rollout_batch=s.rollout_batch if isinstance(s.rollout_batch, int) else base.rollout_batch)
@@ -245,6 +244,7 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
+    bench.progress(f"{s.overlap} overlap: generating and verifying {len(owners)} rollouts")
     model.eval()
     with torch.no_grad():   # one-member groups: owner k carries rollout k's program; the seeds equal the grouped ones
         completions, rewards, results, timing = rollout(
@@ -254,6 +254,7 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
     rollout_s = time.perf_counter() - start
     advantages = group_advantages(rewards, cfg.group_size)
     model.train()
+    bench.progress(f"{s.overlap} overlap: the update")
     compile_s, shapes = (0.0, 0) if skip_update or not cuda or s.attention == "dense" else \
         warm_flex(model, completions, advantages, cfg, rt)
     t0 = time.perf_counter()
@@ -284,7 +285,7 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
     return row, line
 
 
-def bench_rl(args) -> None:
+def bench_rl(args, bench) -> None:
     """`python -m dice.bench rl` (module docstring): build, replay, run the step(s), print the table."""
     from ..rl import curriculum, step_tasks
     from ..rollout import task_prompt_ids
@@ -330,24 +331,25 @@ def bench_rl(args) -> None:
     if args.reward == "verifier":
         from ..verifier import Verifier
         verifier = Verifier(workers=args.workers)
-    rows, lines = [], []
+    lines = []
     try:
         for i, settings in enumerate(runs):
+            bench.check("the baseline step" if settings is BASELINE else "the step")
             replay = replay_programs(chosen, args.group_size, args.broken, args.seed, run=i)
             owners = [t for t, _ in replay]
             lengths = [min(args.max_new_tokens, len(tok.encode(f"```python\n{t.solution}\n```")) + 1) for t in owners]
             if i == 0:
                 _describe(args, config, rt, chosen, replay, prompts, lengths, tok_dir)
             reward = make_reward(args.reward, verifier, {t.solution: k for t, k in replay}, args.verify_timeout)
-            row, line = run_step(settings, model, tok, owners, lengths, base, rt, optimizer, reward, args.skip_update)
-            rows.append(row)
+            row, line = run_step(settings, model, tok, owners, lengths, base, rt, optimizer, reward, args.skip_update,
+                                 bench)
+            bench.row(row)
             lines.append(line)
-            print(line, file=sys.stderr, flush=True)   # a run cut short still reports its first step
+            print(line, file=sys.stderr, flush=True)
     finally:
         if verifier is not None:
             verifier.close()
-    print(table(rows))
-    print("\n".join(lines))
+        print("\n".join(lines))
 
 
 def _describe(args, config, rt, chosen, replay, prompts, lengths, tok_dir) -> None:

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import time
 
 from ..verifier import Verifier
-from .common import table
 
 KERNELS = r'''
 extern "C" __global__ void relu(const float* x, float* y, long long n) {
@@ -109,30 +107,36 @@ CASES = {   # name: (task, candidate)
 }
 
 
-def bench_stability(args) -> None:
+def bench_stability(args, bench) -> None:
+    """Each candidate's speedup from every fresh Verifier; the budget stops between Verifiers (a
+    Verifier's candidates cut short keep what finished), and the rows then cover the Verifiers run."""
     names = list(CASES)
     runs = {name: [] for name in names}
-    for v in range(args.verifiers):
-        start = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="dice-stability-") as cache, \
-                Verifier(workers=args.workers, cache_dir=cache) as verifier:
-            for name, result in zip(names, verifier.map([CASES[n] for n in names])):
-                runs[name].append(result)
-        print(f"verifier {v + 1}/{args.verifiers}: {time.perf_counter() - start:.0f} s", flush=True)
-    rows = []
-    for name in names:
-        results = runs[name]
-        if not all(r.correct for r in results):
-            rows.append({"candidate": name, "ms": "-", "eager ms": "-", "speedups": " ".join(r.status for r in results),
-                         "max/min": "-", "widest CI": "-", "method": "-"})
-            continue
-        speedups = [r.speedup for r in results]
-        rows.append({"candidate": name, "ms": f"{statistics.median(r.runtime_ms for r in results):.4f}",
-                     "eager ms": f"{statistics.median(r.baseline_ms for r in results):.4f}",
-                     "speedups": " ".join(f"{s:.3f}" for s in speedups), "max/min": f"{max(speedups) / min(speedups):.3f}",
-                     "widest CI": f"+-{100 * max((r.speedup_ci[1] - r.speedup_ci[0]) / 2 / r.speedup for r in results):.1f}%",
-                     "method": "/".join(sorted({r.timing for r in results}))})
-    print(table(rows))
+    try:
+        for v in range(args.verifiers):
+            bench.check(f"verifiers {v + 1}..{args.verifiers}")
+            with tempfile.TemporaryDirectory(prefix="dice-stability-") as cache, \
+                    Verifier(workers=args.workers, cache_dir=cache) as verifier:
+                results, _, _ = bench.verify_map(verifier, [CASES[n] for n in names],
+                                                 f"verifier {v + 1}/{args.verifiers}")
+            for name, result in zip(names, results):
+                if result is not None:
+                    runs[name].append(result)
+    finally:
+        for name in names:
+            bench.row(_stability_row(name, runs[name]), partial=len(runs[name]) < args.verifiers)
+
+
+def _stability_row(name: str, results: list) -> dict:
+    if not results or not all(r.correct for r in results):
+        return {"candidate": name, "ms": "-", "eager ms": "-", "speedups": " ".join(r.status for r in results),
+                "max/min": "-", "widest CI": "-", "method": "-"}
+    speedups = [r.speedup for r in results]
+    return {"candidate": name, "ms": f"{statistics.median(r.runtime_ms for r in results):.4f}",
+            "eager ms": f"{statistics.median(r.baseline_ms for r in results):.4f}",
+            "speedups": " ".join(f"{s:.3f}" for s in speedups), "max/min": f"{max(speedups) / min(speedups):.3f}",
+            "widest CI": f"+-{100 * max((r.speedup_ci[1] - r.speedup_ci[0]) / 2 / r.speedup for r in results):.1f}%",
+            "method": "/".join(sorted({r.timing for r in results}))}
 
 
 def add_arguments(p) -> None:

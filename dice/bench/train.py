@@ -28,14 +28,15 @@ def model_config(shape: str):
     return read_config(shape) if Path(shape).is_dir() else sdar_shape(shape)
 
 
-def bench_train(args) -> None:
+def bench_train(args, bench) -> None:
     """SFT steps of a random SDAR-shaped model: step time, tokens/s, peak memory, MFU; under
     `torchrun --nproc_per_node N` sharded with FSDP2 (as `train.py`), `--batch` rows per process.
 
     FLOPs per step = 6 * (layer matmul params) * 2n  (forward + backward, every token of [x_t ; x_0])
                    + 6 * d * V * masked              (lm_head on masked positions only)
                    + 12 * layers * heads * head_dim * visible (q, k) pairs of the block-diffusion mask
-    per row, over all processes' rows. MFU = FLOPs / step time / (N x 790 TFLOP/s, the bf16 matmul
+    per row, over all processes' rows (the steps run whole: under torchrun no process may stop
+    alone, so the budget is not checked between them). MFU = FLOPs / step time / (N x 790 TFLOP/s, the bf16 matmul
     rate measured on the H200). With --grad-ckpt the layers' forward runs twice; HFU (hardware FLOPs
     utilisation) also counts that recompute, a third of the layer and attention terms. The step time
     is the slowest process's; tokens/s per process at N processes over that at 1 is the scaling
@@ -66,6 +67,8 @@ def bench_train(args) -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = []
     for i in range(args.warmup + args.steps):
+        if rt.main:
+            bench.progress("warm-up steps" if i < args.warmup else "timed steps", i + 1, args.warmup + args.steps)
         gens = [torch.Generator().manual_seed((i * rt.world + rt.rank) * args.batch + j) for j in range(args.batch)]
         sync()
         t0 = time.perf_counter()
@@ -102,12 +105,13 @@ def bench_train(args) -> None:
            "MFU % (dense 6ND+attn)": round(100 * dense_6nd / t / (rt.world * BF16_FLOPS), 1)}
     if args.grad_ckpt:
         row["HFU % (with recompute)"] = round(100 * (flops + recompute) / t / (rt.world * BF16_FLOPS), 1)
-    print(table([row]))
+    bench.row(row)
 
 
-def bench_model(args) -> None:
+def bench_model(args, bench) -> None:
     """bf16 GPU logits vs the float32 CPU path, and FlexAttention vs dense training forward."""
     from ..attention import block_diffusion_mask, flex_block_diffusion_mask
+    bench.progress("bf16 vs fp32 logits, flex vs dense")
     gpu32 = random_model(args.shape, dtype=torch.float32)
     cpu32 = random_model(args.shape, dtype=torch.float32)
     cpu32.load_state_dict(gpu32.state_dict())
@@ -130,6 +134,8 @@ def bench_model(args) -> None:
                  {"check": "flex vs dense training fwd (bf16)", "rel err (norm)": f"{rel(flex, dense):.2e}",
                   "max abs / max|ref|": f"{float((flex - dense).abs().max() / dense.abs().max()):.2e}"}]))
     del gpu32, cpu32, gpu16
+    bench.check("cached vs brute-force decoding")
+    bench.progress("cached vs brute-force decoding")
     print(f"\ncached (CUDA graphs) vs brute-force greedy decoding, random SDAR-{args.shape}, "
           f"3 prompts of 16/21/30 tokens, 48 new tokens each")
     print(table(cache_divergence(args.shape)))

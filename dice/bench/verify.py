@@ -33,10 +33,12 @@ from types import SimpleNamespace
 
 import torch
 
-from dice.cli import ArgumentParser
-from dice.tasks import load_tasks
-from dice.verifier import Verifier
-from dice.verifier.prebuild import BuildPool
+from ..cli import ArgumentParser
+from ..tasks import load_tasks
+from ..verifier import Verifier
+from ..verifier.prebuild import BuildPool
+
+from .common import BenchRun, BudgetSpent, add_run_arguments
 
 BUILDS = {"torch": ("torch",), "fast": ("fast",), "both": ("torch", "fast")}
 
@@ -149,65 +151,56 @@ def variants(n: int, salt: str) -> list[tuple[str, dict]]:
     return out
 
 
-def _row(label: str, n: int, seconds: float, statuses: collections.Counter, judge_busy: float | None = None) -> dict:
-    row = {"mode": label, "kernels": n, "seconds": f"{seconds:.1f}", "kernels/min": f"{60 * n / seconds:.1f}",
-           "judge busy": "-" if judge_busy is None else f"{100 * judge_busy:.0f}%",
-           "verdicts": " ".join(f"{k}={v}" for k, v in sorted(statuses.items()))}
-    print(" | ".join(str(v) for v in row.values()), file=sys.stderr, flush=True)   # a cut-short run still reports
-    return row
+def _row(run, label: str, n: int, results: list, seconds: float, complete: bool, judge_busy: float | None = None) -> dict:
+    """One throughput row: kernels finished per minute of the row's time."""
+    done = [r for r in results if r is not None]
+    statuses = collections.Counter(r.status for r in done)
+    return run.row({"mode": label, "kernels": f"{len(done)}" if complete else f"{len(done)}/{n}",
+                    "seconds": f"{seconds:.1f}", "kernels/min": f"{60 * len(done) / max(seconds, 1e-9):.1f}",
+                    "judge busy": "-" if judge_busy is None else f"{100 * judge_busy:.0f}%",
+                    "verdicts": " ".join(f"{k}={v}" for k, v in sorted(statuses.items()))}, partial=not complete)
 
 
-def _timed_map(verifier: Verifier, pairs: list, **options) -> tuple[float, collections.Counter, float]:
-    """(seconds, verdict counts, fraction of the time each judge was busy answering)."""
-    start, busy = time.perf_counter(), verifier.judge_busy_s
-    results = verifier.map(pairs, **options)
-    seconds = time.perf_counter() - start
-    return seconds, collections.Counter(r.status for r in results), \
-        (verifier.judge_busy_s - busy) / seconds / verifier.judges
+def _map_row(run, verifier: Verifier, label: str, pairs: list, started: float | None = None, **options) -> dict:
+    """Verify `pairs` and add their row; `started`: the row's clock started earlier (a cold pool)."""
+    busy = verifier.judge_busy_s
+    results, seconds, complete = run.verify_map(verifier, pairs, label, **options)
+    total = seconds if started is None else time.perf_counter() - started
+    return _row(run, label, len(pairs), results, total, complete,
+                (verifier.judge_busy_s - busy) / total / verifier.judges)
 
 
-def _print_table(rows: list[dict]) -> None:
-    keys = list(rows[0])
-    widths = [max(len(k), *(len(str(r[k])) for r in rows)) for k in keys]
-    for values in [keys] + [[r[k] for k in keys] for r in rows]:
-        print("  ".join(str(v).ljust(w) for v, w in zip(values, widths)))
-
-
-def bench_verify(args) -> None:
-    """Print kernels verified per minute for each way of verifying (see module docstring)."""
+def bench_verify(args, run) -> None:
+    """Kernels verified per minute for each way of verifying (module docstring), rows in the order
+    of what matters most, so that a budget cuts the least telling ones."""
     workers, n_cupy, n_inline = args.workers, args.kernels, args.inline_kernels
     salt = secrets.token_hex(3)
     scratch = tempfile.mkdtemp(prefix="dice-bench-verify-")
     os.environ["CUPY_CACHE_DIR"] = os.path.join(scratch, "cupy")  # workers inherit it: cold NVRTC
-    cupy_a = [(task, CUPY_CANDIDATE.format(**f)) for task, f in variants(n_cupy, salt + "a")]
-    cupy_b = [(task, CUPY_CANDIDATE.format(**f)) for task, f in variants(n_cupy, salt + "b")]
-    cupy_c = [(task, CUPY_CANDIDATE.format(**f)) for task, f in variants(n_cupy, salt + "c")]
-    cupy_d = [(task, CUPY_CANDIDATE.format(**f)) for task, f in variants(n_cupy, salt + "d")]
-    rows = []
+    cupy = {k: [(task, CUPY_CANDIDATE.format(**f)) for task, f in variants(n_cupy, salt + k)] for k in "abcd"}
     start = time.perf_counter()
     with Verifier(workers=workers, judges=1, cache_dir=os.path.join(scratch, "cache")) as verifier:
-        seconds, statuses, busy = _timed_map(verifier, cupy_a)
-        total = time.perf_counter() - start    # the row includes the pool's start-up
-        rows.append(_row(f"cupy, cold pool ({workers} workers, 1 judge), timing", n_cupy, total, statuses,
-                         busy * seconds / total))
-        rows.append(_row("cupy, warm pool, timing", n_cupy, *_timed_map(verifier, cupy_b)))
-        rows.append(_row("cupy, warm pool, no timing (RL reward)", n_cupy, *_timed_map(verifier, cupy_c, timing=False)))
+        _map_row(run, verifier, f"cupy, cold pool ({workers} workers, 1 judge), timing", cupy["a"], started=start)
+        _map_row(run, verifier, "cupy, warm pool, no timing (RL reward)", cupy["c"], timing=False)
+        _map_row(run, verifier, "cupy, warm pool, timing", cupy["b"])
     for build in BUILDS[args.build] if n_inline else ():
-        rows += _inline_rows(build, workers, n_inline, salt, os.path.join(scratch, f"cache-{build}"))
+        _inline_rows(run, build, workers, n_inline, salt, os.path.join(scratch, f"cache-{build}"))
+    run.check("cupy, 2 judges")
     with Verifier(workers=workers, judges=2, cache_dir=os.path.join(scratch, "cache")) as verifier:
-        _timed_map(verifier, cupy_a, timing=False)   # warm: start-up, and NVRTC from CuPy's disk cache
-        rows.append(_row("cupy, warm pool, no timing, 2 judges", n_cupy, *_timed_map(verifier, cupy_d, timing=False)))
+        run.verify_map(verifier, cupy["a"], "warming the 2-judge pool", timing=False)
+        _map_row(run, verifier, "cupy, warm pool, no timing, 2 judges", cupy["d"], timing=False)
     if n_inline and not args.skip_one_process:
+        label = "load_inline, one process per kernel (KernelBench), timing"
         one_process = [(task, INLINE_CANDIDATE.format(**f)) for task, f in variants(n_inline, salt + "k")]
-        start, statuses = time.perf_counter(), collections.Counter()
+        start, results = time.perf_counter(), []
         for task, candidate in one_process:
+            run.check(f"the rest of {label}" if results else label)
+            run.progress(label, len(results), n_inline)
             done = subprocess.run([sys.executable, "-c", ONE_PROCESS_EVAL], input=json.dumps([task, candidate]),
                                   capture_output=True, text=True, timeout=1800)
             ok = done.returncode == 0 and json.loads(done.stdout.strip().splitlines()[-1])["correct"]
-            statuses["correct" if ok else "failed"] += 1
-        rows.append(_row("load_inline, one process per kernel (KernelBench), timing", n_inline,
-                         time.perf_counter() - start, statuses))
-    _print_table(rows)
+            results.append(SimpleNamespace(status="correct" if ok else "failed"))
+        _row(run, label, n_inline, results, time.perf_counter() - start, len(results) == n_inline)
 
 
 @contextmanager
@@ -225,62 +218,82 @@ def build_way(build: str | None):
             os.environ["DICE_INLINE_BUILD"] = before
 
 
-def _inline_rows(build: str, workers: int, n: int, salt: str, cache_dir: str) -> list[dict]:
+def _inline_rows(run, build: str, workers: int, n: int, salt: str, cache_dir: str) -> None:
     """The load_inline rows for one build way, in a fresh build cache."""
     inline = [(task, INLINE_CANDIDATE.format(**f)) for task, f in variants(n, salt + "i" + build)]
-    rows = []
+    run.check(f"load_inline ({build} build)")
     with build_way(build), Verifier(workers=workers, judges=1, cache_dir=cache_dir) as verifier:
         first = "cold build cache" + (" and precompiled header" if build == "fast" else "")
-        rows.append(_row(f"load_inline ({build} build), warm pool, {first}, timing", n, *_timed_map(verifier, inline)))
-        rows.append(_row(f"load_inline ({build} build), warm pool, warm build cache, timing", n,
-                         *_timed_map(verifier, inline)))
+        _map_row(run, verifier, f"load_inline ({build} build), warm pool, {first}, timing", inline)
+        _map_row(run, verifier, f"load_inline ({build} build), warm pool, warm build cache, timing", inline)
         if build == "fast":
             again = [(task, INLINE_CANDIDATE.format(**f)) for task, f in variants(n, salt + "j")]
-            rows.append(_row("load_inline (fast build), warm pool, cold build cache, timing", n,
-                             *_timed_map(verifier, again)))
+            _map_row(run, verifier, "load_inline (fast build), warm pool, cold build cache, timing", again)
+            label = "load_inline (fast build), BuildPool prebuild then verify, timing"
+            run.check(label)
             prebuilt = [(task, INLINE_CANDIDATE.format(**f)) for task, f in variants(n, salt + "p")]
             start = time.perf_counter()
+            run.progress(f"{label}: prebuilding {n}")
             with BuildPool(cache_dir, timeout_s=900) as pool:
                 reports = [f.result() for f in [pool.submit(candidate) for _, candidate in prebuilt]]
             built = time.perf_counter() - start
-            seconds, statuses, busy = _timed_map(verifier, prebuilt)
-            statuses.update(f"prebuild {r['status']}" for r in reports)
-            rows.append(_row(f"load_inline (fast build), BuildPool prebuild ({built:.0f} s) then verify, timing", n,
-                             built + seconds, statuses, busy * seconds / (built + seconds)))
-    return rows
+            busy = verifier.judge_busy_s
+            results, seconds, complete = run.verify_map(verifier, prebuilt, label)
+            _row(run, f"{label} (prebuild {built:.0f} s; {dict(collections.Counter(r['status'] for r in reports))})",
+                 n, results, built + seconds, complete, (verifier.judge_busy_s - busy) / (built + seconds))
 
 
-def compare_builds(path: str, workers: int, builds: tuple[str, ...], timing: bool = False, limit: int | None = None,
-                   prebuild: bool = False, **verifier_options) -> None:
+def compare_builds(run, path: str, workers: int, builds: tuple[str, ...], timing: bool = False,
+                   limit: int | None = None, prebuild: bool = False, **verifier_options) -> None:
     """Verify the reference solutions of a DICE JSON file once per build way, each in a fresh
-    build cache; print each way's verdicts and throughput, then every solution they disagree on.
+    build cache; print each way's verdicts and throughput, then every solution they disagree on
+    (only solutions every way reached, when the budget cut one short).
     prebuild: build every solution with a BuildPool (one process per core) before verifying."""
     tasks = [t for t in load_tasks(path) if t.solution][:limit]
     if not tasks:
         raise SystemExit(f"{path}: no records with a cuda_code reference solution")
     verdicts = {}
-    for build in builds:
-        with tempfile.TemporaryDirectory(prefix=f"dice-check-{build}-") as cache, build_way(build), \
-                Verifier(workers=workers, cache_dir=cache, **verifier_options) as verifier:
-            start = time.perf_counter()
-            if prebuild:
-                _prebuild_all(cache, [t.solution for t in tasks], build)
-            results = verifier.map([(t.source, t.solution) for t in tasks], timing=timing,
-                                   on_broken_task=lambda i, e: None)
-            seconds = time.perf_counter() - start
-        verdicts[build] = [r.status if r else "task_error" for r in results]
-        statuses = collections.Counter(verdicts[build])
-        print(f"{build} build: {len(tasks)} solutions in {seconds:.0f} s ({60 * len(tasks) / seconds:.1f} kernels/min; "
-              f"{', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))})", flush=True)
-        for t, r in zip(tasks, results):
-            if r is not None and not r.correct:
-                print(f"  - {t.name}: {r.status}: " + "\n      ".join(r.message.splitlines()[:4]), flush=True)
-    if len(builds) > 1:
-        differ = [(t.name, *(verdicts[b][i] for b in builds)) for i, t in enumerate(tasks)
-                  if len({verdicts[b][i] for b in builds}) > 1]
-        print(f"verdicts equal on {len(tasks) - len(differ)}/{len(tasks)} solutions ({' vs '.join(builds)})")
-        for name, *statuses in differ:
-            print(f"  - {name}: " + " vs ".join(statuses))
+    try:
+        for build in builds:
+            run.check(f"the {build} build")
+            with tempfile.TemporaryDirectory(prefix=f"dice-check-{build}-") as cache, build_way(build), \
+                    Verifier(workers=workers, cache_dir=cache, **verifier_options) as verifier:
+                start = time.perf_counter()
+                if prebuild:
+                    _prebuild_all(cache, [t.solution for t in tasks], build)
+                broken = set()
+                results, _, complete = run.verify_map(verifier, [(t.source, t.solution) for t in tasks],
+                                                      f"{build} build", timing=timing,
+                                                      on_broken_task=lambda i, e: broken.add(i))
+                seconds = time.perf_counter() - start
+            verdicts[build] = [r.status if r else "task_error" if i in broken else None for i, r in enumerate(results)]
+            _verdict_row(run, f"{build} build", tasks, results, verdicts[build], seconds, complete)
+    finally:
+        _compare(run, tasks, {b: v for b, v in verdicts.items()})
+
+
+def _verdict_row(run, label: str, tasks: list, results: list, statuses: list, seconds: float, complete: bool) -> None:
+    """A row of verdict counts, and every solution that is not correct with its message."""
+    counts = collections.Counter(s for s in statuses if s is not None)
+    run.row({"way": label, "solutions": len(tasks), "verified": sum(counts.values()), "seconds": f"{seconds:.0f}",
+             "kernels/min": f"{60 * sum(counts.values()) / max(seconds, 1e-9):.1f}",
+             **{k: v for k, v in sorted(counts.items())}}, partial=not complete)
+    for t, r, status in zip(tasks, results, statuses):
+        if status is not None and status != "correct":
+            lines = r.message.splitlines()[:4] if r is not None else []
+            print(f"  - {t.name}: {status}: " + "\n      ".join(lines), flush=True)
+
+
+def _compare(run, tasks: list, verdicts: dict) -> None:
+    if len(verdicts) < 2:
+        return
+    ways = list(verdicts)
+    reached = [i for i in range(len(tasks)) if all(verdicts[b][i] is not None for b in ways)]
+    differ = [i for i in reached if len({verdicts[b][i] for b in ways}) > 1]
+    print(f"verdicts equal on {len(reached) - len(differ)}/{len(reached)} solutions that every way verified "
+          f"({' vs '.join(ways)}; {len(tasks)} in the file)")
+    for i in differ:
+        print(f"  - {tasks[i].name}: " + " vs ".join(verdicts[b][i] for b in ways))
 
 
 def _prebuild_all(cache_dir: str, candidates: list[str], build: str) -> None:
@@ -302,7 +315,7 @@ def _prebuild_all(cache_dir: str, candidates: list[str], build: str) -> None:
         print(f"  torch's build {count}x: {reason[:200]}")
 
 
-def check_reference_solutions(path: str, workers: int, timing: bool = False, limit: int | None = None,
+def check_reference_solutions(run, path: str, workers: int, timing: bool = False, limit: int | None = None,
                               log: str | None = None, **verifier_options) -> None:
     """Verify every reference solution in a DICE JSON file; print the tally and each rejection.
 
@@ -318,48 +331,45 @@ def check_reference_solutions(path: str, workers: int, timing: bool = False, lim
         with open(log) as f:
             earlier = {v["name"]: SimpleNamespace(**v) for v in map(json.loads, filter(str.strip, f))}
     todo = [t for t in tasks if t.name not in earlier]
-    start, done = time.perf_counter(), [len(tasks) - len(todo)]
-    live = sys.stderr.isatty()   # a counter on a terminal; in a log it would glue onto the rejections
-    every = max(1, len(tasks) // 20)
+    start, verdicts = time.perf_counter(), {}
     log_file = open(log, "a") if log else None
 
     def report(i, result):   # rejections are printed as they come, so a cut-short run still reports
-        done[0] += 1
+        verdicts[i] = result
         if log_file:
             log_file.write(json.dumps({"name": todo[i].name, "status": result.status, "message": result.message}) + "\n")
             log_file.flush()
         if not result.correct:
             lines = result.message.splitlines()
-            print(("\r\033[K" if live else "") + f"- {todo[i].name}: {result.status}: " + "\n    ".join(lines[:8]),
-                  flush=True)
-        if live:
-            print(f"\r{done[0]}/{len(tasks)} verified", end="", file=sys.stderr, flush=True)
-        elif done[0] % every == 0:
-            print(f"{done[0]}/{len(tasks)} verified", flush=True)
-
-    broken = {}
+            print(f"- {todo[i].name}: {result.status}: " + "\n    ".join(lines[:8]), flush=True)
+        run.progress("reference solutions", len(verdicts) + len(earlier), len(tasks))
+        if len(verdicts) < len(todo):
+            run.check("the rest of the reference solutions")
 
     def broken_task(i, error):   # the task's own reference fails: reported, not fatal
-        broken[i] = SimpleNamespace(status="task_error", correct=False, message=str(error))
-        report(i, broken[i])
+        report(i, SimpleNamespace(status="task_error", correct=False, message=str(error)))
 
+    run.check("the reference solutions")
     try:
         with Verifier(workers=workers, **verifier_options) as verifier:
             map_start = time.perf_counter()
-            results = verifier.map([(t.source, t.solution) for t in todo], timing=timing, progress=report,
-                                   on_broken_task=broken_task)
+            try:
+                verifier.map([(t.source, t.solution) for t in todo], timing=timing, progress=report,
+                             on_broken_task=broken_task)
+            except BudgetSpent:
+                pass
             # every solution here is a new task, so each judge computes a reference per solution
             judges, busy = verifier.judges, verifier.judge_busy_s / max(time.perf_counter() - map_start, 1e-9)
     finally:
         if log_file:
             log_file.close()
-    results = [broken.get(i, r) for i, r in enumerate(results)] + [earlier[t.name] for t in tasks
-                                                                   if t.name in earlier]
-    if live:
-        print(file=sys.stderr)
+    results = list(verdicts.values()) + [earlier[t.name] for t in tasks if t.name in earlier]
     statuses = collections.Counter(r.status for r in results)
     correct = statuses.get("correct", 0)
     reused = f", {len(tasks) - len(todo)} verdicts from {log}" if len(todo) < len(tasks) else ""
+    run.row({"way": "reference solutions", "solutions": len(tasks), "verified": len(results),
+             "seconds": f"{time.perf_counter() - start:.0f}", **dict(sorted(statuses.items()))},
+            partial=len(results) < len(tasks))
     print(f"{correct}/{len(tasks)} reference solutions verified correct in {time.perf_counter() - start:.0f} s "
           f"({', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))}{reused}); "
           f"{judges} judge{'s' * (judges > 1)} busy {100 * busy / judges:.0f}% of the time")
@@ -382,20 +392,27 @@ def main(argv=None) -> None:
     parser.add_argument("--build", choices=BUILDS, help="how load_inline extensions are built: torch's load_inline, "
                         "the fast split build, or both side by side (default: both for the bench; for --check the "
                         "verifier's default, fast, and both compares the verdicts)")
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
+    if args.check and args.build and args.log:
+        parser.error("--log resumes one run; with --build each way is verified afresh, so leave --log out")
     if not torch.cuda.is_available():
         sys.exit("python -m dice.bench verify needs a CUDA GPU; this machine has none")
-    if args.check and args.build:
-        if args.log:
-            parser.error("--log resumes one run; with --build each way is verified afresh, so leave --log out")
-        compare_builds(args.check, args.workers, BUILDS[args.build], timing=args.timing, limit=args.limit,
-                       prebuild=args.prebuild, judges=args.judges)
-    elif args.check:
-        check_reference_solutions(args.check, args.workers, timing=args.timing, limit=args.limit, log=args.log,
-                                  judges=args.judges)
-    else:
-        args.build = args.build or "both"
-        bench_verify(args)
+    run = BenchRun("verify", args.budget_s, args.out)
+    try:
+        if args.check and args.build:
+            compare_builds(run, args.check, args.workers, BUILDS[args.build], timing=args.timing, limit=args.limit,
+                           prebuild=args.prebuild, judges=args.judges)
+        elif args.check:
+            check_reference_solutions(run, args.check, args.workers, timing=args.timing, limit=args.limit,
+                                      log=args.log, judges=args.judges)
+        else:
+            args.build = args.build or "both"
+            bench_verify(args, run)
+    except BudgetSpent:
+        pass
+    finally:
+        run.finish()
 
 
 if __name__ == "__main__":
