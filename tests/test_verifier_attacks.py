@@ -21,6 +21,7 @@ from dice.verifier.protocol import export_tensor, import_tensor, plain_loads
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
 RELU_TASK = (FIXTURES / "relu_task.py").read_text()
+MEAN_TASK = (FIXTURES / "mean_task.py").read_text()
 GOOD = ("import torch\nimport torch.nn as nn\n\nclass ModelNew(nn.Module):\n"
         "    def forward(self, x):\n        return x.clamp_min(0)\n")
 MATMUL_TASK = """import torch
@@ -406,3 +407,30 @@ def test_an_fp32_task_computed_in_lower_precision_is_incorrect_under_the_strict_
             assert result.status == case[column], (precision, name, result)
         assert results[-1].correct, results[-1]     # within 8x the reference's own error
     assert "incorrect" == cpu_verifier.verify(ROUNDED_TASK, exact, timing=False, atol=1e-4, rel_l2=1e-4, seed=5).status
+
+
+# ---------------------------------------------------------------------------------------------
+# Trials whose structure a candidate cannot count on (issue #34, class 4).
+
+FP16_MEAN_TASK = MEAN_TASK.replace("torch.rand(4096)", "torch.rand(1 << 20).half()")
+INT_TASK = RELU_TASK.replace("def get_inputs():\n    return [torch.randn(256, 1024)]",
+                             "X = torch.randint(0, 100, (256, 1024))\n\n\ndef get_inputs():\n    return [X]").replace(
+    "return torch.relu(x)", "return (x * 3 - 7).float()")
+TRIAL_CASES = {
+    # fp16: the hot trial's fade used to stop at fp16's smallest normal, so the hot element decided little
+    "fp16 mean from the first 1/8": (FP16_MEAN_TASK, _model("return x[: x.numel() // 8].float().mean().half()"),
+                                     "incorrect", "(hot"),
+    # integers drawn once at import were the same in every trial: one recorded output answered them all
+    "replays one output of integer inputs drawn at import": (INT_TASK, _model(
+        "if self.out is None:\n    self.out = (x * 3 - 7).float()\nreturn self.out.clone()", init="self.out = None"),
+        "incorrect", "trial 1"),   # recorded at the warm-up call, whose integers lie elsewhere
+    "full fp16 mean": (FP16_MEAN_TASK, _model("return x.float().mean().half()"), "correct", ""),
+    "integer inputs computed every call": (INT_TASK, _model("return (x * 3 - 7).float()"), "correct", ""),
+}
+
+
+@pytest.mark.slow
+def test_structured_trials_reach_fp16_and_integer_inputs(cpu_verifier):
+    results = cpu_verifier.map([(task, src) for task, src, _, _ in TRIAL_CASES.values()], timing=False, seed=13)
+    for (name, (_, _, status, text)), result in zip(TRIAL_CASES.items(), results):
+        assert result.status in status.split("|") and text in result.message, (name, result)

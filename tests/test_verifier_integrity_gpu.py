@@ -32,6 +32,9 @@ GEMM_RELU_TASK = task("torch.relu(self.linear(x))", "torch.randn(256, 1024)", in
 SORT_TASK = task("torch.sort(x, dim=-1)[0]", "torch.randn(64, 1024)")
 CONV_RELU_TASK = task("torch.relu(self.linear(x))", "torch.randn(8, 8, 32, 32)", init="channels",
                       init_inputs="[8]").replace("nn.Linear(channels, channels)", "nn.Conv2d(channels, 16, 3)")
+FP16_MEAN_TASK = task("x.mean()", "torch.rand(1 << 20).half()")
+INT_TASK = task("(x * 3 - 7).float()", "X").replace(
+    "\n\nclass Model", "\nX = torch.randint(0, 100, (256, 1024))\n\n\nclass Model", 1)
 ROWS_TASK = task("x.mean(0, keepdim=True).relu().repeat(x.shape[0], 1)", "torch.randn(256, 1024)")
 FIXED_TASK = task("torch.relu(x) * 2", "X").replace("\n\nclass Model", "\nX = torch.randn(256, 1024)\n\n\nclass Model", 1)
 
@@ -96,6 +99,10 @@ extern "C" __global__ void sort_rows_1024(const float* x, float* y) {
 extern "C" __global__ void bias_relu_nchw(float* y, const float* b, long long n, long long hw, long long c) {
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < n) { float v = y[i] + b[(i / hw) % c]; y[i] = v > 0.0f ? v : 0.0f; }
+}
+extern "C" __global__ void affine_int(const long long* x, float* y, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = (float)(x[i] * 3 - 7);
 }
 extern "C" __global__ void spin(long long cycles) {
     long long start = clock64();
@@ -207,6 +214,14 @@ ATTACKS = {
     "a TF32 GEMM in an fp32 task": (GEMM_RELU_TASK, TF32_GEMM, "incorrect"),
     "an fp16 GEMM in an fp32 task": (GEMM_RELU_TASK, candidate(
         "y = (x.half() @ self.weight.half().t()).float()\n" + BIAS_RELU, init=GEMM_INIT), "incorrect"),
+    # structured trials on fp16 and integer inputs (issue #34, class 4)
+    "fp16 mean from the first 1/8 of the elements": (FP16_MEAN_TASK, candidate(
+        "t = torch.zeros(1, device=x.device)\nf = x.float()\nlaunch('prefix_mean', x.numel() // 8, f.data_ptr(), t.data_ptr(), "
+        "cp.int64(x.numel()), cp.int64(8))\nreturn t.reshape(()).half()"), "incorrect"),
+    "replays one output of integer inputs drawn at import": (INT_TASK, candidate(
+        "if self.out is None:\n    self.out = torch.empty(x.shape, device=x.device)\n"
+        "    launch('affine_int', x.numel(), x.data_ptr(), self.out.data_ptr(), cp.int64(x.numel()))\n"
+        "return self.out.clone()", init="self.out = None"), "incorrect"),
     # timing attacks: skip work when timed
     "skips work under a timing function on the stack or in a capture": (RELU_TASK, candidate(
         "import sys\nf, timed = sys._getframe(1), torch.cuda.is_current_stream_capturing()\n"
@@ -310,6 +325,12 @@ HONEST = {
         "launch('relu', x.numel(), x.data_ptr(), self.work.data_ptr(), cp.int64(x.numel()))\nreturn self.work.clone()",
         init="self.work = None")),
     "a kernel on its own stream joined properly": (RELU_TASK, candidate(SIDE_RELU + JOIN + "return y")),
+    "a full fp16 mean": (FP16_MEAN_TASK, candidate(
+        "t = torch.zeros(1, device=x.device)\nf = x.float()\nlaunch('prefix_mean', x.numel(), f.data_ptr(), t.data_ptr(), "
+        "cp.int64(x.numel()), cp.int64(1))\nreturn t.reshape(()).half()")),
+    "integer inputs computed every call": (INT_TASK, candidate(
+        "y = torch.empty(x.shape, device=x.device)\nlaunch('affine_int', x.numel(), x.data_ptr(), y.data_ptr(), "
+        "cp.int64(x.numel()))\nreturn y")),
     "the row repeated into a full output": (ROWS_TASK, candidate(OWN_ROW + "return row.repeat(x.shape[0], 1)")),
     "reduction (MSE)": (MSE_TASK, candidate(
         "t = torch.zeros(1, device=x.device)\nlaunch('sq_err_mean', x.numel(), x.data_ptr(), t.data_ptr(), "

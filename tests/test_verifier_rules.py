@@ -215,7 +215,11 @@ def test_trial_inputs_are_structured_deterministically_and_stay_in_the_domain():
     iid = structured([x, idx], "iid", 3)
     assert torch.equal(iid[0], structured([x, idx], "iid", 3)[0]) and not torch.equal(iid[0], structured([x], "iid", 4)[0])
     ratio = iid[0] / x
-    assert ratio.min() >= 1 - JITTER and ratio.max() <= 1 + JITTER and torch.equal(iid[1], idx)
+    assert ratio.min() >= 1 - JITTER and ratio.max() <= 1 + JITTER
+    # integers keep their values in new places, another order each trial (a task drawing them at
+    # import cannot be answered by one recorded output)
+    assert torch.equal(iid[1].sort().values, idx.sort().values) and not torch.equal(iid[1], idx)
+    assert not torch.equal(structured([x, idx], "hot", 3)[1], iid[1])
     hot = structured([x], "hot", 3)[0]
     kept = hot == x
     assert int(kept.sum()) == 1 and torch.allclose(hot[~kept], x[~kept] * HOT_FADE / x.numel())
@@ -240,7 +244,10 @@ def test_a_statistic_from_a_subsample_fails_the_hot_and_spiked_trials():
                   "fixed random": lambda v: v[..., perm[: v.shape[-1] // 8] % v.shape[-1]]}
     for seed in range(60):
         g = torch.Generator().manual_seed(seed)
-        for x in (torch.rand(1 << 16, generator=g), torch.randn(64, 1024, generator=g), torch.rand(4096, generator=g).half()):
+        tensors = [torch.rand(1 << 16, generator=g), torch.randn(64, 1024, generator=g), torch.rand(4096, generator=g).half()]
+        if seed < 10:    # fp16 past 64 elements: a sparse fade (below its smallest normal)
+            tensors.append(torch.rand(1 << 20, generator=g).half())
+        for x in tensors:
             hot = structured([x], "hot", seed)[0].float()
             for name, sub in subsamples.items():
                 expected, got = hot.mean(-1, keepdim=True), sub(hot).mean(-1, keepdim=True)
@@ -251,6 +258,16 @@ def test_a_statistic_from_a_subsample_fails_the_hot_and_spiked_trials():
         d = spiked - 0.5
         passed += compare_outputs([(d * d).mean().reshape(1)], [(d[::8] ** 2).mean().reshape(1)], 1e-2, 1e-2) is None
     assert passed <= 20     # ~3% per spiked trial; two such trials per candidate
+
+
+def test_fp16_hot_trials_fade_sparsely_where_scaling_would_underflow():
+    """2^-8 / 2^20 is far below fp16's smallest normal: a few faded elements at it, the rest zero,
+    so the hot element still holds ~256 times the rest of the sum."""
+    x = torch.rand(1 << 20, generator=torch.Generator().manual_seed(0)).half()
+    hot = structured([x], "hot", 7)[0].float()
+    nonzero = int((hot != 0).sum())
+    assert 1 < nonzero < 300 and hot.max() > 0.5
+    assert hot.max() / (hot.sum() - hot.max()) > 64
 
 
 def test_the_speedup_interval_narrows_with_agreeing_rounds():
