@@ -228,7 +228,7 @@ def test_an_instance_attribute_over_a_handler_method_is_caught(cpu_verifier):
 def test_malformed_replies_are_invalid_and_never_crash_the_caller(cpu_verifier, forged, text):
     # the harness snapshot would catch these: switch it off (below the names it checks) to test
     # the parent's own check of what it reads
-    candidate = (GOOD + FIND_HANDLER + "snapshot = type(handler).__init__.__globals__['HarnessSnapshot']\n"
+    candidate = (GOOD + FIND_HANDLER + "from dice.verifier.guard import HarnessSnapshot as snapshot\n"
                  "snapshot.changed.__code__ = (lambda self: []).__code__\n" + forged + "\n")
     results = cpu_verifier.map([(RELU_TASK, candidate), (RELU_TASK, GOOD)])
     assert results[0].status == "invalid" and text in results[0].message, results[0]
@@ -434,3 +434,78 @@ def test_structured_trials_reach_fp16_and_integer_inputs(cpu_verifier):
     results = cpu_verifier.map([(task, src) for task, src, _, _ in TRIAL_CASES.values()], timing=False, seed=13)
     for (name, (_, _, status, text)), result in zip(TRIAL_CASES.items(), results):
         assert result.status in status.split("|") and text in result.message, (name, result)
+
+
+# ---------------------------------------------------------------------------------------------
+# A harness candidate Python cannot reach (issue #34, class 5).
+
+FIND_TIMER = ("import sys\nf = sys._getframe()\nwhile f is not None and type(f.f_locals.get('self')).__name__ != 'Timer':\n"
+              "    f = f.f_back\n")
+HARNESS_CASES = {   # name: (candidate, verdict, text), verified without timing
+    "an interpreter profile hook": (_model("import sys\nsys.setprofile(lambda *a: None)\nreturn x.clamp_min(0)"),
+                                    "runtime_error", "refuses sys.setprofile"),
+    "a walk of the gc's objects": (_model("import gc\ngc.get_objects()\nreturn x.clamp_min(0)"),
+                                   "runtime_error", "refuses gc.get_objects"),
+    # refused silently (as Python does when a hook refuses one): were it added, it would shift the output
+    "an audit hook of its own": (_model("import sys\nif not self.seen:\n    sys.addaudithook(lambda *a: self.seen.append(1))\n"
+                                        "    sys.addaudithook(lambda *a: None)\nreturn x.clamp_min(0) + len(self.seen)",
+                                        init="self.seen = []"), "correct", ""),
+    "collections.Counter replaced": (_model("import collections\ncollections.Counter = dict\nreturn x.clamp_min(0)"),
+                                     "invalid", "collections.Counter"),
+    "a builtin replaced": (_model("import builtins\nbuiltins.max = min\nreturn x.clamp_min(0)"), "invalid", "builtins.max"),
+    "a gc callback": (_model("import gc\ngc.callbacks.append(lambda *a: None)\nreturn x.clamp_min(0)"),
+                      "invalid", "gc callbacks"),
+    "a signal handler": (_model("import signal\nsignal.signal(signal.SIGALRM, lambda *a: None)\nreturn x.clamp_min(0)"),
+                         "invalid", "signal handlers"),
+    "a torch function mode left on": (_model(
+        "from torch.overrides import TorchFunctionMode\nTorchFunctionMode().__enter__()\nreturn x.clamp_min(0)"),
+        "invalid", "torch function modes"),
+    "a _thread thread left running": (_model(
+        "import _thread, time\n_thread.start_new_thread(time.sleep, (30,))\nreturn x.clamp_min(0)"),
+        "invalid", "started with _thread"),
+    "a helper process left running": (_model(
+        "import subprocess\nself.p = subprocess.Popen(['sleep', '30'])\nreturn x.clamp_min(0)"),
+        "invalid", "left processes running"),
+}
+TIMED_HARNESS_CASES = {   # verified with timing: none may be correct
+    "the timer's block method replaced": _model(
+        "import dice.verifier.timing as t\nt.Timer.block = lambda self, *a, **k: {'times': (1e-6,), 'checked': (), "
+        "'records': None}\nreturn x.clamp_min(0)"),
+    "the timer's L2 flush buffer replaced": _model(FIND_TIMER + "if f is not None:\n    f.f_locals['self'].flush = "
+                                                   "torch.empty(1, dtype=torch.uint8)\nreturn x.clamp_min(0)"),
+    # skips work when timed and empties the list of checked calls on the timing loop's stack
+    "the list of checked calls emptied": _model(
+        "import sys\nf = sys._getframe(1)\nwhile f is not None and 'checked' not in f.f_locals:\n    f = f.f_back\n"
+        "if f is None:\n    return x.clamp_min(0)\ntry:\n    f.f_locals['checked'].clear()\nexcept AttributeError:\n"
+        "    pass\nreturn torch.zeros_like(x)"),
+    # skips work, then writes the right values into the copies the harness keeps of checked calls
+    "checked copies rewritten": _model(
+        FIND_TIMER + "import sys\ng = sys._getframe(1)\nwhile g is not None and 'checked' not in g.f_locals:\n"
+        "    g = g.f_back\nif g is None:\n    return x.clamp_min(0)\nfrom dice.verifier.harness import timed_inputs\n"
+        "timer = f.f_locals['self']\nfor k, copies, _ in g.f_locals['checked']:\n"
+        "    copies[0].copy_(timed_inputs(timer.pristine, timer.seed, k, timer.inputs)[0].clamp_min(0))\n"
+        "return torch.zeros_like(x)"),
+}
+
+
+@pytest.mark.slow
+def test_candidate_python_cannot_reach_the_harness(cpu_verifier):
+    results = cpu_verifier.map([(RELU_TASK, src) for src, _, _ in HARNESS_CASES.values()], timing=False, trials=2)
+    for (name, (_, status, text)), result in zip(HARNESS_CASES.items(), results):
+        assert result.status == status and text in result.message, (name, result)
+    timed = cpu_verifier.map([(RELU_TASK, src) for src in TIMED_HARNESS_CASES.values()], trials=2)
+    for name, result in zip(TIMED_HARNESS_CASES, timed):
+        assert not result.correct, (name, result)
+    assert cpu_verifier.verify(RELU_TASK, GOOD, trials=2).correct        # later candidates are served as usual
+
+
+@pytest.mark.slow
+def test_a_native_thread_left_after_unload_ends_its_worker(cpu_verifier):
+    native = _model("import ctypes, time\nif not hasattr(ctypes, 'kept'):\n"
+                    "    ctypes.kept = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(lambda arg: time.sleep(60))\n"
+                    "    ctypes.CDLL(None).pthread_create(ctypes.byref(ctypes.c_ulong()), None, ctypes.kept, None)\n"
+                    "return x.clamp_min(0)")
+    keepers = {w._process.pid for w in cpu_verifier._workers}
+    cpu_verifier.verify(RELU_TASK, native, timing=False, trials=1)
+    assert {w._process.pid for w in cpu_verifier._workers} != keepers      # its worker was replaced
+    assert cpu_verifier.verify(RELU_TASK, GOOD, timing=False, trials=1).correct

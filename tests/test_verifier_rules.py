@@ -13,8 +13,7 @@ from dice.verifier.kernels import entry_symbols, qualified_from_mangled, qualifi
 from dice.verifier.speedup import estimate, stable
 from dice.verifier import VerifyOptions
 from dice.verifier.precision import own_error, tolerances
-from dice.verifier.records import activity, busy_ns, split_marker
-from dice.verifier.timing import MIN_MS, call_spans
+from dice.verifier.records import MIN_MS, activity, busy_ns, call_windows, split_marker
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
 GEMM_A = "sm90_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x32_warpgroupsize1x1x1_execute_segment_k_off"
@@ -107,15 +106,18 @@ def test_timed_calls_must_keep_the_gpu_busy_as_long_as_the_checked_trials():
 
 def test_eager_call_times_are_spans_between_markers_on_the_gpus_records():
     m = "spin_kernel(long)"
-    # ns: call 1 runs two kernels on two streams (100-300, 150-400), call 2 one kernel (1000-1100);
-    # the harness's fill (50-90) and a checked output's copy (600-650) lie outside the markers
-    timeline = [(50, 90, "fill"), (95, 96, m), (100, 300, "a"), (150, 400, "b"), (500, 501, m),
-                (600, 650, "copy"), (900, 901, m), (1000, 1100, "a"), (1200, 1201, m)]
-    assert call_spans(timeline, m, 2) == pytest.approx((300e-6, 100e-6))
+    # records [name, start_ns, end_ns]: call 1 runs two kernels on two streams (100-300, 150-400),
+    # call 2 one kernel (1000-1100); the harness's fill (50-90), a checked output's copy (600-650)
+    # and a finalizer's kernel between the calls (700-800) lie outside the windows: not timed, no work
+    records = [["fill", 50, 90], [m, 95, 96], ["a", 100, 300], ["b", 150, 400], [m, 500, 501],
+               ["copy", 600, 650], ["late", 700, 800], [m, 900, 901], ["a", 1000, 1100], [m, 1200, 1201]]
+    times, inside = call_windows(records, m, 2)
+    assert times == pytest.approx((300e-6, 100e-6))
+    assert inside["kernels"] == {"a": 2, "b": 1} and inside["busy_ms"] == pytest.approx(400e-6)
     # a call that ran nothing still has a positive time; a forward that launches markers is refused
-    assert call_spans([(0, 1, m), (5, 6, m)], m, 1) == (MIN_MS,)
-    with pytest.raises(RuntimeError, match="extra timing markers"):
-        call_spans(timeline + [(1300, 1301, m)], m, 2)
+    assert call_windows([[m, 0, 1], [m, 5, 6]], m, 1)[0] == (MIN_MS,)
+    with pytest.raises(ValueError, match="extra timing markers"):
+        call_windows(records + [[m, 1300, 1301]], m, 2)
 
 
 def test_work_still_running_when_forward_returned_is_found_from_the_marker():

@@ -69,6 +69,10 @@ trusted = types.SimpleNamespace(
 )
 
 
+class HarnessTampered(RuntimeError):
+    """Raised by the harness when it finds its own state changed by candidate code (`invalid`)."""
+
+
 def trusted_intact(_frozen: tuple = tuple(vars(trusted).items())) -> bool:
     """Whether every function in `trusted` is still the one captured at import (checked right
     before a timing loop binds them to locals: a wrapper that puts the original back once it has

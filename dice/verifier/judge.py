@@ -10,6 +10,7 @@ comparison nor the baseline.
 from __future__ import annotations
 
 import copy
+import time
 import types
 from collections import OrderedDict
 
@@ -19,10 +20,14 @@ from torch import nn
 from .checks import aliased_outputs, compare_outputs, fingerprint, flatten, modified_inputs, trusted
 from .harness import (build_model, cuda_context_broken, describe_exception, init_device, load_task, make_inputs,
                       nbytes, timed_inputs, trial_inputs)
-from .kernels import gpu_activity
+from . import records
+from .kernels import gpu_activity, marker_name
 from .precision import in_float64, is_exact_float, loosest, math_flags, own_error, tolerances
 from .protocol import import_tensor
 from .timing import Timer
+
+
+IDLE_MS = 0.5     # a lone marker kernel takes a few us on an idle GPU; a time slice of another context, ms
 
 
 class JudgeHandler:
@@ -84,6 +89,9 @@ class JudgeHandler:
             got = [import_tensor(data) for data in request["outputs"]]
             errors = self.task_errors.get((request["task_key"], request["init_seed"], request["precision"]))
             mismatch = compare_outputs(expected, got, per_output=self._tolerances(request, expected, errors))
+            if [fingerprint(t) for t in got] != request["fingerprints"]:
+                mismatch = ("the copies of its outputs changed after the call was checked (candidate code rewrote "
+                            "the harness's copies)")
         except Exception as exc:
             return self._failed("runtime_error", f"comparing the outputs failed: {describe_exception(exc)}")
         del got
@@ -97,7 +105,7 @@ class JudgeHandler:
             model = self._model(task, request["task_key"], request["init_seed"])
             pristine = make_inputs(task, request["seed"], self.device)
             self.timer = Timer(model, pristine, request["seed"], self.device, request["method"], request["inputs"])
-            activity = self.timer.profile() if self.cuda else None
+            activity = records.activity(self.timer.profile()) if self.cuda else None
             probe = self.timer.block(-10, 1, 0.0, profiled=False)
         except Exception as exc:
             return self._failed("task_error", describe_exception(exc, "task.py"))
@@ -107,9 +115,29 @@ class JudgeHandler:
         try:
             math_flags(request["precision"])
             block = self.timer.block(request["first"], request["calls"], 0.0)   # profiled as the candidate's are
+            times = (block["times"] if block["records"] is None else
+                     records.call_windows(block["records"], marker_name(), request["calls"])[0])
         except Exception as exc:
             return self._failed("task_error", describe_exception(exc, "task.py"))
-        return {"status": "ok", "times": [float(t) for t in block["times"]]}
+        return {"status": "ok", "times": [float(t) for t in times], "busy": not self._gpu_idle()}
+
+    def _gpu_idle(self, tries: int = 50) -> bool:
+        """Whether a marker kernel runs at once (within IDLE_MS between CUDA events), asked after a
+        baseline block while the candidate's worker is stopped: another context still running
+        work (a kernel the candidate left, a helper process) makes it wait for the GPU's time
+        slice. Retried for ~0.5 s; always True on a CPU."""
+        if not self.cuda:
+            return True
+        for _ in range(tries):
+            start, end = trusted.Event(enable_timing=True), trusted.Event(enable_timing=True)
+            trusted.event_record(start)
+            trusted.marker(0)
+            trusted.event_record(end)
+            trusted.cuda_synchronize(self.device)
+            if trusted.event_elapsed_time(start, end) < IDLE_MS:
+                return True
+            time.sleep(0.01)
+        return False
 
     @staticmethod
     def _tolerances(request: dict, outputs: list, errors: list | None) -> list:

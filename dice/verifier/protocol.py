@@ -89,10 +89,9 @@ def malformed_reply(op: str, reply: dict) -> str | None:
 
     Replies with status "ok": run -> outputs, second (list of bytes or None), records (raw CUPTI
     records, `kernels.gpu_records`, or None on a CPU), own, mutated, stale and reused (ints), aliased
-    ([int, int] pairs); time_prepare -> method, activity, own, ms; time_block -> times (ms),
-    checked ([call, outputs] pairs), activity. `activity` is None (CPU) or {"kernels": {name:
-    launches}, "dtoh": int, "htod": int, "busy_ms": float, "excluded": names}
-    (`records.activity`); `own` None or a list of names."""
+    ([int, int] pairs); time_prepare -> method, records, own, ms; time_block -> times (ms),
+    checked ([call, outputs, fingerprints]), records (None for a graph or a CPU); `own` None or a list
+    of names."""
     status, message = reply.get("status"), reply.get("message", "")
     if status not in (*STATUSES, "ok") or not isinstance(message, str):
         return f"has status {str(status)[:40]!r}"
@@ -102,12 +101,12 @@ def malformed_reply(op: str, reply: dict) -> str | None:
         "run": lambda r: (_byte_list(r.get("outputs")) and (r.get("second") is None or _byte_list(r["second"]))
                           and _records(r.get("records")) and _names(r.get("own")) and _ints(r.get("mutated"))
                           and _ints(r.get("stale")) and _pairs(r.get("aliased")) and _ints(r.get("reused"))),
-        "time_prepare": lambda r: (r.get("method") in ("graph", "eager") and _activity(r.get("activity"))
+        "time_prepare": lambda r: (r.get("method") in ("graph", "eager") and _records(r.get("records"))
                                    and _names(r.get("own")) and _times([r.get("ms")])),
-        "time_block": lambda r: (isinstance(r.get("times"), list) and _times(r["times"]) and _activity(r.get("activity"))
+        "time_block": lambda r: (isinstance(r.get("times"), list) and _times(r["times"]) and _records(r.get("records"))
                                  and isinstance(r.get("checked"), list)
-                                 and all(isinstance(c, list) and len(c) == 2 and type(c[0]) is int and _byte_list(c[1])
-                                         for c in r["checked"])),
+                                 and all(isinstance(c, list) and len(c) == 3 and type(c[0]) is int and _byte_list(c[1])
+                                         and isinstance(c[2], list) for c in r["checked"])),
     }
     if op in fields and not fields[op](reply):
         return "has fields of the wrong types or times that are not positive and finite"
@@ -132,14 +131,6 @@ def _names(x) -> bool:
 
 def _times(x) -> bool:
     return len(x) > 0 and all(type(t) is float and math.isfinite(t) and t > 0 for t in x)
-
-
-def _activity(x) -> bool:
-    return x is None or (isinstance(x, dict) and isinstance(x.get("kernels"), dict)
-                         and all(isinstance(k, str) and type(n) is int for k, n in x["kernels"].items())
-                         and type(x.get("dtoh")) is int and type(x.get("htod")) is int
-                         and type(x.get("busy_ms")) is float and math.isfinite(x["busy_ms"]) and x["busy_ms"] >= 0
-                         and _names(x.get("excluded")) and x["excluded"] is not None)
 
 
 def _records(x) -> bool:

@@ -19,6 +19,7 @@ import collections
 
 COPY_PREFIXES = {"dtoh": "Memcpy DtoH", "htod": "Memcpy HtoD"}
 JOIN_SLACK_NS = 2_000   # CUPTI stamps of two streams may differ by this much for work that was joined
+MIN_MS = 1e-4           # a call that ran nothing on the GPU still gets a positive time
 
 
 def is_kernel(name: str) -> bool:
@@ -70,3 +71,26 @@ def split_marker(records: list, marker: str) -> tuple[list, str | None]:
         return rest, (f"{late[0][:80]} was still running after forward returned: work launched on "
                       "another stream must be joined to torch's current stream before forward returns")
     return rest, None
+
+
+def call_windows(records: list, marker: str, calls: int) -> tuple[tuple, dict]:
+    """(each eager timed call's time in ms, the activity of what ran inside the calls) from a
+    block's records. Call i's window runs from its first marker to its second (the device is
+    synchronized before the second, so the window holds all the call's work, on every stream);
+    its time is the span from the first start to the last end of the kernels, copies and memsets
+    that started inside. What ran between windows (the harness's new inputs and L2 flush, and
+    anything a finalizer or hook of the candidate launched there) is neither timed nor counted.
+    Raises ValueError when forward launched markers itself."""
+    ordered = sorted(records, key=lambda r: r[1])
+    markers = [start for name, start, _ in ordered if name == marker]
+    if len(markers) != 2 * calls:
+        raise ValueError(f"the timed calls launched {len(markers) - 2 * calls} extra timing markers "
+                         "(torch.cuda._sleep); forward must not launch them")
+    times, inside = [], []
+    for i in range(calls):
+        low, high = markers[2 * i], markers[2 * i + 1]
+        mine = [r for r in ordered if low <= r[1] < high and r[0] != marker]
+        span = (max(r[2] for r in mine) - min(r[1] for r in mine)) / 1e6 if mine else 0.0
+        times.append(max(span, MIN_MS))
+        inside += mine
+    return tuple(times), activity(inside)

@@ -5,9 +5,9 @@ facts, so a candidate's behaviour is only ever judged against what its task's re
 """
 from __future__ import annotations
 
-from .checks import kernel_problem
+from .checks import kernel_problem, timed_kernel_problem, timed_work_problem
 from .kernels import qualified_name
-from .records import activity, split_marker
+from .records import activity, call_windows, split_marker
 from .results import VerifyOptions, VerifyResult
 
 PROFILER_BROKEN = ("the CUDA profiler in the verifier's worker records no kernels (CUPTI unavailable?), or the CuPy "
@@ -73,3 +73,22 @@ def kernel_verdict(forward: dict | None, own, reference_activity: dict | None, o
         raise RuntimeError(PROFILER_BROKEN)
     return kernel_problem(forward["kernels"], set(own or ()), reference_activity["kernels"],
                           forward, reference_activity, qualified_name, opts.rules)
+
+
+def timed_block_verdict(reply: dict, marker: str, calls: int, trials: list[dict], reference_activity: dict | None,
+                        own, opts: VerifyOptions) -> tuple[list, str | None]:
+    """(the block's times in ms, why its calls broke a rule or None) for a worker's time_block
+    reply: an eager GPU block is timed from its raw records (`records.call_windows`) and must run
+    the trials' work (`checks.timed_work_problem`) and, under the strict rule, no library compute
+    beyond `calls` forwards of the reference; a graph's or a CPU's times are the worker's."""
+    if reply["records"] is None:
+        return reply["times"], None
+    try:
+        times, inside = call_windows(reply["records"], marker, calls)
+    except ValueError as exc:
+        return [], str(exc)
+    problem = timed_work_problem(inside, calls, trials)
+    if problem is None and reference_activity is not None and opts.rules == "strict":
+        problem = timed_kernel_problem(inside["kernels"], set(own or ()), reference_activity["kernels"], calls,
+                                       qualified_name)
+    return list(times), problem

@@ -54,16 +54,16 @@ from typing import Callable, Iterable
 import torch
 
 from ..tasks import check_task_source
-from .checks import timed_kernel_problem, timed_work_problem
+from .checks import timed_work_problem
 from .harness import trial_kinds
-from .kernels import qualified_name
 from .prebuild import BuildPool
 from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, close_all, describe_exit, log_summary
 from .protocol import malformed_reply
+from .records import activity
 from .results import TaskError, VerifyOptions, VerifyResult, static_check, trial_seeds
 from .speedup import BUDGET_S, CHECKS_PER_BLOCK, PLAUSIBLE, Timing, paired_rounds
 from .timing import calls_per_block
-from .verdicts import kernel_verdict, trial_verdict
+from .verdicts import kernel_verdict, timed_block_verdict, trial_verdict
 
 MAX_TASKS_REMEMBERED = 4096   # tasks whose trial kinds are kept (an RL run sees far fewer at a time)
 
@@ -278,9 +278,6 @@ class Verifier:
             return self._failed(judged, compiled=True, where=where)
         return trial_verdict(where, ran, judged, history, opts, worker.info.get("marker", ""))
 
-    def _kernel_problem(self, ran: dict, reference_activity: dict | None, opts: VerifyOptions) -> str | None:
-        return kernel_verdict(ran["activity"], ran["own"], reference_activity, opts)
-
     def _timing(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, clock: _Clock,
                 opts: VerifyOptions, trials: list[dict], inputs: str) -> Timing | VerifyResult:
         """The paired timing (`speedup`) under the exclusive GPU lock; a verdict if it fails.
@@ -297,22 +294,35 @@ class Verifier:
                 base = self._judge_call({"op": "baseline_prepare", **base_request, "method": method})
                 if prep["method"] == base["method"] == method:
                     break
-            problem = self._kernel_problem(prep, base["activity"], opts) or (
-                prep["activity"] and timed_work_problem(prep["activity"], 1, trials))
+            timed_activity = activity(prep["records"]) if prep["records"] is not None else None
+            problem = kernel_verdict(timed_activity, prep["own"], base["activity"], opts) or (
+                timed_activity and timed_work_problem(timed_activity, 1, trials))
             if problem:
                 return VerifyResult("invalid", compiled=True, message=f"timed calls: {problem}")
             calls = calls_per_block(max(prep["ms"], base["ms"]))
 
-            def baseline_block(first, n):
-                return self._judge_call({"op": "baseline_block", **base_request, "first": first, "calls": n})["times"]
+            def baseline_block(first, n):   # the candidate's worker stopped meanwhile (`WorkerProcess.pause`)
+                worker.pause()
+                try:
+                    reply = self._judge_call({"op": "baseline_block", **base_request, "first": first, "calls": n})
+                finally:
+                    worker.resume()
+                if reply["busy"]:
+                    return VerifyResult("invalid", compiled=True, message=(
+                        "the GPU stayed busy while the baseline was timed with the candidate's worker stopped: "
+                        "work the candidate left running (a native thread, a helper process)"))
+                return reply["times"]
 
             def candidate_block(first, n):
                 reply = self._ask(worker, {"op": "time_block", "first": first, "calls": n,
                                            "check": min(1.0, CHECKS_PER_BLOCK / n)}, clock, "timing forward")
                 if reply["status"] != "ok":
                     return self._failed(reply, compiled=True, where="timing")
-                return (self._check_timed(reply, base_request, base["activity"], opts, prep["own"] or [], n, trials)
-                        or reply["times"])
+                times, problem = timed_block_verdict(reply, worker.info.get("marker", ""), n, trials,
+                                                     base["activity"], prep["own"], opts)
+                if problem:
+                    return VerifyResult("invalid", compiled=True, message=f"timing: {problem}")
+                return self._check_timed(reply, base_request, opts) or times
 
             timed = paired_rounds(baseline_block, candidate_block, calls, self.timing_budget_s)
         if not isinstance(timed, Timing):
@@ -320,21 +330,11 @@ class Verifier:
         timed.method = base["method"]
         return timed
 
-    def _check_timed(self, reply: dict, base_request: dict, reference_activity, opts: VerifyOptions, own: list,
-                     calls: int, trials: list[dict]) -> VerifyResult | None:
-        """A verdict when an eager timed block broke the kernel rule, ran less work than the
-        trials, or a checked call's outputs are wrong, else None (a graph's kernels were checked
-        once, in `_timing`)."""
-        if reply["activity"] is not None:
-            problem = timed_work_problem(reply["activity"], calls, trials)
-            if problem is None and reference_activity is not None and opts.rules == "strict":
-                problem = timed_kernel_problem(reply["activity"]["kernels"], set(own), reference_activity["kernels"],
-                                               calls, qualified_name)
-            if problem:
-                return VerifyResult("invalid", compiled=True, message=f"timing: {problem}")
-        for call, outputs in reply["checked"]:
+    def _check_timed(self, reply: dict, base_request: dict, opts: VerifyOptions) -> VerifyResult | None:
+        """A verdict when a checked timed call's outputs are wrong, else None."""
+        for call, outputs, prints in reply["checked"]:
             judged = self._judge_call({"op": "compare_timed", **base_request, "call": call, "outputs": outputs,
-                                       **opts.tolerance()},
+                                       "fingerprints": prints, **opts.tolerance()},
                                       candidate_outputs=True)
             if judged["status"] != "ok":
                 return self._failed(judged, compiled=True, where=f"timed call {call}")

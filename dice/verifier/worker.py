@@ -14,30 +14,28 @@ OS sandbox (README, limits). A candidate can never make the judge accept outputs
 """
 from __future__ import annotations
 
+import _thread
 import faulthandler
 import gc
 import multiprocessing.connection
 import os
-import pickle
 import resource
-import statistics
 import sys
 import threading
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from . import build, checks, harness as harness_module, judge, kernels, protocol, timing
+from . import build, checks, guard, harness as harness_module, judge, kernels, protocol, records, timing
 from .build import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
-from .checks import aliased_outputs, flatten, modified_inputs, replaced_functions, same_bits, trusted
+from .checks import HarnessTampered, aliased_outputs, flatten, modified_inputs, same_bits, trusted
 from .harness import (build_model, cuda_context_broken, describe_exception, init_device, load_module, load_task,
                       make_inputs, rewritten_in_place, trial_inputs)
 from .judge import JudgeHandler
-from .precision import math_flags
 from .keeper import kill_tree, reap, set_child_subreaper
 from .kernels import CompiledKernels, gpu_activity, gpu_records, marker_name
+from .precision import math_flags
 from .protocol import export_tensor
 from .timing import Timer
 
@@ -57,9 +55,13 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
     faulthandler.enable()  # a segfault leaves a Python traceback in the log for the parent to quote
     handler = CandidateHandler(config) if role == "candidate" else JudgeHandler(config)
     # bound now: a candidate that later replaces HarnessSnapshot.changed does not reach this call
-    harness_changed = HarnessSnapshot(handler).changed if role == "candidate" else list
+    harness_changed = list
+    if role == "candidate":
+        modules = (sys.modules[__name__], build, checks, guard, harness_module, judge, kernels, protocol, records,
+                   timing)
+        harness_changed = guard.HarnessSnapshot(handler, modules, guard.install()).changed
     send = multiprocessing.connection.Connection.send
-    send(conn, handler.info)
+    send(conn, {**handler.info, "pid": os.getpid()})
     while True:
         try:
             request = conn.recv()
@@ -76,47 +78,10 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
         if changed:
             reply = {"status": "invalid", "recycle": True, "message": f"the candidate replaced "
                      f"{', '.join(changed[:5])} in the verifier's worker; candidates must not modify the harness"}
+        elif role == "candidate" and guard.live_children():
+            reply = {"status": "invalid", "recycle": True, "message": "the candidate left processes running; all "
+                     "work must finish inside forward, in the worker's own process"}
         send(conn, reply)
-
-
-class HarnessSnapshot:
-    """What a candidate worker's replies and later candidates depend on, captured before any
-    candidate code runs: every name in the harness modules, the handler class (and no instance
-    attribute shadowing its methods), `trusted`, the pipe and the pickler, and the functions of
-    torch's main namespaces (a candidate that patched torch.Tensor.clamp_min would change the next
-    candidate's results). `changed()` names those a candidate has since replaced or deleted."""
-
-    def __init__(self, handler: object):
-        self.handler = handler   # an instance attribute named like a method would shadow it
-        modules = (sys.modules[__name__], build, checks, harness_module, judge, kernels, protocol, timing)
-        harness = {module.__name__: module for module in modules}
-        harness.update({"CandidateHandler": CandidateHandler, "checks.trusted": trusted, "statistics": statistics,
-                        "Connection": multiprocessing.connection.Connection, "ForkingPickler": ForkingPickler,
-                        "pickle": pickle})
-        torch_spaces = {"torch": torch, "torch.Tensor": torch.Tensor, "torch.nn.functional": torch.nn.functional,
-                        "torch.nn.Module": nn.Module}
-        self.harness, self.torch_spaces = harness, torch_spaces
-        self.objects = {(label, name): value for label, space in harness.items() for name, value in vars(space).items()}
-        for label, space in torch_spaces.items():   # dir(): methods a class inherits (Tensor's live in C)
-            for name in dir(space):
-                value = getattr(space, name, None)
-                if callable(value):
-                    self.objects[label, name] = value
-
-    def changed(self) -> list[str]:
-        missing = object()
-        changed = []
-        for (label, name), value in self.objects.items():
-            if label in self.harness:
-                now = vars(self.harness[label]).get(name, missing)
-            else:
-                now = getattr(self.torch_spaces[label], name, missing)
-            if now is not value and now != value:   # `!=`: a classmethod is a new bound method each time
-                changed.append(f"{label}.{name}")
-        methods = vars(type(self.handler))
-        changed += [f"the handler's {name}" for name in vars(self.handler) if name in methods]
-        changed += [name for name in replaced_functions() if name not in changed]   # checks.WATCHED
-        return changed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,12 +109,16 @@ class CandidateHandler:
                      "profiler_works": profiler_works, "provenance_works": not self.cuda or self.compiled.hooked,
                      "marker": marker_name() if self.cuda else ""}
         self.flags = _global_flags()
+        torch.ones(1 << 18).sum(), torch.ones(64, 64) @ torch.ones(64, 64)   # torch's CPU thread pools start now
         self.threads = set(threading.enumerate())  # the harness's own; any other is a candidate's
+        self.thread_count = _thread._count()
+        self.native = guard.native_threads()      # the process's threads before a candidate loads
 
     def load(self, request: dict) -> dict:
         """Import the task and the candidate and build ModelNew."""
         if self.task is not None:  # the previous candidate was not unloaded (its worker kept running)
             self._drop_candidate()
+        self.native = guard.native_threads()   # lazily started library threads belong to the harness
         self.task = load_task(request["task_src"], "dice_task")
         math_flags(request["precision"])   # before the candidate's import: what it sets itself is its own
         self.builds.install()  # again: an earlier candidate may have replaced load_inline
@@ -235,12 +204,12 @@ class CandidateHandler:
         try:
             pristine = make_inputs(self.task, request["seed"], self.device)
             self.timer = Timer(self.model, pristine, request["seed"], self.device, request["method"], request["inputs"])
-            activity = self.timer.profile() if self.cuda else None
+            found = self.timer.profile() if self.cuda else None
             probe = self.timer.block(-10, 1, 0.0, profiled=False)
         except Exception as exc:
             return self._finish(self._run_error(exc, "forward (while timing)"))
         return self._finish(self._threads_left("forward (while timing)") or {
-            "status": "ok", "method": self.timer.method, "activity": activity,
+            "status": "ok", "method": self.timer.method, "records": found,
             "own": sorted(self.compiled.names()) if self.cuda else None, "ms": float(probe["times"][0])})
 
     def time_block(self, request: dict) -> dict:
@@ -249,14 +218,17 @@ class CandidateHandler:
             block = self.timer.block(request["first"], request["calls"], request["check"])
         except Exception as exc:
             return self._finish(self._run_error(exc, "forward (while timing)"))
-        checked = [[k, self._ship(outputs)] for k, outputs in block["checked"]]
+        checked = [[k, self._ship(list(outputs)), [list(p) for p in prints]] for k, outputs, prints in block["checked"]]
         return self._finish(self._threads_left("forward (while timing)") or {
             "status": "ok", "times": [float(t) for t in block["times"]], "checked": checked,
-            "activity": block["activity"]})
+            "records": block["records"]})
 
     def unload(self, request: dict) -> dict:
+        """Drop the candidate; a native thread it started that still runs ends this worker
+        (`recycle`), so it cannot reach the next candidate (a sibling of the same RL group)."""
         self._drop_candidate()
-        return {"status": "ok"}
+        left = guard.native_threads() - self.native
+        return {"status": "ok", "recycle": bool(left)}
 
     def _forward(self, inputs: list, seed: int, marked: bool = False) -> list:
         trusted.manual_seed(seed)
@@ -288,6 +260,8 @@ class CandidateHandler:
         """The verdict when candidate code left threads running (they outlive the candidate, so
         the worker is replaced), else None."""
         started = [t.name for t in threading.enumerate() if t not in self.threads and t.is_alive()]
+        if _thread._count() > self.thread_count:   # also threads started with _thread.start_new_thread
+            started.append(f"{_thread._count() - self.thread_count} started with _thread")
         if not started:
             return None
         return {"status": "invalid", "recycle": True, "message": f"{where} left background threads running "
@@ -307,6 +281,9 @@ class CandidateHandler:
     def _run_error(self, exc: Exception, what: str) -> dict:
         if is_nvrtc_error(exc) or isinstance(exc, BuildError):  # CuPy compiles lazily, at first launch
             return self._load_error(exc)
+        if isinstance(exc, HarnessTampered):
+            return {"status": "invalid", "recycle": True, "message": f"{what}: {exc}; candidates must not modify "
+                    "the harness"}
         return {"status": "runtime_error", "message": f"{what} raised {describe_exception(exc)}"}
 
     def _finish(self, reply: dict) -> dict:
