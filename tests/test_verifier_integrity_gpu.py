@@ -35,6 +35,12 @@ CONV_RELU_TASK = task("torch.relu(self.linear(x))", "torch.randn(8, 8, 32, 32)",
 FP16_MEAN_TASK = task("x.mean()", "torch.rand(1 << 20).half()")
 INT_TASK = task("(x * 3 - 7).float()", "X").replace(
     "\n\nclass Model", "\nX = torch.randint(0, 100, (256, 1024))\n\n\nclass Model", 1)
+MANUAL_SOFTMAX_TASK = task("torch.exp(x - x.amax(-1, keepdim=True)) / torch.exp(x - x.amax(-1, keepdim=True))"
+                           ".sum(-1, keepdim=True)", "torch.randn(64, 512)")
+SQUARES_TASK = task("(x * x).sum()", "torch.randn(1 << 20)")
+ATTENTION_TASK = task("torch.softmax(x @ x.transpose(-1, -2) / 8.0, -1) @ x", "torch.randn(8, 256, 64)")
+FLIP_TASK = task("torch.flip(x, [1])", "torch.randn(256, 1024)")
+TRIL_TASK = task("torch.tril(x)", "torch.randn(64, 64)")
 ROWS_TASK = task("x.mean(0, keepdim=True).relu().repeat(x.shape[0], 1)", "torch.randn(256, 1024)")
 FIXED_TASK = task("torch.relu(x) * 2", "X").replace("\n\nclass Model", "\nX = torch.randn(256, 1024)\n\n\nclass Model", 1)
 
@@ -103,6 +109,17 @@ extern "C" __global__ void bias_relu_nchw(float* y, const float* b, long long n,
 extern "C" __global__ void affine_int(const long long* x, float* y, long long n) {
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < n) y[i] = (float)(x[i] * 3 - 7);
+}
+extern "C" __global__ void softmax_warp_forward(float* y) { }
+extern "C" __global__ void dot_kernel(float* y) { }
+extern "C" __global__ void reduce_1Block_kernel(float* y) { }
+extern "C" __global__ void flip_cols(const float* x, float* y, long long rows, long long cols) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < rows * cols) { long long r = i / cols, c = i % cols; y[i] = x[r * cols + (cols - 1 - c)]; }
+}
+extern "C" __global__ void relu_from(const float* x, float* y, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i];
 }
 extern "C" __global__ void spin(long long cycles) {
     long long start = clock64();
@@ -222,6 +239,23 @@ ATTACKS = {
         "if self.out is None:\n    self.out = torch.empty(x.shape, device=x.device)\n"
         "    launch('affine_int', x.numel(), x.data_ptr(), self.out.data_ptr(), cp.int64(x.numel()))\n"
         "return self.out.clone()", init="self.out = None"), "incorrect"),
+    # library compute counted as own or as bookkeeping (issue #34, class 3)
+    "an unused kernel named like torch's softmax kernel": (MANUAL_SOFTMAX_TASK, candidate(
+        "noop(x)\nreturn torch.softmax(x, -1)"), "invalid"),
+    "unused kernels named like cuBLAS's dot kernels": (SQUARES_TASK, candidate("noop(x)\nreturn torch.dot(x, x)"),
+                                                       "invalid"),
+    "a fused attention kernel taken for the GEMM": (ATTENTION_TASK, candidate(
+        "noop(x)\nreturn torch.nn.functional.scaled_dot_product_attention(x, x, x, scale=1 / 8.0)"), "invalid"),
+    "a cuBLASLt epilogue doing the task's activation": (GEMM_RELU_TASK, candidate(
+        "noop(x)\nreturn torch._addmm_activation(self.bias, x, self.weight.t())", init=GEMM_INIT), "invalid"),
+    "a flip redone by CuPy's copy of a reversed view": (FLIP_TASK, candidate(
+        "noop(x)\nreturn torch.as_tensor(cp.ascontiguousarray(cp.asarray(x)[:, ::-1]), device=x.device)"), "invalid"),
+    "a lower triangle redone by fills": (TRIL_TASK, candidate(
+        "noop(x)\ny = x.clone()\nfor i in range(x.shape[0] - 1):\n    y[i, i + 1:].fill_(0)\nreturn y"), "invalid"),
+    "a host computation read back through mapped memory": (RELU_TASK, candidate(
+        "host = torch.empty(x.shape, pin_memory=True)\nhost.copy_(x.cpu().clamp_min(0))\n"
+        "mapped = cp.cuda.runtime.hostGetDevicePointer(host.data_ptr(), 0)\ny = torch.empty_like(x)\n"
+        "launch('relu_from', x.numel(), mapped, y.data_ptr(), cp.int64(x.numel()))\nreturn y"), "invalid"),
     # timing attacks: skip work when timed
     "skips work under a timing function on the stack or in a capture": (RELU_TASK, candidate(
         "import sys\nf, timed = sys._getframe(1), torch.cuda.is_current_stream_capturing()\n"
@@ -260,6 +294,32 @@ TIMING_ATTACKS = {
     "leaves a long all-SM kernel running after each call": candidate(
         OWN_RELU.replace("return y", "import threading\nthreading.Thread(target=torch.cuda._sleep, "
                          "args=(20_000_000,)).start()\nreturn y")),
+    # issue #34, class 5: the harness out of the candidate's reach
+    "shrinks the timer's L2 flush buffer (a warm cache)": candidate(
+        "import sys\nf = sys._getframe(1)\nwhile f is not None and type(f.f_locals.get('self')).__name__ != 'Timer':\n"
+        "    f = f.f_back\nif f is not None:\n    f.f_locals['self'].flush = torch.empty(1, dtype=torch.uint8, "
+        "device=x.device)\n" + OWN_RELU),
+    "pays the work check with padding on eight parallel streams": candidate(
+        "import sys\ntimed = any('_calls' == sys._getframe(k).f_code.co_name for k in range(1, 6))\n"
+        "if timed and self.last is not None:\n    streams = [torch.cuda.Stream() for _ in range(8)]\n"
+        "    for s in streams:\n        s.wait_stream(torch.cuda.current_stream())\n"
+        "        launch('spin', 1, cp.int64(25_000), grid=(1,), block=1, stream=s)\n"
+        "    for s in streams:\n        torch.cuda.current_stream().wait_stream(s)\n    return self.last\n"
+        "launch('spin', 1, cp.int64(200_000), grid=(1,), block=1)\n" + OWN_RELU.replace("return y", "self.last = y\nreturn y"),
+        init="self.last = None"),
+    "pays the work check from a finalizer between timed calls": candidate(
+        "import sys, weakref\ntimed = any('_calls' == sys._getframe(k).f_code.co_name for k in range(1, 6))\n"
+        "if timed and self.last is not None:\n"
+        "    weakref.finalize(x, launch, 'spin', 1, cp.int64(200_000), grid=(1,), block=1)\n    return self.last\n"
+        "launch('spin', 1, cp.int64(200_000), grid=(1,), block=1)\n" + OWN_RELU.replace("return y", "self.last = y\nreturn y"),
+        init="self.last = None"),
+    "a native thread keeps the GPU busy while the baseline is timed": candidate(
+        "import ctypes, time\nif not hasattr(ctypes, 'dice_hog'):\n"
+        "    def hog(arg):\n        side = torch.cuda.Stream()\n        while True:\n"
+        "            launch('spin', 1, cp.int64(50_000_000), grid=(132,), block=1, stream=side)\n"
+        "            time.sleep(0.02)\n"
+        "    ctypes.dice_hog = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(hog)\n"
+        "    ctypes.CDLL(None).pthread_create(ctypes.byref(ctypes.c_ulong()), None, ctypes.dice_hog, None)\n" + OWN_RELU),
     "skips its kernel on every other timed call": candidate(
         EAGER_ONLY + "import sys\nself.calls += 1\ntimed = any('_calls' == sys._getframe(k).f_code.co_name "
         "for k in range(1, 6))\nif timed and self.calls % 2:\n    return self.last\n" + OWN_RELU.replace(
@@ -325,6 +385,9 @@ HONEST = {
         "launch('relu', x.numel(), x.data_ptr(), self.work.data_ptr(), cp.int64(x.numel()))\nreturn self.work.clone()",
         init="self.work = None")),
     "a kernel on its own stream joined properly": (RELU_TASK, candidate(SIDE_RELU + JOIN + "return y")),
+    "an own flip": (FLIP_TASK, candidate(
+        "y = torch.empty_like(x)\nlaunch('flip_cols', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.shape[0]), "
+        "cp.int64(x.shape[1]))\nreturn y")),
     "a full fp16 mean": (FP16_MEAN_TASK, candidate(
         "t = torch.zeros(1, device=x.device)\nf = x.float()\nlaunch('prefix_mean', x.numel(), f.data_ptr(), t.data_ptr(), "
         "cp.int64(x.numel()), cp.int64(1))\nreturn t.reshape(()).half()")),

@@ -1,6 +1,8 @@
 """The verifier's decisions on recorded data (DESIGN.md §8): the kernel rule on hand-made kernel
 lists, own kernels read from machine code, the tolerance that atol cannot hide, the structured
 trial inputs, and (with pure-PyTorch candidates on the CPU) the cheats those trials catch."""
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 from dice.verifier.checks import (compare_outputs, kernel_problem, relative_error, timed_kernel_problem,
                                   timed_work_problem)
 from dice.verifier.harness import HOT_FADE, JITTER, SPIKE, SPIKE_EVERY, structured, timed_inputs, trial_kinds
-from dice.verifier.kernels import entry_symbols, qualified_from_mangled, qualified_name
+from dice.verifier.kernels import entry_symbols, library_kernel_names, qualified_from_mangled, qualified_name
 from dice.verifier.speedup import estimate, stable
 from dice.verifier import VerifyOptions
 from dice.verifier.precision import own_error, tolerances
@@ -80,6 +82,61 @@ def test_host_round_trips_are_invalid_unless_the_reference_makes_them():
     assert "host" in problem({"noop": 1}, {"noop"}, {RELU: 1}, copies=host)
     assert problem({"noop": 1}, {"noop"}, {RELU: 1}, copies=host, reference_copies={"dtoh": 1, "htod": 0}) is None
     assert problem({"noop": 1}, {"noop"}, {RELU: 1}, copies={"dtoh": 0, "htod": 1}) is None   # constants uploaded
+
+
+def test_library_compute_is_classified_from_what_the_reference_launches():
+    softmax = "void (anonymous namespace)::softmax_warp_forward<float, float, float, 10, false, false>(float*)"
+    sdpa = "fmha_cutlassF_f32_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<float>::Params)"
+    # a fused attention kernel is no GEMM, though its name holds "cutlass": library compute of its own
+    assert "library compute" in problem({"noop": 1, sdpa: 1}, {"noop"}, {GEMM_A: 2, softmax: 1})
+    # a cuBLASLt epilogue doing the task's bias and activation: not the reference's plain GEMM
+    lt_relu = "nvjet_tst_128x64_64x4_1x2_h_bz_bias_relu_TNT"
+    assert "library compute" in problem({"noop": 1, lt_relu: 1}, {"noop"}, {GEMM_A: 1, ADD: 1, RELU: 1})
+    # a plain GEMM where the reference's GEMM adds the bias is the reference's (nn.Linear kept)
+    lt_bias = "sm90_xmma_gemm_f32f32_f32f32_f32_tn_n_bias_tilesize128x128x32"
+    assert problem({GEMM_B: 1, "bias_relu": 1}, {"bias_relu"}, {lt_bias: 1, RELU: 1}) is None
+    # a reference step redone by a library copy (a flip as CuPy's copy of a reversed view) or by fills
+    flip = "void at::native::(anonymous namespace)::flip_kernel<float>(float*)"
+    assert "decoy" in problem({"noop": 1, "cupy_copy__float32_float32": 1}, {"noop"}, {flip: 1})
+    masked = "void at::native::masked_fill_kernel<float>(float*)"
+    assert "decoy" in problem({"noop": 1, FILL: 4, softmax: 1}, {"noop"}, {masked: 1, softmax: 1})
+    # honest: an own flip; an own gather into a zeroed output; an own masked softmax with a zeroed buffer
+    assert problem({"own_flip": 1}, {"own_flip"}, {flip: 1}) is None
+    gather = "void at::native::index_elementwise_kernel<128, 4, gather_lambda>(int)"
+    assert problem({"own_gather": 1, FILL: 1}, {"own_gather"}, {gather: 1}) is None
+    assert problem({"own": 1, FILL: 1}, {"own"}, {masked: 1, softmax: 1}) is None
+    # a host computation read back without a host-to-device copy (mapped memory)
+    assert "host" in problem({"own": 1}, {"own"}, {RELU: 1}, copies={"dtoh": 1, "htod": 0})
+
+
+def test_a_kernel_named_like_a_library_kernel_is_not_the_candidates_own():
+    """The name a kernel launch shows is all CUPTI gives; a compiled kernel that shares it with
+    torch or a CUDA library is refused, as is one the reference launches."""
+    from dice.verifier.results import VerifyOptions
+    from dice.verifier.verdicts import kernel_verdict
+    softmax = "void (anonymous namespace)::softmax_warp_forward<float, float, float, 10, false, false>(float*)"
+    forward = {"kernels": {softmax: 1}, "dtoh": 0, "htod": 0, "busy_ms": 0.01}
+    reference = {"kernels": {"exp_kernel": 1, "sum_kernel": 1, "div_kernel": 1}, "dtoh": 0, "htod": 0}
+    assert kernel_verdict(forward, ["softmax_warp_forward"], reference, VerifyOptions()) is None   # unknown: own
+    refused = kernel_verdict(forward, ["softmax_warp_forward"], reference, VerifyOptions(),
+                             frozenset({"softmax_warp_forward"}))
+    assert "name of a kernel in torch" in refused
+
+
+needs_cxx = pytest.mark.skipif(not shutil.which("c++"), reason="needs a C++ compiler")
+
+
+@needs_cxx
+def test_library_kernel_names_are_read_from_a_librarys_read_only_data(tmp_path):
+    """nvcc registers each kernel by its mangled name, a string literal: a host library built
+    here with such strings (and other text) gives their qualified names, and nothing else."""
+    (tmp_path / "lib.cpp").write_text(
+        'extern "C" const char* names[] = {"_ZN12_GLOBAL__N_120softmax_warp_forwardIfEEvPf", "_Z10dot_kernelPf",\n'
+        '    "_ZN2at6native13reduce_kernelEv", "plain text, not a name"};\n')
+    subprocess.run(["c++", "-shared", "-fPIC", "-O0", "-o", str(tmp_path / "libfake.so"), str(tmp_path / "lib.cpp")],
+                   check=True)
+    names = library_kernel_names([tmp_path / "libfake.so", tmp_path / "lib.cpp", tmp_path / "missing.so"])
+    assert names == {"softmax_warp_forward", "dot_kernel", "at::native::reduce_kernel"}
 
 
 def test_timed_calls_obey_the_rule_per_call():

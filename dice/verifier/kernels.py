@@ -23,6 +23,9 @@ import os
 import re
 import struct
 import tempfile
+from pathlib import Path
+
+import torch
 
 from . import records
 from .checks import is_library_name, trusted
@@ -152,6 +155,61 @@ def _cuda_elf_entries(data: bytes, off: int) -> list[str]:
         return names
     except (struct.error, IndexError, ValueError):
         return []
+
+
+MANGLED = re.compile(rb"_Z[A-Za-z0-9_]{4,}")
+
+
+def library_kernel_names(paths) -> frozenset[str]:
+    """Qualified names of the kernels the shared libraries at `paths` hold (torch, cuBLAS, cuDNN):
+    nvcc's host code registers every kernel by its mangled name, a string in the library's
+    read-only data, so the names are read there (the device code itself is often a compressed
+    fatbin). A candidate's kernel with one of these names is not its own: a launch of it may be
+    the library's (PyTorch's anonymous-namespace kernels reduce to bare names)."""
+    names = set()
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                for data in _read_only_sections(f):
+                    names.update(qualified_from_mangled(m.decode()) for m in MANGLED.findall(data))
+        except OSError:
+            continue
+    names.discard("")
+    return frozenset(names)
+
+
+def _read_only_sections(f) -> list[bytes]:
+    """The `.rodata*` sections of a little-endian ELF64 file (nothing for anything else)."""
+    head = f.read(64)
+    if len(head) < 64 or not head.startswith(b"\x7fELF") or head[4] != 2 or head[5] != 1:
+        return []
+    shoff, = struct.unpack_from("<Q", head, 0x28)
+    entsize, count, names_at = struct.unpack_from("<HHH", head, 0x3A)
+    f.seek(shoff)
+    table = f.read(entsize * count)
+    sections = [struct.unpack_from("<IIQQQQ", table, k * entsize) for k in range(count) if (k + 1) * entsize <= len(table)]
+    if names_at >= len(sections):
+        return []
+    f.seek(sections[names_at][4])
+    strings = f.read(sections[names_at][5])
+    found = []
+    for name_at, kind, _, _, offset, size in sections:
+        name = strings[name_at:strings.find(b"\0", name_at)]
+        if name.startswith(b".rodata") and kind != 8:      # 8: SHT_NOBITS
+            f.seek(offset)
+            found.append(f.read(size))
+    return found
+
+
+def default_library_paths() -> list[str]:
+    """torch's own shared libraries and those of the CUDA wheels beside it (nvidia/*/lib)."""
+    roots = [Path(torch.__file__).parent / "lib"]
+    try:
+        import nvidia
+        roots += [Path(p) / name / "lib" for p in nvidia.__path__ for name in os.listdir(p)]
+    except (ImportError, OSError):
+        pass
+    return sorted(str(f) for root in roots if root.is_dir() for f in root.iterdir() if ".so" in f.name)
 
 
 class CompiledKernels:

@@ -25,16 +25,17 @@ def trial_activity(ran: dict, marker: str) -> tuple[dict | None, str | None]:
 
 
 def trial_verdict(where: str, ran: dict, judged: dict, history: list, opts: VerifyOptions,
-                  marker: str) -> VerifyResult | None:
+                  marker: str, library: frozenset = frozenset()) -> VerifyResult | None:
     """The verdict of one trial when it fails, else None; appends the trial to `history`
-    ([(reference fingerprints, candidate fingerprints, activity)], the earlier trials)."""
+    ([(reference fingerprints, candidate fingerprints, activity)], the earlier trials).
+    `library`: kernel names torch and the CUDA libraries hold (`kernels.library_kernel_names`)."""
     def invalid(message):
         return VerifyResult("invalid", compiled=True, message=message)
 
     forward, unfinished = trial_activity(ran, marker)
     if unfinished:
         return invalid(f"{where}: {unfinished}")
-    problem = kernel_verdict(forward, ran["own"], judged["reference_activity"], opts)
+    problem = kernel_verdict(forward, ran["own"], judged["reference_activity"], opts, library)
     if problem:
         return invalid(f"{where}: {problem}")
     mutated = sorted(set(ran["mutated"]) - set(judged["reference_mutated"]))
@@ -65,18 +66,27 @@ def trial_verdict(where: str, ran: dict, judged: dict, history: list, opts: Veri
     return None
 
 
-def kernel_verdict(forward: dict | None, own, reference_activity: dict | None, opts: VerifyOptions) -> str | None:
-    """`checks.kernel_problem` on a profiled forward (None on a CPU, where nothing is profiled)."""
+def kernel_verdict(forward: dict | None, own, reference_activity: dict | None, opts: VerifyOptions,
+                   library: frozenset = frozenset()) -> str | None:
+    """`checks.kernel_problem` on a profiled forward (None on a CPU, where nothing is profiled).
+    A compiled name that a library holds too is not the candidate's own (a collision is refused:
+    its launches may be the library's kernel)."""
     if forward is None or reference_activity is None:
         return None
     if not forward["kernels"] and not reference_activity["kernels"]:
         raise RuntimeError(PROFILER_BROKEN)
-    return kernel_problem(forward["kernels"], set(own or ()), reference_activity["kernels"],
-                          forward, reference_activity, qualified_name, opts.rules)
+    collided = set(own or ()) & library
+    problem = kernel_problem(forward["kernels"], set(own or ()) - collided, reference_activity["kernels"],
+                             forward, reference_activity, qualified_name, opts.rules)
+    shared = sorted(collided & {qualified_name(k) for k in forward["kernels"]})
+    if problem and shared and problem.startswith("none of the kernels"):
+        return (f"the candidate's kernel {shared[0][:80]} has the name of a kernel in torch or a CUDA library, so its "
+                "launches may be the library's; give the candidate's kernels their own names")
+    return problem
 
 
 def timed_block_verdict(reply: dict, marker: str, calls: int, trials: list[dict], reference_activity: dict | None,
-                        own, opts: VerifyOptions) -> tuple[list, str | None]:
+                        own, opts: VerifyOptions, library: frozenset = frozenset()) -> tuple[list, str | None]:
     """(the block's times in ms, why its calls broke a rule or None) for a worker's time_block
     reply: an eager GPU block is timed from its raw records (`records.call_windows`) and must run
     the trials' work (`checks.timed_work_problem`) and, under the strict rule, no library compute
@@ -89,6 +99,6 @@ def timed_block_verdict(reply: dict, marker: str, calls: int, trials: list[dict]
         return [], str(exc)
     problem = timed_work_problem(inside, calls, trials)
     if problem is None and reference_activity is not None and opts.rules == "strict":
-        problem = timed_kernel_problem(inside["kernels"], set(own or ()), reference_activity["kernels"], calls,
-                                       qualified_name)
+        problem = timed_kernel_problem(inside["kernels"], set(own or ()) - library, reference_activity["kernels"],
+                                       calls, qualified_name)
     return list(times), problem

@@ -56,6 +56,7 @@ import torch
 from ..tasks import check_task_source
 from .checks import timed_work_problem
 from .harness import trial_kinds
+from .kernels import default_library_paths, library_kernel_names
 from .prebuild import BuildPool
 from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, close_all, describe_exit, log_summary
 from .protocol import malformed_reply
@@ -122,6 +123,8 @@ class Verifier:
         self._seed_base = secrets.randbits(31)
         self._kinds: dict[tuple, list[str]] = {}   # (task, seeds) -> trial kinds its reference takes
         # load_inline candidates are built on the CPUs ahead of the GPU workers, which then load them
+        # kernel names torch and the CUDA libraries hold, read in the background (`library_kernel_names`)
+        self._library = ThreadPoolExecutor(1).submit(library_kernel_names, default_library_paths()) if self.cuda else None
         self._prebuild = (BuildPool(self.cache_dir, build=build or os.environ.get("DICE_INLINE_BUILD") or "fast")
                           if prebuild and self.cuda else None)
 
@@ -276,7 +279,7 @@ class Verifier:
                                       candidate_outputs=True)
         if judged["status"] != "ok":
             return self._failed(judged, compiled=True, where=where)
-        return trial_verdict(where, ran, judged, history, opts, worker.info.get("marker", ""))
+        return trial_verdict(where, ran, judged, history, opts, worker.info.get("marker", ""), self._library_names())
 
     def _timing(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, clock: _Clock,
                 opts: VerifyOptions, trials: list[dict], inputs: str) -> Timing | VerifyResult:
@@ -295,7 +298,7 @@ class Verifier:
                 if prep["method"] == base["method"] == method:
                     break
             timed_activity = activity(prep["records"]) if prep["records"] is not None else None
-            problem = kernel_verdict(timed_activity, prep["own"], base["activity"], opts) or (
+            problem = kernel_verdict(timed_activity, prep["own"], base["activity"], opts, self._library_names()) or (
                 timed_activity and timed_work_problem(timed_activity, 1, trials))
             if problem:
                 return VerifyResult("invalid", compiled=True, message=f"timed calls: {problem}")
@@ -319,7 +322,7 @@ class Verifier:
                 if reply["status"] != "ok":
                     return self._failed(reply, compiled=True, where="timing")
                 times, problem = timed_block_verdict(reply, worker.info.get("marker", ""), n, trials,
-                                                     base["activity"], prep["own"], opts)
+                                                     base["activity"], prep["own"], opts, self._library_names())
                 if problem:
                     return VerifyResult("invalid", compiled=True, message=f"timing: {problem}")
                 return self._check_timed(reply, base_request, opts) or times
@@ -391,6 +394,9 @@ class Verifier:
         if reply["status"] != "ok" and not candidate_outputs:
             raise RuntimeError(reply["message"])
         return reply
+
+    def _library_names(self) -> frozenset:
+        return self._library.result() if self._library is not None else frozenset()
 
     def _judge_of(self, task_key: str) -> WorkerProcess:
         return self._judges[int(task_key[:8], 16) % len(self._judges)]
