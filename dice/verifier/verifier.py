@@ -20,14 +20,18 @@ Stages, first failure wins:
    warm-up forward;
 3. `trials` correctness trials, each with its own seed and input structure (`harness`; a
    structure the task's own reference cannot take falls back, `_trial_kinds`), every one under
-   the profiler (trial 1 calls forward twice). Invalid: the kernels break `checks.kernel_problem`
-   under `rules`, inputs modified or aliased, outputs changed after the stream was done, threads
-   left running, an output equal to an earlier trial's while the references differ, verifier
-   functions replaced. Incorrect: `checks.compare_outputs` fails on any trial or repeated call;
+   the profiler (trial 1 calls forward twice), the inputs written into the previous call's
+   tensors. Invalid (`verdicts.trial_verdict`): the kernels break `checks.kernel_problem` under
+   `rules`, inputs modified or aliased, an output in an earlier call's memory or changed by a
+   later call, work still running after forward returned, threads or processes left running, an
+   output equal to an earlier trial's while the references differ, the harness changed
+   (`guard`). Incorrect: `checks.compare_outputs` fails at the `precision` rule's tolerances on
+   any trial or repeated call;
 4. timing (if `timing`), the GPU lock held exclusively: `timing.Timer` in the worker and in the
    judge (CUDA graphs when both capture faithfully, else eager calls timed from the GPU's own
-   records), paired blocks until the speedup is stable (`speedup`); the timed kernels obey the
-   same rule and a secret sample of the timed calls is compared with the reference.
+   records, shipped raw: `records`), paired blocks until the speedup is stable (`speedup`), the
+   candidate's worker stopped while its baseline runs; the timed kernels obey the same rule and a
+   secret sample of the timed calls is compared with the reference.
 Crashes and CUDA faults give runtime_error, hangs timeout; only that worker is replaced (the judge
 too, when a task's own reference faults: its task gets a TaskError, later tasks a sound judge).
 

@@ -7,8 +7,9 @@ trusted and runs only task code (`judge.JudgeHandler`). What crosses the pipes i
 
 Trust: the harness calls torch through `checks.trusted` (captured before any candidate code
 runs). The candidate worker reports `invalid` (and is recycled) when a candidate replaced one of
-`checks.WATCHED` or any function of the harness itself (`HarnessSnapshot`), or left threads
-running. Each worker leads its own process group, so a kill also ends what a candidate started
+`checks.WATCHED` or any function of the harness itself, the interpreter's callbacks
+(`guard.HarnessSnapshot`; an audit hook refuses the interpreter's profile and trace hooks), or
+left threads or processes running; GPU records leave it raw (`records`). Each worker leads its own process group, so a kill also ends what a candidate started
 (compilers, subprocesses). Workers are a boundary against crashes, hangs and reward hacks, not an
 OS sandbox (README, limits). A candidate can never make the judge accept outputs it did not produce.
 """
