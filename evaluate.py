@@ -8,18 +8,19 @@ Tasks: a KernelBench folder (level*/NN_Name.py), one task .py, or a DICE JSON fi
 1); `--solutions DIR` reads `DIR/<task name>.py` (or every .py in `DIR/<task name>/`);
 `--solutions reference` takes the JSON records' own `cuda_code`; `--save-solutions DIR` keeps
 what `--model` generated in that layout, so it can be verified again without generating. Prints
-and writes per-level compiled %, correct %, fast_0/1/2, geometric-mean speedup and pass@k.
+and writes per-level compiled %, correct %, fast_p, geometric-mean speedup and pass@k.
 
 `--infill` is DICE's kernel-infilling evaluation: tasks must carry a prefix/middle/suffix split
 (DICE .json), the prompt shows the skeleton (prefix and suffix around a gap), and a program that
 does not keep the skeleton is `invalid` without being run, as the infill RL phase scores it 0.
 
-`--protocol dice` generates as DICE's published KernelBench numbers were (its
-`training/RL/configs/rl_sdar_kernel_*.yaml` evaluation block): one greedy sample per task, static
-low-confidence remasking, 4,096 new tokens, blocks of 4 with 4 denoising steps each. DICE's greedy
-is top_k=1 at temperature 1, whose confidence after the top-k filter is always 1, so static
-remasking unmasks left to right; ours is temperature 0 with the softmax confidence (DESIGN.md §5),
-so the order follows the model's confidence.
+`--protocol dice` generates and judges as DICE's published KernelBench numbers were (one sample
+decoded as DICE's greedy, top_k 1 at temperature 1 with the confidence after the filter, so static
+remasking unmasks left to right, in float16 with 4,096 tokens; allclose 1e-2, no kernel rule beyond
+one own kernel, 300 s; a task whose reference fails counts as a failure; fast_p at 0 ... 2), and
+`--protocol kernelbench` judges by KernelBench main's rules (fp32 tolerance 1e-4, 180 s); the
+table and the sources: `dice/protocols.py`. `--dice-scripts` adds what only DICE's scripts do.
+`--prompt-template FILE` asks with a user's whole prompt text ({{pytorch_code}} where the task goes).
 
 Inputs are checked and solutions generated on any machine (a CPU generates in float32); only running
 the kernels needs a CUDA GPU: without one, `--save-solutions DIR` keeps what was generated for
@@ -36,17 +37,12 @@ import torch
 from dice.cli import ArgumentParser, ProgressLine, at_least, eta, fail_cleanly
 from dice.data import DataError, read_text
 from dice.metrics import format_summary, summarize
-from dice.prompts import keeps_skeleton
+from dice.prompts import extract_code, keeps_skeleton
+from dice.protocols import (DEFAULT_GENERATION, DICE_PROMPT_TOKENS, PROTOCOLS, VERIFY_FLAGS, decoding,
+                            verify_options)
 from dice.sampler import REMASKING
 from dice.tasks import load_tasks
 
-# the generation settings each --protocol fixes (a flag given with another value is an error; the
-# default protocol only fills in what was not given)
-PROTOCOLS = {
-    "default": {"samples": 1, "max_new_tokens": 2048, "steps_per_block": 4, "remasking": "low_confidence_dynamic"},
-    "dice": {"samples": 1, "max_new_tokens": 4096, "steps_per_block": 4, "remasking": "low_confidence_static",
-             "temperature": 0.0},
-}
 # DICE's models and evaluation decode blocks of this size
 DICE_BLOCK_SIZE = 4
 
@@ -66,16 +62,25 @@ def parse_args(argv=None):
                    help="with --model: write every generated program to DIR/<task name>.py (DIR/<task name>/<k>.py "
                         "with --samples k), the layout --solutions DIR reads")
     p.add_argument("--workers", type=at_least(1), default=8, help="verifier worker processes")
-    p.add_argument("--trials", type=at_least(1), default=5, help="correctness trials per kernel, each on new inputs")
+    p.add_argument("--trials", type=at_least(1), default=None,
+                   help="correctness trials per kernel, each on new inputs (default: 5)")
     p.add_argument("--no-timing", action="store_true", help="skip timing (no speedups, no fast_p)")
-    p.add_argument("--rules", choices=("strict", "kernelbench"), default="strict",
-                   help="the kernel rule: strict (DICE's own kernels, the RL reward) or kernelbench (one own kernel "
-                        "launched suffices, to compare with published numbers)")
-    p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds a candidate may run before it is called a timeout (a hanging kernel costs this)")
+    p.add_argument("--rules", choices=("strict", "kernelbench"), default=None,
+                   help="the kernel rule: strict (default; DICE's own kernels, the RL reward) or kernelbench (one own "
+                        "kernel launched suffices, to compare with published numbers)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds a candidate may run before it is called a timeout (a hanging kernel costs this; "
+                        "default: 120)")
     p.add_argument("--protocol", choices=tuple(PROTOCOLS), default="default",
-                   help="with --model: default (the flags below) or dice (DICE's evaluation settings: one greedy "
-                        "sample, low_confidence_static, 4096 tokens, 4 steps per block; see the docstring)")
+                   help="default (the flags), dice (DICE's evaluation: its decoding, float16, allclose 1e-2, 300 s, "
+                        "broken tasks failed, fast_p 0..2) or kernelbench (KernelBench main's rules: tolerance 1e-4, "
+                        "180 s); dice/protocols.py")
+    p.add_argument("--dice-scripts", action="store_true",
+                   help="with --protocol dice: also what only DICE's scripts do (all 4096 tokens without stopping at "
+                        "an end token, the code read with special tokens dropped; prompts cut at 4096 tokens)")
+    p.add_argument("--prompt-template", default=None, metavar="FILE",
+                   help="with --model: the whole prompt as a text file, chat markup included, with {{pytorch_code}} "
+                        "(and with --infill {{prefix}}, {{suffix}}) where the task goes, e.g. KernelBench's or DICE's")
     p.add_argument("--max-new-tokens", type=at_least(1), default=None,
                    help="with --model: tokens per solution (default: 2048)")
     p.add_argument("--steps-per-block", type=at_least(1), default=None,
@@ -92,16 +97,27 @@ def parse_args(argv=None):
         p.error("argument --save-solutions: only with --model (it saves what the model generates)")
     if args.out and not Path(args.out).resolve().parent.is_dir():
         p.error(f"argument --out: the folder of {args.out} does not exist; create it or choose another path")
-    fixed = PROTOCOLS[args.protocol]
-    for name, value in fixed.items():
-        given = getattr(args, name)
-        if given is not None and given != value and args.protocol != "default":
+    for name, value in PROTOCOLS[args.protocol].generation.items():
+        if getattr(args, name) not in (None, value):
             p.error(f"argument --{name.replace('_', '-')}: --protocol {args.protocol} generates with "
                     f"{value}; drop --{name.replace('_', '-')} or use --protocol default")
-        if given is None:
+        setattr(args, name, value)
+    for name, value in DEFAULT_GENERATION.items():
+        if getattr(args, name) is None:
             setattr(args, name, value)
     if args.temperature is None:
         args.temperature = 0.0 if args.samples == 1 else 1.0
+    args.verify, args.decoding = verify_options(args.protocol), decoding(args.protocol)
+    for name, flag in VERIFY_FLAGS.items():
+        given = getattr(args, flag)
+        if given is not None and given != args.verify[name] and args.protocol != "default":
+            p.error(f"argument --{flag}: --protocol {args.protocol} verifies with {args.verify[name]}; drop --{flag} "
+                    "or use --protocol default")
+        args.verify[name] = args.verify[name] if given is None else given
+    if args.dice_scripts and args.protocol != "dice":
+        p.error("argument --dice-scripts: only with --protocol dice (it adds what DICE's own scripts do)")
+    if args.prompt_template and not args.model:
+        p.error("argument --prompt-template: only with --model (it is the prompt the model is asked)")
     return args
 
 
@@ -141,19 +157,23 @@ def write_solutions(root: Path, pairs: list[tuple[object, str | None]], samples:
 
 
 def generate_solutions(args, tasks) -> list[tuple[object, str | None]]:
-    """Generate --samples programs per task with --model (CUDA in bf16, else the CPU in float32)."""
+    """Generate --samples programs per task with --model (CUDA in bf16, float16 under --protocol
+    dice, else the CPU in float32), in the protocol's decoding and the model's prompt format."""
     from dice import load_model, load_tokenizer
-    from dice.rollout import complete, one_shot_style, task_prompt_ids
+    from dice.rollout import complete, load_prompt_template, prompt_format, task_prompt_ids
+    template = load_prompt_template(args.prompt_template, args.infill) if args.prompt_template else None
     cuda = torch.cuda.is_available()
-    model = load_model(args.model, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
+    dtype = getattr(torch, args.decoding["cuda_dtype"]) if cuda else torch.float32
+    model = load_model(args.model, device="cuda" if cuda else "cpu", dtype=dtype)
     if args.protocol == "dice" and model.config.block_size != DICE_BLOCK_SIZE:
         raise DataError(f"--protocol dice decodes blocks of {DICE_BLOCK_SIZE} and {args.model} has block_size "
                         f"{model.config.block_size} in its config.json; use --protocol default for this model")
     tok = load_tokenizer(args.model)
+    fmt = prompt_format(model, template, chat=args.decoding["chat"])
     prompts, owners = [], []
     for t in tasks:
-        ids = task_prompt_ids(tok, t, infill=args.infill, one_shot=one_shot_style(model))
-        prompts += [ids] * args.samples
+        ids = task_prompt_ids(tok, t, infill=args.infill, fmt=fmt)
+        prompts += [ids[:DICE_PROMPT_TOKENS] if args.dice_scripts else ids] * args.samples
         owners += [t] * args.samples
     started, total, line = time.perf_counter(), len(prompts) * args.max_new_tokens, ProgressLine()
 
@@ -164,12 +184,15 @@ def generate_solutions(args, tasks) -> list[tuple[object, str | None]]:
 
     completions = complete(model, tok, prompts, batch_size=args.batch_size, seed=args.seed, progress=show,
                            max_new_tokens=args.max_new_tokens, steps_per_block=args.steps_per_block,
-                           remasking=args.remasking, temperature=args.temperature)
+                           remasking=args.remasking, temperature=args.temperature, top_k=args.decoding["top_k"],
+                           confidence=args.decoding["confidence"], stop_at_eos=not args.dice_scripts)
     line.close()
     del model
     if cuda:
         torch.cuda.empty_cache()
-    pairs = [(t, c.code) for t, c in zip(owners, completions)]
+    # DICE's scripts read the code from everything generated, special tokens dropped (dice/protocols.py)
+    pairs = [(t, extract_code(tok.decode(c.tokens, skip_special_tokens=True)) if args.dice_scripts else c.code)
+             for t, c in zip(owners, completions)]
     if args.save_solutions:   # before verifying: a crash there keeps the generations
         write_solutions(Path(args.save_solutions), pairs, args.samples)
         print(f"wrote {len(pairs)} programs to {args.save_solutions}", file=sys.stderr)
@@ -197,6 +220,23 @@ def infill_tasks(tasks: list, where: str) -> list:
         print(f"warning: --infill leaves out the {len(tasks) - len(kept)} of {len(tasks)} tasks without a "
               "prefix/middle/suffix split", file=sys.stderr)
     return kept
+
+
+def score_broken_tasks(pairs: list, results: list, broken: dict, how: str) -> tuple[list, list]:
+    """The (pairs, results) the rates count, given `broken` (task source -> why its own reference
+    fails): "left out" drops such tasks (no candidate could pass them); "failed" counts each of
+    their samples as a failed result, as KernelBench's and DICE's benchmark_eval_analysis.py count a
+    problem without an eval result."""
+    from dice.verifier import VerifyResult
+    named = {t.name: t for t, _ in pairs if t.source in broken}
+    for t in named.values():
+        fate = "left out of the rates" if how == "left out" else "counted as failed"
+        print(f"warning: task {t.name} is {fate}: {broken[t.source]}", file=sys.stderr)
+    if how == "left out":
+        kept = [(p, r) for p, r in zip(pairs, results) if p[0].source not in broken]
+        return [p for p, _ in kept], [r for _, r in kept]
+    return pairs, [VerifyResult("runtime_error", message=f"the task's reference fails: {broken[t.source]}")
+                   if t.source in broken else r for (t, _), r in zip(pairs, results)]
 
 
 NO_GPU = "evaluate.py: running the kernels needs a CUDA GPU (and cupy), which this machine lacks"
@@ -237,19 +277,13 @@ def main(argv=None) -> None:
 
     broken = {}   # task source -> why its reference fails
     with Verifier(workers=args.workers) as verifier:
-        verified = iter(verifier.map(runnable, progress=show, trials=args.trials, timing=not args.no_timing,
-                                     rules=args.rules,
-                                     timeout_s=args.timeout,
+        verified = iter(verifier.map(runnable, progress=show, timing=not args.no_timing, **args.verify,
                                      on_broken_task=lambda i, e: broken.setdefault(runnable[i][0], e)))
     line.close()
     results = [next(verified) if v is None else v for v in early]
-    # a task whose own reference fails is left out of every rate: no candidate could pass it
-    for t in {t.name: t for t, _ in pairs if t.source in broken}.values():
-        print(f"warning: task {t.name} is left out of the rates: {broken[t.source]}", file=sys.stderr)
-    kept = [(p, r) for p, r in zip(pairs, results) if p[0].source not in broken]
-    pairs, results = [p for p, _ in kept], [r for _, r in kept]
+    pairs, results = score_broken_tasks(pairs, results, broken, PROTOCOLS[args.protocol].broken_tasks)
     summary = summarize([(t.name, t.level, r) for (t, _), r in zip(pairs, results)], ks=(1, 5, 10),
-                        timed=not args.no_timing)
+                        timed=not args.no_timing, ps=PROTOCOLS[args.protocol].fast_p)
     print(format_summary(summary))
     if args.out:
         records = [{"task": t.name, "level": t.level, **asdict(r)} for (t, _), r in zip(pairs, results)]

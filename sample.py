@@ -16,7 +16,7 @@ import torch
 import dice
 from dice import load_model, load_tokenizer
 from dice.cli import ArgumentParser, ProgressLine, at_least, eta, fail_cleanly
-from dice.rollout import complete, one_shot_style, task_prompt_ids
+from dice.rollout import complete, load_prompt_template, prompt_format, task_prompt_ids
 from dice.sampler import REMASKING
 from dice.tasks import load_tasks
 
@@ -41,6 +41,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--infill", action="store_true",
                    help="fill in the task's skeleton (DICE .json tasks with a prefix/middle/suffix)")
+    p.add_argument("--prompt-template", default=None, metavar="FILE",
+                   help="the whole prompt as a text file, chat markup included, with {{pytorch_code}} (and with "
+                        "--infill {{prefix}}, {{suffix}}) where the task goes, e.g. DICE's own prompt (default: our "
+                        "prompt, in DICE's RL chat format for SDAR/DICE models)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (CUDA; ~2.1x faster for a 1.7B model, compiles first)")
@@ -75,10 +79,11 @@ def main(argv=None) -> None:
     if args.infill and task.prefix is None:
         sys.exit(f"error: --infill needs a task with a prefix/middle/suffix split and {task.name} has none; "
                  "drop --infill or use a DICE .json task that has the split")
+    template = load_prompt_template(args.prompt_template, args.infill) if args.prompt_template else None
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = load_model(model_dir, device=args.device, dtype=dtype)
     tok = load_tokenizer(model_dir)
-    prompt = task_prompt_ids(tok, task, infill=args.infill, one_shot=one_shot_style(model))
+    prompt = task_prompt_ids(tok, task, infill=args.infill, fmt=prompt_format(model, template))
     print(f"model {model_dir} on {args.device}; task {task.name}; prompt {len(prompt)} tokens", file=sys.stderr)
     started, line = time.perf_counter(), ProgressLine()
 

@@ -4,7 +4,9 @@ over blocks; they are plain tensor functions.
 
     n_s = floor(B / S) + [s < B mod S]                       (tokens per step, from the block size)
     c   = p(token) under the temperature softmax before top-k / top-p (temperature 0: argmax,
-          c = its softmax probability); the mask token is never sampled
+          c = its softmax probability); the mask token is never sampled. confidence="filtered" is
+          DICE's instead: p(token) after the filter, so under top_k=1 every position's c is 1 (1/m
+          where m tokens tie for the top logit) and the order comes from the tie rule below
     low_confidence_static:  unmask the n_s masked positions with the highest c;
     low_confidence_dynamic: unmask every masked position with c > threshold, or the top n_s if
                             fewer qualify.
@@ -30,6 +32,7 @@ class Sampling:
     top_p: float = 1.0
     remasking: str = "low_confidence_static"
     threshold: float = 0.9
+    confidence: str = "softmax"
 
 
 def tokens_per_step(block_size: int, steps: int) -> list[int]:
@@ -103,29 +106,36 @@ def greedy_choice(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tok, total.reciprocal_()
 
 
+CONFIDENCE = ("softmax", "filtered")
+
+
 def choose_tokens(logits: torch.Tensor, mask_token_id: int, temperature: float, top_k: int, top_p: float,
-                  uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token, confidence) per position of [B, T, V] logits; see the module docstring."""
+                  uniforms: torch.Tensor | None, confidence: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, confidence) per position of [B, T, V] logits; see the module docstring. confidence
+    "filtered" (DICE's `sample_with_temperature_topk_topp`, evaluation/scripts/sdar_utils.py: the
+    probability of the token under the softmax of the filtered logits) needs temperature > 0."""
     logits = logits.to(torch.float32, copy=True)   # a copy: the input may be a CUDA graph's output buffer
     logits[..., mask_token_id] = float("-inf")
     if temperature == 0:
         return greedy_choice(logits)
     scaled = logits / temperature
     probs = scaled.softmax(-1)
-    cdf = filter_logits(scaled, top_k, top_p).softmax(-1).cumsum(-1)
+    kept = filter_logits(scaled, top_k, top_p).softmax(-1)
+    cdf = kept.cumsum(-1)
     total = cdf[..., -1:]
     # strictly below the total: a target rounded up to it would select past the last kept token
     # (clamped to the last id, which can be the mask or a filtered-out token)
     below_total = torch.nextafter(total, torch.zeros_like(total))
     target = torch.minimum((uniforms.unsqueeze(-1) * total.double()).float(), below_total)
     tok = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    return tok, probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+    return tok, (kept if confidence == "filtered" else probs).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 
 
 def select_positions(conf: torch.Tensor, masked: torch.Tensor, n: torch.Tensor, remasking: str,
                      threshold: float) -> torch.Tensor:
     """Which masked positions to unmask this step: [B, T] bool. n: [B] tokens this step per row
-    (already min(n_s, masks left)). Ties go to the lower position."""
+    (already min(n_s, masks left)). Ties go to the lower position, as with DICE's `torch.topk` on
+    CUDA, whose kernel takes the first-seen positions among equal values."""
     score = conf.masked_fill(~masked, -1.0)
     order = score.sort(dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))

@@ -2,13 +2,13 @@
 
 Every field of `TrainConfig` is a `--flag` (`config_from_args`); CHOICES and AT_LEAST bound the
 values, HELP is the --help text. Defaults that depend on the phase (learning rate, loss
-normalisation) are filled in `__post_init__`; those that depend on the machine (SFT batch and row
-length: 0 = auto) in `dice.sft`. The defaults are the originals' (DESIGN.md §4, §7): AdamW betas
+normalisation, gradient clip) are filled in `__post_init__`; those that depend on the machine (SFT
+batch, row length and micro-batches per step: 0 = auto) in `dice.sft`. The defaults are the originals' (DESIGN.md §4, §7): AdamW betas
 (0.9, 0.999) and SFT lr 1e-5 constant after warm-up (deadlykitten4/DICE
-`Training/SFT/llama_factory_sdar/examples/train_full_sdar/sdar_*_full.yaml`: `lr_scheduler_type:
+`training/sft/llama_factory_sdar/examples/train_full_sdar/sdar_*_full.yaml`: `lr_scheduler_type:
 constant_with_warmup`), SDAR's per-micro-batch token mean for SFT, TraceRL's
-per-step L1 normalisation and one optimiser step per 256 round rows for RL (DICE's
-`training/RL/configs/rl_sdar_kernel_*.yaml`).
+per-step L1 normalisation, one optimiser step per 256 round rows, DICE's effective gradient clip
+and a fresh AdamW per step for RL (DICE's `training/RL/configs/rl_sdar_kernel_*.yaml`, DESIGN.md §7).
 
 EMBEDDED is what `python train.py --phase sft|infill|e2e` runs with neither --model nor --data:
 the shipped dice-tiny on tasks `dice.taskgen` generates with a fixed seed, short enough for a demo
@@ -25,6 +25,10 @@ from pathlib import Path
 from .cli import ArgumentParser
 from .sampler import REMASKING
 
+# DICE's gradient is 1/32 of ours at the same loss (its 32 accumulation steps divide it twice: DESIGN.md §7),
+# so its clip of 1.0 (`max_grad_norm`, DeepSpeed's `gradient_clipping`) is 32 here
+RL_GRAD_CLIP = 32.0
+
 
 @dataclass
 class TrainConfig:
@@ -37,15 +41,16 @@ class TrainConfig:
     steps: int = 0
     epochs: float = 0.0
     batch_size: int = 0
-    grad_accum: int = 1
+    grad_accum: int = 0
     lr: float = 0.0
     schedule: str = "constant"
     min_lr_ratio: float = 0.1
     warmup: int = 0
+    warmup_ratio: float = 0.03
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    grad_clip: float = 1.0
+    grad_clip: float = 0.0
     loss_norm: str = ""
     max_len: int = 0
     dtype: str = "auto"
@@ -56,6 +61,7 @@ class TrainConfig:
     seed: int = 0
     gradient_checkpointing: bool = False
     sft_infill: bool = False
+    sft_pad_targets: bool = False
     attention: str = "auto"
     # --phase init: a from-scratch model folder (tokenizer trained on --data, config, no weights)
     vocab_size: int = 4096
@@ -76,6 +82,8 @@ class TrainConfig:
     rollout_batch: int = 64
     updates_per_step: int = 0
     rows_per_update: int = 256
+    minibatch_order: str = "contiguous"
+    optimizer_state: str = "step"
     clip_eps: float = 0.2
     kl_beta: float = 0.01
     reference_model: bool = False
@@ -84,6 +92,7 @@ class TrainConfig:
     eval_data: str = ""
     verifier_workers: int = 8
     verify_timeout: float = 15.0
+    prompt_template: str = ""
 
     def __post_init__(self):
         for name, allowed in CHOICES.items():
@@ -99,6 +108,8 @@ class TrainConfig:
         rl = self.phase in ("infill", "e2e")
         if not self.lr:
             self.lr = 1e-6 if rl else 1e-5
+        if not self.grad_clip:
+            self.grad_clip = RL_GRAD_CLIP if rl else 1.0
         if rl and not self.batch_size:
             self.batch_size = 8
         norms = ("step", "response") if rl else ("batch", "sample")
@@ -112,8 +123,9 @@ class TrainConfig:
 
 CHOICES = {"phase": ("init", "sft", "infill", "e2e"), "dtype": ("auto", "bf16", "fp32"),
            "schedule": ("constant", "cosine"), "attention": ("auto", "flex", "dense"), "remasking": REMASKING,
-           "reward": ("correct", "speedup")}
-AT_LEAST = {"steps": 0, "epochs": 0, "batch_size": 0, "grad_accum": 1, "max_len": 0, "tasks_per_step": 1,
+           "reward": ("correct", "speedup"), "minibatch_order": ("contiguous", "shuffle"),
+           "optimizer_state": ("step", "run")}
+AT_LEAST = {"steps": 0, "epochs": 0, "batch_size": 0, "grad_accum": 0, "max_len": 0, "tasks_per_step": 1,
             "group_size": 1, "max_new_tokens": 1, "temperature": 0, "steps_per_block": 1, "rollout_batch": 1,
             "updates_per_step": 0, "rows_per_update": 1}
 HELP = {
@@ -125,20 +137,24 @@ HELP = {
            "required for --phase init (the new model folder) and with --resume",
     "steps": "optimiser steps (SFT) or RL steps; required with --data (SFT: this or --epochs)",
     "epochs": "SFT passes over the data, when --steps is 0",
-    "batch_size": "rows per process per micro-batch; 0 = SFT 8 on CUDA, 1 on a CPU; RL 8 trace rounds",
-    "grad_accum": "SFT micro-batches per optimiser step",
+    "batch_size": "rows per process per micro-batch; 0 = SFT 1 (DICE's per GPU); RL 8 trace rounds",
+    "grad_accum": "SFT micro-batches per optimiser step; 0 = on CUDA 8 / processes (DICE's 8 rows a step: 8 GPUs "
+                  "x 1), on a CPU 1",
     "lr": "peak learning rate; 0 = 1e-5 for SFT / 1e-6 for RL (DESIGN.md §4, §7)",
     "schedule": "SFT learning rate after the warm-up: constant (DICE's) or cosine to --min-lr-ratio",
     "min_lr_ratio": "--schedule cosine decays to this fraction of --lr",
-    "warmup": "linear warm-up steps (DICE's SFT: 3 percent of its steps)",
+    "warmup": "SFT: linear warm-up steps from lr 0; 0 = --warmup-ratio of the steps",
+    "warmup_ratio": "SFT: warm-up as a fraction of the steps when --warmup is 0, rounded up (DICE's 0.03)",
     "weight_decay": "AdamW weight decay of the matrices",
     "adam_beta1": "AdamW beta1",
     "adam_beta2": "AdamW beta2 (DICE/LLaMA-Factory: 0.999)",
-    "grad_clip": "gradient-norm clipping",
+    "grad_clip": "gradient-norm clipping of the loss as defined here; 0 = 1.0 for SFT (DICE's), 32 for RL "
+                 "(DICE's 1.0 on its gradient, which is 1/32 of ours: DESIGN.md §7); inf: none",
     "loss_norm": "SFT: batch (SDAR: each micro-batch's masked-token CE/p sum over its response tokens) or "
                  "sample (a mean over samples); RL: step (TraceRL/DICE: each round's sum over the step's "
                  "response width L1) or response (each response over its own length); default the first",
-    "max_len": "SFT row length in tokens (rounded down to the block size); 0 = 2048 on CUDA, 1024 on a CPU",
+    "max_len": "SFT row length in tokens (rounded down to the block size); 0 = 6144 on CUDA (DICE's cutoff_len), "
+               "1024 on a CPU",
     "dtype": "auto: bf16 autocast on CUDA, fp32 on CPU",
     "save_every": "write a checkpoint every N steps (0: only final/)",
     "keep_checkpoints": "checkpoints kept, newest first (0: all)",
@@ -147,6 +163,8 @@ HELP = {
     "seed": "seed of the initialisation, data order and noise",
     "gradient_checkpointing": "recompute each layer's forward in the backward pass (less memory)",
     "sft_infill": "also teach kernel records under the infilling prompt",
+    "sft_pad_targets": "SFT: pad each example to a block multiple with pad tokens trained as its response's end "
+                       "(DICE's LLaMA-Factory fork; the model learns to fill the last block; default: pads untrained)",
     "attention": "SFT masks: flex (FlexAttention, CUDA only) or dense; auto: flex on CUDA",
     "vocab_size": "--phase init: BPE vocabulary size",
     "hidden_size": "--phase init: hidden size",
@@ -165,6 +183,9 @@ HELP = {
     "rollout_batch": "RL: sequences generated per batch",
     "updates_per_step": "RL: optimiser steps per RL step; 0 = one per --rows-per-update trace rounds (DICE)",
     "rows_per_update": "RL: trace rounds per optimiser step when --updates-per-step is 0 (DICE: 8 GPUs x 32)",
+    "minibatch_order": "RL: which rounds share an optimiser step: contiguous (DICE: consecutive rows, response by "
+                       "response) or shuffle (seeded, mixing the whole rollout)",
+    "optimizer_state": "RL: AdamW moments live for one RL step (step: DICE, a new optimiser per step) or the run",
     "clip_eps": "RL: PPO clip range",
     "kl_beta": "RL: weight of the k3 KL term",
     "reference_model": "RL: KL against a frozen copy of --model instead of the rollout policy",
@@ -173,6 +194,9 @@ HELP = {
     "eval_data": "RL: held-out tasks for --eval-every",
     "verifier_workers": "RL: kernel verifier worker processes",
     "verify_timeout": "RL: seconds a sampled kernel may run before it is a timeout",
+    "prompt_template": "RL: a text file holding the whole prompt, chat markup included, with {{pytorch_code}} "
+                       "(and for --phase infill {{prefix}}, {{suffix}}) where the task goes, e.g. DICE's own prompt "
+                       "(default: our prompt in DICE's RL chat format for SDAR/DICE models, ChatML for others)",
 }
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "dice-tiny"

@@ -12,7 +12,8 @@ think block first, for SDAR/DICE models, `dice.prompts.thinks`); prompt and resp
 separately, as at inference, where the response starts right after the prompt.
 
 Packing: every example is padded to a multiple of the block size (padding belongs to no
-sample: it is never attended to and never trained) and examples are laid greedily into rows of
+sample: it is never attended to and never trained, unless `with_pad_targets` made it DICE's
+trained response end) and examples are laid greedily into rows of
 `row_len` tokens, with position ids restarting at 0 per sample and `sample_ids` telling samples
 apart, so no token attends across samples.
 """
@@ -149,6 +150,17 @@ def tokenize_records(records: list[dict], tokenizer, max_len: int, *, source: st
                 continue
             examples.append(Example(p, r))
     return examples, skipped
+
+
+def with_pad_targets(examples: list[Example], block_size: int, pad_id: int) -> list[Example]:
+    """DICE's SFT examples (`--sft-pad-targets`): the response extended with pad tokens until the
+    example fills whole blocks, the pads trained like the rest of the response (attended within
+    their sample, masked, counted in the loss and its normaliser), so the model learns to fill the
+    last block after its end. DICE's LLaMA-Factory fork does this to every example
+    (training/sft/llama_factory_sdar/src/llamafactory/data/processor/supervised.py, lines 88-92:
+    `labels += [pad_token_id] * pad_len`); by default pads belong to no sample and are never trained."""
+    pads = [-(len(e.prompt_ids) + len(e.response_ids)) % block_size for e in examples]
+    return [Example(e.prompt_ids, e.response_ids + [pad_id] * n) for e, n in zip(examples, pads)]
 
 
 def pack_rows(examples: list[Example], row_len: int, block_size: int, pad_id: int) -> list[dict]:

@@ -5,7 +5,8 @@ All rates are fractions of *all* samples (a sample = one generated kernel for on
 - compiled: the candidate built and loaded;
 - correct: it matched the reference on every trial and broke no rule;
 - fast_p: correct AND speedup > p (fast_0 needs a measured speedup, so verify with timing;
-  without timing, `timed=False`, fast_p is None: unknown, not zero);
+  without timing, `timed=False`, fast_p is None: unknown, not zero), at p = 0, 1, 2 and every
+  threshold asked (`ps`; KernelBench's and DICE's analysis scripts report 0, 0.5, 0.8, 1, 1.5, 2);
 - geomean_speedup: exp(mean(log speedup)) over the correct samples that were timed;
 - pass@k: per task with n samples of which c are correct, the unbiased estimator of
   Chen et al. 2021, pass@k = 1 - C(n-c, k) / C(n, k), averaged over tasks with n >= k.
@@ -47,6 +48,7 @@ class Summary:
     fast_2: float | None
     geomean_speedup: float | None
     pass_at_k: dict[int, float] = field(default_factory=dict)
+    fast: dict[float, float | None] = field(default_factory=dict)   # fast_p at each threshold asked
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -75,8 +77,10 @@ def geometric_mean_speedup(results: list) -> float | None:
     return math.exp(sum(math.log(s) for s in speedups) / len(speedups))
 
 
-def summarize_group(rows: list[tuple[str, object]], ks: Iterable[int] = (1, 5, 10), timed: bool = True) -> Summary:
-    """Metrics for one group of (task name, result) rows; `timed`: whether the results were timed."""
+def summarize_group(rows: list[tuple[str, object]], ks: Iterable[int] = (1, 5, 10), timed: bool = True,
+                    ps: Iterable[float] = (0.0, 1.0, 2.0)) -> Summary:
+    """Metrics for one group of (task name, result) rows; `timed`: whether the results were timed;
+    ps: the fast_p thresholds of `Summary.fast`."""
     results = [r for _, r in rows]
     n = len(results)
     per_task = defaultdict(list)
@@ -97,34 +101,36 @@ def summarize_group(rows: list[tuple[str, object]], ks: Iterable[int] = (1, 5, 1
         fast_2=fast_p(results, 2.0) if timed else None,
         geomean_speedup=geometric_mean_speedup(results),
         pass_at_k=passes,
+        fast={p: fast_p(results, p) if timed else None for p in ps},
     )
 
 
 def summarize(rows: Iterable[tuple[str, int | None, object]], ks: Iterable[int] = (1, 5, 10),
-              timed: bool = True) -> dict[str, Summary]:
+              timed: bool = True, ps: Iterable[float] = (0.0, 1.0, 2.0)) -> dict[str, Summary]:
     """Per-level metrics from (task name, level, result) rows.
 
     Keys are "level1", "level2", ... ("level?" for tasks without a level) and "all"."""
     rows = list(rows)
-    ks = tuple(ks)
+    ks, ps = tuple(ks), tuple(ps)
     groups = defaultdict(list)
     for name, level, result in rows:
         groups["level?" if level is None else f"level{level}"].append((name, result))
-    summary = {key: summarize_group(groups[key], ks, timed) for key in sorted(groups)}
-    summary["all"] = summarize_group([(name, r) for name, _, r in rows], ks, timed)
+    summary = {key: summarize_group(groups[key], ks, timed, ps) for key in sorted(groups)}
+    summary["all"] = summarize_group([(name, r) for name, _, r in rows], ks, timed, ps)
     return summary
 
 
 def format_summary(summary: dict[str, Summary]) -> str:
     """A small fixed-width table of `summarize` output, one row per level."""
     ks = sorted({k for s in summary.values() for k in s.pass_at_k})
-    header = ["group", "tasks", "samples", "compiled", "correct", "fast_0", "fast_1", "fast_2",
-              "geomean"] + [f"pass@{k}" for k in ks]
+    ps = sorted({p for s in summary.values() for p in s.fast})
+    header = ["group", "tasks", "samples", "compiled", "correct"] + [f"fast_{p:g}" for p in ps] + \
+        ["geomean"] + [f"pass@{k}" for k in ks]
     lines = [header]
     for key, s in summary.items():
-        lines.append([key, str(s.tasks), str(s.samples), _pct(s.compiled), _pct(s.correct), _pct(s.fast_0),
-                      _pct(s.fast_1), _pct(s.fast_2),
-                      "-" if s.geomean_speedup is None else f"{s.geomean_speedup:.2f}x"]
+        lines.append([key, str(s.tasks), str(s.samples), _pct(s.compiled), _pct(s.correct)]
+                     + [_pct(s.fast.get(p)) for p in ps]
+                     + ["-" if s.geomean_speedup is None else f"{s.geomean_speedup:.2f}x"]
                      + [_pct(s.pass_at_k[k]) if k in s.pass_at_k else "-" for k in ks])
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in lines)

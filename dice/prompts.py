@@ -1,21 +1,25 @@
 '''The one prompt format of SFT, RL, sampling and evaluation, and reading code out of answers.
 
-DESIGN.md §4 and §6. The model's input for a KernelBench-style task is always
+DESIGN.md §4 and §6. The model's input for a KernelBench-style task is always (`PromptFormat.text`)
 
-    chat_prompt(kernel_prompt(task_src))                         # end to end
-    chat_prompt(kernel_prompt(task_src, prefix=p, suffix=s))     # infilling (RL phase 1)
+    chat_prompt(kernel_prompt(task_src), chat)                         # end to end
+    chat_prompt(kernel_prompt(task_src, prefix=p, suffix=s), chat)     # infilling (RL phase 1)
 
 and a training target is chat_response(answer), or chat_response(answer, think=True) for a model
-whose chat template writes a think block (`thinks`: SDAR/DICE). kernel_prompt carries the content of
-KernelBench's prompt (instruction, a one-shot elementwise-add example, the task's `Model`,
-the request for `ModelNew`) in our own words, except for its first sentence and the closing
-request, which keep KernelBench's wording (DICE's prompts are KernelBench's). extract_code
-takes the program out of an answer (after its think block, if it starts with one); keeps_skeleton
-tells whether an infilling answer kept the given prefix and suffix.
+whose chat template writes a think block (`thinks`: SDAR/DICE). `PromptFormat` says which: the
+chat turn (`CHAT_FORMATS`: ChatML, or DICE's RL rollout shape) and the one-shot example around our
+kernel prompt, or a user's whole prompt text (`--prompt-template FILE`, `fill_template`) with
+DICE's placeholders, so DICE's own wording can be used without being shipped here.
+kernel_prompt carries the content of KernelBench's prompt (instruction, a one-shot elementwise-add
+example, the task's `Model`, the request for `ModelNew`) in our own words, except for its first
+sentence and the closing request, which keep KernelBench's wording (DICE's prompts are
+KernelBench's). extract_code takes the program out of an answer (after its think block, if it
+starts with one); keeps_skeleton tells whether an infilling answer kept the given prefix and suffix.
 '''
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from .tokenizer import IM_END, IM_START
 
@@ -158,9 +162,22 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 EMPTY_THINK = f"{THINK_OPEN}\n\n{THINK_CLOSE}\n\n"
 
 
-def chat_prompt(user_text: str) -> str:
-    """A ChatML user turn followed by the opening of the assistant's turn (DESIGN.md §4)."""
-    return f"{IM_START}user\n{user_text}{IM_END}\n{IM_START}assistant\n"
+# The user turn and the assistant turn's opening around the user text (DESIGN.md §6). chatml: as the
+# SDAR/Qwen3 chat template and LLaMA-Factory's qwen3 template write them, so DICE's SFT data and its
+# KernelBench evaluation (evaluation/src/utils.py: `apply_chat_template(..., add_generation_prompt=True)`);
+# dice: DICE's RL rollout prompts, a space before <|im_end|> and two newlines after `assistant`
+# (training/RL/sample/sdar_rl_rollout_kernel.py: PROBLEM_INSTRUCTION, line 49, and
+# KERNEL_INFILLING_SYSTEM_PROMPT, line 258), which DICE's checkpoints were reinforced on.
+CHAT_FORMATS = {
+    "chatml": f"{IM_START}user\n{{user}}{IM_END}\n{IM_START}assistant\n",
+    "dice": f"{IM_START}user\n{{user}} {IM_END}\n{IM_START}assistant\n\n",
+}
+
+
+def chat_prompt(user_text: str, chat: str = "chatml") -> str:
+    """A user turn followed by the opening of the assistant's turn, in `CHAT_FORMATS[chat]`
+    (DESIGN.md §4, §6)."""
+    return CHAT_FORMATS[chat].format(user=user_text)
 
 
 def chat_response(text: str, think: bool = False) -> str:
@@ -218,6 +235,51 @@ def kernel_prompt(
         )
         parts.append(f"{REQUEST} {INFILL_REQUEST}")
     return "\n".join(parts)
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a task becomes the model's input text: `kernel_prompt` with the `one_shot` example in
+    the `chat` turn, or, when `template` is given, that text with the task filled in (`fill_template`)."""
+    one_shot: str | None = "load_inline"
+    chat: str = "chatml"
+    template: str | None = None
+
+    def text(self, task_src: str, prefix: str | None = None, suffix: str | None = None) -> str:
+        if self.template is not None:
+            return fill_template(self.template, task_src, prefix, suffix)
+        return chat_prompt(kernel_prompt(task_src, prefix=prefix, suffix=suffix, one_shot=self.one_shot), self.chat)
+
+
+# A prompt template is the model's whole input text, chat markup included, with these placeholders
+# (DICE's own names: sdar_rl_rollout_kernel.py renders {{pytorch_code}}, {{prefix}}, {{suffix}}).
+_PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+TEMPLATE_FIELDS = ("pytorch_code", "prefix", "suffix")
+
+
+def template_problem(template: str, infill: bool) -> str | None:
+    """What keeps `template` from being an end-to-end (or, with `infill`, an infilling) prompt
+    template: an unknown placeholder, or a missing or extra one; None when it is one."""
+    names = set(_PLACEHOLDER.findall(template))
+    needed = {"pytorch_code", "prefix", "suffix"} if infill else {"pytorch_code"}
+    unknown = sorted(names - set(TEMPLATE_FIELDS))
+    if unknown:
+        return (f"it has the placeholder {{{{{unknown[0]}}}}}; the placeholders are "
+                + ", ".join(f"{{{{{n}}}}}" for n in TEMPLATE_FIELDS))
+    if needed - names:
+        kind = "an infilling" if infill else "an end-to-end"
+        return f"{kind} prompt needs " + " and ".join(f"{{{{{n}}}}}" for n in sorted(needed - names))
+    if names - needed:
+        return ("an end-to-end prompt has no skeleton, so no {{prefix}} or {{suffix}}; use it with --infill "
+                "(--phase infill) or remove them")
+    return None
+
+
+def fill_template(template: str, task_src: str, prefix: str | None = None, suffix: str | None = None) -> str:
+    """`template` with {{pytorch_code}} replaced by the task's source and {{prefix}} / {{suffix}} by
+    its skeleton, each in one pass (text filled in is never read for placeholders again)."""
+    values = {"pytorch_code": task_src, "prefix": prefix or "", "suffix": suffix or ""}
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
 
 
 def _fenced(code: str) -> str:

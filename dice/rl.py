@@ -22,6 +22,10 @@ DICE takes one optimiser step per 256 round rows (`total_batch_size_lm` = batch_
 x 32 accumulation steps, one epoch; `training/RL/configs/rl_sdar_kernel_*.yaml`), the ratio always
 against the rollout policy's log-probs from before the first: `--updates-per-step 0` (default)
 does the same with `--rows-per-update 256`, so after the first update clipping and KL act.
+Which rows form each optimiser step (`minibatches`, DESIGN.md §7): DICE's consecutive chunks of the
+rows in rollout order (`--minibatch-order contiguous`), or the same cut after a seeded shuffle.
+The gradient is clipped to 32 by default, DICE's clip of 1.0 in these units (its gradient is 1/32
+of this one), and AdamW's moments restart every RL step as in DICE (`--optimizer-state step`).
 """
 from __future__ import annotations
 
@@ -38,8 +42,9 @@ from typing import Sequence
 import torch
 
 from .rewards import RewardFn, Scores, score, verifier_reward
-from .rollout import (auto_rollout_batch, complete, generate_and_score, generation_copy, one_shot_style,
-                      task_prompt_ids)
+from .prompts import PromptFormat
+from .rollout import (auto_rollout_batch, complete, generate_and_score, generation_copy, load_prompt_template,
+                      prompt_format, task_prompt_ids)
 from .checkpoint import load_model
 from .data import DataError
 from .trace import Round, RoundBatch, build_round_batch, round_logprobs, row_weights, trace_rounds
@@ -52,7 +57,8 @@ from .runtime import (MetricsLog, build_model, check_resume, check_run_folder, c
 # what a resumed RL run must keep (besides the tasks and the model)
 RESUME_FIELDS = ("phase", "seed", "tasks_per_step", "group_size", "max_new_tokens", "temperature", "remasking",
                  "threshold", "steps_per_block", "updates_per_step", "rows_per_update", "loss_norm", "clip_eps",
-                 "kl_beta", "reference_model", "reward", "lr", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip")
+                 "kl_beta", "reference_model", "reward", "lr", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip",
+                 "minibatch_order", "optimizer_state", "prompt_template")
 
 
 def group_advantages(rewards: Sequence[float], group_size: int) -> list[float | None]:
@@ -78,6 +84,33 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantage: torch
     stats = {"clip_fraction": float(((ratio - clipped).abs() > 0).float().mean()) if ratio.numel() else 0.0,
              "kl": float(k3.detach().mean()) if k3.numel() else 0.0}
     return pg + kl_beta * k3, stats
+
+
+def minibatches(items: list, updates: int, order: str = "contiguous", seed: int = 0) -> list[list]:
+    """The round rows of each of a step's `updates` optimiser steps (DESIGN.md §7).
+
+    `items` come in rollout order: response by response, each response's rounds in order. contiguous
+    (DICE): they are cut into `updates` consecutive runs whose sizes differ by at most one, so a
+    step trains every round of a few responses, as DICE's 256-row chunks do (`train/rl_sdar.py`: a
+    DataLoader without a sampler over rows built response by response, one optimiser step per 32
+    accumulation steps of 8 processes); DICE drops the last N mod 256 rows' gradient (no step
+    follows them), here every row trains. shuffle: the same cut after a permutation seeded by
+    `seed`, so every step mixes responses and rounds of the whole rollout."""
+    if order == "shuffle":
+        items = [items[i] for i in torch.randperm(len(items), generator=torch.Generator().manual_seed(seed))]
+    base, extra = divmod(len(items), updates)
+    bounds = [u * base + min(u, extra) for u in range(updates + 1)]
+    return [items[bounds[u]:bounds[u + 1]] for u in range(updates)]
+
+
+def restart_moments(optimizer, lifetime: str) -> None:
+    """`--optimizer-state step` (DICE): forget AdamW's moments and step counts before an RL step's
+    update, so its first optimiser step is Adam's first again. DICE runs every RL step's update
+    as a new process (`training/RL/rl.py`: `accelerate launch train/rl_sdar.py` per step) that
+    builds a new AdamW (`rl_sdar.py` line 206) and saves only the model (line 831). `run` keeps
+    them for the whole run."""
+    if lifetime == "step":
+        optimizer.state.clear()
 
 
 def curriculum(tasks: list[Task]) -> list[Task]:
@@ -114,7 +147,7 @@ class _FullParameters:
 
 def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: RewardFn, seed: int, infill: bool, *,
             overlap: str = "stream", low_precision: bool = True, auto_batch: bool = False,
-            lengths: Sequence[int] | None = None):
+            lengths: Sequence[int] | None = None, fmt: PromptFormat | None = None):
     """Generate `group_size` responses per task and reward them while generation goes on
     (`dice.rollout.generate_and_score`; overlap "stream": each block's finished responses go to
     the reward at once, up to `verifier_workers` calls at a time). Sample j of the task in slot k
@@ -124,11 +157,12 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
     auto_batch as many as fit in memory (`auto_rollout_batch`). lengths: one forced response
     length per response, in that order (`python -m dice.bench rl`). Returns (completions,
     rewards, results, timings): `results` are the verifier results of every completion, in order
-    (None where the reward has none, see `Scores`); timings also name the rollout batch used."""
+    (None where the reward has none, see `Scores`); timings also name the rollout batch used.
+    fmt: the prompt format (None: the model's, `prompt_format`)."""
     prompts, owners, seeds = [], [], []
-    style = one_shot_style(model)
+    fmt = fmt or prompt_format(model)
     for t, k in zip(tasks, slots):
-        ids = task_prompt_ids(tok, t, infill=infill, one_shot=style)
+        ids = task_prompt_ids(tok, t, infill=infill, fmt=fmt)
         prompts += [ids] * cfg.group_size
         owners += [t] * cfg.group_size
         seeds += [seed + k * cfg.group_size + j for j in range(cfg.group_size)]
@@ -143,11 +177,12 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
     return completions, rewards, results, {**timings, "rollout_batch": size}
 
 
-def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer, pad_id: int) -> dict:
+def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer, pad_id: int, seed: int = 0) -> dict:
     """U optimiser steps over the kept responses' trace rounds (module docstring): U =
     `updates_per_step`, or with 0 one per `rows_per_update` round rows of all processes, as in DICE.
 
-    Minibatch u holds every U-th round, cut into micro-batches of similar length; the token weights
+    Minibatch u holds each process's u-th run of rows (`minibatches`; shuffled with seed + rank
+    under `--minibatch-order shuffle`), cut into micro-batches of similar length; the token weights
     (`row_weights`) count rows and responses over all processes, so a micro-batch's backward is
     already its share of the step. Under FSDP every backward is a collective, so each rank runs as
     many micro-batches as the busiest rank, padding with empty ones (a forward and backward with no
@@ -162,8 +197,9 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
                                      completions[k].tail_step_map)]
     U = cfg.updates_per_step or max(1, math.ceil(rt.all_sum(len(items)) / cfg.rows_per_update))
     width = int(rt.all_max(max((len(completions[k].tokens) for k in kept), default=0)))   # L1
-    rows = [rt.all_sum(len(items[u::U])) for u in range(U)]
-    plan = [_micro(items[u::U], cfg.batch_size) for u in range(U)]
+    steps = minibatches(items, U, cfg.minibatch_order, seed + rt.rank)
+    rows = [rt.all_sum(len(step_rows)) for step_rows in steps]
+    plan = [_micro(step_rows, cfg.batch_size) for step_rows in steps]
     plan = [chunks + [[]] * (int(rt.all_max(len(chunks))) - len(chunks)) for chunks in plan]
 
     def round_batch(chunk, u: int) -> RoundBatch:
@@ -211,16 +247,18 @@ def _micro(items: list, size: int):
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, infill: bool, rt) -> dict:
+def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, infill: bool, rt,
+                    fmt: PromptFormat | None = None) -> dict:
     """Greedy generation on held-out tasks: the mean reward and, with the verifier, KernelBench's
     compiled / correct / fast_1 rates (dice.metrics) as fractions of all tasks.
 
     Process r generates tasks r, r + world, ... (task i with seed i, so the split changes no
     result) and the counts are summed over processes: every process must call this, inside the
-    full-parameter context under FSDP, since generation gathers no parameters itself."""
+    full-parameter context under FSDP, since generation gathers no parameters itself. fmt: the
+    prompt format (None: the model's)."""
     mine = list(range(rt.rank, len(tasks), rt.world))
-    style = one_shot_style(model)
-    completions = complete(model, tok, [task_prompt_ids(tok, tasks[i], infill=infill, one_shot=style) for i in mine],
+    fmt = fmt or prompt_format(model)
+    completions = complete(model, tok, [task_prompt_ids(tok, tasks[i], infill=infill, fmt=fmt) for i in mine],
                            batch_size=cfg.rollout_batch, seed=mine, max_new_tokens=cfg.max_new_tokens,
                            steps_per_block=cfg.steps_per_block, remasking=cfg.remasking, threshold=cfg.threshold,
                            temperature=0.0)
@@ -257,8 +295,14 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
                             "a DICE JSON file whose records have prefix, middle and suffix, or use --phase e2e")
     if eval_tasks is None and cfg.eval_every:
         eval_tasks = load_tasks(cfg.eval_data)
+    template = load_prompt_template(cfg.prompt_template, infill) if cfg.prompt_template else None
     tok = load_tokenizer(cfg.model)
     model = build_model(cfg, rt, log)
+    fmt = prompt_format(model, template)
+    eval_fmt = prompt_format(model) if infill else fmt   # the evaluation prompts end to end
+    if template and infill and cfg.eval_every:
+        log("--prompt-template holds an infilling prompt: the end-to-end evaluation of --eval-every asks in the "
+            "model's own prompt format")
     ref_model = load_model(cfg.model, device=rt.device).eval().requires_grad_(False) if cfg.reference_model else None
     optimizer = make_optimizer(model, cfg)
     tasks_sha = hashlib.sha256(json.dumps([dataclasses.astuple(t) for t in ordered]).encode()).hexdigest()
@@ -284,7 +328,7 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
     def evaluate(at_step: int, label: str) -> None:
         model.eval()
         with torch.no_grad(), (gather or contextlib.nullcontext()):
-            ev = evaluate_policy(model, tok, eval_tasks, cfg, eval_reward, infill=False, rt=rt)
+            ev = evaluate_policy(model, tok, eval_tasks, cfg, eval_reward, infill=False, rt=rt, fmt=eval_fmt)
         metrics.write({"step": at_step, **ev})
         log(f"{label}: " + json.dumps(ev))
 
@@ -302,11 +346,13 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
             with torch.no_grad(), (gather or contextlib.nullcontext()):
                 completions, rewards, results, timing = rollout(
                     model, tok, [step_set[k] for k in slots], slots, cfg, reward_fn,
-                    seed=(cfg.seed * 100_003 + step) * 10_007, infill=infill)
+                    seed=(cfg.seed * 100_003 + step) * 10_007, infill=infill, fmt=fmt)
             advantages = group_advantages(rewards, cfg.group_size)
             model.train()
             t_update = time.perf_counter()
-            upd = policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer, tok.pad_token_id)
+            restart_moments(optimizer, cfg.optimizer_state)
+            upd = policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer, tok.pad_token_id,
+                                seed=cfg.seed * 100_003 + step)
             t_update = time.perf_counter() - t_update
             n = rt.all_sum(len(rewards))
             tokens = rt.all_sum(sum(len(c.tokens) for c in completions))

@@ -2,9 +2,10 @@
 the BiC-RL rollout machinery that overlaps generation with scoring.
 
 One path used by `sample.py`, `evaluate.py` and BiC-RL rollouts (DESIGN.md §5, §6): the prompt
-comes from `dice.prompts` (the one-shot example style a model was trained with is recorded in its
-config.json as `dice_one_shot`; DICE/SDAR folders lack the key and get KernelBench's load_inline
-example), the token ids and step maps come straight from the sampler and are kept, never
+comes from `dice.prompts` in the model's `prompt_format` (the one-shot example style a model was
+trained with is recorded in its config.json as `dice_one_shot`; DICE/SDAR folders lack the key and
+get KernelBench's load_inline example in DICE's RL chat shape), or from a user's template
+(`load_prompt_template`), the token ids and step maps come straight from the sampler and are kept, never
 re-tokenised, together with the sampler's last-block tail after the cut that the TraceRL replay
 needs (DESIGN.md §7).
 
@@ -19,12 +20,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
 from .model import SDAR
-from .prompts import chat_prompt, extract_code, kernel_prompt
+from .data import DataError, read_text
+from .prompts import PromptFormat, extract_code, template_problem
 from .sampler import CachedForward, Generated, generate
 from .tasks import Task
 
@@ -38,13 +41,33 @@ def one_shot_style(model) -> str | None:
     return model.config.extra.get("dice_one_shot", "load_inline")
 
 
-def task_prompt_ids(tokenizer, task: Task, *, infill: bool = False, one_shot: str | None = "load_inline") -> list[int]:
-    """ChatML prompt ids asking for a ModelNew for `task` (with its skeleton when `infill`)."""
+def prompt_format(model, template: str | None = None, chat: str | None = None) -> PromptFormat:
+    """The prompt a model is asked in: its one-shot style, DICE's RL chat shape for SDAR/DICE folders
+    (no `dice_one_shot` in config.json: DICE's checkpoints were reinforced on it) and ChatML for
+    models made here, unless `chat` is given; a user's `template` text replaces all of it."""
+    default_chat = "dice" if "dice_one_shot" not in model.config.extra else "chatml"
+    return PromptFormat(one_shot_style(model), chat or default_chat, template)
+
+
+def load_prompt_template(path: str, infill: bool, flag: str = "--prompt-template") -> str:
+    """The text of a prompt template file (`dice.prompts.template_problem`): the model's whole input,
+    read as it is (a newline is a newline, not `\\n`); one that does not fit is a DataError naming
+    the file and the fix."""
+    if not Path(path).is_file():
+        raise DataError(f"{flag} {path}: no such file; pass a text file holding the whole prompt with "
+                        "{{pytorch_code}} where the task goes")
+    text = read_text(path)
+    problem = template_problem(text, infill)
+    if problem:
+        raise DataError(f"{flag} {path}: {problem}")
+    return text
+
+
+def task_prompt_ids(tokenizer, task: Task, *, infill: bool = False, fmt: PromptFormat = PromptFormat()) -> list[int]:
+    """Prompt ids asking for a ModelNew for `task` (with its skeleton when `infill`) in `fmt`."""
     if infill and task.prefix is None:
         raise ValueError(f"task {task.name} has no prefix/middle/suffix split, so it cannot be an infilling task")
-    user = kernel_prompt(task.source, prefix=task.prefix if infill else None, suffix=task.suffix if infill else None,
-                         one_shot=one_shot)
-    return tokenizer.encode(chat_prompt(user))
+    return tokenizer.encode(fmt.text(task.source, task.prefix if infill else None, task.suffix if infill else None))
 
 
 @dataclass
@@ -69,12 +92,13 @@ def _completion(tokenizer, prompt: Sequence[int], g: Generated) -> Completion:
 def complete(model, tokenizer, prompts: Sequence[Sequence[int]], *, batch_size: int = 64,
              seed: int | Sequence[int] = 0, progress: Callable[[int], None] | None = None,
              lengths: Sequence[int] | None = None, on_done: Callable[[int, Completion], None] | None = None,
-             **generate_kwargs) -> list[Completion]:
+             stop_at_eos: bool = True, **generate_kwargs) -> list[Completion]:
     """Generate for every prompt in batches of `batch_size` (prompts sorted by length for tighter
     batches; the sampler is batch-invariant and prompt i always uses its own seed, seed + i or
     seed[i], so the grouping does not change any result). lengths: per prompt, the sampler's
     forced response length (`generate`). on_done(i, completion): called as prompt i finishes,
-    before that block's `progress` call."""
+    before that block's `progress` call. stop_at_eos=False: every prompt runs to max_new_tokens
+    (DICE's evaluation scripts, `evaluate.py --dice-scripts`)."""
     seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed + i for i in range(len(prompts))]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[Completion | None] = [None] * len(prompts)
@@ -88,7 +112,8 @@ def complete(model, tokenizer, prompts: Sequence[Sequence[int]], *, batch_size: 
             if on_done is not None:
                 on_done(chunk[row], out[chunk[row]])
 
-        result = generate(model, [prompts[i] for i in chunk], eos_token_ids=tokenizer.eos_token_ids,
+        eos = tokenizer.eos_token_ids if stop_at_eos else ()
+        result = generate(model, [prompts[i] for i in chunk], eos_token_ids=eos,
                           seed=[seeds[i] for i in chunk], progress=report, on_finish=finished,
                           lengths=None if lengths is None else [lengths[i] for i in chunk], **generate_kwargs)
         done += result.num_tokens

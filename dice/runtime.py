@@ -135,14 +135,23 @@ def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
                              betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
 
 
+def warmup_steps(total: int, cfg: TrainConfig) -> int:
+    """`--warmup` steps, or with 0 ceil(--warmup-ratio x total) (Hugging Face
+    `TrainingArguments.get_warmup_steps`; DICE's SFT: `warmup_ratio: 0.03`)."""
+    return cfg.warmup or math.ceil(total * cfg.warmup_ratio)
+
+
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
-    """Linear warm-up over `warmup` steps, then `constant` (DICE's LLaMA-Factory
+    """lr x step / w over the w = `warmup_steps` first steps (0-based), so the first step's lr is 0,
+    as in Hugging Face's schedules (transformers `optimization.py`,
+    `_get_constant_schedule_with_warmup_lr_lambda`), then `constant` (DICE's LLaMA-Factory
     `constant_with_warmup`) or `cosine` decay to min_lr_ratio * lr at `total`."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
+    warmup = warmup_steps(total, cfg)
+    if step < warmup:
+        return cfg.lr * step / warmup
     if cfg.schedule == "constant":
         return cfg.lr
-    frac = (step - cfg.warmup) / max(1, total - cfg.warmup)
+    frac = (step - warmup) / max(1, total - warmup)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 

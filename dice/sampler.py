@@ -43,8 +43,8 @@ from typing import Callable, Sequence
 import torch
 
 from .attention import block_causal_mask
-from .choice import (REMASKING, Sampling, choose_tokens, greedy_choice, row_seeds,  # noqa: F401 (re-exported)
-                     select_positions, tokens_per_step, uniform_noise, unmask)
+from .choice import (CONFIDENCE, REMASKING, Sampling, choose_tokens, greedy_choice,  # noqa: F401 (re-exported)
+                     row_seeds, select_positions, tokens_per_step, uniform_noise, unmask)
 
 
 
@@ -99,7 +99,7 @@ class BruteForce:
         return self.model(x, pos, block_causal_mask(pos, self.model.config.block_size) & keys_ok)[:, b0:b1]
 
     def choose(self, logits: torch.Tensor, uniforms, s: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.choose_tokens(logits, s.mask_token_id, s.temperature, s.top_k, s.top_p, uniforms)
+        return self.choose_tokens(logits, s.mask_token_id, s.temperature, s.top_k, s.top_p, uniforms, s.confidence)
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         pass
@@ -250,7 +250,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
              seed: int | Sequence[int] | None = None, cuda_graphs: bool = True, compile: bool = False,
              fused: bool = False, progress: Callable[[int], None] | None = None,
              lengths: Sequence[int] | None = None,
-             on_finish: Callable[[int, Generated], None] | None = None) -> GenerationResult:
+             on_finish: Callable[[int, Generated], None] | None = None,
+             confidence: str = "softmax") -> GenerationResult:
     """Generate a response for every prompt (lists of token ids); see the module docstring.
 
     use_cache=False: the brute-force reference. seed: an int (row i uses seed + i) or one seed per
@@ -263,14 +264,17 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
     max_new_tokens; the KV cache is sized by max_new_tokens as without it): benchmarks give a
     random-weight model, which never samples an eos, real response lengths. on_finish(i, generated):
     called as prompt i's sequence finishes and leaves the batch, e.g. to verify it while the others
-    still generate (BiC-RL rollouts, DESIGN.md §7).
+    still generate (BiC-RL rollouts, DESIGN.md §7). confidence: "softmax" (DESIGN.md §5) or DICE's
+    "filtered" (`dice.choice`; `evaluate.py --protocol dice`).
     """
     _check_arguments(model, prompts, max_new_tokens, steps_per_block, remasking, temperature, top_k, top_p, threshold)
+    if confidence not in CONFIDENCE or (confidence == "filtered" and temperature == 0):
+        raise ValueError(f"confidence must be one of {CONFIDENCE} (filtered: with temperature > 0), got {confidence!r}")
     if lengths is not None and (len(lengths) != len(prompts) or min(lengths) < 1):
         raise ValueError(f"lengths needs one length >= 1 per prompt; got {len(lengths)} for {len(prompts)} prompts")
     cfg, device, started = model.config, next(model.parameters()).device, time.perf_counter()
     bs, schedule = cfg.block_size, tokens_per_step(cfg.block_size, steps_per_block)
-    s = Sampling(cfg.mask_token_id, temperature, top_k, top_p, remasking, threshold)
+    s = Sampling(cfg.mask_token_id, temperature, top_k, top_p, remasking, threshold, confidence)
     rows = Rows(prompts, bs, max_new_tokens, cfg.mask_token_id, row_seeds(seed, len(prompts)), device, lengths)
     step, forwards = _make_step(model, rows, use_cache, cuda_graphs, compile, fused, temperature)
     commit = _compiled("unmask", unmask) if compile else unmask

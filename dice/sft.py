@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from .config import TrainConfig
-from .data import DataError, RowStream, collate, read_records, record_texts, tokenize_records
+from .data import (DataError, RowStream, collate, read_records, record_texts, tokenize_records,
+                   with_pad_targets)
 from .diffusion import count_samples, diffusion_loss
 from .model import ModelConfig
 from .prompts import thinks
@@ -34,25 +35,35 @@ from .runtime import (MetricsLog, build_model, check_resume, check_run_folder, c
 from .tokenizer import load_tokenizer
 
 # what a resumed SFT run must keep (besides data, model, row length and micro-batches per step)
-RESUME_FIELDS = ("phase", "seed", "batch_size", "loss_norm", "lr", "schedule", "warmup", "min_lr_ratio",
-                 "weight_decay", "adam_beta1", "adam_beta2", "grad_clip", "sft_infill")
+RESUME_FIELDS = ("phase", "seed", "batch_size", "loss_norm", "lr", "schedule", "warmup", "warmup_ratio",
+                 "min_lr_ratio", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip", "sft_infill",
+                 "sft_pad_targets")
 
 
-def sft_sizes(cfg: TrainConfig, device: torch.device) -> tuple[TrainConfig, str | None]:
-    """`cfg` with --batch-size and --max-len resolved (0 = auto): 8 x 2048 on CUDA; on a CPU 1 x
-    1024, and the line that says so. A CPU builds dense masks and attention over the doubled row,
-    memory ~ batch x (2 x length)^2: for dice-tiny 1 x 1024 takes about 1.5 GB, 8 x 2048 17 GB."""
+# DICE's SFT (training/sft/llama_factory_sdar/examples/train_full_sdar/sdar_8b_full.yaml): rows of
+# `cutoff_len: 6144` packed tokens, `per_device_train_batch_size: 1`, no accumulation, on 8 GPUs
+DICE_SFT_ROW, DICE_SFT_ROWS_PER_STEP = 6144, 8
+
+
+def sft_sizes(cfg: TrainConfig, device: torch.device, world: int = 1) -> tuple[TrainConfig, str | None]:
+    """`cfg` with --batch-size, --max-len and --grad-accum resolved (0 = auto): on CUDA DICE's rows
+    of 6144 tokens, one per micro-batch, 8 / processes micro-batches (8 rows a step on 1, 2, 4 or 8
+    GPUs), so no example DICE trains is skipped; on a CPU 1 x 1024, one micro-batch, and the line
+    that says so. A CPU builds dense masks and attention over the doubled row, memory ~ batch x
+    (2 x length)^2: for dice-tiny 1 x 1024 takes about 1.5 GB, 8 x 2048 17 GB."""
     cuda = device.type == "cuda"
-    batch, length = cfg.batch_size or (8 if cuda else 1), cfg.max_len or (2048 if cuda else 1024)
+    batch, length = cfg.batch_size or 1, cfg.max_len or (DICE_SFT_ROW if cuda else 1024)
+    accum = cfg.grad_accum or (max(1, DICE_SFT_ROWS_PER_STEP // world) if cuda else 1)
     picked = [f"--batch-size {batch}"] * (not cfg.batch_size) + [f"--max-len {length}"] * (not cfg.max_len)
     note = None if cuda or not picked else (f"no CUDA GPU: {' '.join(picked)}, which fit in a few GB of memory "
                                             "on a CPU (pass the flag to change it)")
-    return dataclasses.replace(cfg, batch_size=batch, max_len=length), note
+    return dataclasses.replace(cfg, batch_size=batch, max_len=length, grad_accum=accum), note
 
 
-def load_examples(cfg: TrainConfig, tok, row_len: int, one_shot: str | None, log) -> list:
+def load_examples(cfg: TrainConfig, tok, row_len: int, one_shot: str | None, log, block_size: int = 1) -> list:
     """The tokenised examples of --data, in DICE's think-block format when the model's chat template
-    has one (`dice.prompts.thinks`); a file without records, or whose records are all too long, is
+    has one (`dice.prompts.thinks`), with DICE's trained pads under --sft-pad-targets
+    (`dice.data.with_pad_targets`); a file without records, or whose records are all too long, is
     an error that says so."""
     records = read_records(cfg.data)
     if not records:
@@ -67,7 +78,7 @@ def load_examples(cfg: TrainConfig, tok, row_len: int, one_shot: str | None, log
                         "(prompt + response); pass a larger --max-len")
     if skipped:
         log(f"skipped {skipped} examples longer than --max-len {row_len} (prompt + response)")
-    return examples
+    return with_pad_targets(examples, block_size, tok.pad_token_id) if cfg.sft_pad_targets else examples
 
 
 def train_sft(cfg: TrainConfig) -> Path:
@@ -76,12 +87,12 @@ def train_sft(cfg: TrainConfig) -> Path:
     log = make_logger(rt)
     out = Path(cfg.out)
     check_run_folder(out, cfg.resume, cfg.overwrite)
-    cfg, size_note = sft_sizes(cfg, rt.device)
+    cfg, size_note = sft_sizes(cfg, rt.device, rt.world)
     tok = load_tokenizer(cfg.model)
     model = build_model(cfg, rt, log)
     bs = model.config.block_size
     row_len = cfg.max_len - cfg.max_len % bs
-    examples = load_examples(cfg, tok, row_len, one_shot_style(model), log)
+    examples = load_examples(cfg, tok, row_len, one_shot_style(model), log, bs)
     stream = RowStream(examples, row_len, bs, tok.pad_token_id, cfg.seed)
     rows_per_step = cfg.batch_size * cfg.grad_accum * rt.world
     total = cfg.steps or math.ceil(max(cfg.epochs, 1e-9) * stream.epoch_length(0) / rows_per_step)

@@ -104,9 +104,9 @@ class Tokenizer:
             text = text.replace(alias, spelling)
         return self.backend.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: Iterable[int]) -> str:
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         # int() accepts numpy / torch integers, which the Rust side does not.
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def save(self, out_dir: str | os.PathLike) -> None:
         """Write `tokenizer.json`, `tokenizer_config.json` and `added_tokens.json` into `out_dir`.

@@ -19,12 +19,13 @@ def pytest_runtest_logreport(report):
     """With DICE_TEST_LOG=FILE, one JSON line per test as it ends (`python -m dice.bench check`
     reads them, so a run cut short still says what passed and how long each test took)."""
     path = os.environ.get("DICE_TEST_LOG")
-    if not path or not (report.when == "call" or report.outcome != "passed"):
+    if not path or (report.when == "teardown" and report.passed):
         return
+    failure = "\n".join(report.longreprtext.splitlines()[-30:]) if report.failed else ""
     with open(path, "a") as log:
         log.write(json.dumps({"test": report.nodeid, "when": report.when, "outcome": report.outcome,
                               "seconds": round(report.duration, 2), "at": round(time.time(), 1),
-                              "slow": "slow" in report.keywords}) + "\n")
+                              "slow": "slow" in report.keywords, "failure": failure}) + "\n")
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +33,37 @@ def gpu_cache(tmp_path_factory):
     """One build cache for the whole GPU session: the fast build's precompiled header and
     dispatcher, and CuPy's NVRTC cache, are made once."""
     return tmp_path_factory.mktemp("gpu-cache")
+
+
+@pytest.fixture(scope="session")
+def torch_build_cache(tmp_path_factory):
+    """The build cache of Verifiers that build the torch way (a cache of its own: an extension's
+    name does not depend on how it was built)."""
+    return tmp_path_factory.mktemp("gpu-cache-torch")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prebuilt_programs(request):
+    """On a GPU, the load_inline programs the selected GPU tests verify (their modules' PREBUILD
+    list) are built from the session's start, on every core, while the GPU runs the tests before
+    them: the fast way into `gpu_cache`, and torch's way into `torch_build_cache` when a selected
+    test uses it. Verifying a program whose build is still running builds it again (the result is
+    the same: a build is renamed into place whole)."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    from dice.verifier.prebuild import BuildPool
+    selected = [item for item in request.session.items if "gpu" in item.keywords]
+    sources = sorted({src for item in selected for src in getattr(item.module, "PREBUILD", ())})
+    ways = [("fast", "gpu_cache")] + [("torch", "torch_build_cache")] * any(
+        "torch_build_cache" in item.fixturenames for item in selected)
+    pools = [BuildPool(request.getfixturevalue(cache), build=way) for way, cache in ways] if sources else []
+    for pool in pools:
+        for src in sources:
+            pool.submit(src)
+    yield
+    for pool in pools:
+        pool.close()
 
 
 @pytest.fixture(scope="session")

@@ -340,7 +340,7 @@ def test_bench_train_on_cpu_says_it_is_meant_for_a_gpu(capsys):
 @pytest.mark.parametrize("name, argv, shown", [
     ("sample", ["--help"], ["(default: 1024)", "(default: low_confidence_dynamic)", "~2.1x faster"]),
     ("train", ["--help"], ["--lr LR", "0 = 1e-5 for SFT / 1e-6 for RL", "(default: 8)", "{correct,speedup}"]),
-    ("evaluate", ["--help"], ["(default: 120.0)", "(default: 0 for one sample, else 1)"]),
+    ("evaluate", ["--help"], ["default: 120)", "(default: 0 for one sample, else 1)"]),
     ("bench", ["train", "--help"], ["(default: 4096)"]),
 ])
 def test_help_shows_defaults(capsys, monkeypatch, name, argv, shown):
@@ -592,35 +592,6 @@ def test_out_into_a_missing_folder_is_a_usage_error_before_any_work(tmp_path, ca
     err = capsys.readouterr().err
     assert stop.value.code == 2 and f"argument --out: the folder of {target} does not exist" in err
     assert "generating" not in err
-
-
-def test_evaluate_protocol_dice_generates_with_dices_settings(tmp_path, monkeypatch):
-    """--protocol dice: one greedy sample, low_confidence_static, 4096 tokens, 4 steps per block (DICE's
-    evaluation config), whatever the defaults are; a flag that contradicts it is a usage error."""
-    import dice.rollout
-    evaluate = command("evaluate")
-    seen = {}
-
-    def fake_complete(model, tok, prompts, **kwargs):
-        seen.update(kwargs, prompts=len(prompts), block=model.config.block_size)
-        return [dice.rollout.Completion(list(p), [], [], "", None) for p in prompts]
-
-    monkeypatch.setattr(dice.rollout, "complete", fake_complete)
-    tasks = taskgen_file(tmp_path, n=3)
-    args = evaluate.parse_args(["--tasks", str(tasks), "--model", str(DICE_TINY), "--protocol", "dice"])
-    evaluate.generate_solutions(args, evaluate.load_tasks(tasks))
-    assert (seen["temperature"], seen["remasking"], seen["max_new_tokens"], seen["steps_per_block"]) == \
-           (0.0, "low_confidence_static", 4096, 4)
-    assert seen["prompts"] == 3 and seen["block"] == 4
-    default = evaluate.parse_args(["--tasks", str(tasks), "--model", str(DICE_TINY)])
-    assert (default.samples, default.temperature, default.remasking, default.max_new_tokens) == \
-           (1, 0.0, "low_confidence_dynamic", 2048)
-    assert evaluate.parse_args(["--tasks", str(tasks), "--model", str(DICE_TINY), "--samples", "4"]).temperature == 1.0
-    for flag, value in (("--samples", "5"), ("--remasking", "low_confidence_dynamic"), ("--max-new-tokens", "2048"),
-                        ("--temperature", "1")):
-        with pytest.raises(SystemExit) as stop:
-            evaluate.parse_args(["--tasks", str(tasks), "--model", str(DICE_TINY), "--protocol", "dice", flag, value])
-        assert stop.value.code == 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")

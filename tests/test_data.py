@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 
-from dice.data import DataError, Example, RowStream, pack_rows, read_records, record_to_text, tokenize_records
+from dice.data import (DataError, Example, RowStream, pack_rows, read_records, record_to_text, tokenize_records,
+                       with_pad_targets)
 
 
 def test_record_formats_become_chatml():
@@ -118,6 +119,18 @@ def test_packing_restarts_positions_and_pads_blocks():
     assert r["sample_ids"].tolist() == [0, 0, 0, 0, 0, -1, -1, -1, 1, 1, 1, -1]
     assert r["loss_mask"].tolist() == [False, False, True, True, True, False, False, False, False, True, True, False]
     assert rows[1]["sample_ids"].tolist() == [0] * 9 + [-1] * 3
+
+
+def test_dice_pad_targets_are_trained_response_tokens_of_their_sample():
+    """--sft-pad-targets (DICE's fork): prompt [1, 2], response [3, 4, 5] and pad 0 in blocks of 4 become a
+    response [3, 4, 5, 0, 0, 0]; the pads are the sample's (attended) and in the loss; an example
+    already on the block grid gets none."""
+    padded = with_pad_targets([Example([1, 2], [3, 4, 5]), Example([6], [7, 8, 9])], block_size=4, pad_id=0)
+    assert [(e.prompt_ids, e.response_ids) for e in padded] == [([1, 2], [3, 4, 5, 0, 0, 0]), ([6], [7, 8, 9])]
+    r = pack_rows(padded, row_len=12, block_size=4, pad_id=0)[0]
+    assert r["input_ids"].tolist() == [1, 2, 3, 4, 5, 0, 0, 0, 6, 7, 8, 9]
+    assert r["sample_ids"].tolist() == [0] * 8 + [1] * 4
+    assert r["loss_mask"].tolist() == [False, False] + [True] * 6 + [False] + [True] * 3
 
 
 def test_packing_counts_each_sample_padded_to_whole_blocks():

@@ -14,6 +14,11 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
                             reason="needs a Hopper GPU")
 
 
+def slow(*values):
+    """A parameter set the quick GPU check (`-m "gpu and not slow"`) leaves out."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 def rel_err(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -72,9 +77,9 @@ def two_caches(model, length, T, max_len=200):
 @hopper
 @pytest.mark.parametrize("shape,length,T,lf,piece,slack", [
     ("small", 0, 4, 0, None, 64), ("small", 70, 8, 4, None, 64), ("small", 75, 8, 4, None, 0),
-    ("1.7b", 100, 4, 0, None, 64), ("1.7b", 133, 8, 4, None, 64), ("small", 300, 4, 0, 2, 64),
-    ("1.7b", 1000, 8, 4, 16, 64), ("1.7b", 1000, 4, 0, None, 0), ("1.7b", 5000, 8, 4, None, 64),
-    ("vocab 500", 40, 4, 0, None, 64)])
+    ("1.7b", 100, 4, 0, None, 64), slow("1.7b", 133, 8, 4, None, 64), slow("small", 300, 4, 0, 2, 64),
+    slow("1.7b", 1000, 8, 4, 16, 64), slow("1.7b", 1000, 4, 0, None, 0), slow("1.7b", 5000, 8, 4, None, 64),
+    slow("vocab 500", 40, 4, 0, None, 64)])
 def test_every_phase_matches_the_layer_by_layer_model(shape, length, T, lf, piece, slack):
     """Each phase's buffer after a launch of phases [0, p], against the same step written out
     with the model's modules: bf16 rounding differences only (an indexing slip gives O(1) errors).
@@ -99,6 +104,7 @@ def test_every_phase_matches_the_layer_by_layer_model(shape, length, T, lf, piec
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @hopper
 def test_one_launch_equals_a_launch_per_phase_and_both_row_kernels_agree():
     """The ring across phases, the grid barriers and the attention tickets: one persistent launch
@@ -121,6 +127,7 @@ def test_one_launch_equals_a_launch_per_phase_and_both_row_kernels_agree():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @hopper
 def test_bf16_fused_step_is_as_close_to_float32_as_the_layer_by_layer_step():
     from dice.fused import FusedDecoder
@@ -138,7 +145,7 @@ def test_bf16_fused_step_is_as_close_to_float32_as_the_layer_by_layer_step():
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("T,lf", [(4, 0), (8, 4)])
+@pytest.mark.parametrize("T,lf", [(4, 0), slow(8, 4)])
 def test_kernel_greedy_choice_is_the_samplers_on_its_logits(T, lf):
     """The kernel's greedy choice (each block's pass over its own logits, then the last block's combine)
     against `dice.sampler.greedy_choice` on the logits it returns; then with every lm_head row
@@ -166,8 +173,8 @@ def test_kernel_greedy_choice_is_the_samplers_on_its_logits(T, lf):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("remasking,temperature", [("low_confidence_static", 0.0), ("low_confidence_dynamic", 0.0),
-                                                   ("low_confidence_static", 1.0)])
+@pytest.mark.parametrize("remasking,temperature", [("low_confidence_static", 0.0), slow("low_confidence_dynamic", 0.0),
+                                                   slow("low_confidence_static", 1.0)])
 def test_every_fused_step_of_generate_matches_the_layer_by_layer_step(remasking, temperature, monkeypatch):
     """Inside `generate(fused=True)`: each step's logits against the layer-by-layer step run on a
     copy of the same cache (bf16 greedy choices can differ between any two paths on near-ties, so

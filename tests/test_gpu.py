@@ -69,6 +69,7 @@ def test_compiled_steps_agree_with_graphs_on_the_tiny_model(remasking, threshold
     assert graphs.tokens == compiled.tokens and graphs.step_map == compiled.step_map
 
 
+@pytest.mark.slow
 def test_graphs_crossing_kv_buckets_agree_with_brute_force(monkeypatch):
     """Graph replays attend over the cache's filled length rounded up to KV_BUCKET slots; with
     8-slot buckets a 41-token generation crosses several bucket boundaries (one graph each)."""
@@ -82,6 +83,7 @@ def test_graphs_crossing_kv_buckets_agree_with_brute_force(monkeypatch):
     assert graphs.tokens == brute.tokens and graphs.step_map == brute.step_map
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remasking", ["low_confidence_static", "low_confidence_dynamic"])
 def test_cached_equals_brute_force_on_a_random_1p7b_shape_in_fp32(remasking):
     """float32: exact agreement is expected (bf16 near-ties may differ; the bench reports bf16)."""

@@ -94,6 +94,9 @@ def program(edits: dict) -> str:
     return text
 
 
+PREBUILD = [program(edits) for edits, _ in PROGRAMS.values()]   # built from the session's start (conftest)
+
+
 @pytest.fixture(scope="module")
 def fast_verdicts(verifier):
     """The session pool's verdicts (the fast build, DESIGN.md §8.5) on every program, in one map."""
@@ -106,10 +109,10 @@ def test_fast_build_gives_the_expected_verdicts(fast_verdicts):
 
 
 @pytest.mark.slow
-def test_torchs_build_gives_the_fast_builds_verdicts(fast_verdicts, tmp_path):
-    """torch's own load_inline (about a minute of CPU per program, built in parallel by the pool's
-    prebuild) decides every verdict as the fast build did."""
-    with Verifier(workers=4, cache_dir=tmp_path, build="torch") as torch_way:
+def test_torchs_build_gives_the_fast_builds_verdicts(fast_verdicts, torch_build_cache):
+    """torch's own load_inline (about a minute of CPU per program, prebuilt from the session's start)
+    decides every verdict as the fast build did."""
+    with Verifier(workers=4, cache_dir=torch_build_cache, build="torch") as torch_way:
         results = torch_way.map([(TASK, program(edits)) for edits, _ in PROGRAMS.values()], timing=False, trials=2)
     for (name, (_, expected)), fast, slow in zip(PROGRAMS.items(), fast_verdicts, results):
         assert fast.status == slow.status == expected, (name, fast.message, slow.message)

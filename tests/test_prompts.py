@@ -190,3 +190,103 @@ def test_think_format_is_read_from_tokenizer_config_or_else_the_vocabulary(tmp_p
     tok.backend.add_special_tokens(["<think>"])
     tok.save(tmp_path / "c")
     assert thinks(load_tokenizer(tmp_path / "c"))
+
+
+# ---------------------------------------------------------------- DICE's RL chat shape and templates
+
+def test_dice_chat_shape_is_dices_rollout_prompt():
+    """training/RL/sample/sdar_rl_rollout_kernel.py ends both its prompts with
+    ` <|im_end|>\\n<|im_start|>assistant\\n\\n` (a space, then two newlines); ChatML has neither."""
+    assert chat_prompt("Hi", "dice") == "<|im_start|>user\nHi <|im_end|>\n<|im_start|>assistant\n\n"
+    assert chat_prompt("Hi", "chatml") == chat_prompt("Hi") == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert chat_prompt("{x} {user}", "dice").startswith("<|im_start|>user\n{x} {user} <|im_end|>")
+
+
+def test_sdar_and_dice_folders_are_asked_in_dices_shape_and_our_models_in_chatml():
+    from types import SimpleNamespace
+
+    from dice.rollout import prompt_format, task_prompt_ids
+    from dice.tasks import Task
+    sdar, ours = (SimpleNamespace(config=SimpleNamespace(extra=extra)) for extra in ({}, {"dice_one_shot": None}))
+    assert (prompt_format(sdar).chat, prompt_format(sdar).one_shot) == ("dice", "load_inline")
+    assert (prompt_format(ours).chat, prompt_format(ours).one_shot) == ("chatml", None)
+    assert prompt_format(sdar, chat="chatml").chat == "chatml"
+    tok = load_tokenizer(DICE_TINY)
+    ids = task_prompt_ids(tok, Task("t", 1, TASK), fmt=prompt_format(sdar))
+    assert tok.decode(ids) == chat_prompt(kernel_prompt(TASK), "dice")
+
+
+DICE_LIKE_INFILL = ("<|im_start|>user\nGiven:\n```\n{{pytorch_code}}\n``` \n\nPrefix:\n```\n{{prefix}}\n```\n"
+                    "Suffix:\n```\n{{ suffix }}\n``` \nComplete it! <|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_template_is_the_whole_prompt_with_the_task_filled_in_once():
+    from dice.prompts import PromptFormat, fill_template
+    text = PromptFormat(template=DICE_LIKE_INFILL).text("class Model: {{prefix}}", "import a\n", "\nclass ModelNew")
+    assert text == ("<|im_start|>user\nGiven:\n```\nclass Model: {{prefix}}\n``` \n\nPrefix:\n```\nimport a\n\n```\n"
+                    "Suffix:\n```\n\nclass ModelNew\n``` \nComplete it! <|im_end|>\n<|im_start|>assistant\n")
+    assert fill_template("<<{{pytorch_code}}>>", "src") == "<<src>>"
+
+
+@pytest.mark.parametrize("template, infill, problem", [
+    ("{{pytorch_code}}", False, None), (DICE_LIKE_INFILL, True, None),
+    ("no placeholder", False, "an end-to-end prompt needs {{pytorch_code}}"),
+    ("{{pytorch_code}} {{prefix}}", True, "an infilling prompt needs {{suffix}}"),
+    (DICE_LIKE_INFILL, False, "an end-to-end prompt has no skeleton, so no {{prefix}} or {{suffix}}"),
+    ("{{pytorch_code}} {{problem}}", False, "it has the placeholder {{problem}}; the placeholders are"),
+])
+def test_template_problems(template, infill, problem):
+    from dice.prompts import template_problem
+    got = template_problem(template, infill)
+    assert got == problem if problem is None else problem in got
+
+
+def test_a_template_file_that_does_not_fit_is_one_line_naming_it(tmp_path):
+    import sys
+
+    from dice.data import DataError
+    from dice.rollout import load_prompt_template
+    good = tmp_path / "e2e.txt"
+    good.write_text("<|im_start|>user\n{{pytorch_code}} <|im_end|>\n<|im_start|>assistant\n\n")
+    assert load_prompt_template(str(good), infill=False) == good.read_text()
+    with pytest.raises(DataError, match=f"--prompt-template {good}: an infilling prompt needs"):
+        load_prompt_template(str(good), infill=True)
+    with pytest.raises(DataError, match="no such file"):
+        load_prompt_template(str(tmp_path / "missing.txt"), infill=False)
+    bad = tmp_path / "bad.txt"
+    bad.write_text("{{pytorch_code}} {{problem}}")
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import sample
+    from dice.cli import fail_cleanly
+    task = DICE_TINY.parents[1] / "assets" / "examples" / "level1_leaky_relu.py"
+    with pytest.raises(SystemExit) as stop:   # before the model loads
+        fail_cleanly(lambda: sample.main(["--prompt", str(task), "--prompt-template", str(bad)]))
+    assert str(stop.value.code) == (f"error: --prompt-template {bad}: it has the placeholder {{{{problem}}}}; the "
+                                    "placeholders are {{pytorch_code}}, {{prefix}}, {{suffix}}")
+
+
+@pytest.mark.slow
+def test_rl_rollouts_ask_with_the_template(tmp_path, monkeypatch):
+    import dice.rl
+    from dice.config import TrainConfig
+
+    from test_rl import TASKS, rl_model_folder
+    template = tmp_path / "t.txt"
+    template.write_text("<|im_start|>user\nSpeed up:\n{{pytorch_code}} <|im_end|>\n<|im_start|>assistant\n\n")
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def capture(policy, tok, prompts, *args, **kwargs):
+        asked.extend(tok.decode(p) for p in prompts)
+        raise Stop
+
+    monkeypatch.setattr(dice.rl, "generate_and_score", capture)
+    cfg = TrainConfig(phase="e2e", model=str(rl_model_folder(tmp_path / "model")), out=str(tmp_path / "out"),
+                      steps=1, tasks_per_step=1, group_size=2, prompt_template=str(template))
+    with pytest.raises(Stop):
+        dice.rl.train_rl(cfg, reward_fn=lambda tasks, completions: [0.0] * len(completions), tasks=TASKS[:1])
+    assert asked == [f"<|im_start|>user\nSpeed up:\n{TASKS[0].source} <|im_end|>\n<|im_start|>assistant\n\n"] * 2

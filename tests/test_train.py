@@ -284,8 +284,12 @@ def test_sft_sizes_fit_the_machine():
     given, note = sft_sizes(TrainConfig(batch_size=3), torch.device("cpu"))
     assert given.batch_size == 3 and "--max-len 1024" in note and "--batch-size" not in note
     assert sft_sizes(TrainConfig(batch_size=3, max_len=64), torch.device("cpu"))[1] is None
+    assert (cpu.grad_accum, sft_sizes(TrainConfig(grad_accum=3), torch.device("cpu"))[0].grad_accum) == (1, 3)
+    # DICE's sdar_8b_full.yaml: cutoff_len 6144, per-device batch 1, no accumulation, 8 GPUs: 8 rows a step
     gpu, note = sft_sizes(TrainConfig(), torch.device("cuda"))
-    assert (gpu.batch_size, gpu.max_len, note) == (8, 2048, None)
+    assert (gpu.batch_size, gpu.max_len, gpu.grad_accum, note) == (1, 6144, 8, None)
+    assert [sft_sizes(TrainConfig(), torch.device("cuda"), world)[0].grad_accum for world in (2, 8, 16)] == [4, 1, 1]
+    assert sft_sizes(TrainConfig(batch_size=8, max_len=2048), torch.device("cuda"))[0].max_len == 2048
 
 
 def test_optimizer_and_schedule_defaults_are_dices():
@@ -297,11 +301,17 @@ def test_optimizer_and_schedule_defaults_are_dices():
     assert {g["betas"] for g in make_optimizer(model, TrainConfig()).param_groups} == {(0.9, 0.999)}
     chosen = make_optimizer(model, TrainConfig(adam_beta1=0.8, adam_beta2=0.95, lr=3e-4))
     assert {(g["betas"], g["lr"]) for g in chosen.param_groups} == {((0.8, 0.95), 3e-4)}
+    # Hugging Face's warm-up: lr * step / w from step 0 (lr 0 first), then lr
     constant = TrainConfig(lr=1e-5, warmup=4)
-    assert [lr_at(s, 10, constant) for s in (0, 1, 3, 4, 9)] == pytest.approx([2.5e-6, 5e-6, 1e-5, 1e-5, 1e-5])
+    assert [lr_at(s, 10, constant) for s in (0, 1, 3, 4, 9)] == pytest.approx([0, 2.5e-6, 7.5e-6, 1e-5, 1e-5])
+    # DICE's warmup_ratio 0.03, rounded up: 3 steps of 100, 1 of 10
+    assert TrainConfig().warmup_ratio == 0.03
+    assert [lr_at(s, 100, TrainConfig(lr=1e-5)) for s in (0, 1, 2, 3)] == pytest.approx([0, 1e-5 / 3, 2e-5 / 3, 1e-5])
+    assert [lr_at(s, 10, TrainConfig(lr=1e-5)) for s in (0, 1)] == pytest.approx([0, 1e-5])
+    assert lr_at(0, 10, TrainConfig(lr=1e-5, warmup_ratio=0.0)) == 1e-5
     cosine = TrainConfig(lr=1e-5, warmup=4, schedule="cosine", min_lr_ratio=0.1)
     # after warm-up: 0.1 + 0.9 * (1 + cos(pi * (s - 4) / 6)) / 2 of lr
-    assert [lr_at(s, 10, cosine) for s in (3, 4, 7, 10)] == pytest.approx([1e-5, 1e-5, 5.5e-6, 1e-6])
+    assert [lr_at(s, 10, cosine) for s in (3, 4, 7, 10)] == pytest.approx([7.5e-6, 1e-5, 5.5e-6, 1e-6])
     with pytest.raises(ValueError, match="--adam-beta2 must be in"):
         TrainConfig(adam_beta2=1.0)
 

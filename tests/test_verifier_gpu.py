@@ -11,6 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
+ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
 RELU_TASK = (FIXTURES / "relu_task.py").read_text()
 POSITIVE_TASK = (FIXTURES / "relu_positive_task.py").read_text()
@@ -88,6 +89,7 @@ POISON = cupy_candidate(RELU_FORWARD.replace("relu_kernel", "far_write_kernel"))
 
 NVRTC_BROKEN = KERNELS + '\nextern "C" __global__ void broken_kernel(float* y) { y[0] = missing_name; }\n'
 BROKEN_INLINE = INLINE_RELU.replace("y[i] = x[i] > 0.0f", "y[i] = undefined_thing > 0.0f")
+PREBUILD = [INLINE_RELU, BROKEN_INLINE]   # built from the session's start (conftest)
 UNTIMED = {   # name: (task, candidate), verified together by `untimed`
     "wrong": (RELU_TASK, WRONG),
     "poison": (RELU_TASK, POISON),
@@ -149,6 +151,7 @@ def test_illegal_address_costs_only_its_worker(verifier, untimed):
     assert verifier.verify(RELU_TASK, GOOD, timing=False).correct
 
 
+@pytest.mark.slow
 def test_a_reference_that_asserts_on_the_device_costs_only_its_task(verifier):
     # an out-of-range index asserts inside PyTorch's own kernel and poisons the judge's context
     asserting = RELU_TASK.replace("return torch.relu(x)",
@@ -172,6 +175,7 @@ v.verify(open(sys.argv[1]).read(), open(sys.argv[2]).read(), timing=False, timeo
 '''
 
 
+@pytest.mark.slow
 def test_no_worker_outlives_a_killed_owner_while_a_kernel_hangs(tmp_path):
     """The owner of a Verifier (a script without a __main__ guard) is SIGKILLed while its
     candidate's kernel spins on the GPU: within 2 s no process of its workers is left."""
@@ -186,7 +190,8 @@ def test_no_worker_outlives_a_killed_owner_while_a_kernel_hangs(tmp_path):
     spinning = tmp_path / "spinning"
     owner = subprocess.Popen([sys.executable, str(tmp_path / "owner.py"), str(tmp_path / "task.py"),
                               str(tmp_path / "candidate.py"), str(tmp_path / "cache")],
-                             cwd=Path(__file__).resolve().parents[1], env={**os.environ, "DICE_TEST_SPINNING": str(spinning)})
+                             cwd=ROOT, env={**os.environ, "DICE_TEST_SPINNING": str(spinning),
+                                  "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     deadline = time.monotonic() + 120    # the pool starts, the candidate compiles and launches its kernel
     while not spinning.exists() and owner.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -327,17 +327,31 @@ TIMING_ATTACKS = {
 }
 
 
+# the integrity smoke test: what `pytest -m "gpu and not slow"` runs of this module (every case is slow otherwise)
+SMOKE = ("decoy tensor method", "constant plus jitter", "elementwise", "load_inline elementwise",
+         "skips its kernel on every other timed call")
+
+
+def cases(names) -> list:
+    return [pytest.param(n, marks=() if n in SMOKE else pytest.mark.slow) for n in names]
+
+
 @pytest.fixture(scope="module")
-def timed(verifier):
-    """{name: result} of every attack, honest control and timing attack (and the honest ReLU the
-    timing attacks are held against), verified with timing in one `map` of the session's pool."""
-    cases = {**{f"attack: {k}": v[:2] for k, v in ATTACKS.items()}, **{f"honest: {k}": v for k, v in HONEST.items()},
-             **{f"timing: {k}": (RELU_TASK, v) for k, v in TIMING_ATTACKS.items()},
+def timed(request, verifier):
+    """{name: result} of the attacks, honest controls and timing attacks whose tests are selected (and
+    the honest ReLU the timing attacks are held against), verified with timing in one `map`."""
+    selected = {(item.originalname, item.callspec.params["name"]) for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")}
+    cases = {**{f"attack: {k}": v[:2] for k, v in ATTACKS.items()
+                if ("test_every_attack_class_is_not_correct", k) in selected},
+             **{f"honest: {k}": v for k, v in HONEST.items() if ("test_honest_controls_stay_correct", k) in selected},
+             **{f"timing: {k}": (RELU_TASK, v) for k, v in TIMING_ATTACKS.items()
+                if ("test_timing_attacks_gain_nothing", k) in selected},
              "honest relu": (RELU_TASK, candidate(OWN_RELU))}
     return dict(zip(cases, verifier.map(list(cases.values()), timing=True)))
 
 
-@pytest.mark.parametrize("name", list(ATTACKS))
+@pytest.mark.parametrize("name", cases(ATTACKS))
 def test_every_attack_class_is_not_correct(timed, name):
     status = ATTACKS[name][2]
     result = timed[f"attack: {name}"]
@@ -378,6 +392,7 @@ class ModelNew(nn.Module):
         return ext.mse(x.contiguous())
 '''
 
+PREBUILD = [INLINE_RELU, INLINE_MSE]   # built from the session's start (conftest)
 HONEST = {
     "elementwise": (RELU_TASK, candidate(OWN_RELU)),
     "a persistent workspace recomputed every call": (RELU_TASK, candidate(
@@ -418,7 +433,7 @@ HONEST = {
 }
 
 
-@pytest.mark.parametrize("name", list(HONEST))
+@pytest.mark.parametrize("name", cases(HONEST))
 def test_honest_controls_stay_correct(timed, name):
     result = timed[f"honest: {name}"]
     assert result.correct, (name, result)
@@ -437,7 +452,7 @@ def test_the_dice_precision_accepts_a_tf32_gemm_the_strict_one_rejects(verifier)
     assert dice.correct and strict.status == "incorrect", (dice, strict)
 
 
-@pytest.mark.parametrize("name", list(TIMING_ATTACKS))
+@pytest.mark.parametrize("name", cases(TIMING_ATTACKS))
 def test_timing_attacks_gain_nothing(timed, name):
     honest_relu = timed["honest relu"]
     assert honest_relu.correct, honest_relu

@@ -288,7 +288,7 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
 def bench_rl(args, bench) -> None:
     """`python -m dice.bench rl` (module docstring): build, replay, run the step(s), print the table."""
     from ..rl import curriculum, step_tasks
-    from ..rollout import task_prompt_ids
+    from ..rollout import prompt_format, task_prompt_ids
     from ..runtime import Runtime, make_optimizer
     from ..tokenizer import load_tokenizer
     from .train import model_config
@@ -312,8 +312,7 @@ def bench_rl(args, bench) -> None:
     tok = ReplayTokenizer(load_tokenizer(tok_dir) if tok_dir else None, config.vocab_size, config.mask_token_id)
     model = build_policy(config, rt.device, args.grad_ckpt, args.seed)
     infill = args.phase == "infill"
-    prompts = [task_prompt_ids(tok, t, infill=infill, one_shot=config.extra.get("dice_one_shot", "load_inline"))
-               for t in chosen]
+    prompts = [task_prompt_ids(tok, t, infill=infill, fmt=prompt_format(model)) for t in chosen]
     if max(max(p) for p in prompts) >= config.vocab_size:
         sys.exit(f"--tokenizer {tok_dir} has ids beyond the model's vocabulary of {config.vocab_size}; pass the "
                  "tokenizer of this shape (the SDAR tokenizer for 1.7b/4b/8b) or none")

@@ -179,12 +179,15 @@ def bench_verify(args, run) -> None:
     os.environ["CUPY_CACHE_DIR"] = os.path.join(scratch, "cupy")  # workers inherit it: cold NVRTC
     cupy = {k: [(task, CUPY_CANDIDATE.format(**f)) for task, f in variants(n_cupy, salt + k)] for k in "abcd"}
     start = time.perf_counter()
+    timing = not args.skip_timed
     with Verifier(workers=workers, judges=1, cache_dir=os.path.join(scratch, "cache")) as verifier:
-        _map_row(run, verifier, f"cupy, cold pool ({workers} workers, 1 judge), timing", cupy["a"], started=start)
+        _map_row(run, verifier, f"cupy, cold pool ({workers} workers, 1 judge), {'timing' if timing else 'no timing'}",
+                 cupy["a"], started=start, timing=timing)
         _map_row(run, verifier, "cupy, warm pool, no timing (RL reward)", cupy["c"], timing=False)
-        _map_row(run, verifier, "cupy, warm pool, timing", cupy["b"])
+        if timing:
+            _map_row(run, verifier, "cupy, warm pool, timing", cupy["b"])
     for build in BUILDS[args.build] if n_inline else ():
-        _inline_rows(run, build, workers, n_inline, salt, os.path.join(scratch, f"cache-{build}"))
+        _inline_rows(run, build, workers, n_inline, salt, os.path.join(scratch, f"cache-{build}"), timing)
     run.check("cupy, 2 judges")
     with Verifier(workers=workers, judges=2, cache_dir=os.path.join(scratch, "cache")) as verifier:
         run.verify_map(verifier, cupy["a"], "warming the 2-judge pool", timing=False)
@@ -218,18 +221,21 @@ def build_way(build: str | None):
             os.environ["DICE_INLINE_BUILD"] = before
 
 
-def _inline_rows(run, build: str, workers: int, n: int, salt: str, cache_dir: str) -> None:
+def _inline_rows(run, build: str, workers: int, n: int, salt: str, cache_dir: str, timing: bool) -> None:
     """The load_inline rows for one build way, in a fresh build cache."""
     inline = [(task, INLINE_CANDIDATE.format(**f)) for task, f in variants(n, salt + "i" + build)]
     run.check(f"load_inline ({build} build)")
     with build_way(build), Verifier(workers=workers, judges=1, cache_dir=cache_dir) as verifier:
         first = "cold build cache" + (" and precompiled header" if build == "fast" else "")
-        _map_row(run, verifier, f"load_inline ({build} build), warm pool, {first}, timing", inline)
-        _map_row(run, verifier, f"load_inline ({build} build), warm pool, warm build cache, timing", inline)
+        how = "timing" if timing else "no timing"
+        _map_row(run, verifier, f"load_inline ({build} build), warm pool, {first}, {how}", inline, timing=timing)
+        _map_row(run, verifier, f"load_inline ({build} build), warm pool, warm build cache, {how}", inline,
+                 timing=timing)
         if build == "fast":
             again = [(task, INLINE_CANDIDATE.format(**f)) for task, f in variants(n, salt + "j")]
-            _map_row(run, verifier, "load_inline (fast build), warm pool, cold build cache, timing", again)
-            label = "load_inline (fast build), BuildPool prebuild then verify, timing"
+            _map_row(run, verifier, f"load_inline (fast build), warm pool, cold build cache, {how}", again,
+                     timing=timing)
+            label = f"load_inline (fast build), BuildPool prebuild then verify, {how}"
             run.check(label)
             prebuilt = [(task, INLINE_CANDIDATE.format(**f)) for task, f in variants(n, salt + "p")]
             start = time.perf_counter()
@@ -238,7 +244,7 @@ def _inline_rows(run, build: str, workers: int, n: int, salt: str, cache_dir: st
                 reports = [f.result() for f in [pool.submit(candidate) for _, candidate in prebuilt]]
             built = time.perf_counter() - start
             busy = verifier.judge_busy_s
-            results, seconds, complete = run.verify_map(verifier, prebuilt, label)
+            results, seconds, complete = run.verify_map(verifier, prebuilt, label, timing=timing)
             _row(run, f"{label} (prebuild {built:.0f} s; {dict(collections.Counter(r['status'] for r in reports))})",
                  n, results, built + seconds, complete, (verifier.judge_busy_s - busy) / (built + seconds))
 
@@ -381,6 +387,7 @@ def main(argv=None) -> None:
     parser.add_argument("--kernels", type=int, default=32, help="CuPy kernels per CuPy row")
     parser.add_argument("--inline-kernels", type=int, default=4, help="load_inline kernels per load_inline row")
     parser.add_argument("--skip-one-process", action="store_true", help="skip the KernelBench-way row")
+    parser.add_argument("--skip-timed", action="store_true", help="verify without timing only (the RL reward's way)")
     parser.add_argument("--check", metavar="JSON", help="instead verify the reference solutions in a DICE JSON file")
     parser.add_argument("--timing", action="store_true", help="with --check: also time each solution")
     parser.add_argument("--limit", type=int, help="with --check: only the first N solutions")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from .keeper import kill_tree, set_child_subreaper
+from .keeper import POLL_S, kill_tree, set_child_subreaper
 
 CHILD_FILE_BYTES = 2**30      # largest file a child may write (a build's objects)
 REPORT_BYTES = 2**20
@@ -187,8 +187,18 @@ def _finish(selector, running: dict, fd: int, timed_out: str | None) -> None:
     sys.stdout.flush()
 
 
+def _die_with(server: int) -> None:
+    """In a build child: once its server is gone (even SIGKILLed, so that no stdin closes and no
+    `_finish` comes), kill everything below this child and exit; polled every POLL_S."""
+    while os.getppid() == server:
+        time.sleep(POLL_S)
+    kill_tree(os.getpid(), include_root=False)
+    os._exit(1)
+
+
 def _child(report_fd: int, candidate_src: str, root: str, capability, build: str) -> None:
     """Import the candidate with load_inline building into the cache; report as JSON."""
+    threading.Thread(target=_die_with, args=(os.getppid(),), daemon=True).start()
     os.setsid()
     set_child_subreaper()   # what the candidate starts stays below us for kill_tree
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
