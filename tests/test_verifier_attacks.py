@@ -366,6 +366,9 @@ OUTPUT_CONTROLS = {   # honest: they must stay correct
     "the reference's own (transposed) strides": (TRANSPOSE_TASK, _model("return x.clamp_min(0).t()")),
     "contiguous where the reference is transposed": (TRANSPOSE_TASK, _model("return x.clamp_min(0).t().contiguous()")),
     "a repeat of the row": (ROWS_TASK, _model("return x.mean(0, keepdim=True).relu().repeat(x.shape[0], 1)")),
+    # the reference returns a view of its input, so may the candidate (its memory is the caller's input)
+    "a view of the input, as the reference's": (RELU_TASK.replace("return torch.relu(x)", "return x.view(-1)"),
+                                                _model("return x.view(-1)")),
 }
 
 

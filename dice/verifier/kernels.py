@@ -157,7 +157,8 @@ def _cuda_elf_entries(data: bytes, off: int) -> list[str]:
         return []
 
 
-MANGLED = re.compile(rb"_Z[A-Za-z0-9_]{4,}")
+MANGLED = re.compile(rb"(?<![A-Za-z0-9_])_Z[A-Za-z0-9_]{4,}")
+SCAN_CHUNK = 4 * 2**20     # scanned a few MB at a time, so the scan lets the trainer's other threads run
 
 
 def library_kernel_names(paths) -> frozenset[str]:
@@ -171,7 +172,12 @@ def library_kernel_names(paths) -> frozenset[str]:
         try:
             with open(path, "rb") as f:
                 for data in _read_only_sections(f):
-                    names.update(qualified_from_mangled(m.decode()) for m in MANGLED.findall(data))
+                    start = 0
+                    while start < len(data):
+                        end = data.find(b"\0", start + SCAN_CHUNK)
+                        end = len(data) if end < 0 else end
+                        names.update(qualified_from_mangled(m.decode()) for m in MANGLED.findall(data, start, end))
+                        start = end
         except OSError:
             continue
     names.discard("")

@@ -190,8 +190,9 @@ class CandidateHandler:
                                  "written after torch's current stream finished: forward launched work on "
                                  "another stream without making the current stream wait for it"})
         calls = [outputs] + ([second] if second is not None else [])
+        views = {i for i, _ in aliased_outputs(outputs, inputs)}   # judged as aliasing the inputs instead
         reused = sorted({i for k, call in enumerate(calls)
-                         for i, _ in aliased_outputs(call, self.earlier + [t for c in calls[:k] for t in c])})
+                         for i, _ in aliased_outputs(call, self.earlier + [t for c in calls[:k] for t in c])} - views)
         self.earlier += [t for call in calls for t in call]
         return self._finish({"status": "ok", "outputs": self._ship(outputs),
                              "second": self._ship(second) if second is not None else None,
