@@ -73,6 +73,7 @@ class TrainConfig:
     block_size: int = 4
     # BiC-RL (dice.rl)
     tasks_per_step: int = 64
+    task_order: str = "curriculum"
     group_size: int = 16
     max_new_tokens: int = 4096
     temperature: float = 1.0
@@ -124,7 +125,7 @@ class TrainConfig:
 CHOICES = {"phase": ("init", "sft", "infill", "e2e"), "dtype": ("auto", "bf16", "fp32"),
            "schedule": ("constant", "cosine"), "attention": ("auto", "flex", "dense"), "remasking": REMASKING,
            "reward": ("correct", "speedup"), "minibatch_order": ("contiguous", "shuffle"),
-           "optimizer_state": ("step", "run")}
+           "optimizer_state": ("step", "run"), "task_order": ("curriculum", "interleaved")}
 AT_LEAST = {"steps": 0, "epochs": 0, "batch_size": 0, "grad_accum": 0, "max_len": 0, "tasks_per_step": 1,
             "group_size": 1, "max_new_tokens": 1, "temperature": 0, "steps_per_block": 1, "rollout_batch": 1,
             "updates_per_step": 0, "rows_per_update": 1}
@@ -173,7 +174,9 @@ HELP = {
     "num_kv_heads": "--phase init: key/value heads",
     "intermediate_size": "--phase init: MLP width",
     "block_size": "--phase init: diffusion block size",
-    "tasks_per_step": "RL: tasks per step, in curriculum order",
+    "tasks_per_step": "RL: tasks per step, in --task-order, wrapping",
+    "task_order": "RL: curriculum (DICE: ascending level, so a short run moves from level 1 to 3) or interleaved "
+                  "(every step holds each level in its share of the data)",
     "group_size": "RL: samples per task (one advantage group)",
     "max_new_tokens": "RL: tokens generated per sample",
     "temperature": "RL: sampling temperature",
