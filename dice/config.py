@@ -209,6 +209,9 @@ _RL_DEMO = {"steps": 6, "tasks_per_step": 32, "group_size": 8, "max_new_tokens":
             "rows_per_update": 64, "rollout_batch": 256, "batch_size": 64, "verify_timeout": 5.0, "save_every": 2,
             "verifier_workers": max(1, min(14, (os.cpu_count() or 4) - 2))}
 # per phase: the flags' values, then (taskgen split, tasks drawn); dice-tiny's card has its recipe
+# dice-tiny's SFT data: `python -m dice.taskgen`'s train.json (its default --train, seed 0), which the
+# embedded RL tasks must not repeat
+EMBEDDED_SFT_TASKS = 4000
 EMBEDDED = {"sft": ({"steps": 30, "save_every": 10}, ("train", 200)),
             "infill": (_RL_DEMO, ("rl", 200)), "e2e": (_RL_DEMO, ("rl", 200))}
 
