@@ -4,12 +4,16 @@ Three visibility rules are used in this project, all with "True = may attend":
 
 * block-causal (inference): query i sees key j iff block(j) <= block(i), block(i) = pos(i) // B
   on the absolute position grid (the prompt included);
-* block-diffusion (training, the doubled sequence [x_t ; x_0] whose halves both carry positions
-  0..n-1), with b the block and h the half (0 noisy, 1 clean) of query q and key k:
-      b_q == b_k and h_q == h_k            (bidirectional inside a block, within one half)
-      h_q == 0, h_k == 1, b_q >  b_k       (a noisy block sees the clean past)
-      h_q == 1, h_k == 1, b_q >= b_k       (the clean half is block-causal)
-  and with packing, q and k must also belong to the same sample;
+* block-diffusion (training): the clean stream x_0 (positions 0..n-1) beside noisy copies of it
+  (SFT's doubled sequence [x_t ; x_0] has one; the RL update [x_t^1 ; ... ; x_t^R ; x_0] one per
+  trace round, each holding some of the blocks at their positions). With b the block and s the
+  stream (0 the clean stream, r >= 1 noisy copy r) of query q and key k:
+      b_q == b_k and s_q == s_k            (bidirectional inside a block, within one stream)
+      s_q >= 1, s_k == 0, b_q >  b_k       (a noisy block sees the clean past)
+      s_q == 0, s_k == 0, b_q >= b_k       (the clean stream is block-causal)
+  and with packing, q and k must also belong to the same sample. The clean stream sees no noisy
+  copy, so its states, and with them every copy's, do not depend on which other copies share the
+  sequence: R copies beside one clean stream give each copy what a doubled row of its own gives;
 * cached decoding: a new token sees every committed key of its own sequence (padding excluded)
   plus the new tokens under the block-causal rule.
 
@@ -33,22 +37,45 @@ def block_causal_mask(position_ids: torch.Tensor, block_size: int) -> torch.Tens
     return block.unsqueeze(-1) >= block.unsqueeze(-2)
 
 
-def block_diffusion_visible(q_block, k_block, q_clean, k_clean, q_sample, k_sample):
+def block_diffusion_visible(q_block, k_block, q_stream, k_stream, q_sample, k_sample):
     """The block-diffusion training rule (module docstring), elementwise on broadcastable tensors."""
-    same_half_block = (q_block == k_block) & (q_clean == k_clean)
+    q_clean, k_clean = q_stream == 0, k_stream == 0
+    same_stream_block = (q_block == k_block) & (q_stream == k_stream)
     noisy_sees_past = ~q_clean & k_clean & (q_block > k_block)
     clean_causal = q_clean & k_clean & (q_block >= k_block)
-    return (same_half_block | noisy_sees_past | clean_causal) & (q_sample == k_sample)
+    return (same_stream_block | noisy_sees_past | clean_causal) & (q_sample == k_sample)
 
 
 def _doubled_descriptors(position_ids: torch.Tensor, block_size: int, sample_ids: torch.Tensor | None):
-    """Per-token (block, is_clean, sample) of the doubled sequence from the [B, n] half's positions."""
+    """Per-token (block, stream, sample) of the doubled sequence [x_t ; x_0] from the [B, n] half's
+    positions: the first half is noisy copy 1, the second the clean stream."""
     n = position_ids.shape[-1]
     block = (position_ids // block_size).repeat(1, 2)
-    clean = (torch.arange(2 * n, device=position_ids.device) >= n).expand_as(block)
+    stream = (torch.arange(2 * n, device=position_ids.device) < n).long().expand_as(block)
     if sample_ids is None:
         sample_ids = torch.zeros_like(position_ids)
-    return block, clean, sample_ids.repeat(1, 2)
+    return block, stream, sample_ids.repeat(1, 2)
+
+
+def streams_mask(block: torch.Tensor, stream: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+    """Dense [B, L, L] training mask from each token's block, stream and sample, all [B, L]."""
+    q = lambda t: t.unsqueeze(-1)  # noqa: E731 - broadcast along keys
+    k = lambda t: t.unsqueeze(-2)  # noqa: E731 - broadcast along queries
+    return block_diffusion_visible(q(block), k(block), q(stream), k(stream), q(sample), k(sample))
+
+
+def flex_streams_mask(block: torch.Tensor, stream: torch.Tensor, sample: torch.Tensor):
+    """The same rule as `streams_mask`, as a FlexAttention BlockMask (CUDA training)."""
+    if create_block_mask is None:
+        raise RuntimeError("FlexAttention needs torch >= 2.5; pass the dense block_diffusion_mask instead")
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return block_diffusion_visible(block[b, q_idx], block[b, kv_idx], stream[b, q_idx],
+                                       stream[b, kv_idx], sample[b, q_idx], sample[b, kv_idx])
+
+    L = block.shape[1]
+    # compiled, mask creation visits block pairs instead of materialising [B, L, L]
+    return create_block_mask(mask_mod, block.shape[0], None, L, L, device=block.device, _compile=block.is_cuda)
 
 
 def block_diffusion_mask(position_ids: torch.Tensor, block_size: int,
@@ -61,33 +88,19 @@ def block_diffusion_mask(position_ids: torch.Tensor, block_size: int,
     if position_ids.dim() == 1:
         position_ids = position_ids.unsqueeze(0)
         sample_ids = None if sample_ids is None else sample_ids.unsqueeze(0)
-    block, clean, sample = _doubled_descriptors(position_ids, block_size, sample_ids)
-    q = lambda t: t.unsqueeze(-1)  # noqa: E731 - broadcast along keys
-    k = lambda t: t.unsqueeze(-2)  # noqa: E731 - broadcast along queries
-    return block_diffusion_visible(q(block), k(block), q(clean), k(clean), q(sample), k(sample))
+    return streams_mask(*_doubled_descriptors(position_ids, block_size, sample_ids))
 
 
 def flex_block_diffusion_mask(position_ids: torch.Tensor, block_size: int,
                               sample_ids: torch.Tensor | None = None):
     """The same rule as `block_diffusion_mask`, as a FlexAttention BlockMask (CUDA training)."""
-    if create_block_mask is None:
-        raise RuntimeError("FlexAttention needs torch >= 2.5; pass the dense block_diffusion_mask instead")
-    block, clean, sample = _doubled_descriptors(position_ids, block_size, sample_ids)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return block_diffusion_visible(block[b, q_idx], block[b, kv_idx], clean[b, q_idx],
-                                       clean[b, kv_idx], sample[b, q_idx], sample[b, kv_idx])
-
-    L = block.shape[1]
-    # compiled, mask creation visits block pairs instead of materialising [B, L, L]
-    return create_block_mask(mask_mod, block.shape[0], None, L, L, device=position_ids.device,
-                             _compile=position_ids.is_cuda)
+    return flex_streams_mask(*_doubled_descriptors(position_ids, block_size, sample_ids))
 
 
 _compiled_flex = None
-# Compiled FlexAttention compiles once per shape. The RL update's bucketed round batches
-# (`dice.trace.flex_shape`) meet about a dozen shapes, past dynamo's default of 8 recompiles, after
-# which every new shape would run the uncompiled kernel, which materialises the full score matrix.
+# Compiled FlexAttention compiles once per shape. The RL update's bucketed batches
+# (`dice.packing.flex_shape`) can meet more than dynamo's default of 8 recompiles, after which
+# every new shape would run the uncompiled kernel, which materialises the full score matrix.
 FLEX_RECOMPILES = 64
 # A float-bias (decoding) call uses explicit products when it has at most DECODE_ROWS folded query
 # rows and fewer than DECODE_PAIRS (batch row, KV head) pairs: SDPA spreads its work over those

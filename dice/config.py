@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cli import ArgumentParser
+from .packing import UPDATE_ROWS
 from .sampler import REMASKING
 
 # DICE's gradient is 1/32 of ours at the same loss (its 32 accumulation steps divide it twice: DESIGN.md §7),
@@ -81,6 +82,8 @@ class TrainConfig:
     threshold: float = 0.9
     steps_per_block: int = 4
     rollout_batch: int = 64
+    update_tokens: int = 16384
+    update_rows: str = "response"
     updates_per_step: int = 0
     rows_per_update: int = 256
     minibatch_order: str = "contiguous"
@@ -111,8 +114,6 @@ class TrainConfig:
             self.lr = 1e-6 if rl else 1e-5
         if not self.grad_clip:
             self.grad_clip = RL_GRAD_CLIP if rl else 1.0
-        if rl and not self.batch_size:
-            self.batch_size = 8
         norms = ("step", "response") if rl else ("batch", "sample")
         self.loss_norm = self.loss_norm or norms[0]
         if self.loss_norm not in norms:
@@ -125,10 +126,11 @@ class TrainConfig:
 CHOICES = {"phase": ("init", "sft", "infill", "e2e"), "dtype": ("auto", "bf16", "fp32"),
            "schedule": ("constant", "cosine"), "attention": ("auto", "flex", "dense"), "remasking": REMASKING,
            "reward": ("correct", "speedup"), "minibatch_order": ("contiguous", "shuffle"),
-           "optimizer_state": ("step", "run"), "task_order": ("curriculum", "interleaved")}
+           "optimizer_state": ("step", "run"), "update_rows": UPDATE_ROWS,
+           "task_order": ("curriculum", "interleaved")}
 AT_LEAST = {"steps": 0, "epochs": 0, "batch_size": 0, "grad_accum": 0, "max_len": 0, "tasks_per_step": 1,
             "group_size": 1, "max_new_tokens": 1, "temperature": 0, "steps_per_block": 1, "rollout_batch": 1,
-            "updates_per_step": 0, "rows_per_update": 1}
+            "update_tokens": 1, "updates_per_step": 0, "rows_per_update": 1}
 HELP = {
     "phase": "init: a from-scratch model folder; sft: masked-diffusion SFT; infill, e2e: the BiC-RL phases",
     "model": "the model folder to train; required with --data (neither: the embedded default, dice-tiny)",
@@ -138,7 +140,7 @@ HELP = {
            "required for --phase init (the new model folder) and with --resume",
     "steps": "optimiser steps (SFT) or RL steps; required with --data (SFT: this or --epochs)",
     "epochs": "SFT passes over the data, when --steps is 0",
-    "batch_size": "rows per process per micro-batch; 0 = SFT 1 (DICE's per GPU); RL 8 trace rounds",
+    "batch_size": "SFT rows per process per micro-batch; 0 = 1 (DICE's per GPU); RL: --update-tokens",
     "grad_accum": "SFT micro-batches per optimiser step; 0 = on CUDA 8 / processes (DICE's 8 rows a step: 8 GPUs "
                   "x 1), on a CPU 1",
     "lr": "peak learning rate; 0 = 1e-5 for SFT / 1e-6 for RL (DESIGN.md §4, §7)",
@@ -184,6 +186,10 @@ HELP = {
     "threshold": "RL: confidence threshold of low_confidence_dynamic",
     "steps_per_block": "RL: denoising steps per block",
     "rollout_batch": "RL: sequences generated per batch",
+    "update_tokens": "RL: tokens per update micro-batch (every noisy copy and clean stream counted; a response "
+                     "whose rounds pass it is split over several clean streams)",
+    "update_rows": "RL: response (a response's trace rounds share one clean stream) or round (one doubled row "
+                   "per round, the per-round path; the same loss)",
     "updates_per_step": "RL: optimiser steps per RL step; 0 = one per --rows-per-update trace rounds (DICE)",
     "rows_per_update": "RL: trace rounds per optimiser step when --updates-per-step is 0 (DICE: 8 GPUs x 32)",
     "minibatch_order": "RL: which rounds share an optimiser step: contiguous (DICE: consecutive rows, response by "
@@ -206,7 +212,7 @@ EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "dice-tiny"
 # dice-tiny's recipe (its card); a rollout of a quarter of DICE's 64 x 16 samples takes an optimiser
 # step per a quarter of DICE's 256 trace rounds, so the ratio and KL act as in DICE
 _RL_DEMO = {"steps": 6, "tasks_per_step": 32, "group_size": 8, "max_new_tokens": 704, "lr": 2e-5,
-            "rows_per_update": 64, "rollout_batch": 256, "batch_size": 64, "verify_timeout": 5.0, "save_every": 2,
+            "rows_per_update": 64, "rollout_batch": 256, "update_tokens": 65536, "verify_timeout": 5.0, "save_every": 2,
             "verifier_workers": max(1, min(14, (os.cpu_count() or 4) - 2))}
 # per phase: the flags' values, then (taskgen split, tasks drawn); dice-tiny's card has its recipe
 # dice-tiny's SFT data: `python -m dice.taskgen`'s train.json (its default --train, seed 0), which the

@@ -7,7 +7,8 @@ compiles and is correct; in the `infill` phase also only if the program keeps th
 and suffix), and form group z-score advantages A = (R - mean_g) / std_g, dropping groups whose
 rewards are all equal.
 
-Trace -> training rounds: `dice.trace`.
+Trace -> training rounds: `dice.trace`; their forwards, a response's rounds beside one clean
+stream in micro-batches sized by tokens: `dice.packing`.
 
 Objective per loss token (ids kept from generation, never re-tokenised):
     rho = exp(logp_new - logp_old)
@@ -48,7 +49,8 @@ from .rollout import (auto_rollout_batch, complete, generate_and_score, generati
                       prompt_format, task_prompt_ids)
 from .checkpoint import load_model
 from .data import DataError
-from .trace import Round, RoundBatch, build_round_batch, round_logprobs, row_weights, trace_rounds
+from .packing import PackedBatch, empty_batch, group_rounds, micro_batches, pack, packed_logprobs, update_flops
+from .trace import row_weights, trace_rounds
 from .tasks import Task, load_tasks
 from .tokenizer import load_tokenizer
 from .runtime import (MetricsLog, build_model, check_resume, check_run_folder, checkpoint_step, make_logger,
@@ -167,7 +169,7 @@ class _FullParameters:
 
 def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: RewardFn, seed: int, infill: bool, *,
             overlap: str = "stream", low_precision: bool = True, auto_batch: bool = False,
-            lengths: Sequence[int] | None = None, fmt: PromptFormat | None = None):
+            lengths: Sequence[int] | None = None, fmt: PromptFormat | None = None, progress=None):
     """Generate `group_size` responses per task and reward them while generation goes on
     (`dice.rollout.generate_and_score`; overlap "stream": each block's finished responses go to
     the reward at once, up to `verifier_workers` calls at a time). Sample j of the task in slot k
@@ -175,7 +177,8 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
     spread over processes. Responses come from `generation_copy` (bf16 on CUDA under bf16
     autocast; low_precision=False: the model itself) in batches of `rollout_batch`, or with
     auto_batch as many as fit in memory (`auto_rollout_batch`). lengths: one forced response
-    length per response, in that order (`python -m dice.bench rl`). Returns (completions,
+    length per response, in that order (`python -m dice.bench rl`); progress(generated, scored,
+    total) follows them (`generate_and_score`). Returns (completions,
     rewards, results, timings): `results` are the verifier results of every completion, in order
     (None where the reward has none, see `Scores`); timings also name the rollout batch used.
     fmt: the prompt format (None: the model's, `prompt_format`)."""
@@ -191,80 +194,94 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
         else cfg.rollout_batch
     completions, rewards, results, timings = generate_and_score(
         policy, tok, prompts, owners, seeds, lambda ts, cs: score(reward_fn, ts, cs), batch_size=size,
-        overlap=overlap, lanes=cfg.verifier_workers, lengths=lengths, max_new_tokens=cfg.max_new_tokens,
+        overlap=overlap, lanes=cfg.verifier_workers, lengths=lengths, progress=progress,
+        max_new_tokens=cfg.max_new_tokens,
         steps_per_block=cfg.steps_per_block, remasking=cfg.remasking, threshold=cfg.threshold,
         temperature=cfg.temperature)
     return completions, rewards, results, {**timings, "rollout_batch": size}
 
 
-def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer, pad_id: int, seed: int = 0) -> dict:
-    """U optimiser steps over the kept responses' trace rounds (module docstring): U =
-    `updates_per_step`, or with 0 one per `rows_per_update` round rows of all processes, as in DICE.
-
-    Minibatch u holds each process's u-th run of rows (`minibatches`; shuffled with seed + rank
-    under `--minibatch-order shuffle`), cut into micro-batches of similar length; the token weights
-    (`row_weights`) count rows and responses over all processes, so a micro-batch's backward is
-    already its share of the step. Under FSDP every backward is a collective, so each rank runs as
-    many micro-batches as the busiest rank, padding with empty ones (a forward and backward with no
-    loss token)."""
-    bs, mask_id = model.config.block_size, model.config.mask_token_id
+def update_plan(completions, advantages, cfg, rt, block_size: int, mask_id: int, pad_id: int, use_flex: bool,
+                seed: int = 0) -> tuple[list[list[PackedBatch]], int, int]:
+    """The update's micro-batches, per optimiser step (module docstring; `dice.packing`): the kept
+    responses' trace rounds as round rows, split into U optimiser steps (U = `updates_per_step`, or
+    with 0 one per `rows_per_update` round rows of all processes, as in DICE; step u holds each
+    process's u-th run of rows, `minibatches`, shuffled with seed + rank under `--minibatch-order
+    shuffle`), each step's rows weighted by `row_weights` and packed into micro-batches of
+    `update_tokens` tokens. Returns (the micro-batches of every step, the responses and the round
+    rows of all processes). Under FSDP every backward is a collective, so each rank runs as many
+    micro-batches as the busiest rank, padding with empty ones."""
     kept = [k for k, a in enumerate(advantages) if a is not None and completions[k].tokens]
-    n_responses = rt.all_sum(len(kept))
-    if n_responses == 0:   # every group had equal rewards: no signal, and Adam's momentum must not move us
-        return {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "responses_trained": 0, "rounds": 0}
+    n_responses = int(rt.all_sum(len(kept)))
     items = [(k, completions[k], rnd) for k in kept
-             for rnd in trace_rounds(completions[k].step_map, len(completions[k].prompt_ids), bs,
+             for rnd in trace_rounds(completions[k].step_map, len(completions[k].prompt_ids), block_size,
                                      completions[k].tail_step_map)]
-    U = cfg.updates_per_step or max(1, math.ceil(rt.all_sum(len(items)) / cfg.rows_per_update))
+    n_rows = int(rt.all_sum(len(items)))
+    if n_responses == 0:
+        return [], 0, 0
+    U = cfg.updates_per_step or max(1, math.ceil(n_rows / cfg.rows_per_update))
     width = int(rt.all_max(max((len(completions[k].tokens) for k in kept), default=0)))   # L1
-    steps = minibatches(items, U, cfg.minibatch_order, seed + rt.rank)
-    rows = [rt.all_sum(len(step_rows)) for step_rows in steps]
-    plan = [_micro(step_rows, cfg.batch_size) for step_rows in steps]
-    plan = [chunks + [[]] * (int(rt.all_max(len(chunks))) - len(chunks)) for chunks in plan]
+    plan = []
+    for step in minibatches(items, U, cfg.minibatch_order, seed + rt.rank):
+        weights = row_weights(step, cfg.loss_norm, width=width, rows=int(rt.all_sum(len(step))),
+                              responses=n_responses, updates=U)
+        groups = group_rounds(step, weights, cfg.update_rows, block_size, cfg.update_tokens)
+        batches = [pack([chunk] if use_flex else [[g] for g in chunk], mask_id, pad_id, advantages)
+                   for chunk in micro_batches(groups, cfg.update_tokens)]
+        plan.append(batches + [empty_batch(block_size, pad_id)] * (int(rt.all_max(len(batches))) - len(batches)))
+    return plan, n_responses, n_rows
 
-    def round_batch(chunk, u: int) -> RoundBatch:
-        if not chunk:   # an empty micro-batch: one row without loss tokens
-            return build_round_batch([(0, completions[0], Round([], []))], bs, mask_id, pad_id, advantages, [0.0])
-        weights = row_weights(chunk, cfg.loss_norm, width=width, rows=rows[u], responses=n_responses, updates=U)
-        return build_round_batch(chunk, bs, mask_id, pad_id, advantages, weights)
 
-    batches = [[round_batch(chunk, u) for chunk in chunks] for u, chunks in enumerate(plan)]
-    flex = {"flex": True, "dense": False}.get(cfg.attention)   # auto (None): FlexAttention on CUDA
+def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer, pad_id: int, seed: int = 0,
+                  progress=None) -> dict:
+    """The optimiser steps of one RL step over the kept responses' trace rounds (`update_plan`).
+    The token weights count rows and responses over all processes, so a micro-batch's backward is
+    already its share of the step; with several steps the ratio is to the rollout policy's
+    log-probs, taken before the first. progress(done, total) follows the micro-batches. kl and
+    clip_fraction are means over every loss token of all processes; flops is the update's model
+    FLOPs (`dice.packing.update_flops`), all processes'."""
+    config = model.config
+    use_flex = {"flex": True, "dense": False}.get(cfg.attention, next(model.parameters()).device.type == "cuda")
+    plan, n_responses, n_rows = update_plan(completions, advantages, cfg, rt, config.block_size,
+                                            config.mask_token_id, pad_id, use_flex, seed)
+    if not plan:   # every group had equal rewards: no signal, and Adam's momentum must not move us
+        return {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "responses_trained": 0, "rounds": 0, "flops": 0.0}
+    U, total = len(plan), sum(map(len, plan))
+    flops = sum(update_flops(config, b) for step in plan for b in step)
     old = None
     if U > 1:   # the rollout policy's log-probs, before the first update
         with torch.no_grad(), rt.autocast(cfg.dtype):
-            old = [[round_logprobs(model, b, flex) for b in minibatch] for minibatch in batches]
-    stats = {"loss": 0.0, "kl": [], "clip_fraction": []}
-    for u, minibatch in enumerate(batches):
-        for i, batch in enumerate(minibatch):
+            old = [[packed_logprobs(model, b, use_flex) for b in step] for step in plan]
+        flops += sum(update_flops(config, b, backward=False) for step in plan for b in step)
+    if ref_model is not None:
+        flops += sum(update_flops(config, b, backward=False) for step in plan for b in step)
+    loss_sum, kl_sum, clipped, n_tokens, done = 0.0, 0.0, 0.0, 0, 0
+    for u, step in enumerate(plan):
+        for i, batch in enumerate(step):
             with rt.autocast(cfg.dtype):
-                logp = round_logprobs(model, batch, flex)
+                logp = packed_logprobs(model, batch, use_flex)
                 logp_ref = None
                 if ref_model is not None:
                     with torch.no_grad():
-                        logp_ref = round_logprobs(ref_model, batch, flex)
+                        logp_ref = packed_logprobs(ref_model, batch, use_flex)
             logp_old = old[u][i] if old else logp.detach()
             tok_loss, s = policy_loss(logp, logp_old, batch.advantage.to(logp.device),
                                       clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta, logp_ref=logp_ref)
             loss = (tok_loss * batch.token_weight.to(logp.device)).sum()
             (loss * rt.world).backward()   # FSDP averages over ranks; weights already use the global count
-            stats["loss"] += loss.item() / U
-            if batch.advantage.numel():
-                stats["kl"].append(s["kl"])
-                stats["clip_fraction"].append(s["clip_fraction"])
+            n = batch.advantage.numel()
+            loss_sum, kl_sum, clipped, n_tokens = (loss_sum + loss.item() / U, kl_sum + s["kl"] * n,
+                                                   clipped + s["clip_fraction"] * n, n_tokens + n)
+            done += 1
+            if progress is not None:
+                progress(done, total)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return {"loss": rt.all_sum(stats["loss"]), "kl": statistics.fmean(stats["kl"]) if stats["kl"] else 0.0,
-            "clip_fraction": statistics.fmean(stats["clip_fraction"]) if stats["clip_fraction"] else 0.0,
-            "responses_trained": int(n_responses), "rounds": len(items)}
-
-
-def _micro(items: list, size: int):
-    """Micro-batches of `size` rounds sorted by row length (prompt + response + tail), so that
-    padding (to the longest row, or to `flex_shape`) wastes little and similar lengths share a shape."""
-    items = sorted(items, key=lambda it: len(it[1].prompt_ids) + len(it[1].tokens) + len(it[1].tail_tokens))
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    n_tokens = rt.all_sum(n_tokens)
+    return {"loss": rt.all_sum(loss_sum), "kl": rt.all_sum(kl_sum) / max(n_tokens, 1),
+            "clip_fraction": rt.all_sum(clipped) / max(n_tokens, 1), "responses_trained": n_responses,
+            "rounds": n_rows, "flops": rt.all_sum(flops)}
 
 
 def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, infill: bool, rt,

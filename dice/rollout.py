@@ -180,8 +180,8 @@ def auto_rollout_batch(model, prompt_lens: Sequence[int], max_new_tokens: int) -
 class _Scorer:
     """Scoring calls on `lanes` background threads; `busy_s` is the time with at least one running."""
 
-    def __init__(self, score: Callable, lanes: int):
-        self.score, self.calls = score, []
+    def __init__(self, score: Callable, lanes: int, on_scored: Callable[[int], None] | None = None):
+        self.score, self.calls, self.on_scored = score, [], on_scored
         self.pool = ThreadPoolExecutor(max_workers=max(1, lanes), thread_name_prefix="dice-score")
         self.lock, self.running, self.since, self.busy_s = threading.Lock(), 0, 0.0, 0.0
 
@@ -195,12 +195,15 @@ class _Scorer:
                 self.since = time.perf_counter()
             self.running += 1
         try:
-            return self.score(owners, completions)
+            scores = self.score(owners, completions)
         finally:
             with self.lock:
                 self.running -= 1
                 if self.running == 0:
                     self.busy_s += time.perf_counter() - self.since
+        if self.on_scored is not None:
+            self.on_scored(len(completions))
+        return scores
 
     def collect(self, n: int) -> tuple[list[float], list]:
         rewards, results = [0.0] * n, [None] * n
@@ -216,7 +219,8 @@ class _Scorer:
 
 def generate_and_score(model, tokenizer, prompts: Sequence[Sequence[int]], owners: Sequence, seeds: Sequence[int],
                        score: Callable, *, batch_size: int, overlap: str = "stream", lanes: int = 1,
-                       lengths: Sequence[int] | None = None, **generate_kwargs):
+                       lengths: Sequence[int] | None = None, progress: Callable[[int, int, int], None] | None = None,
+                       **generate_kwargs):
     """Completions for `prompts` (generated `batch_size` at a time) scored by `score(owners,
     completions)`, which returns a `dice.rl.Scores` for the owners (tasks) and completions it is given.
 
@@ -225,14 +229,23 @@ def generate_and_score(model, tokenizer, prompts: Sequence[Sequence[int]], owner
     the first finished rollout, not on the batch's last; "batch" scores each rollout batch as one
     call once it is generated, one call at a time, while the next batch generates (the earlier
     way); "none" scores everything after the last batch (no overlap; for measurements).
-    Returns (completions, rewards, results, timings), in prompt order; timings: generate_s (the
-    generating thread), verify_s (time with a scoring call running) and verify_wait_s (scoring
-    left after the last batch: the part generation did not hide)."""
+    progress(generated, scored, total) is called as sequences finish and as scoring calls return
+    (from the scoring threads too). Returns (completions, rewards, results, timings), in prompt
+    order; timings: generate_s (the generating thread), verify_s (time with a scoring call
+    running) and verify_wait_s (scoring left after the last batch: the part generation did not hide)."""
     if overlap not in OVERLAP:
         raise ValueError(f"overlap must be one of {OVERLAP}, got {overlap!r}")
     n = len(prompts)
     completions: list = [None] * n
-    scorer = _Scorer(score, lanes if overlap == "stream" else 1)
+    counts, lock = [0, 0], threading.Lock()
+
+    def count(which: int, k: int) -> None:
+        with lock:
+            counts[which] += k
+            if progress is not None:
+                progress(counts[0], counts[1], n)
+
+    scorer = _Scorer(score, lanes if overlap == "stream" else 1, on_scored=lambda k: count(1, k))
     generate_s = 0.0
     try:
         for start in range(0, n, batch_size):
@@ -241,6 +254,7 @@ def generate_and_score(model, tokenizer, prompts: Sequence[Sequence[int]], owner
             def finished(j: int, completion: Completion, batch=batch, pending=pending) -> None:
                 completions[batch[j]] = completion
                 pending.append(batch[j])
+                count(0, 1)
 
             def flush(_positions: int, pending=pending) -> None:
                 if pending:

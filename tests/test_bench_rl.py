@@ -1,13 +1,14 @@
-"""`python -m dice.bench rl` on the CPU: the replayed programs, the token counts, and one step of a
-tiny model with the Python reward (issue 27)."""
+"""`python -m dice.bench rl` on the CPU: the replayed programs and their references' verdicts, the
+token counts, and one step of a tiny model with the Python reward (issues 27, 36)."""
 import ast
+import dataclasses
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-from dice.bench.rl import CHARS_PER_TOKEN, ReplayTokenizer, replay_programs, with_device_line
+from dice.bench.replay import CHARS_PER_TOKEN, ReplayTokenizer, replay_programs, with_device_line
 from dice.bench.verify import CUPY_CANDIDATE, INLINE_CANDIDATE, TASK
 from dice.tasks import load_tasks
 
@@ -72,13 +73,83 @@ def test_one_step_on_a_tiny_model_with_the_python_reward(solutions, capsys):
     assert "2 tasks x 2 = 4 rollouts" in out and "an estimate of 3.8 chars a token" in out
     lines = out.splitlines()
     table = lines[lines.index(next(line for line in lines if line.strip().startswith("run"))):][:3]
-    assert "batch overlap, batch 64, fp32 rollouts, dense update" in table[1]
-    assert "stream overlap, batch 4, fp32 rollouts, dense update" in table[2]
+    assert "stream overlap, batch 4, fp32 rollouts, dense update, round rows" in table[1]
+    assert "stream overlap, batch 4, fp32 rollouts, dense update, response rows" in table[2]
     assert all("update (" in row or "generate (" in row for row in table[1:])
     assert out.count("4 rollouts, 32 tokens") == 2 and "reward mean 0.50" in out
+    assert "references not checked (python reward)" in out
 
 
 def test_verifier_reward_without_a_gpu_is_one_line(solutions, capsys):
     from dice.bench import main
     with pytest.raises(SystemExit, match="--reward verifier needs a CUDA GPU; pass --reward python"):
         main(["rl", "--shape", str(TINY), "--solutions", str(solutions)])
+
+
+class VerdictVerifier:
+    """What `correct_references` needs of a Verifier: a cache folder and map, whose verdict is the
+    reference's first line (a comment) and which records the programs it was given."""
+
+    def __init__(self, cache_dir):
+        self.cache_dir, self.seen = cache_dir, []
+
+    def map(self, pairs, progress=None, on_broken_task=None, **options):
+        from types import SimpleNamespace
+        results = []
+        for i, (task, program) in enumerate(pairs):
+            self.seen.append(program)
+            status = program.splitlines()[0].lstrip("# ")
+            if status == "task_error":
+                on_broken_task(i, ValueError("the reference failed"))
+                results.append(None)
+            else:
+                results.append(SimpleNamespace(status=status))
+            progress(i, results[-1])
+        return results
+
+
+def test_only_references_the_verifier_calls_correct_are_replayed_each_checked_once(tmp_path):
+    from dice.bench.common import BenchRun
+    from dice.bench.replay import correct_references
+    from dice.tasks import Task
+    verdicts = ["correct", "incorrect", "correct", "task_error", "compile_error", "correct", "correct"]
+    tasks = [Task(f"t{i}", 1 + i // 4, f"class Model: pass  # {i}", solution=f"# {v}\nclass ModelNew: pass  # {i}")
+             for i, v in enumerate(verdicts)]
+    verifier = VerdictVerifier(tmp_path)
+    chosen, seen = correct_references(tasks, 3, verifier, BenchRun("rl"), timeout_s=1.0)
+    # curriculum order; t1 and t3 fail, so t4 (compile_error) and t5 are checked next
+    assert [t.name for t in chosen] == ["t0", "t2", "t5"]
+    assert dict(seen) == {"correct": 3, "incorrect": 1, "task_error": 1, "compile_error": 1}
+    assert len(verifier.seen) == 6
+    again = VerdictVerifier(tmp_path)     # a later run: every verdict from the cache, one new reference
+    chosen, _ = correct_references(tasks, 4, again, BenchRun("rl"), timeout_s=1.0)
+    assert [t.name for t in chosen] == ["t0", "t2", "t5", "t6"] and again.seen == [tasks[6].solution]
+    changed = [dataclasses.replace(tasks[0], solution="# incorrect\nclass ModelNew: pass")]
+    assert correct_references(changed, 1, VerdictVerifier(tmp_path), BenchRun("rl"), timeout_s=1.0)[0] == []
+
+
+def test_the_tokenizer_that_counts(tmp_path, monkeypatch):
+    from dice.bench.replay import tokenizer_folder
+    monkeypatch.chdir(tmp_path)
+    assert tokenizer_folder("1.7b", None) is None and tokenizer_folder("1.7b", "given") == "given"
+    (tmp_path / "shared" / "sdar-chat").mkdir(parents=True)
+    (tmp_path / "shared" / "sdar-chat" / "tokenizer.json").write_text("{}")
+    assert tokenizer_folder("8B", None) == "shared/sdar-chat"
+    assert tokenizer_folder(str(TINY), None) is None          # a model folder without a tokenizer: the estimate
+
+
+@pytest.mark.gpu
+def test_one_step_with_the_verifier_on_the_gpu(tmp_path, capsys, monkeypatch):
+    """1 task x 2 samples of a CuPy reference (NVRTC builds, no load_inline build), one broken: the
+    reference is verified once and its verdict kept, the step's verdicts are the replayed ones."""
+    from dice.bench import main
+    monkeypatch.setenv("DICE_CACHE_DIR", str(tmp_path / "cache"))
+    fields = {"tag": "t1", "scale": "2.5", "shift": "0.25"}
+    path = tmp_path / "cupy.json"
+    path.write_text(json.dumps([{"id": 1, "level": 1, "pytorch_code": TASK.format(**fields),
+                                 "cuda_code": CUPY_CANDIDATE.format(**fields)}]))
+    main(["rl", "--shape", str(TINY), "--solutions", str(path), "--tasks-per-step", "1", "--group-size", "2",
+          "--max-new-tokens", "8", "--workers", "2", "--broken", "0.5", "--attention", "dense"])
+    out = capsys.readouterr().out
+    assert "references checked: correct 1" in out and "verdicts compile_error=1 correct=1" in out
+    assert list(json.loads((tmp_path / "cache" / "bench-rl-references.json").read_text()).values()) == ["correct"]

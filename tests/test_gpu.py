@@ -113,3 +113,26 @@ def test_static_decoding_does_not_wait_on_the_gpu_per_step():
 
     generate(model, PROMPTS[:2], max_new_tokens=8)   # lazy initialisation outside the count
     assert syncs(32) == syncs(64) > 0
+
+
+@torch.no_grad()
+def test_flex_packed_update_rows_equal_dense():
+    """The update's packed micro-batch (several responses, each with noisy copies of its rounds
+    beside one clean stream) through FlexAttention equals the dense mask (float32, 1.7B layer shapes:
+    FlexAttention's kernels need head_dim >= 64 in practice; forward only)."""
+    import random
+
+    from dice.packing import group_rounds, pack, packed_logprobs
+    from dice.rollout import Completion
+    from dice.trace import trace_rounds
+    model = random_model("1.7b", dtype=torch.float32, num_hidden_layers=2)
+    rng, comps = random.Random(0), []
+    for prompt_len, n in ((37, 90), (64, 41), (5, 150)):
+        steps = [s for b in range(0, n, 4) for s in rng.choices(range(4 * b, 4 * b + 4), k=min(4, n - b))]
+        comps.append(Completion(rng.choices(range(1000), k=prompt_len), rng.choices(range(1000), k=n), steps, "", None))
+    items = [(k, c, r) for k, c in enumerate(comps) for r in trace_rounds(c.step_map, len(c.prompt_ids), 4)]
+    batch = pack([group_rounds(items, [1.0] * len(items), "response", 4, 10**6)], 151669, 0, [1.0] * 3)
+    assert batch.stream.max() >= 3 and batch.ids.shape[1] > 256
+    dense, flex = packed_logprobs(model, batch, use_flex=False), packed_logprobs(model, batch, use_flex=True)
+    assert dense.shape == (sum(len(c.tokens) for c in comps),)
+    torch.testing.assert_close(flex, dense, atol=1e-3, rtol=0)

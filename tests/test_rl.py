@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dice import load_model
-from dice.rl import (build_round_batch, group_advantages, policy_loss, policy_update, round_logprobs, row_weights,
-                     trace_rounds, train_rl)
+from dice.packing import group_rounds, pack, packed_logprobs
+from dice.rl import group_advantages, policy_loss, policy_update, row_weights, trace_rounds, train_rl
 from dice.runtime import Runtime
 from dice.rollout import Completion
 from dice.sampler import generate
@@ -53,6 +53,34 @@ def test_trace_rounds_tail_is_context_not_loss():
     assert as_lists(rounds) == [([6, 7, 8, 9, 10, 11], [6, 8]), ([7, 9], [7, 9])]
 
 
+def plain_trace_rounds(step_map, prompt_len, block_size, tail_step_map=()):
+    """DESIGN.md §7's rounds, one block and one step at a time."""
+    blocks = {}
+    for i, step in enumerate([*step_map, *tail_step_map]):
+        pos = prompt_len + i
+        blocks.setdefault(pos // block_size, []).append((pos, step, i < len(step_map)))
+    rounds = []
+    for tokens in blocks.values():
+        for r, s in enumerate(sorted({step for _, step, in_response in tokens if in_response})):
+            if r == len(rounds):
+                rounds.append(([], []))
+            rounds[r][0].extend(p for p, step, _ in tokens if step >= s)
+            rounds[r][1].extend(p for p, step, in_response in tokens if step == s and in_response)
+    return [(sorted(m), sorted(l)) for m, l in rounds]
+
+
+def test_trace_rounds_equal_the_plain_replay_on_random_step_maps():
+    import random
+    rng = random.Random(0)
+    for _ in range(300):
+        prompt_len, n, tail = rng.randint(1, 13), rng.randint(1, 30), rng.randint(0, 3)
+        step_map = [rng.randint(1, 12) for _ in range(n)]
+        tail_map = [rng.randint(1, 12) for _ in range(tail)]
+        assert as_lists(trace_rounds(step_map, prompt_len, 4, tail_map)) == \
+            plain_trace_rounds(step_map, prompt_len, 4, tail_map)
+    assert trace_rounds([], 5, 4, [1, 2]) == []
+
+
 class Recorder(torch.nn.Module):
     """Wraps a model and records the ids and logits of every uncached sampler forward."""
 
@@ -91,21 +119,23 @@ def test_rounds_replay_exactly_what_the_sampler_saw(remasking, threshold, prompt
     assert not eos_cut or (len(tokens) < 14 and tokens[-1] in eos)
     comp = Completion(prompt, tokens, step_map, "", None, out.tail_tokens[0], out.tail_step_map[0])
     rounds = trace_rounds(step_map, prompt_len, 4, comp.tail_step_map)
-    batch = build_round_batch([(0, comp, r) for r in rounds], 4, model.config.mask_token_id, 0, [1.0],
-                              [1.0] * len(rounds))
+    batch = pack([group_rounds([(0, comp, r) for r in rounds], [1.0] * len(rounds), "response", 4, 10**6)],
+                 model.config.mask_token_id, 0, [1.0])
     # the sampler's forward k (1-based) is denoising step k, over the clean past and the current
-    # block; a round must show the model exactly that: its clean half before the block, its noisy
-    # half in the block, tail positions included
+    # block; a round's noisy copy must show the model exactly that: the clean stream before the
+    # block, the copy's block (tail positions included) in the state of that step
+    stream, block = batch.stream[0], batch.position_ids[0] // 4
+    clean = batch.ids[0][stream == 0]
     expected = []
-    for row, rnd in enumerate(rounds):
-        for p in rnd.loss:
-            ids, logits = rec.calls[step_map[p - prompt_len] - 1]
-            b0 = p // 4 * 4
-            assert torch.equal(batch.clean[row, :b0], ids[0, :b0])
-            assert torch.equal(batch.noisy[row, b0:b0 + 4], ids[0, b0:b0 + 4])
-            expected.append(logits[0, p].log_softmax(-1)[tokens[p - prompt_len]])
+    for _, j in batch.loss_at.nonzero().tolist():
+        p = int(batch.position_ids[0, j])
+        ids, logits = rec.calls[step_map[p - prompt_len] - 1]
+        b0 = p // 4 * 4
+        assert torch.equal(clean[:b0], ids[0, :b0])
+        assert torch.equal(batch.ids[0][(stream == stream[j]) & (block == p // 4)], ids[0, b0:b0 + 4])
+        expected.append(logits[0, p].log_softmax(-1)[tokens[p - prompt_len]])
     with torch.no_grad():
-        replayed = round_logprobs(model, batch)
+        replayed = packed_logprobs(model, batch)
     assert len(replayed) == len(tokens)
     torch.testing.assert_close(replayed, torch.stack(expected), rtol=0, atol=1e-4)
 
@@ -159,7 +189,7 @@ def test_loss_token_weights_of_both_normalisations_hand_computed():
     step = row_weights(items, "step", width=4, rows=4, responses=2, updates=1)
     response = row_weights(items, "response", width=4, rows=4, responses=2, updates=1)
     assert step == [1 / 16] * 4 and response == [1 / 4, 1 / 8, 1 / 8, 1 / 8]
-    batch = build_round_batch(items, 4, 3, 0, [1.0, -1.0], response)
+    batch = pack([group_rounds(items, response, "response", 4, 10**6)], 3, 0, [1.0, -1.0])
     torch.testing.assert_close(batch.token_weight, torch.tensor([1 / 4, 1 / 4, 1 / 8, 1 / 8, 1 / 8, 1 / 8]))
     assert batch.token_weight.sum() == pytest.approx(1.0)    # each response weighs 1 / responses
 
@@ -175,15 +205,15 @@ def test_a_100_and_a_1000_token_response_weigh_9_and_91_percent_under_step():
         assert per_response[0] / sum(per_response) == pytest.approx(short_share)
 
 
-@pytest.mark.parametrize("norm, micro, expected", [("step", 8, 2 / 16), ("step", 1, 2 / 16),
-                                                   ("response", 8, 0.0), ("response", 1, 0.0)])
-def test_policy_update_loss_hand_computed(norm, micro, expected):
+@pytest.mark.parametrize("norm, expected", [("step", 2 / 16), ("response", 0.0)])
+@pytest.mark.parametrize("rows, update_tokens", [("response", 10**6), ("response", 1), ("round", 10**6)])
+def test_policy_update_loss_hand_computed(norm, expected, rows, update_tokens):
     """One on-policy update (ratio 1, no KL): each token's term is -A. SHORT (A = +1, 2 tokens) and LONG
-    (A = -1, 4 tokens): step (-2 + 4) / 16 = 0.125; response -2/4 + 4/8 = 0; in one micro-batch or
-    one row per micro-batch alike."""
+    (A = -1, 4 tokens): step (-2 + 4) / 16 = 0.125; response -2/4 + 4/8 = 0; with the rounds of a
+    response beside one clean stream or each round in a micro-batch of its own alike."""
     model = load_model(TINY)
-    cfg = TrainConfig(phase="e2e", model=str(TINY), out="unused", batch_size=micro, kl_beta=0.0, loss_norm=norm,
-                      dtype="fp32")
+    cfg = TrainConfig(phase="e2e", model=str(TINY), out="unused", update_tokens=update_tokens, update_rows=rows,
+                      kl_beta=0.0, loss_norm=norm, dtype="fp32")
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
     stats = policy_update(model, None, [SHORT, LONG], [1.0, -1.0], cfg, Runtime(torch.device("cpu")), optimizer, 0)
     assert stats["loss"] == pytest.approx(expected, abs=1e-6) and stats["rounds"] == 4
@@ -200,7 +230,7 @@ def test_later_updates_of_a_step_are_measured_against_the_rollout_policy(updates
     completions = [Completion(prompt, [5, 6, 7, 8, 9], [1, 2, 2, 3, 4], "", None),
                    Completion(prompt, [9, 8, 7, 6, 5], [1, 1, 2, 3, 3], "", None)]
     assert len(step_items(completions)) == 6         # 3 round rows each
-    cfg = TrainConfig(phase="e2e", model=str(TINY), out="unused", updates_per_step=updates, batch_size=8,
+    cfg = TrainConfig(phase="e2e", model=str(TINY), out="unused", updates_per_step=updates,
                       rows_per_update=rows_per_update, kl_beta=0.01, dtype="fp32")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     taken = []
@@ -210,20 +240,50 @@ def test_later_updates_of_a_step_are_measured_against_the_rollout_policy(updates
     assert (stats["kl"] > 1e-6) == (steps > 1), stats
 
 
+@pytest.mark.parametrize("updates", [1, 2])
+def test_shared_clean_stream_update_equals_the_per_round_update_fp64(updates):
+    """policy_update with a response's rounds beside one clean stream (update_rows response, in small
+    token budgets that split some responses) and with one doubled row per round: the same loss, KL
+    and parameters after each plain SGD step (float64; with 2 updates the second step's ratio and
+    KL to the rollout log-probs act)."""
+    prompt = list(range(10, 17))
+    completions = [Completion(prompt, [5, 6, 7, 8, 9, 10], [1, 2, 2, 3, 4, 5], "", None, [3, 4, 5], [6, 5, 5]),
+                   Completion(prompt[:5], [9, 8, 7, 6, 5, 4, 3], [1, 1, 2, 3, 3, 5, 4], "", None),
+                   Completion(prompt[:2], [4, 4], [1, 2], "", None)]
+    results = []
+    for rows, budget in (("round", 10**6), ("response", 10**6), ("response", 25)):
+        model = load_model(TINY).double()
+        cfg = TrainConfig(phase="e2e", model=str(TINY), out="unused", updates_per_step=updates, update_rows=rows,
+                          update_tokens=budget, kl_beta=0.05, dtype="fp32", grad_clip=1e9)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        stats = policy_update(model, None, completions, [1.0, -0.5, 0.25], cfg, Runtime(torch.device("cpu")),
+                              optimizer, 0)
+        results.append((stats, [p.detach().clone() for p in model.parameters()]))
+    (want, want_params), *others = results
+    assert want["rounds"] == 3 + 3 + 2 and (want["kl"] > 1e-9) == (updates > 1)
+    for stats, params in others:
+        for key in ("loss", "kl", "clip_fraction"):
+            assert stats[key] == pytest.approx(want[key], rel=1e-9, abs=1e-15), key
+        for a, b in zip(params, want_params):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-13)
+    assert others[0][0]["flops"] < others[1][0]["flops"] < want["flops"]   # split streams cost more, rows most
+
+
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_gradient_raises_positive_and_lowers_negative_advantage_tokens(sign):
     model = load_model(TINY)
     prompt, tokens = list(range(10, 17)), [5, 6, 7, 8, 9]
     comp = Completion(prompt, tokens, [1, 2, 2, 3, 4], "", None)
-    items = [(0, comp, r) for r in trace_rounds(comp.step_map, len(prompt), 4)]
-    batch = build_round_batch(items, 4, model.config.mask_token_id, 0, [sign], [1 / len(tokens)] * len(items))
-    before = round_logprobs(model, batch, use_flex=False).detach()
-    loss, _ = policy_loss(round_logprobs(model, batch, False), before, batch.advantage, clip_eps=0.2, kl_beta=0.0)
+    rounds = trace_rounds(comp.step_map, len(prompt), 4)
+    batch = pack([group_rounds([(0, comp, r) for r in rounds], [1 / len(tokens)] * len(rounds), "response", 4, 10**6)],
+                 model.config.mask_token_id, 0, [sign])
+    before = packed_logprobs(model, batch, use_flex=False).detach()
+    loss, _ = policy_loss(packed_logprobs(model, batch, False), before, batch.advantage, clip_eps=0.2, kl_beta=0.0)
     (loss * batch.token_weight).sum().backward()
     with torch.no_grad():
         for p in model.parameters():
             p -= 0.05 * p.grad
-    after = round_logprobs(model, batch, use_flex=False).detach()
+    after = packed_logprobs(model, batch, use_flex=False).detach()
     assert len(before) == len(tokens)
     assert ((after - before) * sign > 0).all()
 
@@ -251,7 +311,7 @@ def test_tiny_run_with_python_reward_raises_the_reward(tmp_path):
         return [sum(t in chosen for t in c.tokens) / max(len(c.tokens), 1) for c in completions]
 
     cfg = TrainConfig(phase="e2e", model=str(folder), out=str(tmp_path / "out"), steps=8, tasks_per_step=4,
-                      group_size=8, max_new_tokens=12, lr=5e-3, rollout_batch=32, batch_size=16, seed=0,
+                      group_size=8, max_new_tokens=12, lr=5e-3, rollout_batch=32, seed=0,
                       kl_beta=0.0)
     train_rl(cfg, reward_fn=share_of_target, tasks=tasks)
     records = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -259,6 +319,27 @@ def test_tiny_run_with_python_reward_raises_the_reward(tmp_path):
     assert len(rewards) == 8 and all(r["step_time_s"] > 0 for r in records)
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     assert load_model(tmp_path / "out" / "final").config.extra["dice_one_shot"] is None
+
+
+@pytest.mark.slow
+def test_train_rl_loss_of_the_shared_stream_equals_the_per_round_rows(tmp_path):
+    """train.py's RL loop (--phase e2e; infill shares the code) on a fixed seed: one step with a
+    response's rounds beside one clean stream and one with a doubled row per round roll out the same
+    responses and report the same loss."""
+    folder = rl_model_folder(tmp_path / "model")
+
+    def reward(tasks, completions):
+        return [sum(t % 3 == 0 for t in c.tokens) / max(len(c.tokens), 1) for c in completions]
+
+    losses = []
+    for rows in ("response", "round"):
+        cfg = TrainConfig(phase="e2e", model=str(folder), out=str(tmp_path / rows), steps=1, tasks_per_step=2,
+                          group_size=4, max_new_tokens=12, rollout_batch=8, update_rows=rows, seed=3)
+        train_rl(cfg, reward_fn=reward, tasks=TASKS[:2])
+        record = json.loads((tmp_path / rows / "metrics.jsonl").read_text())
+        assert record["groups_kept_pct"] == 100
+        losses.append(record["loss"])
+    assert losses[0] != 0 and losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
 def test_step_metrics_count_the_results_of_every_rollout_batch(tmp_path, monkeypatch):

@@ -48,13 +48,14 @@ def test_policy_update_steps_on_whole_responses(monkeypatch):
     """Two responses of 3 round rows each and --rows-per-update 3: two optimiser steps, the first on
     response 0's three rounds, the second on response 1's."""
     seen = []
-    real = dice.rl._micro
-    monkeypatch.setattr(dice.rl, "_micro", lambda items, size: seen.append([k for k, _, _ in items]) or real(items, size))
+    real = dice.rl.group_rounds
+    monkeypatch.setattr(dice.rl, "group_rounds", lambda items, *args: seen.append([k for k, _, _ in items])
+                        or real(items, *args))
     model = load_model(TINY)
     prompt = list(range(10, 17))
     completions = [Completion(prompt, [5, 6, 7, 8, 9], [1, 2, 2, 3, 4], "", None),
                    Completion(prompt, [9, 8, 7, 6, 5], [1, 1, 2, 3, 3], "", None)]
-    cfg = TrainConfig(phase="e2e", model=str(TINY), out="unused", rows_per_update=3, batch_size=8, dtype="fp32")
+    cfg = TrainConfig(phase="e2e", model=str(TINY), out="unused", rows_per_update=3, dtype="fp32")
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
     policy_update(model, None, completions, [1.0, -1.0], cfg, Runtime(torch.device("cpu")), optimizer, 0)
     assert seen == [[0, 0, 0], [1, 1, 1]]

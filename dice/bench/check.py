@@ -8,7 +8,7 @@ the whole check fits one 10-minute call on a lent machine):
    reward) and load_inline with the fast build (cold build cache, timed);
 3. `bench builds`: load_inline fast builds per minute (generic binding, one program per core);
 4. `bench rl`: a small BiC-RL step of a random 1.7B shape (rollout tokens/s, generate / verify
-   exposed / update seconds).
+   exposed / update seconds, the update's TFLOP/s).
 Steps 2-4 replay the salted elementwise programs of `bench verify`, so the check needs no data
 file. Each step's own output goes to `--logs` (default a temporary folder; named at the end),
 and one table is printed last. A step that overruns its slice is stopped (its process group
@@ -150,7 +150,7 @@ def _summary(name: str, rows: list[dict], note: str) -> dict:
                 "detail": note}
     r = rows[-1]
     return {"result": f"{r.get('tokens/s')} tokens/s; generate {r.get('generate s')} s, verify exposed "
-            f"{r.get('verify exposed s')} s, update {r.get('update s')} s", "detail": f"{note}; peak {r.get('peak GiB')} GiB"}
+            f"{r.get('verify exposed s')} s, update {r.get('update s')} s ({r.get('update TFLOP/s')} TFLOP/s)", "detail": f"{note}; peak {r.get('peak GiB')} GiB"}
 
 
 def add_arguments(p) -> None:
