@@ -58,10 +58,10 @@ from .runtime import (MetricsLog, build_model, check_resume, check_run_folder, c
                       start_run)
 
 # what a resumed RL run must keep (besides the tasks and the model)
-RESUME_FIELDS = ("phase", "seed", "tasks_per_step", "task_order", "group_size", "max_new_tokens", "temperature", "remasking",
+RESUME_FIELDS = ("phase", "seed", "tasks_per_step", "group_size", "max_new_tokens", "temperature", "remasking",
                  "threshold", "steps_per_block", "updates_per_step", "rows_per_update", "loss_norm", "clip_eps",
                  "kl_beta", "reference_model", "reward", "lr", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip",
-                 "minibatch_order", "optimizer_state", "prompt_template")
+                 "minibatch_order", "optimizer_state", "prompt_template", "task_order")
 
 
 def group_advantages(rewards: Sequence[float], group_size: int) -> list[float | None]:

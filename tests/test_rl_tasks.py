@@ -13,7 +13,8 @@ from test_rl import TASKS, rl_model_folder
 
 
 def tasks_at(levels) -> list[Task]:
-    return [Task(name=f"t{i}", level=level, source=f"class Model:\n    scale = {i}\n") for i, level in enumerate(levels)]
+    return [Task(name=f"t{i}", level=level, source=f"class Model:\n    scale = {i}\n")
+            for i, level in enumerate(levels)]
 
 
 def names(tasks) -> list[str]:
