@@ -133,3 +133,24 @@ def test_without_matplotlib_it_says_which_extra_to_install(tmp_path, capsys, mon
     run = write_run(tmp_path / "run", E2E)
     code, err = plot_error([run, "--out", str(tmp_path / "x.png")], capsys)
     assert code == 1 and "needs matplotlib, which is not installed; run pip install -e '.[plot]'" in err
+
+
+@needs_matplotlib
+@pytest.mark.slow
+def test_a_run_that_train_rl_wrote_is_plotted(tmp_path):
+    """The metrics.jsonl of a real (CPU, Python-reward) RL run: every step's reward, correct %
+    (0: no verifier), groups kept % and KL are drawn as the run logged them."""
+    from dice.config import TrainConfig
+    from dice.rl import train_rl
+    from test_rl import TASKS, rl_model_folder
+
+    def length_reward(ts, completions):
+        return [len(c.tokens) / 8 for c in completions]
+
+    cfg = TrainConfig(phase="e2e", model=str(rl_model_folder(tmp_path / "model")), out=str(tmp_path / "run"),
+                      steps=2, tasks_per_step=2, group_size=4, rollout_batch=8, max_new_tokens=8, lr=1e-3)
+    train_rl(cfg, reward_fn=length_reward, tasks=TASKS)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    reward, correct, kept, kl, _, _ = draw([read_run(tmp_path / "run")]).axes
+    for ax, key in ((reward, "reward_mean"), (correct, "correct_pct"), (kept, "groups_kept_pct"), (kl, "kl")):
+        assert lines_by_label(ax) == {"run": ([1, 2], [r[key] for r in logged])}, key
