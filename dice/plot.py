@@ -145,12 +145,14 @@ def draw(runs: list[Run], evals: list[tuple[str, list[tuple[int, float]]]] = (),
 
 
 def main(argv=None) -> None:
-    p = ArgumentParser(prog="python -m dice.metrics plot", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m dice.metrics plot",
+                       description="Draw BiC-RL runs' reward, rollout correct %, groups kept %, KL, clip fraction "
+                                   "and greedy evaluations per step into one PNG.")
     p.add_argument("runs", nargs="+", metavar="RUN", help="RL run folders (train.py --out), or their metrics.jsonl")
     p.add_argument("--out", required=True, help="the PNG file to write")
     p.add_argument("--chain", action="store_true",
                    help="draw the runs one after another on the step axis (each started from the one before)")
-    p.add_argument("--eval", nargs="+", action="append", default=[], metavar="NAME STEP=FILE",
+    p.add_argument("--eval", nargs="+", action="append", metavar=("NAME", "STEP=FILE"),
                    help="a series of evaluate.py --out files, each drawn at its step on the plot's step axis "
                         "(repeat --eval for another series, e.g. another split)")
     args = p.parse_args(argv)
@@ -160,7 +162,7 @@ def main(argv=None) -> None:
     if not out.resolve().parent.is_dir():
         p.error(f"argument --out: the folder of {out} does not exist; create it or choose another path")
     try:
-        series = parse_eval_series(args.eval)
+        series = parse_eval_series(args.eval or [])
     except ValueError as e:
         p.error(f"argument --eval: {e}")
     runs = [read_run(path) for path in args.runs]
