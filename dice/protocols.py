@@ -2,7 +2,8 @@
 (DESIGN.md §8.6): how solutions are generated, how the verifier judges them, and how the rates count.
 
     default      ours: one greedy sample (temperature 0, the softmax confidence), dynamic remasking,
-                 2,048 tokens; the strict kernel rule, allclose 1e-2 and the relative error 1e-2,
+                 2,048 tokens; the strict kernel rule and the strict precision (fp32 outputs at
+                 1e-4, scaled to the reference's own error, TF32 off: `verifier/precision.py`),
                  5 trials, 120 s; a task whose own reference fails is left out of the rates.
     dice         DICE's published evaluation (deadlykitten4/DICE `evaluation/`, README "Evaluation"):
                  generate_samples.py -> src/utils.py `create_local_inference` (weights in float16,
@@ -54,7 +55,7 @@ class Protocol:
 DEFAULT_GENERATION = {"samples": 1, "max_new_tokens": 2048, "steps_per_block": 4,
                       "remasking": "low_confidence_dynamic"}
 DEFAULT_DECODING = {"top_k": 0, "confidence": "softmax", "cuda_dtype": "bfloat16", "chat": None}
-DEFAULT_VERIFY = {"rules": "strict", "trials": 5, "timeout_s": 120.0, "atol": 1e-2, "rtol": 1e-2, "rel_l2": 1e-2}
+DEFAULT_VERIFY = {"rules": "strict", "precision": "strict", "trials": 5, "timeout_s": 120.0}
 
 PROTOCOLS = {
     "default": Protocol(generation={}, broken_tasks="left out", fast_p=(0.0, 1.0, 2.0)),
@@ -62,12 +63,13 @@ PROTOCOLS = {
         generation={"samples": 1, "max_new_tokens": 4096, "steps_per_block": 4, "remasking": "low_confidence_static",
                     "temperature": 1.0},
         decoding={"top_k": 1, "confidence": "filtered", "cuda_dtype": "float16", "chat": "chatml"},
-        verify={"rules": "kernelbench", "trials": 5, "timeout_s": 300.0, "atol": 1e-2, "rtol": 1e-2,
-                "rel_l2": math.inf}),
+        verify={"rules": "kernelbench", "precision": "dice", "trials": 5, "timeout_s": 300.0, "atol": 1e-2,
+                "rtol": 1e-2, "rel_l2": math.inf}),
     "kernelbench": Protocol(
         generation={},
-        verify={"rules": "kernelbench", "trials": 5, "timeout_s": 180.0, "atol": 1e-4, "rtol": 1e-4,
-                "rel_l2": math.inf}),
+        # KernelBench's fp32 tolerance for every output, on a true fp32 reference (TF32 off)
+        verify={"rules": "kernelbench", "precision": "strict", "trials": 5, "timeout_s": 180.0, "atol": 1e-4,
+                "rtol": 1e-4, "rel_l2": math.inf}),
 }
 # the evaluate.py flag of each VerifyOptions field a protocol sets
 VERIFY_FLAGS = {"rules": "rules", "trials": "trials", "timeout_s": "timeout"}

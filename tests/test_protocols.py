@@ -87,15 +87,14 @@ def test_protocol_options_are_the_originals(tmp_path):
     assert (dice.samples, dice.temperature, dice.remasking, dice.max_new_tokens, dice.steps_per_block) == \
         (1, 1.0, "low_confidence_static", 4096, 4)
     assert dice.decoding == {"top_k": 1, "confidence": "filtered", "cuda_dtype": "float16", "chat": "chatml"}
-    assert dice.verify == {"rules": "kernelbench", "trials": 5, "timeout_s": 300.0, "atol": 1e-2, "rtol": 1e-2,
-                           "rel_l2": math.inf}
+    assert dice.verify == {"rules": "kernelbench", "precision": "dice", "trials": 5, "timeout_s": 300.0,
+                           "atol": 1e-2, "rtol": 1e-2, "rel_l2": math.inf}
     kb = evaluate.parse_args([*base, "--protocol", "kernelbench", "--temperature", "0.5"])
-    assert kb.verify == {"rules": "kernelbench", "trials": 5, "timeout_s": 180.0, "atol": 1e-4, "rtol": 1e-4,
-                         "rel_l2": math.inf}
+    assert kb.verify == {"rules": "kernelbench", "precision": "strict", "trials": 5, "timeout_s": 180.0,
+                         "atol": 1e-4, "rtol": 1e-4, "rel_l2": math.inf}
     assert (kb.temperature, kb.max_new_tokens, kb.decoding["confidence"]) == (0.5, 2048, "softmax")
     ours = evaluate.parse_args([*base, "--timeout", "30", "--rules", "kernelbench"])
-    assert ours.verify == {"rules": "kernelbench", "trials": 5, "timeout_s": 30.0, "atol": 1e-2, "rtol": 1e-2,
-                           "rel_l2": 1e-2}
+    assert ours.verify == {"rules": "kernelbench", "precision": "strict", "trials": 5, "timeout_s": 30.0}
     assert (ours.samples, ours.temperature, ours.remasking, ours.max_new_tokens) == \
            (1, 0.0, "low_confidence_dynamic", 2048)
     assert evaluate.parse_args([*base, "--samples", "4"]).temperature == 1.0

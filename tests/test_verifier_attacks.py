@@ -21,6 +21,7 @@ from dice.verifier.protocol import export_tensor, import_tensor, plain_loads
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
 RELU_TASK = (FIXTURES / "relu_task.py").read_text()
+MEAN_TASK = (FIXTURES / "mean_task.py").read_text()
 GOOD = ("import torch\nimport torch.nn as nn\n\nclass ModelNew(nn.Module):\n"
         "    def forward(self, x):\n        return x.clamp_min(0)\n")
 MATMUL_TASK = """import torch
@@ -105,7 +106,7 @@ def test_results_cached_on_input_values_do_not_beat_the_clock(cpu_verifier):
             "    def forward(self, a, b):\n"
             "        key = tuple(a[0, :4].tolist()) + tuple(b[0, :4].tolist())\n"
             "        if key not in self.memo:\n            self.memo[key] = a @ b\n"
-            "        return self.memo[key]\n")
+            "        return self.memo[key].clone()\n")      # a fresh output: returning the cached one is invalid
     result = cpu_verifier.verify(MATMUL_TASK, memo, seed=3)
     assert result.correct and result.speedup < 3, result
 
@@ -227,7 +228,7 @@ def test_an_instance_attribute_over_a_handler_method_is_caught(cpu_verifier):
 def test_malformed_replies_are_invalid_and_never_crash_the_caller(cpu_verifier, forged, text):
     # the harness snapshot would catch these: switch it off (below the names it checks) to test
     # the parent's own check of what it reads
-    candidate = (GOOD + FIND_HANDLER + "snapshot = type(handler).__init__.__globals__['HarnessSnapshot']\n"
+    candidate = (GOOD + FIND_HANDLER + "from dice.verifier.guard import HarnessSnapshot as snapshot\n"
                  "snapshot.changed.__code__ = (lambda self: []).__code__\n" + forged + "\n")
     results = cpu_verifier.map([(RELU_TASK, candidate), (RELU_TASK, GOOD)])
     assert results[0].status == "invalid" and text in results[0].message, results[0]
@@ -327,3 +328,187 @@ def test_no_worker_outlives_a_killed_owner_even_while_a_candidate_hangs(tmp_path
     while any(_alive(p) for p in tree) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(p) for p in tree), [p for p in tree if _alive(p)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs as a caller uses them (issue #34, class 1): each attack below was `correct` before.
+
+def _model(forward: str, init: str = "pass") -> str:
+    body = "\n".join("        " + line for line in forward.strip().splitlines())
+    return ("import torch\nimport torch.nn as nn\n\n\nclass ModelNew(nn.Module):\n    def __init__(self):\n"
+            f"        super().__init__()\n        {init}\n\n    def forward(self, x):\n{body}\n")
+
+
+ROWS_TASK = RELU_TASK.replace("return torch.relu(x)", "return x.mean(0, keepdim=True).relu().repeat(x.shape[0], 1)")
+TRANSPOSE_TASK = RELU_TASK.replace("return torch.relu(x)", "return torch.relu(x).t()")
+OUTPUT_CASES = {
+    # the same buffer on every call: the next call overwrites what the caller holds
+    "persistent output buffer": (RELU_TASK, _model(
+        "if self.out is None:\n    self.out = torch.empty_like(x)\ntorch.clamp_min(x, 0, out=self.out)\nreturn self.out",
+        init="self.out = None"), "invalid", "memory of an output an earlier call returned"),
+    # two buffers in turn: each call's output still overwrites the one before last
+    "double-buffered output": (RELU_TASK, _model(
+        "if not self.bufs:\n    self.bufs = [torch.empty_like(x), torch.empty_like(x)]\n"
+        "self.calls += 1\nout = self.bufs[self.calls % 2]\ntorch.clamp_min(x, 0, out=out)\nreturn out",
+        init="self.bufs, self.calls = [], 0"), "invalid", "memory of an output an earlier call returned"),
+    # one computed row, expanded with stride 0 (the rows of this task's output are all equal)
+    "stride-0 expand of one row": (ROWS_TASK, _model(
+        "return x.mean(0, keepdim=True).relu().expand(x.shape[0], -1)"), "incorrect", "strides [0, 1]"),
+    # outputs memoised by input address: a training loop that reuses its buffers gets stale values
+    "outputs memoised by input address": (RELU_TASK, _model(
+        "key = x.data_ptr()\nif key not in self.memo:\n    self.memo[key] = x.clamp_min(0)\nreturn self.memo[key].clone()",
+        init="self.memo = {}"), "incorrect", "trial 1"),
+}
+OUTPUT_CONTROLS = {   # honest: they must stay correct
+    "a persistent workspace recomputed every call": (RELU_TASK, _model(
+        "if self.work is None:\n    self.work = torch.empty_like(x)\ntorch.clamp_min(x, 0, out=self.work)\n"
+        "return self.work.clone()", init="self.work = None")),
+    "the reference's own (transposed) strides": (TRANSPOSE_TASK, _model("return x.clamp_min(0).t()")),
+    "contiguous where the reference is transposed": (TRANSPOSE_TASK, _model("return x.clamp_min(0).t().contiguous()")),
+    "a repeat of the row": (ROWS_TASK, _model("return x.mean(0, keepdim=True).relu().repeat(x.shape[0], 1)")),
+    # the reference returns a view of its input, so may the candidate (its memory is the caller's input)
+    "a view of the input, as the reference's": (RELU_TASK.replace("return torch.relu(x)", "return x.view(-1)"),
+                                                _model("return x.view(-1)")),
+}
+
+
+@pytest.mark.slow
+def test_outputs_a_caller_could_not_use_are_not_correct(cpu_verifier):
+    cases = list(OUTPUT_CASES.values()) + [(task, src, "correct", "") for task, src in OUTPUT_CONTROLS.values()]
+    results = cpu_verifier.map([(task, src) for task, src, _, _ in cases], timing=False, seed=11)
+    for name, (_, _, status, text), result in zip([*OUTPUT_CASES, *OUTPUT_CONTROLS], cases, results):
+        assert result.status == status and text in result.message, (name, result)
+
+
+# ---------------------------------------------------------------------------------------------
+# Precision downgrades (issue #34, class 2): TF32 or fp16 GEMMs in an fp32 task, CPU stand-ins.
+
+TF32 = ("def tf32(t):   # fp32 rounded to TF32's 10 mantissa bits, as tensor cores read it\n"
+        "    return ((t.contiguous().view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)\n")
+GEMMS = {   # name: (forward of ModelNew(a, b), strict verdict, dice verdict)
+    "TF32 GEMM": ("return tf32(a) @ tf32(b)", "incorrect", "correct"),
+    # (under dice too: the hot trial's faded inputs fall below fp16's range)
+    "fp16 GEMM": ("return (a.half() @ b.half()).float()", "incorrect", "incorrect"),
+    "fp32 GEMM summed in float64 (another order)": ("return (a.double() @ b.double()).float()", "correct", "correct"),
+}
+GEMM_TASK = MATMUL_TASK.replace("[torch.randn(256, 256), torch.randn(256, 256)]", "[torch.rand(256, 64), torch.rand(64, 256)]")
+ROUNDED_TASK = RELU_TASK.replace("return torch.relu(x)", "return (x + 4096.0) - 4096.0")   # fp32 rounds x to ~5e-4
+
+
+def _gemm(forward: str) -> str:
+    return (f"import torch\nimport torch.nn as nn\n\n{TF32}\n\nclass ModelNew(nn.Module):\n"
+            f"    def forward(self, a, b):\n        {forward}\n")
+
+
+@pytest.mark.slow
+def test_an_fp32_task_computed_in_lower_precision_is_incorrect_under_the_strict_precision(cpu_verifier):
+    pairs = [(GEMM_TASK, _gemm(forward)) for forward, _, _ in GEMMS.values()]   # errors ~1e-3 of outputs ~16
+    exact = _model("return x.clone()")   # the exact values; the reference's own fp32 rounding is ~5e-4
+    for precision, column in (("strict", 1), ("dice", 2)):
+        results = cpu_verifier.map(pairs + [(ROUNDED_TASK, exact)], timing=False, precision=precision, seed=5)
+        for (name, case), result in zip(GEMMS.items(), results):
+            assert result.status == case[column], (precision, name, result)
+        assert results[-1].correct, results[-1]     # within 8x the reference's own error
+    assert "incorrect" == cpu_verifier.verify(ROUNDED_TASK, exact, timing=False, atol=1e-4, rel_l2=1e-4, seed=5).status
+
+
+# ---------------------------------------------------------------------------------------------
+# Trials whose structure a candidate cannot count on (issue #34, class 4).
+
+FP16_MEAN_TASK = MEAN_TASK.replace("torch.rand(4096)", "torch.rand(1 << 20).half()")
+INT_TASK = RELU_TASK.replace("def get_inputs():\n    return [torch.randn(256, 1024)]",
+                             "X = torch.randint(0, 100, (256, 1024))\n\n\ndef get_inputs():\n    return [X]").replace(
+    "return torch.relu(x)", "return (x * 3 - 7).float()")
+TRIAL_CASES = {
+    # fp16: the hot trial's fade used to stop at fp16's smallest normal, so the hot element decided little
+    "fp16 mean from the first 1/8": (FP16_MEAN_TASK, _model("return x[: x.numel() // 8].float().mean().half()"),
+                                     "incorrect", "(hot"),
+    # integers drawn once at import were the same in every trial: one recorded output answered them all
+    "replays one output of integer inputs drawn at import": (INT_TASK, _model(
+        "if self.out is None:\n    self.out = (x * 3 - 7).float()\nreturn self.out.clone()", init="self.out = None"),
+        "incorrect", "trial 1"),   # recorded at the warm-up call, whose integers lie elsewhere
+    "full fp16 mean": (FP16_MEAN_TASK, _model("return x.float().mean().half()"), "correct", ""),
+    "integer inputs computed every call": (INT_TASK, _model("return (x * 3 - 7).float()"), "correct", ""),
+}
+
+
+@pytest.mark.slow
+def test_structured_trials_reach_fp16_and_integer_inputs(cpu_verifier):
+    results = cpu_verifier.map([(task, src) for task, src, _, _ in TRIAL_CASES.values()], timing=False, seed=13)
+    for (name, (_, _, status, text)), result in zip(TRIAL_CASES.items(), results):
+        assert result.status in status.split("|") and text in result.message, (name, result)
+
+
+# ---------------------------------------------------------------------------------------------
+# A harness candidate Python cannot reach (issue #34, class 5).
+
+FIND_TIMER = ("import sys\nf = sys._getframe()\nwhile f is not None and type(f.f_locals.get('self')).__name__ != 'Timer':\n"
+              "    f = f.f_back\n")
+HARNESS_CASES = {   # name: (candidate, verdict, text), verified without timing
+    "an interpreter profile hook": (_model("import sys\nsys.setprofile(lambda *a: None)\nreturn x.clamp_min(0)"),
+                                    "runtime_error", "refuses sys.setprofile"),
+    "a walk of the gc's objects": (_model("import gc\ngc.get_objects()\nreturn x.clamp_min(0)"),
+                                   "runtime_error", "refuses gc.get_objects"),
+    # refused silently (as Python does when a hook refuses one): were it added, it would shift the output
+    "an audit hook of its own": (_model("import sys\nif not self.seen:\n    sys.addaudithook(lambda *a: self.seen.append(1))\n"
+                                        "    sys.addaudithook(lambda *a: None)\nreturn x.clamp_min(0) + len(self.seen)",
+                                        init="self.seen = []"), "correct", ""),
+    "collections.Counter replaced": (_model("import collections\ncollections.Counter = dict\nreturn x.clamp_min(0)"),
+                                     "invalid", "collections.Counter"),
+    "a builtin replaced": (_model("import builtins\nbuiltins.max = min\nreturn x.clamp_min(0)"), "invalid", "builtins.max"),
+    "a gc callback": (_model("import gc\ngc.callbacks.append(lambda *a: None)\nreturn x.clamp_min(0)"),
+                      "invalid", "gc callbacks"),
+    "a signal handler": (_model("import signal\nsignal.signal(signal.SIGALRM, lambda *a: None)\nreturn x.clamp_min(0)"),
+                         "invalid", "signal handlers"),
+    "a torch function mode left on": (_model(
+        "from torch.overrides import TorchFunctionMode\nTorchFunctionMode().__enter__()\nreturn x.clamp_min(0)"),
+        "invalid", "torch function modes"),
+    "a _thread thread left running": (_model(
+        "import _thread, time\n_thread.start_new_thread(time.sleep, (30,))\nreturn x.clamp_min(0)"),
+        "invalid", "started with _thread"),
+    "a helper process left running": (_model(
+        "import subprocess\nself.p = subprocess.Popen(['sleep', '30'])\nreturn x.clamp_min(0)"),
+        "invalid", "left processes running"),
+}
+TIMED_HARNESS_CASES = {   # verified with timing: none may be correct
+    "the timer's block method replaced": _model(
+        "import dice.verifier.timing as t\nt.Timer.block = lambda self, *a, **k: {'times': (1e-6,), 'checked': (), "
+        "'records': None}\nreturn x.clamp_min(0)"),
+    "the timer's L2 flush buffer replaced": _model(FIND_TIMER + "if f is not None:\n    f.f_locals['self'].flush = "
+                                                   "torch.empty(1, dtype=torch.uint8)\nreturn x.clamp_min(0)"),
+    # skips work when timed and empties the list of checked calls on the timing loop's stack
+    "the list of checked calls emptied": _model(
+        "import sys\nf = sys._getframe(1)\nwhile f is not None and 'checked' not in f.f_locals:\n    f = f.f_back\n"
+        "if f is None:\n    return x.clamp_min(0)\ntry:\n    f.f_locals['checked'].clear()\nexcept AttributeError:\n"
+        "    pass\nreturn torch.zeros_like(x)"),
+    # skips work, then writes the right values into the copies the harness keeps of checked calls
+    "checked copies rewritten": _model(
+        FIND_TIMER + "import sys\ng = sys._getframe(1)\nwhile g is not None and 'checked' not in g.f_locals:\n"
+        "    g = g.f_back\nif g is None:\n    return x.clamp_min(0)\nfrom dice.verifier.harness import timed_inputs\n"
+        "timer = f.f_locals['self']\nfor k, copies, _ in g.f_locals['checked']:\n"
+        "    copies[0].copy_(timed_inputs(timer.pristine, timer.seed, k, timer.inputs)[0].clamp_min(0))\n"
+        "return torch.zeros_like(x)"),
+}
+
+
+@pytest.mark.slow
+def test_candidate_python_cannot_reach_the_harness(cpu_verifier):
+    results = cpu_verifier.map([(RELU_TASK, src) for src, _, _ in HARNESS_CASES.values()], timing=False, trials=2)
+    for (name, (_, status, text)), result in zip(HARNESS_CASES.items(), results):
+        assert result.status == status and text in result.message, (name, result)
+    timed = cpu_verifier.map([(RELU_TASK, src) for src in TIMED_HARNESS_CASES.values()], trials=2)
+    for name, result in zip(TIMED_HARNESS_CASES, timed):
+        assert not result.correct, (name, result)
+    assert cpu_verifier.verify(RELU_TASK, GOOD, trials=2).correct        # later candidates are served as usual
+
+
+@pytest.mark.slow
+def test_a_native_thread_left_after_unload_ends_its_worker(cpu_verifier):
+    native = _model("import ctypes, time\nif not hasattr(ctypes, 'kept'):\n"
+                    "    ctypes.kept = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(lambda arg: time.sleep(60))\n"
+                    "    ctypes.CDLL(None).pthread_create(ctypes.byref(ctypes.c_ulong()), None, ctypes.kept, None)\n"
+                    "return x.clamp_min(0)")
+    keepers = {w._process.pid for w in cpu_verifier._workers}
+    cpu_verifier.verify(RELU_TASK, native, timing=False, trials=1)
+    assert {w._process.pid for w in cpu_verifier._workers} != keepers      # its worker was replaced
+    assert cpu_verifier.verify(RELU_TASK, GOOD, timing=False, trials=1).correct

@@ -32,6 +32,16 @@ GEMM_RELU_TASK = task("torch.relu(self.linear(x))", "torch.randn(256, 1024)", in
 SORT_TASK = task("torch.sort(x, dim=-1)[0]", "torch.randn(64, 1024)")
 CONV_RELU_TASK = task("torch.relu(self.linear(x))", "torch.randn(8, 8, 32, 32)", init="channels",
                       init_inputs="[8]").replace("nn.Linear(channels, channels)", "nn.Conv2d(channels, 16, 3)")
+FP16_MEAN_TASK = task("x.mean()", "torch.rand(1 << 20).half()")
+INT_TASK = task("(x * 3 - 7).float()", "X").replace(
+    "\n\nclass Model", "\nX = torch.randint(0, 100, (256, 1024))\n\n\nclass Model", 1)
+MANUAL_SOFTMAX_TASK = task("torch.exp(x - x.amax(-1, keepdim=True)) / torch.exp(x - x.amax(-1, keepdim=True))"
+                           ".sum(-1, keepdim=True)", "torch.randn(64, 512)")
+SQUARES_TASK = task("(x * x).sum()", "torch.randn(1 << 20)")
+ATTENTION_TASK = task("torch.softmax(x @ x.transpose(-1, -2) / 8.0, -1) @ x", "torch.randn(8, 256, 64)")
+FLIP_TASK = task("torch.flip(x, [1])", "torch.randn(256, 1024)")
+TRIL_TASK = task("torch.tril(x)", "torch.randn(64, 64)")
+ROWS_TASK = task("x.mean(0, keepdim=True).relu().repeat(x.shape[0], 1)", "torch.randn(256, 1024)")
 FIXED_TASK = task("torch.relu(x) * 2", "X").replace("\n\nclass Model", "\nX = torch.randn(256, 1024)\n\n\nclass Model", 1)
 
 KERNELS = r'''
@@ -96,6 +106,29 @@ extern "C" __global__ void bias_relu_nchw(float* y, const float* b, long long n,
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < n) { float v = y[i] + b[(i / hw) % c]; y[i] = v > 0.0f ? v : 0.0f; }
 }
+extern "C" __global__ void affine_int(const long long* x, float* y, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = (float)(x[i] * 3 - 7);
+}
+extern "C" __global__ void softmax_warp_forward(float* y) { }
+extern "C" __global__ void dot_kernel(float* y) { }
+extern "C" __global__ void reduce_1Block_kernel(float* y) { }
+extern "C" __global__ void flip_cols(const float* x, float* y, long long rows, long long cols) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < rows * cols) { long long r = i / cols, c = i % cols; y[i] = x[r * cols + (cols - 1 - c)]; }
+}
+extern "C" __global__ void relu_from(const float* x, float* y, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i];
+}
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+extern "C" __global__ void col_mean_relu(const float* x, float* row, long long rows, long long cols) {
+    long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (c < cols) { float s = 0.0f; for (long long r = 0; r < rows; ++r) s += x[r * cols + c]; s /= (float)rows; row[c] = s > 0.0f ? s : 0.0f; }
+}
 extern "C" __global__ void matmul_xxt(const float* x, float* y, long long n) {
     long long r = blockIdx.y, c = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (c < n) { float s = 0.0f; for (long long k = 0; k < n; ++k) s += x[r * n + k] * x[c * n + k]; y[r * n + c] = s; }
@@ -110,9 +143,9 @@ import torch.nn as nn
 _module = cp.RawModule(code=r"""{KERNELS}""")
 
 
-def launch(name, n, *args, block=256, grid=None):
+def launch(name, n, *args, block=256, grid=None, stream=None):
     kernel = _module.get_function(name)
-    with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+    with cp.cuda.ExternalStream((stream or torch.cuda.current_stream()).cuda_stream):
         kernel(grid or ((n + block - 1) // block,), (block,), args)
 
 
@@ -137,6 +170,18 @@ class ModelNew(nn.Module):
 
 
 OWN_RELU = "y = torch.empty_like(x)\nlaunch('relu', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.numel()))\nreturn y"
+GEMM_INIT = "lin = nn.Linear(args[0], args[0])\n        self.weight, self.bias = lin.weight, lin.bias"
+BIAS_RELU = ("launch('bias_relu', y.numel(), y.data_ptr(), self.bias.data_ptr(), cp.int64(y.shape[0]), "
+             "cp.int64(y.shape[1]))\nreturn y")
+TF32_GEMM = candidate("torch.backends.cuda.matmul.allow_tf32 = True\ny = x @ self.weight.t()\n" + BIAS_RELU,
+                      init=GEMM_INIT)
+OWN_ROW = ("row = torch.empty(1, x.shape[1], device=x.device)\nlaunch('col_mean_relu', x.shape[1], x.data_ptr(), "
+           "row.data_ptr(), cp.int64(x.shape[0]), cp.int64(x.shape[1]))\n")
+# ReLU on a side stream after ~1 ms of spinning there; JOIN makes torch's current stream wait for it
+SIDE_RELU = ("y = torch.empty_like(x)\nside = torch.cuda.Stream()\nside.wait_stream(torch.cuda.current_stream())\n"
+             "launch('spin', 1, cp.int64(2_000_000), grid=(1,), block=1, stream=side)\n"
+             "launch('relu', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.numel()), stream=side)\n")
+JOIN = "torch.cuda.current_stream().wait_stream(side)\n"
 
 ATTACKS = {
     # decoy kernels: one own kernel launched, the work done by something else
@@ -170,6 +215,47 @@ ATTACKS = {
         "if self.out is None:\n    self.out = torch.empty_like(x)\n"
         "    launch('relu2', x.numel(), x.data_ptr(), self.out.data_ptr(), cp.int64(x.numel()))\n"
         "return self.out.clone()", init="self.out = None"), None),
+    # outputs a caller could not use (issue #34, class 1)
+    "the same output buffer on every call": (RELU_TASK, candidate(
+        "if self.out is None:\n    self.out = torch.empty_like(x)\n"
+        "launch('relu', x.numel(), x.data_ptr(), self.out.data_ptr(), cp.int64(x.numel()))\nreturn self.out",
+        init="self.out = None"), "invalid"),
+    "a stride-0 expand of one computed row": (ROWS_TASK, candidate(OWN_ROW + "return row.expand(x.shape[0], -1)"),
+                                              "incorrect"),
+    "an output still written by an unjoined side stream": (RELU_TASK, candidate(SIDE_RELU + "return y"), "invalid"),
+    "outputs memoised by input address": (RELU_TASK, candidate(
+        "key = x.data_ptr()\nif key not in self.memo:\n    self.memo[key] = torch.empty_like(x)\n"
+        "    launch('relu', x.numel(), x.data_ptr(), self.memo[key].data_ptr(), cp.int64(x.numel()))\n"
+        "return self.memo[key].clone()", init="self.memo = {}"), "incorrect"),
+    # precision downgrades in an fp32 task (issue #34, class 2): the GEMM kept in PyTorch, in TF32 or fp16
+    "a TF32 GEMM in an fp32 task": (GEMM_RELU_TASK, TF32_GEMM, "incorrect"),
+    "an fp16 GEMM in an fp32 task": (GEMM_RELU_TASK, candidate(
+        "y = (x.half() @ self.weight.half().t()).float()\n" + BIAS_RELU, init=GEMM_INIT), "incorrect"),
+    # structured trials on fp16 and integer inputs (issue #34, class 4)
+    "fp16 mean from the first 1/8 of the elements": (FP16_MEAN_TASK, candidate(
+        "t = torch.zeros(1, device=x.device)\nf = x.float()\nlaunch('prefix_mean', x.numel() // 8, f.data_ptr(), t.data_ptr(), "
+        "cp.int64(x.numel()), cp.int64(8))\nreturn t.reshape(()).half()"), "incorrect"),
+    "replays one output of integer inputs drawn at import": (INT_TASK, candidate(
+        "if self.out is None:\n    self.out = torch.empty(x.shape, device=x.device)\n"
+        "    launch('affine_int', x.numel(), x.data_ptr(), self.out.data_ptr(), cp.int64(x.numel()))\n"
+        "return self.out.clone()", init="self.out = None"), "incorrect"),
+    # library compute counted as own or as bookkeeping (issue #34, class 3)
+    "an unused kernel named like torch's softmax kernel": (MANUAL_SOFTMAX_TASK, candidate(
+        "noop(x)\nreturn torch.softmax(x, -1)"), "invalid"),
+    "unused kernels named like cuBLAS's dot kernels": (SQUARES_TASK, candidate("noop(x)\nreturn torch.dot(x, x)"),
+                                                       "invalid"),
+    "a fused attention kernel taken for the GEMM": (ATTENTION_TASK, candidate(
+        "noop(x)\nreturn torch.nn.functional.scaled_dot_product_attention(x, x, x, scale=1 / 8.0)"), "invalid"),
+    "a cuBLASLt epilogue doing the task's activation": (GEMM_RELU_TASK, candidate(
+        "noop(x)\nreturn torch._addmm_activation(self.bias, x, self.weight.t())", init=GEMM_INIT), "invalid"),
+    "a flip redone by CuPy's copy of a reversed view": (FLIP_TASK, candidate(
+        "noop(x)\nreturn torch.as_tensor(cp.ascontiguousarray(cp.asarray(x)[:, ::-1]), device=x.device)"), "invalid"),
+    "a lower triangle redone by fills": (TRIL_TASK, candidate(
+        "noop(x)\ny = x.clone()\nfor i in range(x.shape[0] - 1):\n    y[i, i + 1:].fill_(0)\nreturn y"), "invalid"),
+    "a host computation read back through mapped memory": (RELU_TASK, candidate(
+        "host = torch.empty(x.shape, pin_memory=True)\nhost.copy_(x.cpu().clamp_min(0))\n"
+        "mapped = cp.cuda.runtime.hostGetDevicePointer(host.data_ptr(), 0)\ny = torch.empty_like(x)\n"
+        "launch('relu_from', x.numel(), mapped, y.data_ptr(), cp.int64(x.numel()))\nreturn y"), "invalid"),
     # timing attacks: skip work when timed
     "skips work under a timing function on the stack or in a capture": (RELU_TASK, candidate(
         "import sys\nf, timed = sys._getframe(1), torch.cuda.is_current_stream_capturing()\n"
@@ -208,6 +294,32 @@ TIMING_ATTACKS = {
     "leaves a long all-SM kernel running after each call": candidate(
         OWN_RELU.replace("return y", "import threading\nthreading.Thread(target=torch.cuda._sleep, "
                          "args=(20_000_000,)).start()\nreturn y")),
+    # issue #34, class 5: the harness out of the candidate's reach
+    "shrinks the timer's L2 flush buffer (a warm cache)": candidate(
+        "import sys\nf = sys._getframe(1)\nwhile f is not None and type(f.f_locals.get('self')).__name__ != 'Timer':\n"
+        "    f = f.f_back\nif f is not None:\n    f.f_locals['self'].flush = torch.empty(1, dtype=torch.uint8, "
+        "device=x.device)\n" + OWN_RELU),
+    "pays the work check with padding on eight parallel streams": candidate(
+        "import sys\ntimed = any('_calls' == sys._getframe(k).f_code.co_name for k in range(1, 6))\n"
+        "if timed and self.last is not None:\n    streams = [torch.cuda.Stream() for _ in range(8)]\n"
+        "    for s in streams:\n        s.wait_stream(torch.cuda.current_stream())\n"
+        "        launch('spin', 1, cp.int64(25_000), grid=(1,), block=1, stream=s)\n"
+        "    for s in streams:\n        torch.cuda.current_stream().wait_stream(s)\n    return self.last\n"
+        "launch('spin', 1, cp.int64(200_000), grid=(1,), block=1)\n" + OWN_RELU.replace("return y", "self.last = y\nreturn y"),
+        init="self.last = None"),
+    "pays the work check from a finalizer between timed calls": candidate(
+        "import sys, weakref\ntimed = any('_calls' == sys._getframe(k).f_code.co_name for k in range(1, 6))\n"
+        "if timed and self.last is not None:\n"
+        "    weakref.finalize(x, launch, 'spin', 1, cp.int64(200_000), grid=(1,), block=1)\n    return self.last\n"
+        "launch('spin', 1, cp.int64(200_000), grid=(1,), block=1)\n" + OWN_RELU.replace("return y", "self.last = y\nreturn y"),
+        init="self.last = None"),
+    "a native thread keeps the GPU busy while the baseline is timed": candidate(
+        "import ctypes, time\nif not hasattr(ctypes, 'dice_hog'):\n"
+        "    def hog(arg):\n        side = torch.cuda.Stream()\n        while True:\n"
+        "            launch('spin', 1, cp.int64(50_000_000), grid=(132,), block=1, stream=side)\n"
+        "            time.sleep(0.02)\n"
+        "    ctypes.dice_hog = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(hog)\n"
+        "    ctypes.CDLL(None).pthread_create(ctypes.byref(ctypes.c_ulong()), None, ctypes.dice_hog, None)\n" + OWN_RELU),
     "skips its kernel on every other timed call": candidate(
         EAGER_ONLY + "import sys\nself.calls += 1\ntimed = any('_calls' == sys._getframe(k).f_code.co_name "
         "for k in range(1, 6))\nif timed and self.calls % 2:\n    return self.last\n" + OWN_RELU.replace(
@@ -283,6 +395,21 @@ class ModelNew(nn.Module):
 PREBUILD = [INLINE_RELU, INLINE_MSE]   # built from the session's start (conftest)
 HONEST = {
     "elementwise": (RELU_TASK, candidate(OWN_RELU)),
+    "a persistent workspace recomputed every call": (RELU_TASK, candidate(
+        "if self.work is None:\n    self.work = torch.empty_like(x)\n"
+        "launch('relu', x.numel(), x.data_ptr(), self.work.data_ptr(), cp.int64(x.numel()))\nreturn self.work.clone()",
+        init="self.work = None")),
+    "a kernel on its own stream joined properly": (RELU_TASK, candidate(SIDE_RELU + JOIN + "return y")),
+    "an own flip": (FLIP_TASK, candidate(
+        "y = torch.empty_like(x)\nlaunch('flip_cols', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.shape[0]), "
+        "cp.int64(x.shape[1]))\nreturn y")),
+    "a full fp16 mean": (FP16_MEAN_TASK, candidate(
+        "t = torch.zeros(1, device=x.device)\nf = x.float()\nlaunch('prefix_mean', x.numel(), f.data_ptr(), t.data_ptr(), "
+        "cp.int64(x.numel()), cp.int64(1))\nreturn t.reshape(()).half()")),
+    "integer inputs computed every call": (INT_TASK, candidate(
+        "y = torch.empty(x.shape, device=x.device)\nlaunch('affine_int', x.numel(), x.data_ptr(), y.data_ptr(), "
+        "cp.int64(x.numel()))\nreturn y")),
+    "the row repeated into a full output": (ROWS_TASK, candidate(OWN_ROW + "return row.repeat(x.shape[0], 1)")),
     "reduction (MSE)": (MSE_TASK, candidate(
         "t = torch.zeros(1, device=x.device)\nlaunch('sq_err_mean', x.numel(), x.data_ptr(), t.data_ptr(), "
         "cp.int64(x.numel()), cp.int64(1))\nreturn t.reshape(())")),
@@ -301,10 +428,8 @@ HONEST = {
         "return y", init="conv = nn.Conv2d(args[0], 16, 3)\n        self.weight, self.bias = conv.weight, conv.bias")),
     "load_inline elementwise": (RELU_TASK, INLINE_RELU),
     "load_inline reduction (MSE)": (MSE_TASK, INLINE_MSE),
-    "GEMM kept in PyTorch, own fused bias + ReLU": (GEMM_RELU_TASK, candidate(
-        "y = x @ self.weight.t()\nlaunch('bias_relu', y.numel(), y.data_ptr(), self.bias.data_ptr(), "
-        "cp.int64(y.shape[0]), cp.int64(y.shape[1]))\nreturn y",
-        init="lin = nn.Linear(args[0], args[0])\n        self.weight, self.bias = lin.weight, lin.bias")),
+    "GEMM kept in PyTorch, own fused bias + ReLU": (GEMM_RELU_TASK, candidate("y = x @ self.weight.t()\n" + BIAS_RELU,
+                                                                            init=GEMM_INIT)),
 }
 
 
@@ -319,6 +444,12 @@ def test_the_kernelbench_rule_accepts_a_decoy_the_strict_rule_rejects(verifier):
     decoy = candidate("noop(x)\nreturn x.clamp_min(0)")
     assert verifier.verify(RELU_TASK, decoy, timing=False, rules="kernelbench").correct
     assert verifier.verify(RELU_TASK, decoy, timing=False).status == "invalid"
+
+
+def test_the_dice_precision_accepts_a_tf32_gemm_the_strict_one_rejects(verifier):
+    dice = verifier.verify(GEMM_RELU_TASK, TF32_GEMM, timing=False, trials=3, precision="dice")
+    strict = verifier.verify(GEMM_RELU_TASK, TF32_GEMM, timing=False, trials=3)
+    assert dice.correct and strict.status == "incorrect", (dice, strict)
 
 
 @pytest.mark.parametrize("name", cases(TIMING_ATTACKS))

@@ -1,6 +1,8 @@
 """The verifier's decisions on recorded data (DESIGN.md §8): the kernel rule on hand-made kernel
 lists, own kernels read from machine code, the tolerance that atol cannot hide, the structured
 trial inputs, and (with pure-PyTorch candidates on the CPU) the cheats those trials catch."""
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -9,9 +11,11 @@ import torch
 from dice.verifier.checks import (compare_outputs, kernel_problem, relative_error, timed_kernel_problem,
                                   timed_work_problem)
 from dice.verifier.harness import HOT_FADE, JITTER, SPIKE, SPIKE_EVERY, structured, timed_inputs, trial_kinds
-from dice.verifier.kernels import entry_symbols, qualified_from_mangled, qualified_name
+from dice.verifier.kernels import entry_symbols, library_kernel_names, qualified_from_mangled, qualified_name
 from dice.verifier.speedup import estimate, stable
-from dice.verifier.timing import MIN_MS, call_spans
+from dice.verifier import VerifyOptions
+from dice.verifier.precision import own_error, tolerances
+from dice.verifier.records import MIN_MS, activity, busy_ns, call_windows, split_marker
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
 GEMM_A = "sm90_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x32_warpgroupsize1x1x1_execute_segment_k_off"
@@ -80,41 +84,133 @@ def test_host_round_trips_are_invalid_unless_the_reference_makes_them():
     assert problem({"noop": 1}, {"noop"}, {RELU: 1}, copies={"dtoh": 0, "htod": 1}) is None   # constants uploaded
 
 
+def test_library_compute_is_classified_from_what_the_reference_launches():
+    softmax = "void (anonymous namespace)::softmax_warp_forward<float, float, float, 10, false, false>(float*)"
+    sdpa = "fmha_cutlassF_f32_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<float>::Params)"
+    # a fused attention kernel is no GEMM, though its name holds "cutlass": library compute of its own
+    assert "library compute" in problem({"noop": 1, sdpa: 1}, {"noop"}, {GEMM_A: 2, softmax: 1})
+    # a cuBLASLt epilogue doing the task's bias and activation: not the reference's plain GEMM
+    lt_relu = "nvjet_tst_128x64_64x4_1x2_h_bz_bias_relu_TNT"
+    assert "library compute" in problem({"noop": 1, lt_relu: 1}, {"noop"}, {GEMM_A: 1, ADD: 1, RELU: 1})
+    # a plain GEMM where the reference's GEMM adds the bias is the reference's (nn.Linear kept)
+    lt_bias = "sm90_xmma_gemm_f32f32_f32f32_f32_tn_n_bias_tilesize128x128x32"
+    assert problem({GEMM_B: 1, "bias_relu": 1}, {"bias_relu"}, {lt_bias: 1, RELU: 1}) is None
+    # a reference step redone by a library copy (a flip as CuPy's copy of a reversed view) or by fills
+    flip = "void at::native::(anonymous namespace)::flip_kernel<float>(float*)"
+    assert "decoy" in problem({"noop": 1, "cupy_copy__float32_float32": 1}, {"noop"}, {flip: 1})
+    masked = "void at::native::masked_fill_kernel<float>(float*)"
+    assert "decoy" in problem({"noop": 1, FILL: 4, softmax: 1}, {"noop"}, {masked: 1, softmax: 1})
+    # honest: an own flip; an own gather into a zeroed output; an own masked softmax with a zeroed buffer
+    assert problem({"own_flip": 1}, {"own_flip"}, {flip: 1}) is None
+    gather = "void at::native::index_elementwise_kernel<128, 4, gather_lambda>(int)"
+    assert problem({"own_gather": 1, FILL: 1}, {"own_gather"}, {gather: 1}) is None
+    assert problem({"own": 1, FILL: 1}, {"own"}, {masked: 1, softmax: 1}) is None
+    # a host computation read back without a host-to-device copy (mapped memory)
+    assert "host" in problem({"own": 1}, {"own"}, {RELU: 1}, copies={"dtoh": 1, "htod": 0})
+
+
+def test_a_kernel_named_like_a_library_kernel_is_not_the_candidates_own():
+    """The name a kernel launch shows is all CUPTI gives; a compiled kernel that shares it with
+    torch or a CUDA library is refused, as is one the reference launches."""
+    from dice.verifier.results import VerifyOptions
+    from dice.verifier.verdicts import kernel_verdict
+    softmax = "void (anonymous namespace)::softmax_warp_forward<float, float, float, 10, false, false>(float*)"
+    forward = {"kernels": {softmax: 1}, "dtoh": 0, "htod": 0, "busy_ms": 0.01}
+    reference = {"kernels": {"exp_kernel": 1, "sum_kernel": 1, "div_kernel": 1}, "dtoh": 0, "htod": 0}
+    assert kernel_verdict(forward, ["softmax_warp_forward"], reference, VerifyOptions()) is None   # unknown: own
+    refused = kernel_verdict(forward, ["softmax_warp_forward"], reference, VerifyOptions(),
+                             frozenset({"softmax_warp_forward"}))
+    assert "name of a kernel in torch" in refused
+
+
+needs_cxx = pytest.mark.skipif(not shutil.which("c++"), reason="needs a C++ compiler")
+
+
+@needs_cxx
+def test_library_kernel_names_are_read_from_a_librarys_read_only_data(tmp_path):
+    """nvcc registers each kernel by its mangled name, a string literal: a host library built
+    here with such strings (and other text) gives their qualified names, and nothing else."""
+    (tmp_path / "lib.cpp").write_text(
+        'extern "C" const char* names[] = {"_ZN12_GLOBAL__N_120softmax_warp_forwardIfEEvPf", "_Z10dot_kernelPf",\n'
+        '    "_ZN2at6native13reduce_kernelEv", "plain text, not a name"};\n')
+    subprocess.run(["c++", "-shared", "-fPIC", "-O0", "-o", str(tmp_path / "libfake.so"), str(tmp_path / "lib.cpp")],
+                   check=True)
+    names = library_kernel_names([tmp_path / "libfake.so", tmp_path / "lib.cpp", tmp_path / "missing.so"])
+    assert names == {"softmax_warp_forward", "dot_kernel", "at::native::reduce_kernel"}
+
+
 def test_timed_calls_obey_the_rule_per_call():
     assert timed_kernel_problem({"mine": 20, FILL: 20}, {"mine"}, {RELU: 1}, 20, qualified_name) is None
     assert "library compute" in timed_kernel_problem({"mine": 20, MAX: 5}, {"mine"}, {RELU: 1}, 20, qualified_name)
     assert "no kernel" in timed_kernel_problem({RELU: 20}, {"mine"}, {RELU: 1}, 20, qualified_name)
 
 
-def activity(kernel_ms: dict, excluded=()) -> dict:
-    return {"kernels": {k: 1 for k in kernel_ms}, "dtoh": 0, "htod": 0, "kernel_ms": kernel_ms,
-            "excluded": list(excluded)}
-
-
-def test_timed_calls_must_run_the_work_of_the_checked_trials():
-    trials = [activity({"relu": 0.100}), activity({"relu": 0.110})]
-    honest = activity({"relu": 1.0, "fill_harness": 0.5}, excluded=["fill_harness"])   # 10 calls
-    assert timed_work_problem(honest, 10, trials) is None
-    # a forward that skips its kernel on half of the timed calls
-    skipper = activity({"relu": 0.5, "fill_harness": 0.5}, excluded=["fill_harness"])
+def test_timed_calls_must_keep_the_gpu_busy_as_long_as_the_checked_trials():
+    # records [name, start_ns, end_ns]; trials: one 100 us ReLU kernel each (and 110 us)
+    trials = [activity([["relu", 0, 100_000]]), activity([["relu", 0, 110_000]])]
+    ten_calls = [["relu", k * 200_000, k * 200_000 + 100_000] for k in range(10)]
+    harness = [["fill_harness", k * 200_000 + 150_000, k * 200_000 + 200_000] for k in range(10)]
+    assert timed_work_problem(activity(ten_calls + harness, frozenset({"fill_harness"})), 10, trials) is None
+    # a forward that skips its kernel on half of the timed calls; the harness's fill never counts
+    skipper = activity(ten_calls[::2] + harness, frozenset({"fill_harness"}))
     assert "same work on every call" in timed_work_problem(skipper, 10, trials)
-    # the harness's kernels never count as the candidate's work, in trials or in timed calls
-    padded = [activity({"relu": 0.1, "fill_harness": 5.0})]
-    assert "same work" in timed_work_problem(skipper, 10, padded)
-    assert timed_work_problem(honest, 10, padded) is None
+    # padding: 8 kernels side by side on parallel streams sum to the trials' time but keep the GPU
+    # busy for an eighth of it (the union of their intervals counts)
+    padded = [[f"pad{j}", k * 200_000, k * 200_000 + 12_500] for k in range(10) for j in range(8)]
+    assert "same work" in timed_work_problem(activity(padded), 10, trials)
+    assert busy_ns([(0, 10), (5, 20), (30, 40), (30, 35)]) == 30
 
 
 def test_eager_call_times_are_spans_between_markers_on_the_gpus_records():
     m = "spin_kernel(long)"
-    # ns: call 1 runs two kernels on two streams (100-300, 150-400), call 2 one kernel (1000-1100);
-    # the harness's fill (50-90) and a checked output's copy (600-650) lie outside the markers
-    timeline = [(50, 90, "fill"), (95, 96, m), (100, 300, "a"), (150, 400, "b"), (500, 501, m),
-                (600, 650, "copy"), (900, 901, m), (1000, 1100, "a"), (1200, 1201, m)]
-    assert call_spans(timeline, m, 2) == pytest.approx((300e-6, 100e-6))
+    # records [name, start_ns, end_ns]: call 1 runs two kernels on two streams (100-300, 150-400),
+    # call 2 one kernel (1000-1100); the harness's fill (50-90), a checked output's copy (600-650)
+    # and a finalizer's kernel between the calls (700-800) lie outside the windows: not timed, no work
+    records = [["fill", 50, 90], [m, 95, 96], ["a", 100, 300], ["b", 150, 400], [m, 500, 501],
+               ["copy", 600, 650], ["late", 700, 800], [m, 900, 901], ["a", 1000, 1100], [m, 1200, 1201]]
+    times, inside = call_windows(records, m, 2)
+    assert times == pytest.approx((300e-6, 100e-6))
+    assert inside["kernels"] == {"a": 2, "b": 1} and inside["busy_ms"] == pytest.approx(400e-6)
     # a call that ran nothing still has a positive time; a forward that launches markers is refused
-    assert call_spans([(0, 1, m), (5, 6, m)], m, 1) == (MIN_MS,)
-    with pytest.raises(RuntimeError, match="extra timing markers"):
-        call_spans(timeline + [(1300, 1301, m)], m, 2)
+    assert call_windows([[m, 0, 1], [m, 5, 6]], m, 1)[0] == (MIN_MS,)
+    with pytest.raises(ValueError, match="extra timing markers"):
+        call_windows(records + [[m, 1300, 1301]], m, 2)
+
+
+def test_work_still_running_when_forward_returned_is_found_from_the_marker():
+    """The marker runs on torch's current stream after forward returned: a side stream joined to
+    it ends before the marker starts; one left running ends after (CUPTI's ns stamps)."""
+    m = "spin_kernel(long)"
+    joined = [["own", 0, 5_000], ["side", 1_000, 9_000], [m, 9_500, 9_600]]
+    rest, problem = split_marker(joined, m)
+    assert problem is None and rest == joined[:2]
+    unjoined = [["own", 0, 5_000], ["side", 1_000, 60_000], [m, 5_500, 5_600]]
+    assert "side was still running" in split_marker(unjoined, m)[1]
+    assert "timing markers" in split_marker(joined + [[m, 100, 200]], m)[1]   # forward launched one itself
+    assert activity(rest)["kernels"] == {"own": 1, "side": 1}
+
+
+def test_the_next_call_writes_into_the_previous_calls_input_tensors():
+    from dice.verifier.harness import rewritten_in_place
+    task_tensor, previous = torch.randn(4, 3), [torch.randn(4, 3), torch.randn(2), 7]
+    fresh = [torch.randn(4, 3), torch.randn(5), 7]
+    out = rewritten_in_place(previous, fresh)
+    assert out[0] is previous[0] and torch.equal(out[0], fresh[0])        # same address, new values
+    assert out[1] is not fresh[1] and torch.equal(out[1], fresh[1])       # other shape: a copy
+    assert out[2] == 7
+    kept = task_tensor.clone()
+    first = rewritten_in_place([], [task_tensor])          # a tensor get_inputs() holds is never written
+    rewritten_in_place(first, [torch.zeros(4, 3)])
+    assert first[0] is not task_tensor and torch.equal(task_tensor, kept)
+
+
+def test_an_output_must_be_laid_out_as_a_caller_expects():
+    ref = torch.randn(8, 4)
+    expanded = compare_outputs([ref[:1].repeat(8, 1)], [ref[:1].expand(8, 4)], 1e-2, 1e-2)
+    assert expanded is not None and "strides [0, 1]" in expanded
+    assert compare_outputs([ref.t()], [ref.t()], 1e-2, 1e-2) is None                   # the reference's strides
+    assert compare_outputs([ref.t()], [ref.t().contiguous()], 1e-2, 1e-2) is None      # contiguous
+    assert compare_outputs([ref[:1].expand(8, 4)], [ref[:1].expand(8, 4)], 1e-2, 1e-2) is None  # as the reference
 
 
 def test_own_kernels_are_read_from_machine_code():
@@ -155,6 +251,22 @@ def test_outputs_below_atol_cannot_pass_with_garbage():
     assert relative_error(torch.zeros(4), torch.zeros(4)) == 0.0
 
 
+def test_the_precision_rule_by_hand():
+    """strict: fp32 at 1e-4 (KernelBench main), atol and rel_l2 raised to 8x the reference's own
+    error against float64 but never above 1e-2; fp16 at 1e-2; dice: 1e-2 everywhere."""
+    f32, f16 = torch.zeros(3), torch.zeros(3, dtype=torch.float16)
+    assert tolerances([f32, f16], [(1e-6, 1e-7), (0.0, 0.0)], "strict") == [[1e-4, 1e-4, 1e-4], [1e-2] * 3]
+    assert tolerances([f32], [(1e-4, 5e-5)], "strict") == [[pytest.approx(8e-4), 1e-4, pytest.approx(4e-4)]]
+    assert tolerances([f32], [(0.5, 0.1)], "strict") == [[1e-2, 1e-4, 1e-2]]        # capped at DICE's
+    assert tolerances([f32], None, "strict") == [[1e-4, 1e-4, 1e-4]]                 # no float64 run
+    assert tolerances([f32, f16], None, "dice") == [[1e-2] * 3, [1e-2] * 3]
+    assert tolerances([f32], None, "strict", atol=0.5) == [[0.5, 1e-4, 1e-4]]        # an explicit option wins
+    exact = torch.tensor([1.0, 2.0, float("nan")], dtype=torch.float64)
+    assert own_error(exact.float() + torch.tensor([0.0, 1e-3, 0.0]), exact) == pytest.approx((1e-3, 1e-3 / 5 ** 0.5), rel=1e-3)
+    with pytest.raises(ValueError, match="precision"):
+        VerifyOptions(precision="loose")
+
+
 def test_trial_inputs_are_structured_deterministically_and_stay_in_the_domain():
     g = torch.Generator().manual_seed(1)
     x, idx = torch.rand(64, 128, generator=g) + 0.5, torch.randint(0, 7, (50,), generator=g)
@@ -162,7 +274,11 @@ def test_trial_inputs_are_structured_deterministically_and_stay_in_the_domain():
     iid = structured([x, idx], "iid", 3)
     assert torch.equal(iid[0], structured([x, idx], "iid", 3)[0]) and not torch.equal(iid[0], structured([x], "iid", 4)[0])
     ratio = iid[0] / x
-    assert ratio.min() >= 1 - JITTER and ratio.max() <= 1 + JITTER and torch.equal(iid[1], idx)
+    assert ratio.min() >= 1 - JITTER and ratio.max() <= 1 + JITTER
+    # integers keep their values in new places, another order each trial (a task drawing them at
+    # import cannot be answered by one recorded output)
+    assert torch.equal(iid[1].sort().values, idx.sort().values) and not torch.equal(iid[1], idx)
+    assert not torch.equal(structured([x, idx], "hot", 3)[1], iid[1])
     hot = structured([x], "hot", 3)[0]
     kept = hot == x
     assert int(kept.sum()) == 1 and torch.allclose(hot[~kept], x[~kept] * HOT_FADE / x.numel())
@@ -187,7 +303,10 @@ def test_a_statistic_from_a_subsample_fails_the_hot_and_spiked_trials():
                   "fixed random": lambda v: v[..., perm[: v.shape[-1] // 8] % v.shape[-1]]}
     for seed in range(60):
         g = torch.Generator().manual_seed(seed)
-        for x in (torch.rand(1 << 16, generator=g), torch.randn(64, 1024, generator=g), torch.rand(4096, generator=g).half()):
+        tensors = [torch.rand(1 << 16, generator=g), torch.randn(64, 1024, generator=g), torch.rand(4096, generator=g).half()]
+        if seed < 10:    # fp16 past 64 elements: a sparse fade (below its smallest normal)
+            tensors.append(torch.rand(1 << 20, generator=g).half())
+        for x in tensors:
             hot = structured([x], "hot", seed)[0].float()
             for name, sub in subsamples.items():
                 expected, got = hot.mean(-1, keepdim=True), sub(hot).mean(-1, keepdim=True)
@@ -198,6 +317,16 @@ def test_a_statistic_from_a_subsample_fails_the_hot_and_spiked_trials():
         d = spiked - 0.5
         passed += compare_outputs([(d * d).mean().reshape(1)], [(d[::8] ** 2).mean().reshape(1)], 1e-2, 1e-2) is None
     assert passed <= 20     # ~3% per spiked trial; two such trials per candidate
+
+
+def test_fp16_hot_trials_fade_sparsely_where_scaling_would_underflow():
+    """2^-8 / 2^20 is far below fp16's smallest normal: a few faded elements at it, the rest zero,
+    so the hot element still holds ~256 times the rest of the sum."""
+    x = torch.rand(1 << 20, generator=torch.Generator().manual_seed(0)).half()
+    hot = structured([x], "hot", 7)[0].float()
+    nonzero = int((hot != 0).sum())
+    assert 1 < nonzero < 300 and hot.max() > 0.5
+    assert hot.max() / (hot.sum() - hot.max()) > 64
 
 
 def test_the_speedup_interval_narrows_with_agreeing_rounds():

@@ -10,6 +10,10 @@
 | `protocol` | everything that crosses a pipe: request and reply schemas, strict decoding, tensor transport |
 | `worker` | the workers' main loop and the candidate role |
 | `judge` | the trusted judge role: reference outputs, comparisons, the eager baseline |
+| `verdicts` | what a trial's and a timed block's replies mean (plain functions, in the trainer) |
+| `records` | the GPU's raw records counted and timed outside the candidate's process |
+| `precision` | the precision rule: tolerances per output, TF32 switches |
+| `guard` | what candidate Python may not touch in its worker: the harness snapshot, the audit hook |
 | `harness` | modules from source, seeded models and inputs (both roles) |
 | `timing` | timed forwards: CUDA-graph replays or eager calls, checked calls |
 | `speedup` | the paired candidate / baseline rounds and their confidence interval |

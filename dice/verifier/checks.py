@@ -40,10 +40,20 @@ LIBRARY_NAMES = re.compile(r"^(sm\d+_xmma|nvjet|ampere_|volta_|turing_|hopper_|m
                            r"precomputed_convolve|fft2d_|cublas|cudnn|gemv2|gemvx|gemmk1|splitKreduce)")
 GEMM = re.compile(r"gemm|gemv|xmma|nvjet|cutlass|cublas|splitK|sm\d+_.*_(nn|nt|tn|tt)_", re.IGNORECASE)
 CONV = re.compile(r"conv|fprop|dgrad|wgrad|cudnn|winograd|implicit_", re.IGNORECASE)
+# Fused attention is no GEMM, whatever its name holds (`fmha_cutlassF_...`: "cutlass")
+ATTENTION = re.compile(r"fmha|flash|attention|attn|mha|softmax", re.IGNORECASE)
+# what a GEMM kernel's name says its epilogue computed (cuBLASLt's bias / activation epilogues)
+EPILOGUES = ("bias", "relu", "gelu", "silu", "swish", "sigmoid", "tanh", "elu", "clamp")
 # Data movement and initialisation: honest kernels add them (torch.zeros, .contiguous(), casts,
 # cat); they never count as library compute of the candidate's own.
 BOOKKEEPING = re.compile(r"FillFunctor|fill_kernel|direct_copy_kernel|copy_kernel|CatArrayBatchedCopy|"
                          r"cupy_copy|cupy_fill|memset|unrolled_elementwise_kernel<.*copy", re.IGNORECASE)
+FILLS = re.compile(r"fill|memset", re.IGNORECASE)
+# reference steps a library copy or fill can redo: a flip or a gather is data movement, a masked
+# fill is a fill (`kernel_problem` does not count them as replaced when such kernels were added)
+MOVES = re.compile(r"flip|roll|transpose|permute|index|gather|scatter|cat|repeat|pad|narrow|slice|select|unfold|"
+                   r"im2col|copy", re.IGNORECASE)
+FILL_STEPS = re.compile(r"masked|fill|where|tril|triu|zero", re.IGNORECASE)
 
 trusted = types.SimpleNamespace(
     clone=torch.Tensor.clone,
@@ -64,7 +74,13 @@ trusted = types.SimpleNamespace(
     event_end_ns=torch._C._autograd._KinetoEvent.end_ns,
     urandom=os.urandom,
     marker=torch.cuda._sleep,
+    cuda_activity=torch.profiler.ProfilerActivity.CUDA,
+    cuda_device_type=torch.autograd.DeviceType.CUDA,
 )
+
+
+class HarnessTampered(RuntimeError):
+    """Raised by the harness when it finds its own state changed by candidate code (`invalid`)."""
 
 
 def trusted_intact(_frozen: tuple = tuple(vars(trusted).items())) -> bool:
@@ -111,20 +127,47 @@ def is_library_name(qualified: str) -> bool:
 
 
 def kernel_class(name: str) -> str:
-    """The key under which launches are compared with the reference's: every GEMM is "gemm" and
-    every convolution "conv" (cuBLAS and cuDNN pick among many kernels by shape and layout, so
-    an honest candidate that keeps the reference's GEMM may launch another of them), any other
-    kernel its name without spaces."""
-    if GEMM.search(name):
-        return "gemm"
-    if CONV.search(name):
+    """The key under which launches are compared with the reference's: a GEMM is "gemm" plus the
+    epilogue its name shows ("gemm+bias+relu"), a convolution "conv" (cuBLAS and cuDNN pick among
+    many kernels by shape and layout, so an honest candidate that keeps the reference's GEMM may
+    launch another of them), data movement "copy" or "fill", any other kernel its name without
+    spaces (a fused attention kernel is its own, though its name may hold "cutlass")."""
+    if GEMM.search(name) and not ATTENTION.search(name):
+        words = set(re.split(r"[^a-z0-9]+", name.lower()))
+        return "+".join(["gemm", *(e for e in EPILOGUES if e in words)])
+    if CONV.search(name) and not ATTENTION.search(name):
         return "conv"
+    if BOOKKEEPING.search(name):
+        return "fill" if FILLS.search(name) else "copy"
     return re.sub(r"\s+", "", name)
+
+
+def _as_reference_gemm(key: str, reference: set) -> str:
+    """A candidate's GEMM class as the reference GEMM that covers it (whose epilogue includes all
+    of its own: a plain GEMM where the reference's adds a bias is the reference's), else itself."""
+    if not key.startswith("gemm"):
+        return key
+    mine = set(key.split("+")[1:])
+    covering = sorted((k for k in reference if k.startswith("gemm") and mine <= set(k.split("+")[1:])), key=len)
+    return covering[0] if covering else key
+
+
+def _steps(launches: dict, reference: set, skip=lambda name: False) -> collections.Counter:
+    """Launches by `kernel_class`, GEMM classes as the reference's that cover them, a GEMM or a
+    convolution counted once per forward (cuBLAS may split one product in two)."""
+    counts = collections.Counter()
+    for k, n in launches.items():
+        if not skip(k):
+            counts[_as_reference_gemm(kernel_class(k), reference)] += n
+    for k in counts:
+        if k.startswith(("gemm", "conv")):
+            counts[k] = min(counts[k], 1)
+    return counts
 
 
 def kernel_problem(launched: dict, own: set, reference: dict, copies: dict, reference_copies: dict,
                    qualify, rules: str = "strict") -> str | None:
-    """Why a forward's kernels break the rule, or None (DESIGN.md §8).
+    """Why a forward's kernels break the rule, or None (DESIGN.md §8.1).
 
     launched / reference: {kernel name: launches} of the candidate's and the reference's forward
     on the same inputs; own: qualified names of the kernels the candidate compiled; copies:
@@ -134,11 +177,14 @@ def kernel_problem(launched: dict, own: set, reference: dict, copies: dict, refe
     the reference's). Rules:
     - "kernelbench": at least one own kernel ran;
     - "strict" (the default and the RL reward): an own kernel ran; every library kernel it ran
-      that is not data movement (BOOKKEEPING) is one the reference runs, at most as often (it
-      added no library compute); it ran fewer of some reference kernel than the reference does
-      (it replaced a compute step: a GEMM kept in PyTorch with an own fused epilogue passes, a
-      decoy kernel beside the reference's own ops does not); and no data went to the host and
-      back when the reference keeps it on the device (host computation)."""
+      that is not data movement (BOOKKEEPING) is one the reference runs, at most as often, a GEMM
+      with no epilogue the reference's lacks (it added no library compute); it ran fewer of some
+      reference kernel than the reference does (it replaced a compute step: a GEMM kept in
+      PyTorch with an own fused epilogue passes, a decoy kernel beside the reference's own ops
+      does not), where a data-movement step (a flip, a gather) does not count as replaced when
+      the candidate added library copies, nor a fill step (a masked fill) when it added fills:
+      those may have redone it; and no data went to the host when the reference keeps it on the
+      device (a host computation, read back by a copy or through mapped memory)."""
     reference_names = {qualify(k) for k in reference}
     mine = {k: n for k, n in launched.items()
             if qualify(k) in own and qualify(k) not in reference_names and not is_library_name(qualify(k))}
@@ -148,27 +194,25 @@ def kernel_problem(launched: dict, own: set, reference: dict, copies: dict, refe
                 "ModelNew must compute with its own CUDA kernels")
     if rules == "kernelbench":
         return None
-    library, compute, ref = collections.Counter(), collections.Counter(), collections.Counter()
-    for k, n in launched.items():
-        if k not in mine:
-            library[kernel_class(k)] += n
-            if not BOOKKEEPING.search(k):
-                compute[kernel_class(k)] += n
-    for k, n in reference.items():
-        ref[kernel_class(k)] += n
-    for counts in (library, compute, ref):     # a GEMM or convolution is one step, however cuBLAS splits it
-        for k in ("gemm", "conv"):
-            counts[k] = min(counts[k], 1)
+    ref_classes = {kernel_class(k) for k in reference}
+    theirs = {k: n for k, n in launched.items() if k not in mine}
+    ref = _steps(reference, ref_classes)
+    library = _steps(theirs, ref_classes)
+    compute = _steps(theirs, ref_classes, skip=lambda k: bool(BOOKKEEPING.search(k)))
     added = [k for k, n in compute.items() if n > ref[k]]
     if added:
         return (f"the forward runs library compute the reference does not ({added[0][:80]}); ModelNew "
                 "may keep the reference's library calls, not add its own")
-    if ref and not any(n > library[k] for k, n in ref.items()):
+    redone = {"copy": library["copy"] > ref["copy"], "fill": library["fill"] > ref["fill"]}
+    replaced = [k for k, n in ref.items() if n > library[k]
+                and not (redone["copy"] and MOVES.search(k)) and not (redone["fill"] and FILL_STEPS.search(k))]
+    if ref and not replaced:
         return ("every compute step of the reference still runs as a library kernel beside the candidate's own "
-                f"({', '.join(sorted(mine))[:80]}): its own kernels replace nothing (a decoy)")
-    if copies.get("dtoh") and copies.get("htod") and not reference_copies.get("dtoh"):
-        return ("the forward copies data to the host and back, which the reference does not: ModelNew must "
-                "compute on the GPU")
+                f"({', '.join(sorted(mine))[:80]}), or was redone by a library copy or fill: its own kernels "
+                "replace nothing (a decoy)")
+    if copies.get("dtoh") and not reference_copies.get("dtoh"):
+        return ("the forward copies data to the host, which the reference does not: ModelNew must compute on "
+                "the GPU")
     return None
 
 
@@ -179,13 +223,14 @@ def timed_kernel_problem(launched: dict, own: set, reference: dict, calls: int, 
     reference_names = {qualify(k) for k in reference}
     if not any(n and qualify(k) in own and qualify(k) not in reference_names for k, n in launched.items()):
         return "no kernel the candidate compiled ran in its timed calls"
+    ref_classes = {kernel_class(k) for k in reference}
     ref = collections.Counter()
     for k, n in reference.items():
         ref[kernel_class(k)] += n
     used = collections.Counter()
     for k, n in launched.items():
         if not (qualify(k) in own and qualify(k) not in reference_names) and not BOOKKEEPING.search(k):
-            used[kernel_class(k)] += n
+            used[_as_reference_gemm(kernel_class(k), ref_classes)] += n
     added = [k for k, n in used.items() if n > calls * ref[k]]
     return (f"its timed calls run library compute the reference does not ({added[0][:80]})" if added else None)
 
@@ -196,24 +241,19 @@ WORK_SLACK_MS = 0.003   # per call: kernel durations of microsecond kernels jitt
 
 def timed_work_problem(activity: dict, calls: int, trials: list[dict]) -> str | None:
     """Why `calls` timed calls (their GPU `activity`) ran less work than the correctness trials,
-    or None (DESIGN.md §8.3): each call's kernels must take at least WORK_SHARE of the kernel time
-    of the lightest trial (the same shapes; the trials' outputs were all checked), so a forward
-    that skips work when it is timed, where its outputs might not be compared, is caught. The
-    durations come from CUPTI records, outside candidate Python's reach."""
+    or None (DESIGN.md §8.3): each call must keep the GPU busy for at least WORK_SHARE of the
+    busy time of the lightest trial (the same shapes; the trials' outputs were all checked), so a
+    forward that skips work when it is timed, where its outputs might not be compared, is caught.
+    Busy time is the union of the kernels' intervals on the GPU's own records (`records.activity`):
+    padding kernels run side by side on parallel streams count once."""
     if not trials:
         return None
-    excluded = activity["excluded"]
-    checked = min(work_ms(t, excluded) for t in trials)
-    timed = work_ms(activity, excluded) / calls
+    checked = min(t["busy_ms"] for t in trials)
+    timed = activity["busy_ms"] / calls
     if timed < WORK_SHARE * checked - WORK_SLACK_MS:
-        return (f"its timed calls ran {timed:.4g} ms of kernels each, its checked trials {checked:.4g} ms: "
+        return (f"its timed calls kept the GPU busy {timed:.4g} ms each, its checked trials {checked:.4g} ms: "
                 "forward must do the same work on every call")
     return None
-
-
-def work_ms(activity: dict, exclude: list) -> float:
-    """The summed kernel time of an activity record, without the kernels named in `exclude`."""
-    return sum(ms for name, ms in activity["kernel_ms"].items() if name not in exclude)
 
 
 def fallback_problem(tree: ast.Module) -> str | None:
@@ -315,14 +355,18 @@ def fingerprint(t: torch.Tensor) -> list:
     return [str(t.dtype), list(t.shape), int(torch.sum(bits, dtype=torch.int64))] + bits[index].tolist()
 
 
-def compare_outputs(expected: list, got: list, atol: float, rtol: float, rel_l2: float = 1e-2) -> str | None:
+def compare_outputs(expected: list, got: list, atol: float = 1e-2, rtol: float = 1e-2, rel_l2: float = 1e-2,
+                    per_output: list | None = None) -> str | None:
     """None when `got` matches `expected`, else why not: allclose(atol, rtol) with NaN/Inf exactly
     where expected, and for floating outputs also ||g - e||_2 <= rel_l2 * ||e||_2 over the finite
     elements (`relative_error`), so that an output whose true values all sit below atol (a
-    softmax over 65,536 columns) cannot pass with values of the wrong size."""
+    softmax over 65,536 columns) cannot pass with values of the wrong size. `per_output`:
+    [atol, rtol, rel_l2] for each output instead (`precision.tolerances`)."""
     if len(got) != len(expected):
         return f"forward returned {len(got)} tensor(s), the reference returns {len(expected)}"
     for i, (e, g) in enumerate(zip(expected, got)):
+        if per_output is not None:
+            atol, rtol, rel_l2 = per_output[i]
         label = f"output {i}" if len(expected) > 1 else "output"
         if g.device.type != e.device.type:
             return f"{label} is on {g.device.type}, the reference's is on {e.device.type}"
@@ -330,6 +374,9 @@ def compare_outputs(expected: list, got: list, atol: float, rtol: float, rel_l2:
             return f"{label} has dtype {str(g.dtype)[6:]}, expected {str(e.dtype)[6:]}"
         if g.shape != e.shape:
             return f"{label} has shape {list(g.shape)}, expected {list(e.shape)}"
+        problem = layout_problem(e, g)
+        if problem:
+            return f"{label} {problem}"
         problem = _value_mismatch(e, g, atol, rtol)
         if problem:
             return f"{label}: {problem}"
@@ -339,6 +386,19 @@ def compare_outputs(expected: list, got: list, atol: float, rtol: float, rel_l2:
                 return (f"{label}: relative error {rel:.3g} of the whole output (||got - expected|| / ||expected||) "
                         f"exceeds {rel_l2:g}, although every element is within atol={atol:g}, rtol={rtol:g}")
     return None
+
+
+def layout_problem(e: torch.Tensor, g: torch.Tensor) -> str | None:
+    """Why output `g` is laid out in memory as no caller of the reference expects, or None: it must
+    be contiguous or have the reference's strides (dimensions of size 1 aside). A stride-0
+    `expand` of one computed row, or a view into a smaller buffer, holds the right values for a
+    reader but not a full tensor: it skipped the writes, and writing into it changes other elements."""
+    if g.numel() <= 1 or g.is_contiguous():
+        return None
+    if all(a == b for n, a, b in zip(g.shape, g.stride(), e.stride()) if n > 1):
+        return None
+    return (f"has strides {list(g.stride())}, neither contiguous nor the reference's {list(e.stride())}; "
+            "return a full tensor (a stride-0 expand or a view of a smaller buffer is not one)")
 
 
 def relative_error(e: torch.Tensor, g: torch.Tensor, chunk: int = 2**24) -> float:

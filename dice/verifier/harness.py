@@ -13,14 +13,16 @@ floating-point tensors a structure (`TRIAL_KINDS`), the same in the judge and th
   ones, so it is not near zero), every other times HOT_FADE / numel, so the hot element decides
   a sum or mean by a factor of ~256: an estimate from a subsample of any fraction f < 1 either
   misses it (off by its whole share) or holds it (off by 1/f times its share), whatever the
-  subsample's pattern. The factor is never below the dtype's smallest
-  normal, so faded values are not flushed to zero: fp16 tensors of more than ~4,096 elements
-  are faded less, and their hot element decides less;
+  subsample's pattern. Where that factor is below the dtype's smallest normal (fp16 tensors of
+  more than 64 elements) the fade is sparse instead (`faded`: a random few at the smallest
+  normal, the rest zero, the same expected sum), so the hot element decides just as much;
 - "scaled": the whole tensor times 1/4 or 4: a constant output, or one off by a scale, fails;
 - "plain": get_inputs() as drawn, for a trial whose structure the task's own reference cannot take
   (the Verifier's `_trial_kinds`: e.g. float indices that jitter pushes past their table).
-Signs, zeros and integer tensors (indices) are left alone, so inputs stay in the task's domain.
-Timed calls use "iid" inputs from their own seeds, with integer and boolean tensors also permuted
+Signs and zeros are left alone, and integer and boolean tensors (indices, labels, masks) keep
+their values in new places (a permutation per trial), so inputs stay in the task's domain while
+a task whose integer inputs are drawn once at import still changes every trial (its outputs
+cannot be recorded once and replayed). Timed calls use "iid" inputs from their own seeds
 (`timed_inputs`): no two timed calls see the same inputs, so outputs cached by value cannot beat
 the clock. For a task checked on "plain" inputs, timed calls permute every tensor instead.
 """
@@ -118,11 +120,21 @@ def make_inputs(task: types.ModuleType, seed: int, device: torch.device) -> list
 
 
 
-def same_layout(a: list, b: list) -> bool:
-    """Whether two input lists hold tensors of the same shapes and dtypes at the same places."""
-    return len(a) == len(b) and all(
-        (x.shape, x.dtype, x.device) == (y.shape, y.dtype, y.device) if isinstance(x, torch.Tensor) else
-        not isinstance(y, torch.Tensor) for x, y in zip(a, b))
+def rewritten_in_place(previous: list, fresh: list) -> list:
+    """`fresh` inputs written into the tensors of `previous` where they have the same shape, dtype
+    and device (the next call of a training loop that reuses its buffers: outputs memoised by input
+    address, `data_ptr`, then answer with the last call's values), else copied: every tensor
+    returned is the harness's own, never one the task's get_inputs() holds."""
+    out = []
+    for j, x in enumerate(fresh):
+        old = previous[j] if j < len(previous) else None
+        if not isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(old, torch.Tensor) and (old.shape, old.dtype, old.device) == (x.shape, x.dtype, x.device):
+            out.append(old.copy_(x))      # `old` is a clone: dense, never overlapping itself
+        else:
+            out.append(trusted.clone(x))
+    return out
 
 
 def nbytes(values: list) -> int:
@@ -149,9 +161,8 @@ def structured(inputs: list, kind: str, seed: int) -> list:
             continue
         g = torch.Generator(device=x.device).manual_seed(stable_seed(seed, j, kind))
         if not x.is_floating_point() or kind == "permuted":
-            permute = kind in ("timed", "permuted")
-            out.append(x.reshape(-1)[torch.randperm(x.numel(), generator=g, device=x.device)].view(x.shape)
-                       if permute else x)
+            # integers and booleans (indices, labels, masks) keep their values, in new places
+            out.append(x.reshape(-1)[torch.randperm(x.numel(), generator=g, device=x.device)].view(x.shape))
         elif kind in ("iid", "timed"):
             u = torch.rand(x.shape, generator=g, device=x.device)
             out.append(x * (1 + JITTER * (2 * u - 1)).to(x.dtype))
@@ -159,8 +170,7 @@ def structured(inputs: list, kind: str, seed: int) -> list:
             pick = torch.randint(x.numel(), (HOT_DRAWS,), generator=g, device=x.device)
             hot = torch.zeros(x.numel(), dtype=torch.bool, device=x.device)
             hot[pick[x.reshape(-1)[pick].abs().argmax()]] = True
-            fade = max(HOT_FADE / x.numel(), torch.finfo(x.dtype).tiny)
-            out.append(torch.where(hot.view(x.shape), x, x * fade))
+            out.append(torch.where(hot.view(x.shape), x, faded(x, HOT_FADE / x.numel(), g)))
         elif kind == "spiked":
             spike = torch.zeros(x.numel(), dtype=torch.bool, device=x.device)
             spike[torch.randint(x.numel(), (max(1, x.numel() // SPIKE_EVERY),), generator=g, device=x.device)] = True
@@ -170,6 +180,17 @@ def structured(inputs: list, kind: str, seed: int) -> list:
         else:
             raise ValueError(f"unknown trial kind {kind!r}")
     return out
+
+
+def faded(x: torch.Tensor, fade: float, g: torch.Generator) -> torch.Tensor:
+    """x times `fade`; where `fade` is below the dtype's smallest normal `tiny` (fp16 tensors of
+    more than 64 elements) a sparse fade with the same expected sum instead: each element kept
+    with probability fade / tiny, times tiny, the others zero (x * fade would round to zero)."""
+    tiny = torch.finfo(x.dtype).tiny
+    if fade >= tiny:
+        return x * fade
+    keep = torch.rand(x.shape, generator=g, device=x.device) < fade / tiny
+    return torch.where(keep, x * tiny, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def trial_inputs(task: types.ModuleType, seed: int, kind: str, device: torch.device) -> list:

@@ -1,8 +1,8 @@
 """Which CUDA kernels ran during a forward, and which of them the candidate compiled itself (DESIGN.md §8).
 
-`gpu_activity(fn)` runs `fn` under the CUDA profiler (CUPTI through torch.profiler) and returns
-the kernels it launched, by name and count, and how many device-to-host and host-to-device copies
-it made (CUPTI records no byte counts in this torch, so copies are counted, not measured).
+`gpu_records(fn)` runs `fn` under the CUDA profiler (CUPTI through torch.profiler) and returns
+what the GPU recorded, raw; `records` counts kernels and copies (CUPTI records no byte counts in
+this torch, so copies are counted, not measured) where the candidate's code does not run.
 
 `CompiledKernels` is the provenance side: the names of the `__global__` entry points in the code
 the candidate actually compiled, read from the machine code, never from source text (a
@@ -19,51 +19,52 @@ demangled name alike.
 """
 from __future__ import annotations
 
-import collections
 import os
 import re
 import struct
 import tempfile
+from pathlib import Path
 
 import torch
 
+from . import records
 from .checks import is_library_name, trusted
 
 STO_CUDA_ENTRY = 0x10
 EM_CUDA = 190
-COPY_EVENTS = {"dtoh": "Memcpy DtoH", "htod": "Memcpy HtoD"}
+
+
+def gpu_records(fn) -> tuple[object, list]:
+    """(fn(), records): `[name, start_ns, end_ns]` of every kernel, copy and memset that `fn` ran,
+    as CUPTI recorded them (through torch.profiler). Built from captured functions and list
+    appends only, with no arithmetic, so that the records reach the parent as the GPU wrote them;
+    they are judged there (`records`)."""
+    with trusted.profile(activities=[trusted.cuda_activity]) as prof:
+        result = fn()
+        trusted.cuda_synchronize()
+    found = []
+    for event in trusted.kineto_events(prof.profiler.kineto_results):
+        if trusted.event_device_type(event) == trusted.cuda_device_type:
+            found.append([trusted.event_name(event), trusted.event_start_ns(event), trusted.event_end_ns(event)])
+    return result, found
 
 
 def gpu_activity(fn, exclude: frozenset = frozenset(), timeline: bool = False) -> tuple[object, dict]:
-    """(fn(), activity) for the GPU work of `fn`: {"kernels": {name: launches}, "dtoh": copies,
-    "htod": copies, "kernel_ms": {name: summed duration}, "excluded": names}; with `timeline` also
-    "timeline": [(start_ns, end_ns, name)] of every kernel, copy and memset in start order. The
-    durations leave out kernels named in `exclude` (the timing harness's own). CUPTI writes these
-    records from native code, so they are the GPU's account of the work, which candidate Python
-    cannot rewrite (`checks.timed_work_problem`, `timing.call_spans`)."""
-    with trusted.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        result = fn()
-        trusted.cuda_synchronize()
-    kernels, copies = collections.Counter(), {"dtoh": 0, "htod": 0}
-    kernel_ms, events = collections.Counter(), []
-    for event in trusted.kineto_events(prof.profiler.kineto_results):
-        if trusted.event_device_type(event) != torch.autograd.DeviceType.CUDA:
-            continue
-        name = trusted.event_name(event)
-        start, end = trusted.event_start_ns(event), trusted.event_end_ns(event)
-        if timeline:
-            events.append((start, end, name))
-        kind = next((k for k, prefix in COPY_EVENTS.items() if name.startswith(prefix)), None)
-        if kind:
-            copies[kind] += 1
-        elif not name.startswith(("Memcpy", "Memset")):
-            kernels[name] += 1
-            if name not in exclude:
-                kernel_ms[name] += (end - start) / 1e6
-    activity = {"kernels": dict(kernels), **copies, "kernel_ms": dict(kernel_ms), "excluded": sorted(exclude)}
+    """(fn(), `records.activity` of its records); with `timeline` also "timeline": the records
+    as (start_ns, end_ns, name) in start order. For trusted callers (the judge, the timer)."""
+    result, found = gpu_records(fn)
+    summary = records.activity(found, exclude)
+    summary["excluded"] = sorted(exclude)
     if timeline:
-        activity["timeline"] = sorted(events)
-    return result, activity
+        summary["timeline"] = sorted((start, end, name) for name, start, end in found)
+    return result, summary
+
+
+def marker_name(cache: list = []) -> str:
+    """The profiler's name of the harness's marker kernel (`torch.cuda._sleep(0)`, a spin kernel)."""
+    if not cache:
+        cache.extend(name for name, _, _ in gpu_records(lambda: trusted.marker(0))[1])
+    return cache[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,6 +155,67 @@ def _cuda_elf_entries(data: bytes, off: int) -> list[str]:
         return names
     except (struct.error, IndexError, ValueError):
         return []
+
+
+MANGLED = re.compile(rb"(?<![A-Za-z0-9_])_Z[A-Za-z0-9_]{4,}")
+SCAN_CHUNK = 4 * 2**20     # scanned a few MB at a time, so the scan lets the trainer's other threads run
+
+
+def library_kernel_names(paths) -> frozenset[str]:
+    """Qualified names of the kernels the shared libraries at `paths` hold (torch, cuBLAS, cuDNN):
+    nvcc's host code registers every kernel by its mangled name, a string in the library's
+    read-only data, so the names are read there (the device code itself is often a compressed
+    fatbin). A candidate's kernel with one of these names is not its own: a launch of it may be
+    the library's (PyTorch's anonymous-namespace kernels reduce to bare names)."""
+    names = set()
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                for data in _read_only_sections(f):
+                    start = 0
+                    while start < len(data):
+                        end = data.find(b"\0", start + SCAN_CHUNK)
+                        end = len(data) if end < 0 else end
+                        names.update(qualified_from_mangled(m.decode()) for m in MANGLED.findall(data, start, end))
+                        start = end
+        except OSError:
+            continue
+    names.discard("")
+    return frozenset(names)
+
+
+def _read_only_sections(f) -> list[bytes]:
+    """The `.rodata*` sections of a little-endian ELF64 file (nothing for anything else)."""
+    head = f.read(64)
+    if len(head) < 64 or not head.startswith(b"\x7fELF") or head[4] != 2 or head[5] != 1:
+        return []
+    shoff, = struct.unpack_from("<Q", head, 0x28)
+    entsize, count, names_at = struct.unpack_from("<HHH", head, 0x3A)
+    f.seek(shoff)
+    table = f.read(entsize * count)
+    sections = [struct.unpack_from("<IIQQQQ", table, k * entsize) for k in range(count) if (k + 1) * entsize <= len(table)]
+    if names_at >= len(sections):
+        return []
+    f.seek(sections[names_at][4])
+    strings = f.read(sections[names_at][5])
+    found = []
+    for name_at, kind, _, _, offset, size in sections:
+        name = strings[name_at:strings.find(b"\0", name_at)]
+        if name.startswith(b".rodata") and kind != 8:      # 8: SHT_NOBITS
+            f.seek(offset)
+            found.append(f.read(size))
+    return found
+
+
+def default_library_paths() -> list[str]:
+    """torch's own shared libraries and those of the CUDA wheels beside it (nvidia/*/lib)."""
+    roots = [Path(torch.__file__).parent / "lib"]
+    try:
+        import nvidia
+        roots += [Path(p) / name / "lib" for p in nvidia.__path__ for name in os.listdir(p)]
+    except (ImportError, OSError):
+        pass
+    return sorted(str(f) for root in roots if root.is_dir() for f in root.iterdir() if ".so" in f.name)
 
 
 class CompiledKernels:

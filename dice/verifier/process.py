@@ -119,6 +119,29 @@ class WorkerProcess:
         """Whether the current process has started up and served (no start-up wait on next call)."""
         return self._ready
 
+    def pause(self) -> None:
+        """Stop the worker process (SIGSTOP: every thread of it) until `resume`: while its baseline
+        is timed, nothing a candidate left behind in it (a native thread) can launch GPU work.
+        Returns once the kernel reports it stopped (at most ~0.1 s)."""
+        pid = self.info.get("pid") if self._ready else None
+        if not pid:
+            return
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 0.1
+        while time.monotonic() < deadline and _state(pid) not in ("T", "t", None):
+            time.sleep(0.0005)
+
+    def resume(self) -> None:
+        pid = self.info.get("pid") if self._ready else None
+        if pid:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
     def restart(self) -> None:
         with self._lock:
             self._kill()
@@ -250,6 +273,15 @@ class GpuLock:
             with self._cond:
                 self._writer = False
                 self._cond.notify_all()
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter from /proc (T: stopped), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return None
 
 
 def log_summary(log_tail: str, max_lines: int = 8) -> str:

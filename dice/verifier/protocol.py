@@ -25,9 +25,11 @@ STATUSES = ("correct", "incorrect", "compile_error", "runtime_error", "timeout",
 def export_tensor(t: torch.Tensor) -> tuple[bytes, torch.Tensor]:
     """(bytes for `import_tensor` in the judge, tensor to keep alive meanwhile)."""
     t = t.detach()
-    if not t.is_cuda:
-        raw = trusted.clone(t.reshape(-1)).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        return pickle.dumps(("cpu", str(t.dtype), list(t.shape), raw.numpy().tobytes())), t
+    if not t.is_cuda:   # the memory the tensor spans, and its strides: the judge sees the layout a caller gets
+        span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+        flat = t.as_strided((span,), (1,), t.storage_offset())
+        raw = trusted.clone(flat).view(torch.uint8) if span else torch.empty(0, dtype=torch.uint8)
+        return pickle.dumps(("cpu", str(t.dtype), list(t.shape), list(t.stride()), raw.numpy().tobytes())), t
     try:
         return bytes(ForkingPickler.dumps(t)), t
     except Exception:
@@ -64,12 +66,17 @@ def import_tensor(data: bytes) -> torch.Tensor:
     """The judge's side of `export_tensor`: a CUDA tensor through torch's IPC rebuild, or a CPU
     tensor from its raw bytes; anything else raises."""
     value = _StrictUnpickler(data, _CUDA_TENSOR_GLOBALS).load()
-    if isinstance(value, tuple) and len(value) == 4 and value[0] == "cpu":
-        _, dtype, shape, raw = value
-        if dtype not in _DTYPES or not isinstance(raw, bytes) or not all(type(n) is int for n in shape):
+    if isinstance(value, tuple) and len(value) == 5 and value[0] == "cpu":
+        _, dtype, shape, stride, raw = value
+        if (dtype not in _DTYPES or not isinstance(raw, bytes) or len(shape) != len(stride)
+                or not all(type(n) is int and n >= 0 for n in (*shape, *stride))):
             raise ValueError("malformed CPU tensor from the candidate worker")
         flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        value = flat.view(_DTYPES[dtype]).reshape(shape)
+        flat = flat.view(_DTYPES[dtype])
+        span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+        if span > flat.numel():
+            raise ValueError("malformed CPU tensor from the candidate worker")
+        value = flat.as_strided(shape, stride)
     if type(value) is not torch.Tensor:
         raise ValueError(f"the candidate worker sent a {type(value).__name__}, not a tensor")
     return value
@@ -80,11 +87,11 @@ def malformed_reply(op: str, reply: dict) -> str | None:
     nothing else from a reply, so a tampered worker can lie within these types (a false time)
     but cannot crash the caller or hand it a NaN.
 
-    Replies with status "ok": run -> outputs, second (list of bytes or None), activity, own,
-    mutated (ints), aliased ([int, int] pairs); time_prepare -> method, activity, own, ms;
-    time_block -> times (ms), checked ([call, outputs] pairs), activity. `activity` is None (CPU)
-    or {"kernels": {name: launches}, "dtoh": int, "htod": int, "kernel_ms": {name: ms},
-    "excluded": names} (`kernels.gpu_activity`); `own` None or a list of names."""
+    Replies with status "ok": run -> outputs, second (list of bytes or None), records (raw CUPTI
+    records, `kernels.gpu_records`, or None on a CPU), own, mutated, stale and reused (ints), aliased
+    ([int, int] pairs); time_prepare -> method, records, own, ms; time_block -> times (ms),
+    checked ([call, outputs, fingerprints]), records (None for a graph or a CPU); `own` None or a list
+    of names."""
     status, message = reply.get("status"), reply.get("message", "")
     if status not in (*STATUSES, "ok") or not isinstance(message, str):
         return f"has status {str(status)[:40]!r}"
@@ -92,18 +99,22 @@ def malformed_reply(op: str, reply: dict) -> str | None:
         return None
     fields = {
         "run": lambda r: (_byte_list(r.get("outputs")) and (r.get("second") is None or _byte_list(r["second"]))
-                          and _activity(r.get("activity")) and _names(r.get("own")) and _ints(r.get("mutated"))
-                          and isinstance(r.get("aliased"), list) and all(_ints(p, 2) for p in r["aliased"])),
-        "time_prepare": lambda r: (r.get("method") in ("graph", "eager") and _activity(r.get("activity"))
+                          and _records(r.get("records")) and _names(r.get("own")) and _ints(r.get("mutated"))
+                          and _ints(r.get("stale")) and _pairs(r.get("aliased")) and _ints(r.get("reused"))),
+        "time_prepare": lambda r: (r.get("method") in ("graph", "eager") and _records(r.get("records"))
                                    and _names(r.get("own")) and _times([r.get("ms")])),
-        "time_block": lambda r: (isinstance(r.get("times"), list) and _times(r["times"]) and _activity(r.get("activity"))
+        "time_block": lambda r: (isinstance(r.get("times"), list) and _times(r["times"]) and _records(r.get("records"))
                                  and isinstance(r.get("checked"), list)
-                                 and all(isinstance(c, list) and len(c) == 2 and type(c[0]) is int and _byte_list(c[1])
-                                         for c in r["checked"])),
+                                 and all(isinstance(c, list) and len(c) == 3 and type(c[0]) is int and _byte_list(c[1])
+                                         and isinstance(c[2], list) for c in r["checked"])),
     }
     if op in fields and not fields[op](reply):
         return "has fields of the wrong types or times that are not positive and finite"
     return None
+
+
+def _pairs(x) -> bool:
+    return isinstance(x, list) and all(_ints(p, 2) for p in x)
 
 
 def _ints(x, n=None) -> bool:
@@ -122,14 +133,8 @@ def _times(x) -> bool:
     return len(x) > 0 and all(type(t) is float and math.isfinite(t) and t > 0 for t in x)
 
 
-def _activity(x) -> bool:
-    return x is None or (isinstance(x, dict) and isinstance(x.get("kernels"), dict)
-                         and all(isinstance(k, str) and type(n) is int for k, n in x["kernels"].items())
-                         and type(x.get("dtoh")) is int and type(x.get("htod")) is int
-                         and isinstance(x.get("kernel_ms"), dict) and _durations(list(x["kernel_ms"].values()))
-                         and all(isinstance(k, str) for k in x["kernel_ms"])
-                         and _names(x.get("excluded")) and x["excluded"] is not None)
-
-
-def _durations(x) -> bool:
-    return all(type(t) is float and math.isfinite(t) and t >= 0 for t in x)
+def _records(x) -> bool:
+    """None (CPU) or raw CUPTI records: [name, start_ns, end_ns] with start <= end."""
+    return x is None or (isinstance(x, list) and all(
+        isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and type(r[1]) is int and type(r[2]) is int
+        and r[1] <= r[2] for r in x))

@@ -7,6 +7,7 @@ import random
 from dataclasses import dataclass
 
 from .checks import fallback_problem, kernel_names
+from .precision import PRECISIONS
 from .protocol import STATUSES
 
 RULES = ("strict", "kernelbench")
@@ -41,16 +42,23 @@ class VerifyOptions:
     seed: int | None = None
     timeout_s: float = 120.0           # candidate run time: all trials + timing
     compile_timeout_s: float = 600.0   # module import, including a load_inline build
-    atol: float = 1e-2
-    rtol: float = 1e-2
-    rel_l2: float = 1e-2               # ||got - expected|| / ||expected|| of a whole output
     rules: str = "strict"              # the kernel rule: "strict" (DICE, the RL reward) or "kernelbench"
+    precision: str = "strict"          # the precision rule (`precision`): "strict" (fp32 at 1e-4, TF32 off) or "dice"
+    atol: float | None = None          # these three replace the precision rule's values for every output
+    rtol: float | None = None
+    rel_l2: float | None = None        # ||got - expected|| / ||expected|| of a whole output
 
     def __post_init__(self):
         if self.trials < 1:
             raise ValueError(f"trials={self.trials}: verification needs at least one correctness trial")
         if self.rules not in RULES:
             raise ValueError(f"rules={self.rules!r}: use one of {', '.join(RULES)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: use one of {', '.join(PRECISIONS)}")
+
+    def tolerance(self) -> dict:
+        """What the judge needs to compare outputs (`precision.tolerances`)."""
+        return {"precision": self.precision, "atol": self.atol, "rtol": self.rtol, "rel_l2": self.rel_l2}
 
 
 # ---------------------------------------------------------------------------------------------

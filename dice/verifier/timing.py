@@ -11,9 +11,10 @@ can use):
   a replay on fresh inputs gives the eager forward's outputs (work on a stream the capture does
   not see, such as the legacy default stream of `<<<...>>>` launches, leaves it unfaithful).
 - "eager": a marker kernel, forward, a device-wide synchronize, a second marker; the call's
-  time is its span on the GPU's own records between the markers (`call_spans`: CUPTI through the
-  profiler, every stream), which candidate Python cannot rewrite, whatever it does to the timing
-  loop's frame. On a CPU (tests only) the host clock times the call.
+  time is its span on the GPU's own records between the markers (`records.call_windows`: CUPTI
+  through the profiler, every stream), shipped raw and measured by the judge or the trainer, so
+  nothing candidate Python does to the worker (the loop's frame, a tally, a clock) changes it.
+  On a CPU (tests only) the host clock times the call.
 The L2 flush before a replay is left running while the replay is launched, so the replay's events
 time the replay, not the host's launch latency.
 Every call's outputs may be checked: after the call returns, a coin from os.urandom decides (with
@@ -27,14 +28,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .checks import flatten, relative_error, replaced_functions, trusted, trusted_intact
+from .checks import (HarnessTampered, fingerprint, flatten, relative_error, replaced_functions, trusted,
+                     trusted_intact)
 from .harness import timed_inputs
-from .kernels import gpu_activity
+from .kernels import gpu_records
 
 L2_FLUSH_BYTES = 256 * 2**20    # > L2 of any current GPU (H100 50 MB, H200 60 MB, B200 126 MB)
 FAITHFUL = 1e-3                 # a graph replay within this relative error of the eager outputs
 COIN = 256
-MIN_MS = 1e-4                   # a call that ran nothing on the GPU still gets a positive time
 
 
 class Timer:
@@ -44,8 +45,10 @@ class Timer:
                  inputs: str = "timed"):
         self.model, self.pristine, self.seed, self.device, self.inputs = model, pristine, seed, device, inputs
         self.cuda = device.type == "cuda"
-        self.flush = torch.empty(L2_FLUSH_BYTES if self.cuda else 0, dtype=torch.uint8, device=device)
-        self.graph, self._harness = None, None
+        self.flush_bytes = L2_FLUSH_BYTES if self.cuda else 0
+        self.flush = torch.empty(self.flush_bytes, dtype=torch.uint8, device=device)
+        self.flush_at = self.flush.data_ptr()
+        self.graph = None
         self.method = "graph" if method == "graph" and self.cuda and self._capture() else "eager"
 
     def _forward(self, inputs: list) -> list:
@@ -91,57 +94,51 @@ class Timer:
             if isinstance(buffer, torch.Tensor):
                 buffer.copy_(x)
 
-    def profile(self) -> dict:
-        """The GPU activity of one timed call (for a graph, of one replay: all replays are alike)."""
+    def profile(self) -> list:
+        """The raw GPU records of one timed call (for a graph, of one replay: all replays are alike)."""
         inputs = timed_inputs(self.pristine, self.seed, -3, self.inputs)
         run = (lambda: self._replay(inputs)) if self.graph is not None else (lambda: self._forward(inputs))
-        return gpu_activity(run)[1]
+        return gpu_records(run)[1]
 
     def block(self, first: int, calls: int, check: float, profiled: bool = True) -> dict:
         """Calls first .. first + calls - 1: their times (ms) and the outputs of the checked ones.
-        In eager mode on a GPU the block runs under the profiler and each call's time is its span
-        on the GPU's own records (`call_spans`); the activity comes back without the harness's
-        own kernels (each call's new inputs, L2 flush and two markers, profiled once alone): their
-        launches subtracted, their names left out of the kernel durations.
-        `profiled=False` (a probe call) times by the host clock instead."""
+        In eager mode on a GPU the block runs under the profiler and comes back with its raw
+        records, from which the judging side takes each call's time and work
+        (`records.call_windows`); the host-clock times are then unused. `profiled=False` (a probe
+        call) times by the host clock."""
         if self.graph is None and self.cuda and profiled:
-            harness = self._harness_kernels()
-            (_, checked), activity = gpu_activity(lambda: self._calls(first, calls, check), frozenset(harness),
-                                                  timeline=True)
-            times = call_spans(activity.pop("timeline"), _marker_name(), calls)
-            activity["kernels"] = {k: n - calls * harness.get(k, 0) for k, n in activity["kernels"].items()
-                                   if n > calls * harness.get(k, 0)}
-            return {"times": times, "checked": checked, "activity": activity}
+            (times, checked), found = gpu_records(lambda: self._calls(first, calls, check))
+            return {"times": times, "checked": checked, "records": found}
         times, checked = self._calls(first, calls, check)
-        return {"times": times, "checked": checked, "activity": None}
+        return {"times": times, "checked": checked, "records": None}
 
-    def _harness_kernels(self) -> dict:
-        if self._harness is None:
-            def harness_only():
-                timed_inputs(self.pristine, self.seed, -4, self.inputs)
-                self.flush.zero_()
-                trusted.marker(0)
-                trusted.marker(0)
-            self._harness = gpu_activity(harness_only)[1]["kernels"]
-        return self._harness
-
-    def _calls(self, first: int, calls: int, check: float) -> tuple[tuple, list]:
+    def _calls(self, first: int, calls: int, check: float) -> tuple[tuple, tuple]:
+        """(times, checked): checked holds (call, output copies, their fingerprints) of the calls
+        the coin picked, fingerprinted at once, so a later call that rewrote a copy in place is
+        caught by the judge. Immutable tuples, and the L2 flush buffer checked after every flush
+        (a candidate reaching it through a frame could shrink it): what candidate code can reach
+        of this loop it cannot change unnoticed."""
         if not trusted_intact() or replaced_functions():
-            raise RuntimeError("the candidate replaced functions the verifier times with")
+            raise HarnessTampered("the candidate replaced functions the verifier times with")
         # bound to locals now: what candidate code replaces during the loop cannot reach them
         perf, sync, clone, urandom, marker, device = (trusted.perf_counter, trusted.cuda_synchronize, trusted.clone,
                                                       trusted.urandom, trusted.marker, self.device)
-        times, checked = (), []          # a tuple: no candidate code can rewrite it in place
+        flush, flush_at, flush_bytes = self.flush, self.flush_at, self.flush.numel()
+        times, checked = (), ()
         threshold = int(check * COIN)
         for k in range(first, first + calls):
             inputs = timed_inputs(self.pristine, self.seed, k, self.inputs)
             if self.graph is not None:
                 self._load(inputs)
-                self.flush.zero_()       # not waited for: the GPU is still flushing while the replay is
+                flush.zero_()            # not waited for: the GPU is still flushing while the replay is
+            elif self.cuda:
+                flush.zero_()
+            if flush.data_ptr() != flush_at or flush.numel() != flush_bytes or flush_bytes != self.flush_bytes:
+                raise HarnessTampered("the candidate changed the timer's L2 flush buffer")
+            if self.graph is not None:
                 outputs, ms = self._timed_replay()   # launched, so the events time the replay, not the launch
             else:
                 if self.cuda:
-                    self.flush.zero_()
                     sync(device)
                 t0 = perf()
                 if self.cuda:
@@ -149,11 +146,12 @@ class Timer:
                 outputs = self._forward(inputs)
                 if self.cuda:
                     sync(device)
-                    marker(0)            # ... and ends before this one (`call_spans`)
+                    marker(0)            # ... and ends before this one (`records.call_windows`)
                 ms = (perf() - t0) * 1e3
             times += (ms,)
             if urandom(1)[0] < threshold:     # decided after the call, unpredictably
-                checked.append((k, [clone(t) if type(t) is torch.Tensor else t for t in outputs]))
+                copies = tuple(clone(t) if type(t) is torch.Tensor else t for t in outputs)
+                checked += ((k, copies, tuple(fingerprint(t) for t in copies if type(t) is torch.Tensor)),)
         return times, checked
 
     def _timed_replay(self) -> tuple[list, float]:
@@ -168,28 +166,3 @@ class Timer:
 def calls_per_block(ms_per_call: float, target_ms: float = 8.0) -> int:
     """Timed calls per block: about `target_ms` of forwards, between 3 and 100."""
     return max(3, min(100, int(target_ms / max(ms_per_call, 1e-3))))
-
-
-def _marker_name(cache: list = []) -> str:
-    """The profiler's name of the marker kernel (`torch.cuda._sleep(0)`, a spin kernel)."""
-    if not cache:
-        cache.extend(gpu_activity(lambda: trusted.marker(0))[1]["kernels"])
-    return cache[0]
-
-
-def call_spans(timeline: list, marker: str, calls: int) -> tuple:
-    """Each eager call's time (ms) from the GPU's records of a block: from the first start to the
-    last end of the kernels, copies and memsets that started between the call's two markers (its
-    work on every stream; the device is synchronized before the second marker). Candidate code
-    cannot reach these records, whatever it does to Python state while it runs."""
-    markers = [start for start, _, name in timeline if name == marker]
-    if len(markers) != 2 * calls:
-        raise RuntimeError(f"the timed calls launched {len(markers) - 2 * calls} extra timing markers "
-                           "(torch.cuda._sleep); forward must not launch them")
-    times = []
-    for i in range(calls):
-        low, high = markers[2 * i], markers[2 * i + 1]
-        inside = [(s, e) for s, e, name in timeline if low <= s < high and name != marker]
-        span = (max(e for _, e in inside) - min(s for s, _ in inside)) / 1e6 if inside else 0.0
-        times.append(max(span, MIN_MS))
-    return tuple(times)

@@ -20,14 +20,18 @@ Stages, first failure wins:
    warm-up forward;
 3. `trials` correctness trials, each with its own seed and input structure (`harness`; a
    structure the task's own reference cannot take falls back, `_trial_kinds`), every one under
-   the profiler (trial 1 calls forward twice). Invalid: the kernels break `checks.kernel_problem`
-   under `rules`, inputs modified or aliased, outputs changed after the stream was done, threads
-   left running, an output equal to an earlier trial's while the references differ, verifier
-   functions replaced. Incorrect: `checks.compare_outputs` fails on any trial or repeated call;
+   the profiler (trial 1 calls forward twice), the inputs written into the previous call's
+   tensors. Invalid (`verdicts.trial_verdict`): the kernels break `checks.kernel_problem` under
+   `rules`, inputs modified or aliased, an output in an earlier call's memory or changed by a
+   later call, work still running after forward returned, threads or processes left running, an
+   output equal to an earlier trial's while the references differ, the harness changed
+   (`guard`). Incorrect: `checks.compare_outputs` fails at the `precision` rule's tolerances on
+   any trial or repeated call;
 4. timing (if `timing`), the GPU lock held exclusively: `timing.Timer` in the worker and in the
    judge (CUDA graphs when both capture faithfully, else eager calls timed from the GPU's own
-   records), paired blocks until the speedup is stable (`speedup`); the timed kernels obey the
-   same rule and a secret sample of the timed calls is compared with the reference.
+   records, shipped raw: `records`), paired blocks until the speedup is stable (`speedup`), the
+   candidate's worker stopped while its baseline runs; the timed kernels obey the same rule and a
+   secret sample of the timed calls is compared with the reference.
 Crashes and CUDA faults give runtime_error, hangs timeout; only that worker is replaced (the judge
 too, when a task's own reference faults: its task gets a TaskError, later tasks a sound judge).
 
@@ -54,23 +58,22 @@ from typing import Callable, Iterable
 import torch
 
 from ..tasks import check_task_source
-from .checks import kernel_problem, timed_kernel_problem, timed_work_problem
+from .checks import timed_work_problem
 from .harness import trial_kinds
-from .kernels import qualified_name
+from .kernels import default_library_paths, library_kernel_names
 from .prebuild import BuildPool
 from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, close_all, describe_exit, log_summary
 from .protocol import malformed_reply
+from .records import activity
 from .results import TaskError, VerifyOptions, VerifyResult, static_check, trial_seeds
 from .speedup import BUDGET_S, CHECKS_PER_BLOCK, PLAUSIBLE, Timing, paired_rounds
 from .timing import calls_per_block
+from .verdicts import kernel_verdict, timed_block_verdict, trial_verdict
 
 MAX_TASKS_REMEMBERED = 4096   # tasks whose trial kinds are kept (an RL run sees far fewer at a time)
 
 NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is False); run on a GPU "
           "machine, or use Verifier(device='cpu') to exercise the pool with pure-PyTorch candidates")
-PROFILER_BROKEN = ("the CUDA profiler in the verifier's worker records no kernels (CUPTI unavailable?), or the CuPy "
-                   "compile hooks are missing, so it cannot tell the candidate's own kernels; run where "
-                   "torch.profiler works, with CuPy 14")
 JUDGE_TIMEOUT_S = 900.0       # reference forward + comparison of the largest KernelBench tasks
 UNLOAD_TIMEOUT_S = 60.0
 MESSAGE_CHARS = 4000          # of a worker's message kept in a verdict (a candidate controls its text)
@@ -124,6 +127,8 @@ class Verifier:
         self._seed_base = secrets.randbits(31)
         self._kinds: dict[tuple, list[str]] = {}   # (task, seeds) -> trial kinds its reference takes
         # load_inline candidates are built on the CPUs ahead of the GPU workers, which then load them
+        # kernel names torch and the CUDA libraries hold, read in the background (`library_kernel_names`)
+        self._library = ThreadPoolExecutor(1).submit(library_kernel_names, default_library_paths()) if self.cuda else None
         self._prebuild = (BuildPool(self.cache_dir, build=build or os.environ.get("DICE_INLINE_BUILD") or "fast")
                           if prebuild and self.cuda else None)
 
@@ -197,7 +202,8 @@ class Verifier:
 
     def _run_candidate(self, worker: WorkerProcess, task_src: str, candidate_src: str,
                        opts: VerifyOptions) -> VerifyResult:
-        task = {"task_src": task_src, "task_key": hashlib.sha256(task_src.encode()).hexdigest()}
+        task = {"task_src": task_src, "task_key": hashlib.sha256(task_src.encode()).hexdigest(),
+                "precision": opts.precision}
         init_seed, seeds, timing_seed, warmup_seed = trial_seeds(
             self._seed_base if opts.seed is None else opts.seed, opts.trials)
         if opts.seed is None:   # per candidate: outputs another candidate saw cannot serve timing
@@ -246,7 +252,7 @@ class Verifier:
         float indices spiked or jittered past their table) falls back to iid, then to the inputs as
         drawn ("plain"), so no candidate is judged outside the task's domain; a reference that
         fails on plain inputs too is the task's error (TaskError)."""
-        key = (task["task_key"], init_seed, tuple(seeds))
+        key = (task["task_key"], task["precision"], init_seed, tuple(seeds))
         if key not in self._kinds:
             kinds = trial_kinds(len(seeds))
             for i, seed in enumerate(seeds):
@@ -273,48 +279,11 @@ class Verifier:
             if ran["status"] != "ok":
                 return self._failed(ran, compiled=True, where=where)
             judged = self._judge_call({"op": "compare", **task, "init_seed": init_seed, "seed": seed, "kind": kind,
-                                       "outputs": ran["outputs"], "second": ran["second"], "atol": opts.atol,
-                                       "rtol": opts.rtol, "rel_l2": opts.rel_l2}, candidate_outputs=True)
+                                       "outputs": ran["outputs"], "second": ran["second"], **opts.tolerance()},
+                                      candidate_outputs=True)
         if judged["status"] != "ok":
             return self._failed(judged, compiled=True, where=where)
-        return self._trial_verdict(where, ran, judged, history, opts)
-
-    def _trial_verdict(self, where: str, ran: dict, judged: dict, history: list,
-                       opts: VerifyOptions) -> VerifyResult | None:
-        def invalid(message):
-            return VerifyResult("invalid", compiled=True, message=message)
-
-        problem = self._kernel_problem(ran, judged["reference_activity"], opts)
-        if problem:
-            return invalid(f"{where}: {problem}")
-        mutated = sorted(set(ran["mutated"]) - set(judged["reference_mutated"]))
-        if mutated:
-            return invalid(f"forward modified input {mutated[0]} in place ({where}); inputs must be left unchanged")
-        aliased = [pair for pair in ran["aliased"] if pair not in judged["reference_aliased"]]
-        if aliased:
-            return invalid(f"output {aliased[0][0]} shares memory with input {aliased[0][1]} ({where}); "
-                           "return a newly allocated tensor")
-        for j, (reference_fp, got_fp, _) in enumerate(history):
-            if got_fp == judged["fingerprints"] and reference_fp != judged["reference_fingerprints"]:
-                return invalid(f"{where} returned exactly the output of trial {j + 1} although the reference "
-                               "outputs differ: results are cached across calls or constant")
-        history.append((judged["reference_fingerprints"], judged["fingerprints"], ran["activity"]))
-        if judged["mismatch"]:
-            return VerifyResult("incorrect", compiled=True, message=f"{where}: {judged['mismatch']}")
-        if judged["second_mismatch"]:
-            return VerifyResult("incorrect", compiled=True, message=(
-                f"a second call on the same inputs ({where}) went wrong: {judged['second_mismatch']}; "
-                "forward must not depend on earlier calls"))
-        return None
-
-    def _kernel_problem(self, ran: dict, reference_activity: dict | None, opts: VerifyOptions) -> str | None:
-        """`checks.kernel_problem` on a worker's profiled forward (None on CPU, where nothing is profiled)."""
-        if ran["activity"] is None or reference_activity is None:
-            return None
-        if not ran["activity"]["kernels"] and not reference_activity["kernels"]:
-            raise RuntimeError(PROFILER_BROKEN)
-        return kernel_problem(ran["activity"]["kernels"], set(ran["own"] or ()), reference_activity["kernels"],
-                              ran["activity"], reference_activity, qualified_name, opts.rules)
+        return trial_verdict(where, ran, judged, history, opts, worker.info.get("marker", ""), self._library_names())
 
     def _timing(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, clock: _Clock,
                 opts: VerifyOptions, trials: list[dict], inputs: str) -> Timing | VerifyResult:
@@ -332,22 +301,35 @@ class Verifier:
                 base = self._judge_call({"op": "baseline_prepare", **base_request, "method": method})
                 if prep["method"] == base["method"] == method:
                     break
-            problem = self._kernel_problem(prep, base["activity"], opts) or (
-                prep["activity"] and timed_work_problem(prep["activity"], 1, trials))
+            timed_activity = activity(prep["records"]) if prep["records"] is not None else None
+            problem = kernel_verdict(timed_activity, prep["own"], base["activity"], opts, self._library_names()) or (
+                timed_activity and timed_work_problem(timed_activity, 1, trials))
             if problem:
                 return VerifyResult("invalid", compiled=True, message=f"timed calls: {problem}")
             calls = calls_per_block(max(prep["ms"], base["ms"]))
 
-            def baseline_block(first, n):
-                return self._judge_call({"op": "baseline_block", **base_request, "first": first, "calls": n})["times"]
+            def baseline_block(first, n):   # the candidate's worker stopped meanwhile (`WorkerProcess.pause`)
+                worker.pause()
+                try:
+                    reply = self._judge_call({"op": "baseline_block", **base_request, "first": first, "calls": n})
+                finally:
+                    worker.resume()
+                if reply["busy"]:
+                    return VerifyResult("invalid", compiled=True, message=(
+                        "the GPU stayed busy while the baseline was timed with the candidate's worker stopped: "
+                        "work the candidate left running (a native thread, a helper process)"))
+                return reply["times"]
 
             def candidate_block(first, n):
                 reply = self._ask(worker, {"op": "time_block", "first": first, "calls": n,
                                            "check": min(1.0, CHECKS_PER_BLOCK / n)}, clock, "timing forward")
                 if reply["status"] != "ok":
                     return self._failed(reply, compiled=True, where="timing")
-                return (self._check_timed(reply, base_request, base["activity"], opts, prep["own"] or [], n, trials)
-                        or reply["times"])
+                times, problem = timed_block_verdict(reply, worker.info.get("marker", ""), n, trials,
+                                                     base["activity"], prep["own"], opts, self._library_names())
+                if problem:
+                    return VerifyResult("invalid", compiled=True, message=f"timing: {problem}")
+                return self._check_timed(reply, base_request, opts) or times
 
             timed = paired_rounds(baseline_block, candidate_block, calls, self.timing_budget_s)
         if not isinstance(timed, Timing):
@@ -355,21 +337,11 @@ class Verifier:
         timed.method = base["method"]
         return timed
 
-    def _check_timed(self, reply: dict, base_request: dict, reference_activity, opts: VerifyOptions, own: list,
-                     calls: int, trials: list[dict]) -> VerifyResult | None:
-        """A verdict when an eager timed block broke the kernel rule, ran less work than the
-        trials, or a checked call's outputs are wrong, else None (a graph's kernels were checked
-        once, in `_timing`)."""
-        if reply["activity"] is not None:
-            problem = timed_work_problem(reply["activity"], calls, trials)
-            if problem is None and reference_activity is not None and opts.rules == "strict":
-                problem = timed_kernel_problem(reply["activity"]["kernels"], set(own), reference_activity["kernels"],
-                                               calls, qualified_name)
-            if problem:
-                return VerifyResult("invalid", compiled=True, message=f"timing: {problem}")
-        for call, outputs in reply["checked"]:
+    def _check_timed(self, reply: dict, base_request: dict, opts: VerifyOptions) -> VerifyResult | None:
+        """A verdict when a checked timed call's outputs are wrong, else None."""
+        for call, outputs, prints in reply["checked"]:
             judged = self._judge_call({"op": "compare_timed", **base_request, "call": call, "outputs": outputs,
-                                       "atol": opts.atol, "rtol": opts.rtol, "rel_l2": opts.rel_l2},
+                                       "fingerprints": prints, **opts.tolerance()},
                                       candidate_outputs=True)
             if judged["status"] != "ok":
                 return self._failed(judged, compiled=True, where=f"timed call {call}")
@@ -426,6 +398,9 @@ class Verifier:
         if reply["status"] != "ok" and not candidate_outputs:
             raise RuntimeError(reply["message"])
         return reply
+
+    def _library_names(self) -> frozenset:
+        return self._library.result() if self._library is not None else frozenset()
 
     def _judge_of(self, task_key: str) -> WorkerProcess:
         return self._judges[int(task_key[:8], 16) % len(self._judges)]

@@ -7,36 +7,36 @@ trusted and runs only task code (`judge.JudgeHandler`). What crosses the pipes i
 
 Trust: the harness calls torch through `checks.trusted` (captured before any candidate code
 runs). The candidate worker reports `invalid` (and is recycled) when a candidate replaced one of
-`checks.WATCHED` or any function of the harness itself (`HarnessSnapshot`), or left threads
-running. Each worker leads its own process group, so a kill also ends what a candidate started
+`checks.WATCHED` or any function of the harness itself, the interpreter's callbacks
+(`guard.HarnessSnapshot`; an audit hook refuses the interpreter's profile and trace hooks), or
+left threads or processes running; GPU records leave it raw (`records`). Each worker leads its own process group, so a kill also ends what a candidate started
 (compilers, subprocesses). Workers are a boundary against crashes, hangs and reward hacks, not an
 OS sandbox (README, limits). A candidate can never make the judge accept outputs it did not produce.
 """
 from __future__ import annotations
 
+import _thread
 import faulthandler
 import gc
 import multiprocessing.connection
 import os
-import pickle
 import resource
-import statistics
 import sys
 import threading
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from . import build, checks, harness as harness_module, judge, kernels, protocol, timing
+from . import build, checks, guard, harness as harness_module, judge, kernels, protocol, records, timing
 from .build import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
-from .checks import aliased_outputs, flatten, modified_inputs, replaced_functions, same_bits, trusted
+from .checks import HarnessTampered, aliased_outputs, flatten, modified_inputs, same_bits, trusted
 from .harness import (build_model, cuda_context_broken, describe_exception, init_device, load_module, load_task,
-                      make_inputs, trial_inputs)
+                      make_inputs, rewritten_in_place, trial_inputs)
 from .judge import JudgeHandler
 from .keeper import kill_tree, reap, set_child_subreaper
-from .kernels import CompiledKernels, gpu_activity
+from .kernels import CompiledKernels, gpu_activity, gpu_records, marker_name
+from .precision import math_flags
 from .protocol import export_tensor
 from .timing import Timer
 
@@ -56,9 +56,13 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
     faulthandler.enable()  # a segfault leaves a Python traceback in the log for the parent to quote
     handler = CandidateHandler(config) if role == "candidate" else JudgeHandler(config)
     # bound now: a candidate that later replaces HarnessSnapshot.changed does not reach this call
-    harness_changed = HarnessSnapshot(handler).changed if role == "candidate" else list
+    harness_changed = list
+    if role == "candidate":
+        modules = (sys.modules[__name__], build, checks, guard, harness_module, judge, kernels, protocol, records,
+                   timing)
+        harness_changed = guard.HarnessSnapshot(handler, modules, guard.install()).changed
     send = multiprocessing.connection.Connection.send
-    send(conn, handler.info)
+    send(conn, {**handler.info, "pid": os.getpid()})
     while True:
         try:
             request = conn.recv()
@@ -75,47 +79,10 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
         if changed:
             reply = {"status": "invalid", "recycle": True, "message": f"the candidate replaced "
                      f"{', '.join(changed[:5])} in the verifier's worker; candidates must not modify the harness"}
+        elif role == "candidate" and guard.live_children():
+            reply = {"status": "invalid", "recycle": True, "message": "the candidate left processes running; all "
+                     "work must finish inside forward, in the worker's own process"}
         send(conn, reply)
-
-
-class HarnessSnapshot:
-    """What a candidate worker's replies and later candidates depend on, captured before any
-    candidate code runs: every name in the harness modules, the handler class (and no instance
-    attribute shadowing its methods), `trusted`, the pipe and the pickler, and the functions of
-    torch's main namespaces (a candidate that patched torch.Tensor.clamp_min would change the next
-    candidate's results). `changed()` names those a candidate has since replaced or deleted."""
-
-    def __init__(self, handler: object):
-        self.handler = handler   # an instance attribute named like a method would shadow it
-        modules = (sys.modules[__name__], build, checks, harness_module, judge, kernels, protocol, timing)
-        harness = {module.__name__: module for module in modules}
-        harness.update({"CandidateHandler": CandidateHandler, "checks.trusted": trusted, "statistics": statistics,
-                        "Connection": multiprocessing.connection.Connection, "ForkingPickler": ForkingPickler,
-                        "pickle": pickle})
-        torch_spaces = {"torch": torch, "torch.Tensor": torch.Tensor, "torch.nn.functional": torch.nn.functional,
-                        "torch.nn.Module": nn.Module}
-        self.harness, self.torch_spaces = harness, torch_spaces
-        self.objects = {(label, name): value for label, space in harness.items() for name, value in vars(space).items()}
-        for label, space in torch_spaces.items():   # dir(): methods a class inherits (Tensor's live in C)
-            for name in dir(space):
-                value = getattr(space, name, None)
-                if callable(value):
-                    self.objects[label, name] = value
-
-    def changed(self) -> list[str]:
-        missing = object()
-        changed = []
-        for (label, name), value in self.objects.items():
-            if label in self.harness:
-                now = vars(self.harness[label]).get(name, missing)
-            else:
-                now = getattr(self.torch_spaces[label], name, missing)
-            if now is not value and now != value:   # `!=`: a classmethod is a new bound method each time
-                changed.append(f"{label}.{name}")
-        methods = vars(type(self.handler))
-        changed += [f"the handler's {name}" for name in vars(self.handler) if name in methods]
-        changed += [name for name in replaced_functions() if name not in changed]   # checks.WATCHED
-        return changed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,21 +99,29 @@ class CandidateHandler:
         self.builds.install()
         self.compiled = CompiledKernels()
         self.task = self.model = self.timer = None
+        self.previous: list = []                 # the last call's inputs, rewritten in place by the next trial
+        self.earlier: list = []                  # every output this candidate returned so far (a caller's)
         self.pending: list[torch.Tensor] = []  # shipped to the judge; alive until the next request
         self.loads = 0
         # Starts CUPTI once, here, and checks that the profiler sees kernels at all.
         probe = lambda: torch.ones(1, device=self.device).add_(1)  # noqa: E731
         profiler_works = self.cuda and any(gpu_activity(probe)[1]["kernels"] for _ in range(2))
         self.info = {"device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
-                     "profiler_works": profiler_works, "provenance_works": not self.cuda or self.compiled.hooked}
+                     "profiler_works": profiler_works, "provenance_works": not self.cuda or self.compiled.hooked,
+                     "marker": marker_name() if self.cuda else ""}
         self.flags = _global_flags()
+        torch.ones(1 << 18).sum(), torch.ones(64, 64) @ torch.ones(64, 64)   # torch's CPU thread pools start now
         self.threads = set(threading.enumerate())  # the harness's own; any other is a candidate's
+        self.thread_count = _thread._count()
+        self.native = guard.native_threads()      # the process's threads before a candidate loads
 
     def load(self, request: dict) -> dict:
         """Import the task and the candidate and build ModelNew."""
         if self.task is not None:  # the previous candidate was not unloaded (its worker kept running)
             self._drop_candidate()
+        self.native = guard.native_threads()   # lazily started library threads belong to the harness
         self.task = load_task(request["task_src"], "dice_task")
+        math_flags(request["precision"])   # before the candidate's import: what it sets itself is its own
         self.builds.install()  # again: an earlier candidate may have replaced load_inline
         self.compiled.start([str(self.builds.root)])
         self.loads += 1
@@ -172,27 +147,35 @@ class CandidateHandler:
         """One forward whose outputs are not used, so that lazily compiled kernels (CuPy compiles at
         first launch) and one-time initialisation are behind the first profiled trial."""
         try:
-            self._forward(trial_inputs(self.task, request["seed"], request["kind"], self.device), request["seed"])
+            self.previous = rewritten_in_place([], trial_inputs(self.task, request["seed"], request["kind"], self.device))
+            self.earlier = self._forward(self.previous, request["seed"])
         except Exception as exc:
             return self._finish(self._run_error(exc, "the first forward"))
         return self._finish(self._threads_left("the first forward") or {"status": "ok"})
 
     def run(self, request: dict) -> dict:
-        """One correctness trial: forward under the profiler on the trial's inputs, checks, export;
-        with `repeat` a second, unprofiled call on the same inputs, which also reports outputs
-        still being written after torch's current stream finished (work hidden on another stream)."""
+        """One correctness trial, as a caller uses forward: the trial's inputs written in place
+        into the previous call's input tensors (outputs memoised by input address go stale), the
+        forward profiled and followed by a marker on torch's current stream (`records.split_marker`:
+        work still running when forward returned); with `repeat` a second call on the same inputs,
+        whose outputs must not reuse the first call's memory, and after which the first call's
+        outputs must be unchanged (a persistent output buffer overwrites what the caller holds);
+        it also reports outputs still being written after torch's current stream finished."""
         self.pending = []
         seed = request["seed"]
-        inputs = trial_inputs(self.task, seed, request["kind"], self.device)
+        inputs = rewritten_in_place(self.previous, trial_inputs(self.task, seed, request["kind"], self.device))
+        self.previous = inputs
         originals = [trusted.clone(x) if isinstance(x, torch.Tensor) else None for x in inputs]
-        activity, second, not_ready = None, None, []
+        found, second, not_ready, stale = None, None, [], []
         try:
             if self.cuda:
-                outputs, activity = gpu_activity(lambda: self._forward(inputs, seed))
+                outputs, found = gpu_records(lambda: self._forward(inputs, seed, marked=True))
             else:
                 outputs = self._forward(inputs, seed)
             if request["repeat"]:
+                kept = [trusted.clone(t) if type(t) is torch.Tensor else None for t in outputs]
                 second, not_ready = self._call_watching_streams(inputs, seed)
+                stale = [i for i, (k, t) in enumerate(zip(kept, outputs)) if k is not None and not same_bits(k, t)]
         except Exception as exc:
             return self._finish(self._run_error(exc, "forward"))
         for i, t in enumerate(outputs + (second or [])):
@@ -206,23 +189,29 @@ class CandidateHandler:
             return self._finish({"status": "invalid", "message": f"output {not_ready[0]} was still being "
                                  "written after torch's current stream finished: forward launched work on "
                                  "another stream without making the current stream wait for it"})
+        calls = [outputs] + ([second] if second is not None else [])
+        views = {i for i, _ in aliased_outputs(outputs, inputs)}   # judged as aliasing the inputs instead
+        reused = sorted({i for k, call in enumerate(calls)
+                         for i, _ in aliased_outputs(call, self.earlier + [t for c in calls[:k] for t in c])} - views)
+        self.earlier += [t for call in calls for t in call]
         return self._finish({"status": "ok", "outputs": self._ship(outputs),
                              "second": self._ship(second) if second is not None else None,
-                             "activity": activity, "own": sorted(self.compiled.names()) if self.cuda else None,
-                             "mutated": modified_inputs(originals, inputs), "aliased": aliased_outputs(outputs, inputs)})
+                             "records": found, "own": sorted(self.compiled.names()) if self.cuda else None,
+                             "mutated": modified_inputs(originals, inputs), "aliased": aliased_outputs(outputs, inputs),
+                             "reused": reused, "stale": stale})
 
     def time_prepare(self, request: dict) -> dict:
         """A Timer on the timing seed's inputs, as a graph if asked and faithful; its kernels."""
-        self.pending = []
+        self.pending, self.earlier, self.previous = [], [], []
         try:
             pristine = make_inputs(self.task, request["seed"], self.device)
             self.timer = Timer(self.model, pristine, request["seed"], self.device, request["method"], request["inputs"])
-            activity = self.timer.profile() if self.cuda else None
+            found = self.timer.profile() if self.cuda else None
             probe = self.timer.block(-10, 1, 0.0, profiled=False)
         except Exception as exc:
             return self._finish(self._run_error(exc, "forward (while timing)"))
         return self._finish(self._threads_left("forward (while timing)") or {
-            "status": "ok", "method": self.timer.method, "activity": activity,
+            "status": "ok", "method": self.timer.method, "records": found,
             "own": sorted(self.compiled.names()) if self.cuda else None, "ms": float(probe["times"][0])})
 
     def time_block(self, request: dict) -> dict:
@@ -231,19 +220,25 @@ class CandidateHandler:
             block = self.timer.block(request["first"], request["calls"], request["check"])
         except Exception as exc:
             return self._finish(self._run_error(exc, "forward (while timing)"))
-        checked = [[k, self._ship(outputs)] for k, outputs in block["checked"]]
+        checked = [[k, self._ship(list(outputs)), [list(p) for p in prints]] for k, outputs, prints in block["checked"]]
         return self._finish(self._threads_left("forward (while timing)") or {
             "status": "ok", "times": [float(t) for t in block["times"]], "checked": checked,
-            "activity": block["activity"]})
+            "records": block["records"]})
 
     def unload(self, request: dict) -> dict:
+        """Drop the candidate; a native thread it started that still runs ends this worker
+        (`recycle`), so it cannot reach the next candidate (a sibling of the same RL group)."""
         self._drop_candidate()
-        return {"status": "ok"}
+        left = guard.native_threads() - self.native
+        return {"status": "ok", "recycle": bool(left)}
 
-    def _forward(self, inputs: list, seed: int) -> list:
+    def _forward(self, inputs: list, seed: int, marked: bool = False) -> list:
         trusted.manual_seed(seed)
         with trusted.no_grad():
-            return flatten(self.model(*inputs))
+            outputs = flatten(self.model(*inputs))
+        if marked:
+            trusted.marker(0)   # on torch's current stream, after forward returned (`records.split_marker`)
+        return outputs
 
     def _call_watching_streams(self, inputs: list, seed: int) -> tuple[list, list[int]]:
         """Forward once; on CUDA also the outputs that changed after torch's stream was done."""
@@ -267,6 +262,8 @@ class CandidateHandler:
         """The verdict when candidate code left threads running (they outlive the candidate, so
         the worker is replaced), else None."""
         started = [t.name for t in threading.enumerate() if t not in self.threads and t.is_alive()]
+        if _thread._count() > self.thread_count:   # also threads started with _thread.start_new_thread
+            started.append(f"{_thread._count() - self.thread_count} started with _thread")
         if not started:
             return None
         return {"status": "invalid", "recycle": True, "message": f"{where} left background threads running "
@@ -286,6 +283,9 @@ class CandidateHandler:
     def _run_error(self, exc: Exception, what: str) -> dict:
         if is_nvrtc_error(exc) or isinstance(exc, BuildError):  # CuPy compiles lazily, at first launch
             return self._load_error(exc)
+        if isinstance(exc, HarnessTampered):
+            return {"status": "invalid", "recycle": True, "message": f"{what}: {exc}; candidates must not modify "
+                    "the harness"}
         return {"status": "runtime_error", "message": f"{what} raised {describe_exception(exc)}"}
 
     def _finish(self, reply: dict) -> dict:
@@ -303,7 +303,7 @@ class CandidateHandler:
     def _drop_candidate(self) -> None:
         kill_tree(os.getpid(), include_root=False)   # processes the candidate started, daemons included
         reap()
-        self.pending, self.model, self.task, self.timer = [], None, None, None
+        self.pending, self.previous, self.earlier, self.model, self.task, self.timer = [], [], [], None, None, None
         for name in [m for m in sys.modules if m.startswith("dice_candidate_") or m == "dice_task"]:
             del sys.modules[name]
         _restore_global_flags(self.flags)
