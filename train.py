@@ -23,7 +23,7 @@ import torch
 
 from dice.checkpoint import CheckpointError, read_config
 from dice.cli import fail_cleanly, usage_error
-from dice.config import EMBEDDED, RL_PHASES, config_from_args, with_embedded_defaults
+from dice.config import EMBEDDED, EMBEDDED_SFT_TASKS, RL_PHASES, config_from_args, with_embedded_defaults
 from dice.inputs import input_path, output_folder
 from dice.memory import check_fits, kv_cache_bytes, micro_batch_bytes, parameter_bytes
 from dice.rollout import load_prompt_template
@@ -138,10 +138,13 @@ def interrupted(out: Path, argv) -> str:
 
 def write_embedded_data(phase: str, out: Path) -> Path:
     """out/tasks.json: the embedded default's tasks, the same file for the same phase (fixed seed);
-    written through a per-process temporary file, so processes under torchrun do not collide."""
+    written through a per-process temporary file, so processes under torchrun do not collide. RL
+    tasks are drawn after dice-tiny's SFT split (EMBEDDED_SFT_TASKS), so that, as in rl.json, none
+    is one of the tasks it was trained on."""
     from dice.taskgen import generate_split
     split, n = EMBEDDED[phase][1]
-    train, _, _, rl = generate_split(n if split == "train" else 0, 0, 0, seed=0, n_rl=n if split == "rl" else 0)
+    train, _, _, rl = generate_split(n if split == "train" else EMBEDDED_SFT_TASKS, 0, 0, seed=0,
+                                     n_rl=n if split == "rl" else 0)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".tasks.json.{os.getpid()}"
     tmp.write_text(json.dumps(train if split == "train" else rl, indent=1))

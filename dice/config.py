@@ -80,6 +80,7 @@ class TrainConfig:
     block_size: int = 4
     # BiC-RL (dice.rl)
     tasks_per_step: int = 64
+    task_order: str = "curriculum"
     group_size: int = 16
     max_new_tokens: int = 4096
     temperature: float = 1.0
@@ -160,7 +161,8 @@ def _within(value, rule: str) -> bool:
 CHOICES = {"phase": ("init", "sft", "infill", "e2e"), "dtype": ("auto", "bf16", "fp32"),
            "schedule": ("constant", "cosine"), "attention": ("auto", "flex", "dense"), "remasking": REMASKING,
            "reward": ("correct", "speedup"), "minibatch_order": ("contiguous", "shuffle"),
-           "optimizer_state": ("step", "run"), "update_rows": UPDATE_ROWS}
+           "optimizer_state": ("step", "run"), "update_rows": UPDATE_ROWS,
+           "task_order": ("curriculum", "interleaved")}
 # the range of every number flag (`_within`); every float must be finite but those of ENDLESS
 RANGES = {"steps": ">= 0", "epochs": ">= 0", "batch_size": ">= 0", "grad_accum": ">= 0", "lr": ">= 0",
           "min_lr_ratio": "[0, 1]", "warmup": ">= 0", "warmup_ratio": "[0, 1]", "weight_decay": ">= 0",
@@ -182,7 +184,7 @@ PHASE_FLAGS = {
     "infill/e2e": ("tasks_per_step", "group_size", "max_new_tokens", "temperature", "remasking", "threshold",
                    "steps_per_block", "rollout_batch", "update_tokens", "update_rows", "updates_per_step", "rows_per_update", "minibatch_order",
                    "optimizer_state", "clip_eps", "kl_beta", "reference_model", "reward", "eval_every", "eval_data",
-                   "verifier_workers", "verify_timeout", "prompt_template")}
+                   "verifier_workers", "verify_timeout", "prompt_template", "task_order")}
 INIT_FLAGS = ("phase", "data", "out", "overwrite") + PHASE_FLAGS["init"]
 HELP = {
     "phase": "init: a from-scratch model folder; sft: masked-diffusion SFT; infill, e2e: the BiC-RL phases",
@@ -230,7 +232,9 @@ HELP = {
     "num_kv_heads": "--phase init: key/value heads",
     "intermediate_size": "--phase init: MLP width",
     "block_size": "--phase init: diffusion block size",
-    "tasks_per_step": "RL: tasks per step, in curriculum order",
+    "tasks_per_step": "RL: tasks per step, in --task-order, wrapping",
+    "task_order": "RL: curriculum (DICE: ascending level, so a short run moves from level 1 to 3) or interleaved "
+                  "(every step holds each level in its share of the data)",
     "group_size": "RL: samples per task (one advantage group)",
     "max_new_tokens": "RL: tokens generated per sample",
     "temperature": "RL: sampling temperature",
@@ -262,10 +266,14 @@ HELP = {
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "dice-tiny"
 # dice-tiny's recipe (its card); a rollout of a quarter of DICE's 64 x 16 samples takes an optimiser
-# step per a quarter of DICE's 256 trace rounds, so the ratio and KL act as in DICE
+# step per a quarter of DICE's 256 trace rounds, so the ratio and KL act as in DICE; every step holds
+# the levels in their shares (--task-order interleaved), so its reward curve is not the walk from level 1 to 3
 _RL_DEMO = {"steps": 6, "tasks_per_step": 32, "group_size": 8, "max_new_tokens": 704, "lr": 2e-5,
             "rows_per_update": 64, "rollout_batch": 256, "update_tokens": 65536, "verify_timeout": 5.0, "save_every": 2,
-            "verifier_workers": max(1, min(14, (os.cpu_count() or 4) - 2))}
+            "verifier_workers": max(1, min(14, (os.cpu_count() or 4) - 2)), "task_order": "interleaved"}
+# dice-tiny's SFT data: `python -m dice.taskgen`'s train.json (its default --train, seed 0), which the
+# embedded RL tasks must not repeat
+EMBEDDED_SFT_TASKS = 4000
 # per phase: the flags' values, then (taskgen split, tasks drawn); dice-tiny's card has its recipe
 EMBEDDED = {"sft": ({"steps": 30, "save_every": 10}, ("train", 200)),
             "infill": (_RL_DEMO, ("rl", 200)), "e2e": (_RL_DEMO, ("rl", 200))}

@@ -21,6 +21,10 @@ prints each evaluation's correct rate as the mean over the shared tasks of each 
 one sample per task, evaluate.py's correct %), on how many tasks each is better, and the exact
 two-sided sign test over those tasks: p = min(1, 2 P[X <= min(n_A, n_B)]), X ~ Binomial(n_A + n_B,
 1/2). On 43 tasks a difference of 2-3 tasks is well within chance; the test says how far within.
+
+    python -m dice.metrics plot RUN [RUN ...] --out FILE.png
+
+draws RL runs' curves (`dice.plot`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,8 +212,13 @@ def read_outcomes(path: str | Path, levels: Iterable[int] = ()) -> dict[tuple[st
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plot"]:   # `python -m dice.metrics plot RUN ...`: dice.plot's command
+        from .plot import main as plot
+        return plot(argv[1:])
     p = ArgumentParser(prog="python -m dice.metrics",
-                       description="Compare two evaluate.py --out files task by task (paired sign test).")
+                       description="Compare two evaluate.py --out files task by task (paired sign test); "
+                                   "`python -m dice.metrics plot --help`: RL runs' curves.")
     p.add_argument("a", help="the first evaluate.py --out file")
     p.add_argument("b", help="the second, on the same tasks")
     p.add_argument("--level", type=at_least(0), nargs="+", default=[], help="only these levels (default: all)")

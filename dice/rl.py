@@ -1,6 +1,7 @@
 """BiC-RL: TraceRL rollouts -> verifier rewards -> policy update, in two phases (DESIGN.md §7).
 
-Per RL step: take `tasks_per_step` tasks in curriculum order (ascending level, wrapping), sample
+Per RL step: take `tasks_per_step` tasks in curriculum order (ascending level, wrapping; or with
+`--task-order interleaved` every level in its share each step: `curriculum`), sample
 `group_size` responses each with the block-diffusion sampler, reward each (1 if the kernel
 compiles and is correct; in the `infill` phase also only if the program keeps the given prefix
 and suffix), and form group z-score advantages A = (R - mean_g) / std_g, dropping groups whose
@@ -60,7 +61,7 @@ from .runtime import (MetricsLog, build_model, check_resume, check_run_folder, c
 RESUME_FIELDS = ("phase", "seed", "tasks_per_step", "group_size", "max_new_tokens", "temperature", "remasking",
                  "threshold", "steps_per_block", "updates_per_step", "rows_per_update", "loss_norm", "clip_eps",
                  "kl_beta", "reference_model", "reward", "lr", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip",
-                 "minibatch_order", "optimizer_state", "prompt_template")
+                 "minibatch_order", "optimizer_state", "prompt_template", "task_order")
 
 
 def group_advantages(rewards: Sequence[float], group_size: int) -> list[float | None]:
@@ -115,12 +116,31 @@ def restart_moments(optimizer, lifetime: str) -> None:
         optimizer.state.clear()
 
 
-def curriculum(tasks: list[Task]) -> list[Task]:
-    """Tasks in ascending level (stable; unknown levels last)."""
-    return sorted(tasks, key=lambda t: (t.level is None, t.level or 0))
+def curriculum(tasks: list[Task], order: str = "curriculum") -> list[Task]:
+    """The tasks in the order the RL steps take them (`step_tasks`; `--task-order`).
+
+    curriculum (DICE): ascending level, stable, unknown levels last; a run shorter than one pass
+    moves from level 1 to 3, so its reward curve mixes learning with difficulty. interleaved: the
+    i-th of a level's n tasks (in file order) gets the key (i + 1/2) / n and the tasks go in
+    ascending key (ties by level), so every run of consecutive tasks, and hence every step, holds
+    each level in its share of the data (each prefix within one task of it; tests/test_rl_tasks.py)."""
+    def level(t: Task):
+        return (t.level is None, t.level or 0)
+    if order == "curriculum":
+        return sorted(tasks, key=level)
+    rank, size = {}, {}
+    for t in tasks:
+        size[level(t)] = size.get(level(t), 0) + 1
+    keyed = []
+    for i, t in enumerate(tasks):
+        r = rank[level(t)] = rank.get(level(t), -1) + 1
+        keyed.append(((r + 0.5) / size[level(t)], level(t), i))
+    return [tasks[i] for *_, i in sorted(keyed)]
 
 
 def step_tasks(ordered: list[Task], step: int, count: int) -> list[Task]:
+    """Step `step`'s `count` tasks: the next run of `ordered`, wrapping (DICE's `sequential_select`,
+    `training/RL/sample/sdar_rl_rollout_kernel.py`, with `sequential_select: True` in its configs)."""
     return [ordered[(step * count + i) % len(ordered)] for i in range(count)]
 
 
@@ -304,12 +324,13 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
     if cfg.tasks_per_step < rt.world:
         raise DataError(f"--tasks-per-step {cfg.tasks_per_step} is below the {rt.world} processes; pass "
                         f"--tasks-per-step {rt.world} or more (every process needs a task per step)")
-    ordered = curriculum(tasks if tasks is not None else load_tasks(cfg.data))
+    ordered = tasks if tasks is not None else load_tasks(cfg.data)
     if infill:
         ordered = [t for t in ordered if t.prefix is not None]
         if not ordered:
             raise DataError(f"{cfg.data}: no task has the prefix/middle/suffix split the infill phase needs; pass "
                             "a DICE JSON file whose records have prefix, middle and suffix, or use --phase e2e")
+    ordered = curriculum(ordered, cfg.task_order)
     if eval_tasks is None and cfg.eval_every:
         eval_tasks = load_tasks(cfg.eval_data)
     template = load_prompt_template(cfg.prompt_template, infill) if cfg.prompt_template else None

@@ -479,7 +479,7 @@ def _readme_command_rows():
 
 def _command_parsers(monkeypatch) -> dict:
     """The parser of every command README shows, by program: sample.py, evaluate.py, train.py,
-    dice.taskgen, dice.metrics, and "dice.bench <subcommand>"."""
+    dice.taskgen, dice.metrics, "dice.metrics plot" and "dice.bench <subcommand>"."""
     import dice.bench
     import dice.bench.verify
     import dice.metrics
@@ -492,6 +492,7 @@ def _command_parsers(monkeypatch) -> dict:
             "train.py": _parser_of(config_from_args, [], monkeypatch),
             "dice.taskgen": _parser_of(dice.taskgen.main, [], monkeypatch),
             "dice.metrics": _parser_of(dice.metrics.main, [], monkeypatch),
+            "dice.metrics plot": _parser_of(dice.metrics.main, ["plot"], monkeypatch),
             "dice.bench verify": _parser_of(dice.bench.verify.main, [], monkeypatch),
             **{f"dice.bench {name}": p for name, p in subcommands.items() if name != "verify"}}
 
@@ -511,7 +512,7 @@ def test_readme_command_table_matches_the_parsers(monkeypatch):
             assert set(names) <= set(by_program), line
             parsers = [by_program[name] for name in names]
         else:
-            parsers = [by_program[" ".join(words[:2]) if words[0] == "dice.bench" else words[0]]]
+            parsers = [by_program[" ".join(words[:2]) if " ".join(words[:2]) in by_program else words[0]]]
         actions = {opt: a for p in parsers for a in p._actions for opt in a.option_strings}
         flags = re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)
         for flag in flags:
