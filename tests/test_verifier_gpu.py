@@ -24,7 +24,7 @@ extern "C" __global__ void relu_kernel(const float* x, float* y, long long n) {
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < n) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
 }
-extern "C" __global__ void copy_kernel(const float* x, float* y, long long n) {
+extern "C" __global__ void dice_test_copy(const float* x, float* y, long long n) {
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < n) y[i] = x[i];
 }
@@ -83,7 +83,9 @@ RELU_FORWARD = """y = torch.empty_like(x)
 launch('relu_kernel', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.numel()))
 return y"""
 GOOD = cupy_candidate(RELU_FORWARD)
-WRONG = cupy_candidate(RELU_FORWARD.replace("relu_kernel", "copy_kernel"))
+# (named apart from torch's own `copy_kernel`: a launch of a name a library also holds is not credited as
+# the candidate's, DESIGN.md §8.1, which made a kernel of that name `invalid` before it could be `incorrect`)
+WRONG = cupy_candidate(RELU_FORWARD.replace("relu_kernel", "dice_test_copy"))
 POISON = cupy_candidate(RELU_FORWARD.replace("relu_kernel", "far_write_kernel"))
 
 

@@ -226,7 +226,11 @@ ATTACKS = {
     "outputs memoised by input address": (RELU_TASK, candidate(
         "key = x.data_ptr()\nif key not in self.memo:\n    self.memo[key] = torch.empty_like(x)\n"
         "    launch('relu', x.numel(), x.data_ptr(), self.memo[key].data_ptr(), cp.int64(x.numel()))\n"
-        "return self.memo[key].clone()", init="self.memo = {}"), "incorrect"),
+        "return self.memo[key].clone()", init="self.memo = {}"), "invalid"),   # H200: no own kernel on later calls
+    "outputs memoised by input address, an own kernel launched every call": (RELU_TASK, candidate(
+        "noop(x)\nkey = x.data_ptr()\nif key not in self.memo:\n    self.memo[key] = torch.empty_like(x)\n"
+        "    launch('relu', x.numel(), x.data_ptr(), self.memo[key].data_ptr(), cp.int64(x.numel()))\n"
+        "return self.memo[key].clone()", init="self.memo = {}"), None),
     # precision downgrades in an fp32 task (issue #34, class 2): the GEMM kept in PyTorch, in TF32 or fp16
     "a TF32 GEMM in an fp32 task": (GEMM_RELU_TASK, TF32_GEMM, "incorrect"),
     "an fp16 GEMM in an fp32 task": (GEMM_RELU_TASK, candidate(
@@ -238,7 +242,11 @@ ATTACKS = {
     "replays one output of integer inputs drawn at import": (INT_TASK, candidate(
         "if self.out is None:\n    self.out = torch.empty(x.shape, device=x.device)\n"
         "    launch('affine_int', x.numel(), x.data_ptr(), self.out.data_ptr(), cp.int64(x.numel()))\n"
-        "return self.out.clone()", init="self.out = None"), "incorrect"),
+        "return self.out.clone()", init="self.out = None"), "invalid"),   # H200: no own kernel on later calls
+    "replays one output of integer inputs drawn at import, an own kernel launched every call": (INT_TASK, candidate(
+        "noop(x)\nif self.out is None:\n    self.out = torch.empty(x.shape, device=x.device)\n"
+        "    launch('affine_int', x.numel(), x.data_ptr(), self.out.data_ptr(), cp.int64(x.numel()))\n"
+        "return self.out.clone()", init="self.out = None"), None),
     # library compute counted as own or as bookkeeping (issue #34, class 3)
     "an unused kernel named like torch's softmax kernel": (MANUAL_SOFTMAX_TASK, candidate(
         "noop(x)\nreturn torch.softmax(x, -1)"), "invalid"),
@@ -253,9 +261,10 @@ ATTACKS = {
     "a lower triangle redone by fills": (TRIL_TASK, candidate(
         "noop(x)\ny = x.clone()\nfor i in range(x.shape[0] - 1):\n    y[i, i + 1:].fill_(0)\nreturn y"), "invalid"),
     "a host computation read back through mapped memory": (RELU_TASK, candidate(
-        "host = torch.empty(x.shape, pin_memory=True)\nhost.copy_(x.cpu().clamp_min(0))\n"
-        "mapped = cp.cuda.runtime.hostGetDevicePointer(host.data_ptr(), 0)\ny = torch.empty_like(x)\n"
-        "launch('relu_from', x.numel(), mapped, y.data_ptr(), cp.int64(x.numel()))\nreturn y"), "invalid"),
+        "host = torch.empty(x.shape, pin_memory=True)\nhost.copy_(x.cpu().clamp_min(0))\ny = torch.empty_like(x)\n"
+        "launch('relu_from', x.numel(), host.data_ptr(), y.data_ptr(), cp.int64(x.numel()))\nreturn y"), "invalid"),
+    # (pinned memory is device-addressable at its host address under unified addressing; on the H200
+    # cp.cuda.runtime.hostGetDevicePointer refused torch's pinned buffer: runtime_error)
     # timing attacks: skip work when timed
     "skips work under a timing function on the stack or in a capture": (RELU_TASK, candidate(
         "import sys\nf, timed = sys._getframe(1), torch.cuda.is_current_stream_capturing()\n"
@@ -332,8 +341,16 @@ SMOKE = ("decoy tensor method", "constant plus jitter", "elementwise", "load_inl
          "skips its kernel on every other timed call")
 
 
+# attacks the verifier does not catch yet, seen `correct` on the H200 (README limits); strict: a fix shows
+KNOWN_GAPS = {"a cuBLASLt epilogue doing the task's activation":
+              "torch._addmm_activation's ReLU epilogue runs inside a GEMM kernel whose name (nvjet, Hopper) does not "
+              "show it, so the reference's ReLU step counts as replaced by the candidate's own (idle) kernel"}
+
+
 def cases(names) -> list:
-    return [pytest.param(n, marks=() if n in SMOKE else pytest.mark.slow) for n in names]
+    return [pytest.param(n, marks=[*(() if n in SMOKE else [pytest.mark.slow]),
+                                   *([pytest.mark.xfail(reason=KNOWN_GAPS[n], strict=True)] if n in KNOWN_GAPS else [])])
+            for n in names]
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,17 @@
 - "strict" (the default, the RL reward): a float32 or float64 task is computed in that precision.
   Judge and worker run torch with TF32 off (`math_flags`: cuBLAS and cuDNN would otherwise round
   fp32 operands to TF32, and a convolution kept in PyTorch would differ from a true fp32
-  reference), and each fp32/fp64 output must be within atol = rtol = rel_l2 = 1e-4 (KernelBench
+  reference), and each fp32/fp64 output must pass allclose at atol = rtol = 1e-4 (KernelBench
   main's fp32 tolerance, ScalingIntelligence/KernelBench `src/kernelbench/eval.py`,
-  `get_tolerance_for_precision`), loosened where the reference's own fp32 rounding is larger:
-  atol and rel_l2 are raised to SCALE times the reference's own error against the same Model run
-  in float64 on the same inputs (a long cumsum near its zero crossings, a sum with cancellation),
-  never above DICE's 1e-2. A TF32 or fp16 GEMM (relative error ~4e-4 and more, hundreds of times a
-  true fp32 GEMM's) fails it; an fp32 kernel that sums in another order passes.
+  `get_tolerance_for_precision`) and a whole-output relative error of REL_L2 = 1e-3, loosened
+  where the reference's own fp32 rounding is larger: atol and rel_l2 are raised to SCALE times
+  the reference's own error against the same Model run in float64 on the same inputs (a long
+  cumsum near its zero crossings, a sum with cancellation), never above DICE's 1e-2. A TF32 or
+  fp16 GEMM (errors ~4e-4 of the output's scale and more, hundreds of times a true fp32 GEMM's)
+  fails the elementwise 1e-4; an fp32 kernel that sums in another order passes, and so does one
+  that accumulates a million terms in one float with atomics (~4e-4 relative: as KernelBench
+  main accepts it, and the H200 run of the honest MSE control showed, the whole-output bound
+  is not tighter than 1e-3; its job is the garbage below atol, relative error ~1).
   fp16 and bf16 outputs: 1e-2, as KernelBench main.
 - "dice": 1e-2 for every dtype with torch's default math flags, as DICE's fork of KernelBench
   (`evaluate.py --protocol dice`), where TF32 and fp16 downgrades of an fp32 task pass.
@@ -22,6 +26,7 @@ import torch
 
 PRECISIONS = ("strict", "dice")
 FP32_TOLERANCE = 1e-4      # KernelBench main's fp32 atol and rtol
+REL_L2 = 1e-3              # the whole-output relative error an exact-precision output may have
 DICE_TOLERANCE = 1e-2      # DICE's (and KernelBench main's for fp16 / bf16)
 SCALE = 8.0                # times the reference's own fp32 error: an honest kernel's rounding differs by ~1-3x
 
@@ -60,7 +65,7 @@ def tolerances(outputs: list, errors: list | None, precision: str, atol: float |
         if precision == "strict" and is_exact_float(e):
             worst, relative = errors[i] if errors is not None and i < len(errors) else (0.0, 0.0)
             rule = [min(max(FP32_TOLERANCE, SCALE * worst), DICE_TOLERANCE), FP32_TOLERANCE,
-                    min(max(FP32_TOLERANCE, SCALE * relative), DICE_TOLERANCE)]
+                    min(max(REL_L2, SCALE * relative), DICE_TOLERANCE)]
         else:
             rule = [DICE_TOLERANCE] * 3
         found.append([rule[0] if atol is None else atol, rule[1] if rtol is None else rtol,
