@@ -1,5 +1,6 @@
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -7,7 +8,8 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():   # tests that wait on torch's own builds last: by then `prebuilt_programs` is done
+        items.sort(key=lambda item: bool(getattr(item.module, "BUILDS_TORCH_WAY", False)))
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
@@ -46,9 +48,9 @@ def torch_build_cache(tmp_path_factory):
 def prebuilt_programs(request):
     """On a GPU, the load_inline programs the selected GPU tests verify (their modules' PREBUILD
     list) are built from the session's start, on every core, while the GPU runs the tests before
-    them: the fast way into `gpu_cache`, and torch's way into `torch_build_cache` when a selected
-    test uses it. Verifying a program whose build is still running builds it again (the result is
-    the same: a build is renamed into place whole)."""
+    them: the fast way into `gpu_cache`, then torch's way into `torch_build_cache` when a selected
+    test uses it. A worker asking for a program still being built waits for that build
+    (`build.BuildCache`'s per-name lock)."""
     if not torch.cuda.is_available():
         yield
         return
@@ -58,9 +60,12 @@ def prebuilt_programs(request):
     ways = [("fast", "gpu_cache")] + [("torch", "torch_build_cache")] * any(
         "torch_build_cache" in item.fixturenames for item in selected)
     pools = [BuildPool(request.getfixturevalue(cache), build=way) for way, cache in ways] if sources else []
-    for pool in pools:
-        for src in sources:
-            pool.submit(src)
+
+    def build_all():   # the fast way first: more tests wait on it
+        for pool in pools:
+            for future in [pool.submit(src) for src in sources]:
+                future.result()
+    threading.Thread(target=build_all, daemon=True, name="dice-test-prebuild").start()
     yield
     for pool in pools:
         pool.close()

@@ -139,6 +139,7 @@ def test_the_tokenizer_that_counts(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_one_step_with_the_verifier_on_the_gpu(tmp_path, capsys, monkeypatch):
     """1 task x 2 samples of a CuPy reference (NVRTC builds, no load_inline build), one broken: the
     reference is verified once and its verdict kept, the step's verdicts are the replayed ones."""

@@ -29,6 +29,7 @@ def test_bf16_gpu_logits_agree_with_fp32_cpu():
     assert rel_err(got, ref) < 2e-2
 
 
+@pytest.mark.slow   # the packed-update test below runs the same mask rule through FlexAttention quickly
 @torch.no_grad()
 def test_flex_training_forward_equals_dense():
     """bf16, 1.7B layer shapes (FlexAttention's kernels need head_dim >= 64 in practice), packed rows."""

@@ -314,7 +314,7 @@ def test_build_cache_reuses_builds_and_reports_compiler_errors(tmp_path):
     assert not stale.exists()
     module = cache.load_inline("any_name", TINY_EXTENSION, no_implicit_headers=True)
     assert module.answer() == 42 and module.__name__.startswith("dice_ext_")
-    built = sorted(p.name for p in tmp_path.iterdir() if p.name != "slots")   # slots: the compilers' locks
+    built = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("slots", "locks"))   # compilers', builds' locks
     assert built == [f"{module.__name__}.so"]  # build folder gone
     assert cache.load_inline(name="other_name", cpp_sources=TINY_EXTENSION, no_implicit_headers=True) is module
     assert BuildCache(tmp_path, torch.device("cpu")).load_inline(
@@ -323,6 +323,25 @@ def test_build_cache_reuses_builds_and_reports_compiler_errors(tmp_path):
     for _ in range(2):  # the second time from the failed-build memo
         with pytest.raises(BuildError, match=r"main.cpp:\d+:\d+: error: .retrn. was not declared"):
             cache.load_inline("broken", broken, no_implicit_headers=True)
+
+
+def test_two_caches_asking_for_one_program_at_once_build_it_once(tmp_path):
+    """A prebuild and a worker (here two BuildCaches in two threads) asking for the same program at
+    the same time: one builds, the other waits for it and loads its library."""
+    import threading
+    caches = [BuildCache(tmp_path, torch.device("cpu")) for _ in range(2)]
+    source = TINY_EXTENSION.replace("42", "43")
+    modules = [None, None]
+
+    def load(i):
+        modules[i] = caches[i].load_inline(f"same_{i}", source, no_implicit_headers=True)
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [m.answer() for m in modules] == [43, 43]
+    assert sum(len(c.history) for c in caches) == 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ the dice_dispatch module.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import inspect
@@ -90,13 +91,22 @@ class BuildCache:
             raise BuildError(self.failed[name])
         if name not in self.loaded:
             library, generic = self.root / f"{name}.so", self.root / f"{name}.dispatch.so"
-            if generic.exists():
-                self.loaded[name] = load_dispatched(name, generic, Path(f"{generic}.dispatcher").read_text())
-            elif library.exists():
-                self.loaded[name] = _load_library(name, library, arguments["is_python_module"])
-            else:
-                self.loaded[name] = self._build(name, arguments, library)
+            # one build of a name at a time over every process of this cache (a prebuild and a worker
+            # asking for the same program): the second waits and loads what the first built
+            with open(self._lock_file(name), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if generic.exists():
+                    self.loaded[name] = load_dispatched(name, generic, Path(f"{generic}.dispatcher").read_text())
+                elif library.exists():
+                    self.loaded[name] = _load_library(name, library, arguments["is_python_module"])
+                else:
+                    self.loaded[name] = self._build(name, arguments, library)
         return self.loaded[name]
+
+    def _lock_file(self, name: str) -> Path:
+        folder = self.root / "locks"
+        folder.mkdir(exist_ok=True)
+        return folder / f"{name}.lock"
 
     def arguments(self, *args, **kwargs) -> dict:
         """load_inline's arguments by name, defaults filled in."""
