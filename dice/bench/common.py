@@ -63,7 +63,7 @@ class BenchRun:
         self.rows: list[tuple[dict, bool]] = []
         self.cut: str | None = None
         self._line = ProgressLine(every_s=5.0)
-        self._out = open(out, "a") if out else None
+        self._out = open(_bench_log(out), "a") if out else None
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -133,6 +133,29 @@ class BenchRun:
         if self.cut is not None:
             print(f"{self.name}: the budget of {self.budget_s:g} s was spent after {self.elapsed():.0f} s; "
                   f"not started: {self.cut}")
+
+
+def _bench_log(path: str) -> str:
+    """`--out` as given, refused unless it is new or a log of benchmark rows already (appending to a
+    user's other file, a `--solutions` JSON say, would change it)."""
+    from pathlib import Path
+
+    from ..errors import UsageError
+    out = Path(path)
+    if out.is_dir():
+        raise UsageError(f"--out {path} is a folder; pass a file name for the benchmark's JSON lines")
+    if out.exists() and out.stat().st_size:
+        with open(out, "rb") as f:
+            first = f.readline()
+        try:
+            row = json.loads(first)
+            known = isinstance(row, dict) and "bench" in row
+        except (ValueError, TypeError):
+            known = False
+        if not known:
+            raise UsageError(f"--out {path} exists and is not a benchmark log (its first line is no row of "
+                             "python -m dice.bench); pass a new file name")
+    return path
 
 
 DEFAULT_BUDGET_S = 270.0   # a default run ends within 5 minutes on one H200, the work in flight included

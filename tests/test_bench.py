@@ -1,0 +1,90 @@
+"""`dice.bench.common.BenchRun`, which every `python -m dice.bench ...` runs under: progress, the
+budget (no new work past it, partial rows marked), results appended as they arrive, and an
+`--out` that is never a user's other file."""
+import json
+
+import pytest
+
+from dice.bench.common import BenchRun, BudgetSpent
+from dice.errors import UsageError
+
+
+def test_rows_are_appended_as_they_arrive_and_tabled_with_partial_ones_marked(tmp_path, capsys):
+    out = tmp_path / "rows.jsonl"
+    run = BenchRun("demo", budget_s=None, out=str(out))
+    run.row({"mode": "a", "kernels/min": "10.0"})
+    assert [json.loads(line)["mode"] for line in out.read_text().splitlines()] == ["a"]   # before finish
+    run.row({"mode": "b", "extra": 1}, partial=True)
+    run.finish()
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split() == ["mode", "kernels/min", "extra", "partial"]
+    assert lines[1].split() == ["a", "10.0"] and lines[2].split() == ["b", "1", "yes"]
+    again = BenchRun("demo", out=str(out))      # a later run appends to the same log
+    again.row({"mode": "c"})
+    again.finish()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["bench"], r["mode"], r["partial"]) for r in rows] == [("demo", "a", False), ("demo", "b", True),
+                                                                      ("demo", "c", False)]
+
+
+def test_past_the_budget_no_new_work_starts_and_the_table_says_what_was_cut(capsys):
+    run = BenchRun("demo", budget_s=1e-9)
+    with pytest.raises(BudgetSpent):
+        run.check("row 2")
+    run.finish()
+    out = capsys.readouterr().out
+    assert "the budget of 1e-09 s was spent" in out and "not started: row 2" in out and run.cut == "row 2"
+
+
+class FakeVerifier:
+    """map() reports each pair's result through `progress` in order, as Verifier.map does."""
+
+    def __init__(self):
+        self.started = 0
+
+    def map(self, pairs, progress=None, on_broken_task=None, **options):
+        for i, _ in enumerate(pairs):
+            self.started += 1
+            if i == 1:
+                on_broken_task(i, ValueError("broken task"))
+            else:
+                progress(i, f"result {i}")
+        return []
+
+
+def test_a_verifier_map_stops_starting_candidates_once_the_budget_is_spent(monkeypatch):
+    clock = iter([0.0, 0.0, 0.0, 0.0, 5.0, 5.0, 5.0, 5.0, 5.0])   # the budget (2 s) passes after the first result
+    monkeypatch.setattr("dice.bench.common.time.perf_counter", lambda: next(clock, 5.0))
+    run, verifier = BenchRun("demo", budget_s=2.0), FakeVerifier()
+    results, _, complete = run.verify_map(verifier, [("t", "c")] * 4, "cupy")
+    assert results == ["result 0", None, None, None] and not complete and verifier.started == 1
+    assert run.cut == "the rest of cupy"
+    broken = []
+    results, _, complete = BenchRun("demo").verify_map(FakeVerifier(), [("t", "c")] * 3, "all",
+                                                       on_broken_task=lambda i, e: broken.append(i))
+    assert results == ["result 0", None, "result 2"] and complete and broken == [1]   # a broken task counts as done
+
+
+@pytest.mark.parametrize("content", ['[{"pytorch_code": "x"}]\n', "plain text\n", '{"name": "a user row"}\n'])
+def test_out_is_never_a_users_other_file(tmp_path, content):
+    out = tmp_path / "solutions.json"
+    out.write_text(content)
+    with pytest.raises(UsageError, match="is not a benchmark log"):
+        BenchRun("demo", out=str(out))
+    assert out.read_text() == content
+    with pytest.raises(UsageError, match="is a folder"):
+        BenchRun("demo", out=str(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_bench_command_refuses_such_an_out_in_one_line(tmp_path, capsys):
+    import subprocess
+    import sys
+    out = tmp_path / "mine.json"
+    out.write_text('{"mine": 1}\n')
+    solutions = tmp_path / "s.json"
+    solutions.write_text("[]")
+    done = subprocess.run([sys.executable, "-m", "dice.bench", "builds", "--solutions", str(solutions), "--out", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "--out" in done.stderr and out.read_text() == '{"mine": 1}\n'
