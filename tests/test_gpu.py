@@ -14,6 +14,14 @@ TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3], [7] * 13, [42]]
 
 
+def peaked_tiny():
+    """The tiny model on the GPU with sharper output distributions, so that confidences pass thresholds."""
+    model = load_model(TINY, device="cuda")
+    with torch.no_grad():
+        model.lm_head.weight *= 8
+    return model
+
+
 def rel_err(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -46,9 +54,7 @@ def test_flex_training_forward_equals_dense():
 
 @pytest.mark.parametrize("remasking,threshold", [("low_confidence_static", 0.9), ("low_confidence_dynamic", 0.5)])
 def test_graphs_cache_and_brute_force_agree_on_the_tiny_model(remasking, threshold):
-    model = load_model(TINY, device="cuda")
-    with torch.no_grad():
-        model.lm_head.weight *= 8
+    model = peaked_tiny()
     kw = dict(max_new_tokens=21, remasking=remasking, threshold=threshold)
     runs = [generate(model, PROMPTS, cuda_graphs=True, **kw), generate(model, PROMPTS, cuda_graphs=False, **kw),
             generate(model, PROMPTS, use_cache=False, **kw)]
@@ -62,9 +68,7 @@ def test_graphs_cache_and_brute_force_agree_on_the_tiny_model(remasking, thresho
 @pytest.mark.parametrize("remasking,threshold", [("low_confidence_static", 0.9), ("low_confidence_dynamic", 0.5)])
 def test_compiled_steps_agree_with_graphs_on_the_tiny_model(remasking, threshold):
     """torch.compile'd steps (an Inductor compile per step shape: the slow part) decode as the graphs do."""
-    model = load_model(TINY, device="cuda")
-    with torch.no_grad():
-        model.lm_head.weight *= 8
+    model = peaked_tiny()
     kw = dict(max_new_tokens=21, remasking=remasking, threshold=threshold)
     graphs, compiled = generate(model, PROMPTS, **kw), generate(model, PROMPTS, compile=True, **kw)
     assert graphs.tokens == compiled.tokens and graphs.step_map == compiled.step_map
@@ -76,9 +80,7 @@ def test_graphs_crossing_kv_buckets_agree_with_brute_force(monkeypatch):
     8-slot buckets a 41-token generation crosses several bucket boundaries (one graph each)."""
     from dice.sampler import CachedForward
     monkeypatch.setattr(CachedForward, "KV_BUCKET", 8)
-    model = load_model(TINY, device="cuda")
-    with torch.no_grad():
-        model.lm_head.weight *= 8
+    model = peaked_tiny()
     kw = dict(max_new_tokens=41, remasking="low_confidence_dynamic", threshold=0.5)
     graphs, brute = generate(model, PROMPTS, **kw), generate(model, PROMPTS, use_cache=False, **kw)
     assert graphs.tokens == brute.tokens and graphs.step_map == brute.step_map
