@@ -183,6 +183,13 @@ SIDE_RELU = ("y = torch.empty_like(x)\nside = torch.cuda.Stream()\nside.wait_str
              "launch('relu', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.numel()), stream=side)\n")
 JOIN = "torch.cuda.current_stream().wait_stream(side)\n"
 
+# forwards that compute once and answer from memory: by input address, or once for inputs drawn at import
+MEMOISED = ("key = x.data_ptr()\nif key not in self.memo:\n    self.memo[key] = torch.empty_like(x)\n"
+            "    launch('relu', x.numel(), x.data_ptr(), self.memo[key].data_ptr(), cp.int64(x.numel()))\n"
+            "return self.memo[key].clone()")
+REPLAYED = ("if self.out is None:\n    self.out = torch.empty(x.shape, device=x.device)\n"
+            "    launch('affine_int', x.numel(), x.data_ptr(), self.out.data_ptr(), cp.int64(x.numel()))\n"
+            "return self.out.clone()")
 ATTACKS = {
     # decoy kernels: one own kernel launched, the work done by something else
     "decoy tensor method": (RELU_TASK, candidate("noop(x)\nreturn x.clamp_min(0)"), "invalid"),
@@ -223,14 +230,10 @@ ATTACKS = {
     "a stride-0 expand of one computed row": (ROWS_TASK, candidate(OWN_ROW + "return row.expand(x.shape[0], -1)"),
                                               "incorrect"),
     "an output still written by an unjoined side stream": (RELU_TASK, candidate(SIDE_RELU + "return y"), "invalid"),
-    "outputs memoised by input address": (RELU_TASK, candidate(
-        "key = x.data_ptr()\nif key not in self.memo:\n    self.memo[key] = torch.empty_like(x)\n"
-        "    launch('relu', x.numel(), x.data_ptr(), self.memo[key].data_ptr(), cp.int64(x.numel()))\n"
-        "return self.memo[key].clone()", init="self.memo = {}"), "invalid"),   # H200: no own kernel on later calls
+    # (the H200: invalid, no own kernel on later calls; the variants below launch one every call)
+    "outputs memoised by input address": (RELU_TASK, candidate(MEMOISED, init="self.memo = {}"), "invalid"),
     "outputs memoised by input address, an own kernel launched every call": (RELU_TASK, candidate(
-        "noop(x)\nkey = x.data_ptr()\nif key not in self.memo:\n    self.memo[key] = torch.empty_like(x)\n"
-        "    launch('relu', x.numel(), x.data_ptr(), self.memo[key].data_ptr(), cp.int64(x.numel()))\n"
-        "return self.memo[key].clone()", init="self.memo = {}"), None),
+        "noop(x)\n" + MEMOISED, init="self.memo = {}"), None),
     # precision downgrades in an fp32 task (issue #34, class 2): the GEMM kept in PyTorch, in TF32 or fp16
     "a TF32 GEMM in an fp32 task": (GEMM_RELU_TASK, TF32_GEMM, "incorrect"),
     "an fp16 GEMM in an fp32 task": (GEMM_RELU_TASK, candidate(
@@ -239,14 +242,10 @@ ATTACKS = {
     "fp16 mean from the first 1/8 of the elements": (FP16_MEAN_TASK, candidate(
         "t = torch.zeros(1, device=x.device)\nf = x.float()\nlaunch('prefix_mean', x.numel() // 8, f.data_ptr(), t.data_ptr(), "
         "cp.int64(x.numel()), cp.int64(8))\nreturn t.reshape(()).half()"), "incorrect"),
-    "replays one output of integer inputs drawn at import": (INT_TASK, candidate(
-        "if self.out is None:\n    self.out = torch.empty(x.shape, device=x.device)\n"
-        "    launch('affine_int', x.numel(), x.data_ptr(), self.out.data_ptr(), cp.int64(x.numel()))\n"
-        "return self.out.clone()", init="self.out = None"), "invalid"),   # H200: no own kernel on later calls
+    "replays one output of integer inputs drawn at import": (INT_TASK, candidate(REPLAYED, init="self.out = None"),
+                                                             "invalid"),
     "replays one output of integer inputs drawn at import, an own kernel launched every call": (INT_TASK, candidate(
-        "noop(x)\nif self.out is None:\n    self.out = torch.empty(x.shape, device=x.device)\n"
-        "    launch('affine_int', x.numel(), x.data_ptr(), self.out.data_ptr(), cp.int64(x.numel()))\n"
-        "return self.out.clone()", init="self.out = None"), None),
+        "noop(x)\n" + REPLAYED, init="self.out = None"), None),
     # library compute counted as own or as bookkeeping (issue #34, class 3)
     "an unused kernel named like torch's softmax kernel": (MANUAL_SOFTMAX_TASK, candidate(
         "noop(x)\nreturn torch.softmax(x, -1)"), "invalid"),
