@@ -277,7 +277,7 @@ def compare_builds(run, path: str, workers: int, builds: tuple[str, ...], timing
             verdicts[build] = [r.status if r else "task_error" if i in broken else None for i, r in enumerate(results)]
             _verdict_row(run, f"{build} build", tasks, results, verdicts[build], seconds, complete)
     finally:
-        _compare(run, tasks, {b: v for b, v in verdicts.items()})
+        _compare(tasks, verdicts)
 
 
 def _verdict_row(run, label: str, tasks: list, results: list, statuses: list, seconds: float, complete: bool) -> None:
@@ -292,7 +292,7 @@ def _verdict_row(run, label: str, tasks: list, results: list, statuses: list, se
             print(f"  - {t.name}: {status}: " + "\n      ".join(lines), flush=True)
 
 
-def _compare(run, tasks: list, verdicts: dict) -> None:
+def _compare(tasks: list, verdicts: dict) -> None:
     if len(verdicts) < 2:
         return
     ways = list(verdicts)
