@@ -270,6 +270,7 @@ class CompileClock:
         return out
 
     def seconds(self) -> float:
+        """The compile seconds of the micro-batches run so far (class docstring)."""
         extra = 0.0
         for kind, new, n, t in self.times:
             if new:

@@ -292,7 +292,9 @@ class BesideABusierRank(Runtime):
         return value + 2
 
 
-def flex_plan(completions, advantages, budget: int, rt=None, rows_per_update: int = 256, use_flex: bool = True):
+def planned(completions, advantages, budget: int, rt=None, rows_per_update: int = 256, use_flex: bool = True):
+    """`update_plan`'s micro-batches of every optimiser step (block 4, mask 319) under --update-tokens
+    budget, planned for FlexAttention or for dense masks; no forward runs."""
     cfg = TrainConfig(phase="e2e", model=str(TINY), out="unused", update_tokens=budget, rows_per_update=rows_per_update,
                       dtype="fp32")
     plan, _, _ = update_plan(completions, advantages, cfg, rt or Runtime(torch.device("cpu")), 4, 319, 0, use_flex)
@@ -303,8 +305,8 @@ def test_every_flex_micro_batch_of_two_different_steps_has_the_shape_1_by_update
     """Two RL steps of different responses, lengths, advantages and optimiser steps, planned for
     FlexAttention (no kernel runs): every micro-batch, the empty ones a busier rank asks for
     included, is one row of exactly --update-tokens, so the compiled kernels meet one shape."""
-    first = flex_plan(random_completions(1, 12), [1.0, -1.0, 0.5, None] * 3, 160, rows_per_update=8)
-    second = flex_plan(random_completions(2, 7), [-0.3, 0.9, 1.2, -1.1, None, 0.4, -0.2], 160,
+    first = planned(random_completions(1, 12), [1.0, -1.0, 0.5, None] * 3, 160, rows_per_update=8)
+    second = planned(random_completions(2, 7), [-0.3, 0.9, 1.2, -1.1, None, 0.4, -0.2], 160,
                        rt=BesideABusierRank(torch.device("cpu")))
     assert len(first) > 1 and all(len(step) > 1 for step in first)
     assert any(b.tokens == 4 for step in second for b in step)         # an empty micro-batch: one block
@@ -316,7 +318,7 @@ def test_every_flex_micro_batch_of_two_different_steps_has_the_shape_1_by_update
 def test_a_group_over_the_budget_takes_the_fewest_budgets_that_hold_it():
     """--update-tokens 40 under responses of up to 60 tokens: a group of one round passes it (the
     clean stream and one copy); its micro-batch alone has 2 or 3 budgets, every other 1."""
-    plan = flex_plan(random_completions(1, 12), [1.0, -1.0, 0.5, None] * 3, 40)
+    plan = planned(random_completions(1, 12), [1.0, -1.0, 0.5, None] * 3, 40)
     shapes = [(b.ids.shape, b.tokens) for step in plan for b in step]
     assert all(shape == (1, 40 * -(-tokens // 40)) for shape, tokens in shapes)
     assert {shape[1] for shape, _ in shapes} >= {40, 80}
@@ -328,7 +330,7 @@ def test_flex_plan_gives_the_dense_plans_log_probs_in_the_same_order_fp64():
     order, with the same targets, weights, advantages and log-probs (padding changes nothing)."""
     model = load_model(TINY).double()
     completions, advantages = random_completions(3, 8), [1.0, -1.0, 0.5, 0.25, -0.75, None, 2.0, -0.5]
-    flex, dense = (flex_plan(completions, advantages, 160, rows_per_update=10, use_flex=use) for use in (True, False))
+    flex, dense = (planned(completions, advantages, 160, rows_per_update=10, use_flex=use) for use in (True, False))
     assert len(flex) == len(dense) > 1 and [len(step) for step in flex] == [len(step) for step in dense]
     assert any((b.sample_ids < 0).any() for step in flex for b in step)
     assert any(b.ids.shape[0] > 1 for step in dense for b in step)     # several groups in a flex row
