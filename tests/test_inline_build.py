@@ -304,7 +304,8 @@ def test_a_unit_compiled_before_is_copied_not_compiled(tmp_path):
         folder = tmp_path / build
         folder.mkdir()
         (folder / "cuda.cu").write_text(text)
-        argv = [str(cc), "-O3", "-c", str(folder / "cuda.cu"), "-o", str(folder / "cuda.o")]
+        argv = [str(cc), "-O3", f"-DTORCH_EXTENSION_NAME=ext_{build}", "-c", str(folder / "cuda.cu"), "-o",
+                str(folder / "cuda.o")]
         status, _ = CompiledUnits(tmp_path / "cache", folder).compile(argv, [str(cc)], folder / "device.log", slots)
         return status, folder
 
@@ -322,6 +323,8 @@ def test_a_unit_compiled_before_is_copied_not_compiled(tmp_path):
         status, folder = compile_in(build, "an error")
         assert status == 1 and "bad unit" in (folder / "device.log").read_text()
     assert runs() == 4
+    assert compile_in("f", "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)")[0] == 0 and runs() == 5
+    assert compile_in("g", "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)")[0] == 0 and runs() == 6   # names its module
 
 
 def test_a_failed_toolchain_artifact_is_tried_again_later_not_for_ever(tmp_path, monkeypatch):

@@ -228,9 +228,12 @@ class CompiledUnits:
         """run_compiler's (exit status, CPU seconds) for `argv` (`-c SOURCE -o OBJECT` at its end); a
         copy costs no compiler seconds."""
         source, target = Path(argv[argv.index("-c") + 1]), Path(argv[argv.index("-o") + 1])
-        command = [a.replace(str(self.build_dir), "<build>") for a in argv]
-        key = hashlib.sha256(json.dumps([command, compiler_version(tuple(compiler)),
-                                         source.read_text()]).encode()).hexdigest()
+        text = source.read_text()
+        # the module's name (a hash of the whole program) matters only to a unit that names it:
+        # torch's headers never read TORCH_EXTENSION_NAME, torch's main.cpp binding does
+        command = [a.replace(str(self.build_dir), "<build>") for a in argv
+                   if not a.startswith("-DTORCH_EXTENSION_NAME=") or "TORCH_EXTENSION_NAME" in text]
+        key = hashlib.sha256(json.dumps([command, compiler_version(tuple(compiler)), text]).encode()).hexdigest()
         kept = self.folder / key[:2] / f"{key}.o"
         if kept.is_file() and kept.with_suffix(".log").is_file():
             shutil.copyfile(kept.with_suffix(".log"), log)
