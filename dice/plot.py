@@ -154,7 +154,7 @@ def plot_run(out: Path) -> str:
         return f"no plot: matplotlib is not installed; pip install -e '.[plot]', then {later}"
     try:
         draw([read_run(out)]).savefig(out / "plot.png")
-    except DataError as e:
+    except UserError as e:   # no step logged
         return f"no plot: {e}"
     return f"wrote {out / 'plot.png'} (the run's curves)"
 
