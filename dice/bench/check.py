@@ -3,7 +3,9 @@
 Runs, one after another and each within its own slice of `--budget-s` (default 540 s, so that
 the whole check fits one 10-minute call on a lent machine):
 1. the GPU test suite, `python -m pytest -q -m gpu` (`--fast`: `-m "gpu and not slow"`), every
-   test's outcome and time logged as it ends (tests/conftest.py, DICE_TEST_LOG);
+   test's outcome and time logged as it ends (tests/conftest.py, DICE_TEST_LOG); printed as soon as
+   it ends: the failures, the suite's wall time beside the tests' own time, each file's time and the
+   ten slowest tests (`suite_summary`), so that a test that grew slow shows at once;
 2. `bench verify`: CuPy kernels verified per minute (cold pool with timing, warm untimed: the RL
    reward) and load_inline with the fast build (cold build cache, timed);
 3. `bench builds`: load_inline fast builds per minute (generic binding, one program per core);
