@@ -98,9 +98,10 @@ def flex_block_diffusion_mask(position_ids: torch.Tensor, block_size: int,
 
 
 _compiled_flex = None
-# Compiled FlexAttention compiles once per shape. The RL update's bucketed batches
-# (`dice.packing.flex_shape`) can meet more than dynamo's default of 8 recompiles, after which
-# every new shape would run the uncompiled kernel, which materialises the full score matrix.
+# Compiled FlexAttention compiles once per shape and grad mode. The RL update meets [1, budget]
+# and rarely a multiple (`dice.packing.flex_length`), SFT its rows, benches several settings in one
+# process: dynamo's default of 8 recompiles could be reached, after which every new shape would run
+# the uncompiled kernel, which materialises the full score matrix.
 FLEX_RECOMPILES = 64
 # A float-bias (decoding) call uses explicit products when it has at most DECODE_ROWS folded query
 # rows and fewer than DECODE_PAIRS (batch row, KV head) pairs: SDPA spreads its work over those

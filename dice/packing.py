@@ -19,8 +19,10 @@ Micro-batches hold at most `budget` tokens (every copy counted, padding not): gr
 largest first into the first micro-batch with room (first-fit decreasing), and a group too large
 for the budget is split into groups of fewer rounds, each with its own clean stream. On the
 FlexAttention path a micro-batch is one row of packed groups (samples never see each other; the
-mask skips the tiles between them), padded to `flex_shape`; the dense path gives every group its
-own row, since a dense mask grows with the square of the row.
+mask skips the tiles between them) padded to a fixed length (`flex_length`: the budget, or for a
+group over it the smallest multiple of the budget), so that compiled FlexAttention, which compiles
+once per shape, compiles in a process's first update and not after; the dense path gives every
+group its own row, unpadded, since a dense mask grows with the square of the row.
 """
 from __future__ import annotations
 
@@ -112,10 +114,13 @@ def micro_batches(groups: list[RoundGroup], budget: int) -> list[list[RoundGroup
 
 @dataclass
 class PackedBatch:
-    """Update rows: per token its id, position, stream (0 clean, r >= 1 noisy copy r) and sample
-    (-1 padding, never attended), all [B, L]; per loss token (in `loss_at` order, row-major) its
-    target (the clean token), weight and advantage. `tokens` and `visible_pairs` count the real
-    tokens and the (query, key) pairs the mask lets attend (`update_flops`)."""
+    """Update rows: per token its id, position, stream (0 clean, r >= 1 noisy copy r) and sample,
+    all [B, L]; per loss token (in `loss_at` order, row-major) its target (the clean token), weight
+    and advantage. `tokens` and `visible_pairs` count the real tokens and the (query, key) pairs the
+    mask lets attend (`update_flops`). Padding goes on along the position grid as sample -1 in
+    stream 1: no real token sees it, and a padding token sees only its own block of padding (every
+    row keeps a visible key; the FlexAttention mask visits one tile per tile of padding, not the
+    triangle a clean stream of padding would cost)."""
     ids: torch.Tensor
     position_ids: torch.Tensor
     stream: torch.Tensor
@@ -156,7 +161,7 @@ def _layout(group: RoundGroup, mask_id: int) -> tuple[dict, int]:
 
 def pack(rows: list[list[RoundGroup]], mask_id: int, pad_id: int, advantages: Sequence[float]) -> PackedBatch:
     """A micro-batch whose row i holds the groups rows[i] one after another (sample ids 0, 1, ...),
-    padded to the longest row with `pad_id` (sample -1) along the position grid."""
+    padded to the longest row with `pad_id` (`PackedBatch`)."""
     laid, pairs = [], 0
     for groups in rows:
         cols = []
@@ -169,7 +174,7 @@ def pack(rows: list[list[RoundGroup]], mask_id: int, pad_id: int, advantages: Se
     L, B = max(len(row["ids"]) for row in laid), len(rows)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     positions = torch.arange(L).repeat(B, 1)
-    stream, sample = torch.zeros(B, L, dtype=torch.long), torch.full((B, L), -1, dtype=torch.long)
+    stream, sample = torch.ones(B, L, dtype=torch.long), torch.full((B, L), -1, dtype=torch.long)
     loss_at = torch.zeros(B, L, dtype=torch.bool)
     for i, row in enumerate(laid):
         m = len(row["ids"])
@@ -190,26 +195,28 @@ def empty_batch(block_size: int, pad_id: int) -> PackedBatch:
                        tokens=block_size, visible_pairs=block_size * block_size)
 
 
-def flex_shape(rows: int, n: int) -> tuple[int, int]:
-    """The padded shape of a batch on the FlexAttention path: rows up to a power of two, the length
-    up to a multiple of 128 up to 1024, then of a quarter octave (1280, 1536, 1792, 2048, 2560, ...:
-    under 25% padding, about 10% on average). Compiled FlexAttention compiles once per shape, so
-    batches of every length cost a few compiles per process, reused by later steps."""
-    step = 128 if n <= 1024 else 1 << ((n - 1).bit_length() - 3)
-    return 1 << (rows - 1).bit_length(), -(-n // step) * step
+def flex_length(tokens: int, budget: int) -> int:
+    """The row length of a FlexAttention micro-batch of `tokens` tokens under a budget of `budget`:
+    the budget, or the smallest multiple of it that holds a micro-batch over it (one group alone,
+    when a response's clean stream and one copy pass the budget). So an update's micro-batches have
+    the shape [1, budget], rarely [1, m x budget]: compiled FlexAttention and its block masks
+    compile once per shape and process (`dice.attention`), in the first update that meets it."""
+    return budget * -(-tokens // budget)
 
 
-def pad_batch(batch: PackedBatch, rows: int, n: int) -> PackedBatch:
-    """`batch` padded to [rows, n] (token 0, sample -1: never attended, no loss); its loss tokens
-    and their order are unchanged."""
+def pad_batch(batch: PackedBatch, length: int) -> PackedBatch:
+    """`batch` padded to `length` tokens a row (token 0, sample -1, stream 1: `PackedBatch`); its
+    loss tokens and their order are unchanged."""
+    rows, n = batch.ids.shape
+
     def pad(t: torch.Tensor, value) -> torch.Tensor:
-        out = t.new_full((rows, n), value)
-        out[:t.shape[0], :t.shape[1]] = t
+        out = t.new_full((rows, length), value)
+        out[:, :n] = t
         return out
 
-    positions = torch.arange(n).repeat(rows, 1)   # padding goes on along the grid
-    positions[:batch.position_ids.shape[0], :batch.position_ids.shape[1]] = batch.position_ids
-    return PackedBatch(pad(batch.ids, 0), positions, pad(batch.stream, 0), pad(batch.sample_ids, -1),
+    positions = torch.arange(length).repeat(rows, 1)   # padding goes on along the grid
+    positions[:, :n] = batch.position_ids
+    return PackedBatch(pad(batch.ids, 0), positions, pad(batch.stream, 1), pad(batch.sample_ids, -1),
                        pad(batch.loss_at, False), batch.targets, batch.token_weight, batch.advantage,
                        batch.tokens, batch.visible_pairs)
 
@@ -217,13 +224,11 @@ def pad_batch(batch: PackedBatch, rows: int, n: int) -> PackedBatch:
 def packed_logprobs(model, batch: PackedBatch, use_flex: bool | None = None) -> torch.Tensor:
     """log p(target | its noisy copy and the clean past) at every loss token, in `loss_at` order: [N].
 
-    use_flex (None: on CUDA) attends through the block-sparse FlexAttention mask, after padding the
-    batch to `flex_shape` so that the compiled kernel meets only a few shapes."""
+    use_flex (None: on CUDA) attends through the block-sparse FlexAttention mask, over the batch as
+    given: `dice.rl.update_plan` pads the update's micro-batches to `flex_length`."""
     device = next(model.parameters()).device
     if use_flex is None:
         use_flex = device.type == "cuda"
-    if use_flex:
-        batch = pad_batch(batch, *flex_shape(*batch.ids.shape))
     to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
     pos, stream, sample = to(batch.position_ids), to(batch.stream), to(batch.sample_ids)
     mask = (flex_streams_mask if use_flex else streams_mask)(pos // model.config.block_size, stream, sample)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -49,7 +50,8 @@ from .rollout import (auto_rollout_batch, complete, generate_and_score, generati
                       prompt_format, task_prompt_ids)
 from .checkpoint import load_model
 from .data import DataError
-from .packing import PackedBatch, empty_batch, group_rounds, micro_batches, pack, packed_logprobs, update_flops
+from .packing import (PackedBatch, empty_batch, flex_length, group_rounds, micro_batches, pack, packed_logprobs,
+                      pad_batch, update_flops)
 from .trace import row_weights, trace_rounds
 from .tasks import Task, load_tasks
 from .tokenizer import load_tokenizer
@@ -210,7 +212,10 @@ def update_plan(completions, advantages, cfg, rt, block_size: int, mask_id: int,
     shuffle`), each step's rows weighted by `row_weights` and packed into micro-batches of
     `update_tokens` tokens. Returns (the micro-batches of every step, the responses and the round
     rows of all processes). Under FSDP every backward is a collective, so each rank runs as many
-    micro-batches as the busiest rank, padding with empty ones."""
+    micro-batches as the busiest rank, padding with empty ones. use_flex: each micro-batch is one
+    row padded to `dice.packing.flex_length`, so every micro-batch of every step has the shape
+    [1, update_tokens] but for a group over the budget ([1, m x update_tokens], m the fewest
+    budgets that hold it); otherwise one unpadded row per group, as the dense mask wants."""
     kept = [k for k, a in enumerate(advantages) if a is not None and completions[k].tokens]
     n_responses = int(rt.all_sum(len(kept)))
     items = [(k, completions[k], rnd) for k in kept
@@ -228,8 +233,68 @@ def update_plan(completions, advantages, cfg, rt, block_size: int, mask_id: int,
         groups = group_rounds(step, weights, cfg.update_rows, block_size, cfg.update_tokens)
         batches = [pack([chunk] if use_flex else [[g] for g in chunk], mask_id, pad_id, advantages)
                    for chunk in micro_batches(groups, cfg.update_tokens)]
-        plan.append(batches + [empty_batch(block_size, pad_id)] * (int(rt.all_max(len(batches))) - len(batches)))
+        batches += [empty_batch(block_size, pad_id)] * (int(rt.all_max(len(batches))) - len(batches))
+        if use_flex:
+            batches = [pad_batch(b, flex_length(b.ids.shape[1], cfg.update_tokens)) for b in batches]
+        plan.append(batches)
     return plan, n_responses, n_rows
+
+
+# the (pass, shape) pairs this process has run through compiled FlexAttention (`CompileClock`)
+_FLEX_MET: set = set()
+
+
+class CompileClock:
+    """The seconds an update spent compiling (`compile_s`). Compiled FlexAttention and its block
+    masks (`dice.attention`) compile once per process for each shape and pass (a no-grad forward;
+    a forward and backward), and an update's micro-batches come in one shape (`update_plan`), so a
+    process's first update compiles and later ones do not. `run` times each micro-batch to its end
+    on the device; one whose (pass, shape) is new to `met` counts its time beyond the median time
+    per token of this update's other micro-batches of that pass, or with none to compare its whole
+    time (an upper bound). met None (nothing compiles: dense masks, or the CPU) counts nothing."""
+
+    def __init__(self, met: set | None, device: torch.device):
+        self.met, self.device, self.times = met, device, []
+
+    def run(self, kind: str, batch: PackedBatch, fn):
+        """fn(), the pass `kind` over `batch`, timed."""
+        key = (kind, tuple(batch.ids.shape))
+        new = self.met is not None and key not in self.met
+        start = time.perf_counter()
+        out = fn()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append((kind, new, batch.ids.numel(), time.perf_counter() - start))
+        if self.met is not None:
+            self.met.add(key)
+        return out
+
+    def seconds(self) -> float:
+        """The compile seconds of the micro-batches run so far (class docstring)."""
+        extra = 0.0
+        for kind, new, n, t in self.times:
+            if new:
+                steady = [s / m for k, fresh, m, s in self.times if k == kind and not fresh]
+                extra += max(0.0, t - statistics.median(steady) * n) if steady else t
+        return extra
+
+
+def _train_micro_batch(model, ref_model, batch: PackedBatch, logp_old: torch.Tensor | None, cfg, rt,
+                       use_flex: bool) -> tuple[float, dict]:
+    """One micro-batch's forward and backward, its gradient added to the parameters': (its loss,
+    `policy_loss`'s stats). logp_old None: on-policy, the ratio to its own detached log-probs."""
+    with rt.autocast(cfg.dtype):
+        logp = packed_logprobs(model, batch, use_flex)
+        logp_ref = None
+        if ref_model is not None:
+            with torch.no_grad():
+                logp_ref = packed_logprobs(ref_model, batch, use_flex)
+    tok_loss, stats = policy_loss(logp, logp.detach() if logp_old is None else logp_old,
+                                  batch.advantage.to(logp.device), clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta,
+                                  logp_ref=logp_ref)
+    loss = (tok_loss * batch.token_weight.to(logp.device)).sum()
+    (loss * rt.world).backward()   # FSDP averages over ranks; weights already use the global count
+    return loss.item(), stats
 
 
 def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer, pad_id: int, seed: int = 0,
@@ -239,38 +304,34 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     already its share of the step; with several steps the ratio is to the rollout policy's
     log-probs, taken before the first. progress(done, total) follows the micro-batches. kl and
     clip_fraction are means over every loss token of all processes; flops is the update's model
-    FLOPs (`dice.packing.update_flops`), all processes'."""
+    FLOPs (`dice.packing.update_flops`), all processes'; compile_s the seconds it spent compiling
+    FlexAttention (`CompileClock`; the slowest process's): a process's first update, 0 after."""
     config = model.config
-    use_flex = {"flex": True, "dense": False}.get(cfg.attention, next(model.parameters()).device.type == "cuda")
+    device = next(model.parameters()).device
+    use_flex = {"flex": True, "dense": False}.get(cfg.attention, device.type == "cuda")
     plan, n_responses, n_rows = update_plan(completions, advantages, cfg, rt, config.block_size,
                                             config.mask_token_id, pad_id, use_flex, seed)
     if not plan:   # every group had equal rewards: no signal, and Adam's momentum must not move us
-        return {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "responses_trained": 0, "rounds": 0, "flops": 0.0}
+        return {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "responses_trained": 0, "rounds": 0, "flops": 0.0,
+                "compile_s": 0.0}
+    clock = CompileClock(_FLEX_MET if use_flex and device.type == "cuda" else None, device)
     U, total = len(plan), sum(map(len, plan))
     flops = sum(update_flops(config, b) for step in plan for b in step)
     old = None
     if U > 1:   # the rollout policy's log-probs, before the first update
         with torch.no_grad(), rt.autocast(cfg.dtype):
-            old = [[packed_logprobs(model, b, use_flex) for b in step] for step in plan]
+            old = [[clock.run("forward", b, functools.partial(packed_logprobs, model, b, use_flex)) for b in step]
+                   for step in plan]
         flops += sum(update_flops(config, b, backward=False) for step in plan for b in step)
     if ref_model is not None:
         flops += sum(update_flops(config, b, backward=False) for step in plan for b in step)
     loss_sum, kl_sum, clipped, n_tokens, done = 0.0, 0.0, 0.0, 0, 0
     for u, step in enumerate(plan):
         for i, batch in enumerate(step):
-            with rt.autocast(cfg.dtype):
-                logp = packed_logprobs(model, batch, use_flex)
-                logp_ref = None
-                if ref_model is not None:
-                    with torch.no_grad():
-                        logp_ref = packed_logprobs(ref_model, batch, use_flex)
-            logp_old = old[u][i] if old else logp.detach()
-            tok_loss, s = policy_loss(logp, logp_old, batch.advantage.to(logp.device),
-                                      clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta, logp_ref=logp_ref)
-            loss = (tok_loss * batch.token_weight.to(logp.device)).sum()
-            (loss * rt.world).backward()   # FSDP averages over ranks; weights already use the global count
+            loss, s = clock.run("train", batch, functools.partial(
+                _train_micro_batch, model, ref_model, batch, old[u][i] if old else None, cfg, rt, use_flex))
             n = batch.advantage.numel()
-            loss_sum, kl_sum, clipped, n_tokens = (loss_sum + loss.item() / U, kl_sum + s["kl"] * n,
+            loss_sum, kl_sum, clipped, n_tokens = (loss_sum + loss / U, kl_sum + s["kl"] * n,
                                                    clipped + s["clip_fraction"] * n, n_tokens + n)
             done += 1
             if progress is not None:
@@ -281,7 +342,7 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     n_tokens = rt.all_sum(n_tokens)
     return {"loss": rt.all_sum(loss_sum), "kl": rt.all_sum(kl_sum) / max(n_tokens, 1),
             "clip_fraction": rt.all_sum(clipped) / max(n_tokens, 1), "responses_trained": n_responses,
-            "rounds": n_rows, "flops": rt.all_sum(flops)}
+            "rounds": n_rows, "flops": rt.all_sum(flops), "compile_s": rt.all_max(clock.seconds())}
 
 
 def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, infill: bool, rt,
@@ -405,7 +466,7 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
                       "rollout_tokens_per_s": tokens / max(timing["generate_s"], 1e-9),
                       "kernels_verified_per_s": verified / timing["verify_s"] if timing["verify_s"] > 0 else None,
                       "generate_s": timing["generate_s"], "verify_s": timing["verify_s"], "update_s": t_update,
-                      "step_time_s": time.perf_counter() - t0}
+                      "compile_s": upd["compile_s"], "step_time_s": time.perf_counter() - t0}
             metrics.write(record)
             log(progress_line(step, total, started, start, {
                 "reward": record["reward_mean"], "correct%": record["correct_pct"], "kl": record["kl"],

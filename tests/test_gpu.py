@@ -122,11 +122,12 @@ def test_static_decoding_does_not_wait_on_the_gpu_per_step():
 @torch.no_grad()
 def test_flex_packed_update_rows_equal_dense():
     """The update's packed micro-batch (several responses, each with noisy copies of its rounds
-    beside one clean stream) through FlexAttention equals the dense mask (float32, 1.7B layer shapes:
-    FlexAttention's kernels need head_dim >= 64 in practice; forward only)."""
+    beside one clean stream), padded to the budget as the update pads it, through FlexAttention
+    equals the dense mask on the unpadded batch (float32, 1.7B layer shapes: FlexAttention's kernels
+    need head_dim >= 64 in practice; forward only)."""
     import random
 
-    from dice.packing import group_rounds, pack, packed_logprobs
+    from dice.packing import flex_length, group_rounds, pack, pad_batch, packed_logprobs
     from dice.rollout import Completion
     from dice.trace import trace_rounds
     model = random_model("1.7b", dtype=torch.float32, num_hidden_layers=2)
@@ -137,6 +138,7 @@ def test_flex_packed_update_rows_equal_dense():
     items = [(k, c, r) for k, c in enumerate(comps) for r in trace_rounds(c.step_map, len(c.prompt_ids), 4)]
     batch = pack([group_rounds(items, [1.0] * len(items), "response", 4, 10**6)], 151669, 0, [1.0] * 3)
     assert batch.stream.max() >= 3 and batch.ids.shape[1] > 256
-    dense, flex = packed_logprobs(model, batch, use_flex=False), packed_logprobs(model, batch, use_flex=True)
-    assert dense.shape == (sum(len(c.tokens) for c in comps),)
+    padded = pad_batch(batch, flex_length(batch.ids.shape[1], 2048))
+    dense, flex = packed_logprobs(model, batch, use_flex=False), packed_logprobs(model, padded, use_flex=True)
+    assert dense.shape == (sum(len(c.tokens) for c in comps),) and padded.ids.shape == (1, 2048)
     torch.testing.assert_close(flex, dense, atol=1e-3, rtol=0)

@@ -15,7 +15,7 @@ from dice.prompts import EXAMPLE_LOAD_INLINE
 from dice.verifier import build as build_module
 from dice.verifier.build import BuildCache, BuildError
 from dice.verifier.cxx import normalise
-from dice.verifier.fastbuild import CompilerSlots, FastBuildFailed, Flags, SharedCompileError
+from dice.verifier.fastbuild import CompiledUnits, CompilerSlots, FastBuildFailed, Flags, SharedCompileError
 from dice.verifier.inline import Unsplittable, cuda_cu, main_cpp, recorded_calls, split_program
 
 HAVE_NVCC = Path("/usr/local/cuda/bin/nvcc").exists() and shutil.which("c++") is not None
@@ -272,6 +272,53 @@ def test_compiler_slots_bound_concurrency(tmp_path):
     for t in threads:
         t.join()
     assert most[0] == 2
+
+
+FAKE_COMPILER = """#!/usr/bin/env python3
+import sys
+if sys.argv[1:] == ["--version"]:
+    print("fakecc 1.0")
+    sys.exit(0)
+source, target = sys.argv[sys.argv.index("-c") + 1], sys.argv[sys.argv.index("-o") + 1]
+text = open(source).read()
+with open(sys.argv[0] + ".runs", "a") as runs:
+    runs.write(source + "\\n")
+if "error" in text:
+    print(source + ":1: error: bad unit")
+    sys.exit(1)
+print("warning: compiled " + source)
+open(target, "w").write("object of " + text)
+"""
+
+
+def test_a_unit_compiled_before_is_copied_not_compiled(tmp_path):
+    cc = tmp_path / "fakecc"
+    cc.write_text(FAKE_COMPILER)
+    cc.chmod(0o755)
+    slots = CompilerSlots(tmp_path / "cache")
+
+    def compile_in(build: str, text: str):
+        folder = tmp_path / build
+        folder.mkdir()
+        (folder / "cuda.cu").write_text(text)
+        argv = [str(cc), "-O3", "-c", str(folder / "cuda.cu"), "-o", str(folder / "cuda.o")]
+        status, _ = CompiledUnits(tmp_path / "cache", folder).compile(argv, [str(cc)], folder / "device.log", slots)
+        return status, folder
+
+    def runs() -> int:
+        return len((tmp_path / "fakecc.runs").read_text().splitlines())
+
+    status, first = compile_in("a", "kernel one")
+    assert status == 0 and runs() == 1
+    status, second = compile_in("b", "kernel one")          # the same unit in another program's folder
+    assert status == 0 and runs() == 1
+    assert (second / "cuda.o").read_text() == "object of kernel one"
+    assert (second / "device.log").read_text() == (first / "device.log").read_text()   # its warnings too
+    assert compile_in("c", "kernel two")[0] == 0 and runs() == 2
+    for build in ("d", "e"):                                  # a failure is compiled again each time
+        status, folder = compile_in(build, "an error")
+        assert status == 1 and "bad unit" in (folder / "device.log").read_text()
+    assert runs() == 4
 
 
 class _FakeTorchBuild:

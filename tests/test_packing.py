@@ -9,7 +9,7 @@ import torch
 from dice import load_model
 from dice.attention import streams_mask
 from dice.diffusion import doubled_logits
-from dice.packing import (flex_shape, group_rounds, micro_batches, pack, pad_batch, packed_logprobs,
+from dice.packing import (flex_length, group_rounds, micro_batches, pack, pad_batch, packed_logprobs,
                           update_flops)
 from dice.rollout import Completion
 from dice.trace import row_weights, trace_rounds
@@ -74,7 +74,7 @@ def test_token_counts_hand_computed():
 def test_visible_pairs_and_tokens_count_the_mask():
     items = round_items()
     groups = group_rounds(items, [1.0] * len(items), "response", 4, budget=10**6)
-    batch = pad_batch(pack([groups], MASK, 0, ADVANTAGES), *flex_shape(1, 200))
+    batch = pad_batch(pack([groups], MASK, 0, ADVANTAGES), 200)
     real = batch.sample_ids >= 0
     mask = streams_mask(batch.position_ids // 4, batch.stream, batch.sample_ids)
     assert batch.tokens == int(real.sum())
@@ -115,14 +115,15 @@ def per_round_rows_objective(model, items, weights, coef):
     return total
 
 
-def packed_objective(model, chunks, coef, layout: str):
-    """The same sum over the packed micro-batches; each loss token's key read back from the batch."""
+def packed_objective(model, chunks, coef, layout: str, budget: int):
+    """The same sum over the packed micro-batches; each loss token's key read back from the batch
+    ("one padded row": padded as the FlexAttention path pads, to `flex_length`)."""
     total = torch.zeros((), dtype=torch.float64)
     for chunk in chunks:
         rows_of = [chunk] if layout != "one row per group" else [[g] for g in chunk]
         batch = pack(rows_of, MASK, 0, ADVANTAGES)
         if layout == "one padded row":
-            batch = pad_batch(batch, *flex_shape(1, batch.ids.shape[1] + 1))
+            batch = pad_batch(batch, flex_length(batch.ids.shape[1], budget))
         logp = packed_logprobs(model, batch, use_flex=False)
         at = batch.loss_at.nonzero().tolist()
         for (b, j), lp, w, a in zip(at, logp, batch.token_weight, batch.advantage):
@@ -147,7 +148,7 @@ def test_shared_clean_stream_loss_and_gradients_equal_the_per_round_rows_fp64(ro
     want_grads = torch.autograd.grad(want, params)
     chunks = micro_batches(group_rounds(items, weights, rows, 4, budget), budget)
     assert len(chunks) > 1 or budget == 10**6
-    got = packed_objective(model, chunks, coef, layout)
+    got = packed_objective(model, chunks, coef, layout, budget)
     got_grads = torch.autograd.grad(got, params)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
     for (name, _), a, b in zip(model.named_parameters(), got_grads, want_grads):
@@ -170,19 +171,15 @@ def test_update_flops_hand_computed():
     assert update_flops(model.config, batch, backward=False) == forward
 
 
-def test_flex_shape_buckets():
-    assert flex_shape(3, 100) == (4, 128) and flex_shape(8, 1024) == (8, 1024) and flex_shape(1, 4) == (1, 128)
-    assert [flex_shape(2, n)[1] for n in (1025, 1300, 2048, 2049, 3500)] == [1280, 1536, 2048, 2560, 3584]
-    for n in range(1, 9000, 37):
-        rows, padded = flex_shape(5, n)
-        assert rows == 8 and padded % 128 == 0 and n <= padded < max(1.25 * n, n + 128)
-        assert flex_shape(rows, padded) == (rows, padded)     # a bucket is its own bucket
+def test_flex_length_is_the_budget_or_its_smallest_multiple_that_holds_the_batch():
+    assert [flex_length(n, 100) for n in (1, 99, 100, 101, 200, 201)] == [100, 100, 100, 200, 200, 300]
+    assert flex_length(4, 16384) == 16384
 
 
 @pytest.mark.slow
 def test_padded_flex_batch_gives_the_dense_log_probs():
-    """FlexAttention (uncompiled on the CPU) on a micro-batch padded to its bucket and the dense mask
-    on the batch as packed give the same log-probs, in the same order (forward only)."""
+    """FlexAttention (uncompiled on the CPU) on a micro-batch padded as the update pads it and the
+    dense mask on the batch as packed give the same log-probs, in the same order (forward only)."""
     from dice.sampler import generate
     model = load_model(TINY)
     prompts = [list(range(5, 12)), list(range(3, 16)), [9]]
@@ -192,8 +189,9 @@ def test_padded_flex_batch_gives_the_dense_log_probs():
              for p, g in zip(prompts, out.sequences)]
     items = round_items(comps)
     batch = pack([group_rounds(items, [1.0] * len(items), "response", 4, 10**6)], MASK, 0, [1.0, 1.0, 1.0])
-    assert flex_shape(*batch.ids.shape) != batch.ids.shape
+    padded = pad_batch(batch, flex_length(batch.ids.shape[1], 128))
+    assert padded.ids.shape[1] > batch.ids.shape[1]
     with torch.no_grad():
-        dense, flex = packed_logprobs(model, batch, use_flex=False), packed_logprobs(model, batch, use_flex=True)
+        dense, flex = packed_logprobs(model, batch, use_flex=False), packed_logprobs(model, padded, use_flex=True)
     assert dense.shape == (sum(len(c.tokens) for c in comps),)
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=0)

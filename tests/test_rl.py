@@ -1,15 +1,19 @@
 """BiC-RL pieces: trace replay, advantages, the clipped objective, and a tiny end-to-end run."""
 import json
+import random
 import subprocess
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
 import torch
 
 from dice import load_model
+import dice.rl
 from dice.packing import group_rounds, pack, packed_logprobs
-from dice.rl import group_advantages, policy_loss, policy_update, row_weights, trace_rounds, train_rl
+from dice.rl import (CompileClock, group_advantages, policy_loss, policy_update, row_weights, trace_rounds, train_rl,
+                     update_plan)
 from dice.runtime import Runtime
 from dice.rollout import Completion
 from dice.sampler import generate
@@ -217,6 +221,7 @@ def test_policy_update_loss_hand_computed(norm, expected, rows, update_tokens):
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
     stats = policy_update(model, None, [SHORT, LONG], [1.0, -1.0], cfg, Runtime(torch.device("cpu")), optimizer, 0)
     assert stats["loss"] == pytest.approx(expected, abs=1e-6) and stats["rounds"] == 4
+    assert stats["compile_s"] == 0.0    # dense masks compile nothing
 
 
 @pytest.mark.parametrize("updates, rows_per_update, steps", [(1, 256, 1), (2, 256, 2), (0, 256, 1), (0, 3, 2)])
@@ -269,6 +274,108 @@ def test_shared_clean_stream_update_equals_the_per_round_update_fp64(updates):
     assert others[0][0]["flops"] < others[1][0]["flops"] < want["flops"]   # split streams cost more, rows most
 
 
+def random_completions(seed: int, count: int) -> list[Completion]:
+    """Responses of 1 to 40 tokens after prompts of 1 to 20, block 4, each token unmasked at one of
+    its block's 4 steps (several at one step: dynamic remasking)."""
+    rng, out = random.Random(seed), []
+    for _ in range(count):
+        prompt_len, n = rng.randint(1, 20), rng.randint(1, 40)
+        steps = [4 * ((prompt_len + i) // 4) + rng.randint(1, 4) for i in range(n)]
+        out.append(Completion(rng.choices(range(300), k=prompt_len), rng.choices(range(300), k=n), steps, "", None))
+    return out
+
+
+class BesideABusierRank(Runtime):
+    """One process of several whose busiest has two more micro-batches a step (and a longer response)."""
+
+    def all_max(self, value: float) -> float:
+        return value + 2
+
+
+def planned(completions, advantages, budget: int, rt=None, rows_per_update: int = 256, use_flex: bool = True):
+    """`update_plan`'s micro-batches of every optimiser step (block 4, mask 319) under --update-tokens
+    budget, planned for FlexAttention or for dense masks; no forward runs."""
+    cfg = TrainConfig(phase="e2e", model=str(TINY), out="unused", update_tokens=budget, rows_per_update=rows_per_update,
+                      dtype="fp32")
+    plan, _, _ = update_plan(completions, advantages, cfg, rt or Runtime(torch.device("cpu")), 4, 319, 0, use_flex)
+    return plan
+
+
+def test_every_flex_micro_batch_of_two_different_steps_has_the_shape_1_by_update_tokens():
+    """Two RL steps of different responses, lengths, advantages and optimiser steps, planned for
+    FlexAttention (no kernel runs): every micro-batch, the empty ones a busier rank asks for
+    included, is one row of exactly --update-tokens, so the compiled kernels meet one shape."""
+    first = planned(random_completions(1, 12), [1.0, -1.0, 0.5, None] * 3, 160, rows_per_update=8)
+    second = planned(random_completions(2, 7), [-0.3, 0.9, 1.2, -1.1, None, 0.4, -0.2], 160,
+                       rt=BesideABusierRank(torch.device("cpu")))
+    assert len(first) > 1 and all(len(step) > 1 for step in first)
+    assert any(b.tokens == 4 for step in second for b in step)         # an empty micro-batch: one block
+    for plan in (first, second):
+        assert {tuple(b.ids.shape) for step in plan for b in step} == {(1, 160)}
+        assert all(b.tokens <= 160 and int((b.sample_ids >= 0).sum()) == b.tokens for step in plan for b in step)
+
+
+def test_a_group_over_the_budget_takes_the_fewest_budgets_that_hold_it():
+    """--update-tokens 40 under responses of up to 60 tokens: a group of one round passes it (the
+    clean stream and one copy); its micro-batch alone has 2 or 3 budgets, every other 1."""
+    plan = planned(random_completions(1, 12), [1.0, -1.0, 0.5, None] * 3, 40)
+    shapes = [(b.ids.shape, b.tokens) for step in plan for b in step]
+    assert all(shape == (1, 40 * -(-tokens // 40)) for shape, tokens in shapes)
+    assert {shape[1] for shape, _ in shapes} >= {40, 80}
+
+
+def test_flex_plan_gives_the_dense_plans_log_probs_in_the_same_order_fp64():
+    """The FlexAttention plan (groups in one row padded to the budget) and the dense plan (one unpadded
+    row per group) of one step, both evaluated with the dense mask: the same loss tokens in the same
+    order, with the same targets, weights, advantages and log-probs (padding changes nothing)."""
+    model = load_model(TINY).double()
+    completions, advantages = random_completions(3, 8), [1.0, -1.0, 0.5, 0.25, -0.75, None, 2.0, -0.5]
+    flex, dense = (planned(completions, advantages, 160, rows_per_update=10, use_flex=use) for use in (True, False))
+    assert len(flex) == len(dense) > 1 and [len(step) for step in flex] == [len(step) for step in dense]
+    assert any((b.sample_ids < 0).any() for step in flex for b in step)
+    assert any(b.ids.shape[0] > 1 for step in dense for b in step)     # several groups in a flex row
+    with torch.no_grad():
+        for f, d in zip(flex, dense):
+            for key in ("targets", "token_weight", "advantage"):
+                assert torch.equal(torch.cat([getattr(b, key) for b in f]), torch.cat([getattr(b, key) for b in d]))
+            got = torch.cat([packed_logprobs(model, b, use_flex=False) for b in f])
+            want = torch.cat([packed_logprobs(model, b, use_flex=False) for b in d])
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+class FakeTime:
+    """`time` for dice.rl whose clock moves only when a timed micro-batch says how long it took."""
+    now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def takes(self, seconds: float):
+        return lambda: setattr(self, "now", self.now + seconds)
+
+
+def test_compile_clock_counts_a_new_shapes_micro_batches_beyond_the_steady_ones(monkeypatch):
+    fake, met, cpu = FakeTime(), set(), torch.device("cpu")
+    monkeypatch.setattr(dice.rl, "time", fake)
+    one, two = (SimpleNamespace(ids=torch.zeros(1, n)) for n in (8, 16))
+    first = CompileClock(met, cpu)
+    for kind, seconds in (("forward", 3.0), ("forward", 1.0), ("train", 9.0), ("train", 2.0), ("train", 2.5)):
+        first.run(kind, one, fake.takes(seconds))
+    assert first.seconds() == pytest.approx((3.0 - 1.0) + (9.0 - 2.25))       # beyond the median of the others
+    later = CompileClock(met, cpu)
+    for seconds in (2.0, 2.5, 2.0):
+        later.run("train", one, fake.takes(seconds))
+    assert later.seconds() == 0.0                                              # nothing new: nothing compiled
+    bigger = CompileClock(met, cpu)
+    for batch, seconds in ((two, 7.0), (one, 2.0), (one, 2.0)):
+        bigger.run("train", batch, fake.takes(seconds))
+    bigger.run("forward", two, fake.takes(1.5))
+    assert bigger.seconds() == pytest.approx((7.0 - 2 * 2.0) + 1.5)          # scaled by length; alone: all of it
+    dense = CompileClock(None, cpu)
+    dense.run("train", one, fake.takes(9.0))
+    assert dense.seconds() == 0.0
+
+
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_gradient_raises_positive_and_lowers_negative_advantage_tokens(sign):
     model = load_model(TINY)
@@ -316,7 +423,7 @@ def test_tiny_run_with_python_reward_raises_the_reward(tmp_path):
     train_rl(cfg, reward_fn=share_of_target, tasks=tasks)
     records = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in records]
-    assert len(rewards) == 8 and all(r["step_time_s"] > 0 for r in records)
+    assert len(rewards) == 8 and all(r["step_time_s"] > 0 and r["compile_s"] == 0.0 for r in records)
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     assert load_model(tmp_path / "out" / "final").config.extra["dice_one_shot"] is None
 

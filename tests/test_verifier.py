@@ -395,6 +395,10 @@ def test_several_judges_share_the_tasks_and_agree(tmp_path):
         assert [r.status for r in results] == ["correct", "incorrect"] * len(tasks)
         assert all(judge.busy_s > 0 for judge in verifier._judges)      # both served tasks
         assert verifier.judge_busy_s == sum(judge.busy_s for judge in verifier._judges)
+        ops = verifier.busy_by_op()       # the same seconds, split by request
+        assert set(ops["judge"]) == {"reference", "compare"}
+        assert sum(ops["judge"].values()) == pytest.approx(verifier.judge_busy_s)
+        assert {"load", "warmup", "run", "unload"} <= set(ops["candidate"])
 
 
 @pytest.mark.slow

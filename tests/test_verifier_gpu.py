@@ -263,3 +263,32 @@ def test_32_concurrent_candidates_with_a_poisoned_worker_all_get_their_verdict(v
     results = verifier.map([(RELU_TASK, c) for c in candidates], timing=False)
     assert [r.status for r in results] == expected, [(i, r.status, r.message[:200]) for i, r in enumerate(results)
                                                      if r.status != expected[i]]
+
+
+NUMPY_INPUTS_TASK = RELU_TASK.replace("def get_inputs():", "def get_inputs_cpu():") + '''
+
+def get_inputs():
+    return [torch.from_numpy(get_inputs_cpu()[0].numpy())]   # fails with CUDA as the default device
+'''
+
+
+def test_trial_inputs_are_drawn_on_the_gpu_the_same_in_every_process():
+    import torch
+    from dice.verifier.harness import load_task, make_inputs
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    task = load_task(RELU_TASK, "dice_test_gpu_inputs")
+    first, again = make_inputs(task, 5, cuda), make_inputs(task, 5, cuda)
+    assert first[0].is_cuda and torch.equal(first[0], again[0])
+    assert not torch.equal(first[0], make_inputs(task, 6, cuda)[0])
+    with torch.device(cuda):                 # the draw is the task's own get_inputs on the GPU
+        torch.manual_seed(5)
+        assert torch.equal(first[0], task.get_inputs()[0])
+    fallback = load_task(NUMPY_INPUTS_TASK, "dice_test_numpy_inputs")
+    drawn = make_inputs(fallback, 5, cuda)   # drawn on the CPU instead, then moved
+    torch.manual_seed(5)
+    assert drawn[0].is_cuda and torch.equal(drawn[0].cpu(), fallback.get_inputs()[0])
+
+
+def test_a_task_whose_inputs_need_the_cpu_still_verifies(verifier):
+    result = verifier.verify(NUMPY_INPUTS_TASK, CUPY_RELU, timing=False)
+    assert result.correct, result.message

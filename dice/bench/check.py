@@ -183,7 +183,8 @@ def _summary(name: str, rows: list[dict], note: str) -> dict:
                 "detail": note}
     r = rows[-1]
     return {"result": f"{r.get('tokens/s')} tokens/s; generate {r.get('generate s')} s, verify exposed "
-            f"{r.get('verify exposed s')} s, update {r.get('update s')} s ({r.get('update TFLOP/s')} TFLOP/s)", "detail": f"{note}; peak {r.get('peak GiB')} GiB"}
+            f"{r.get('verify exposed s')} s, update {r.get('update s')} s ({r.get('update TFLOP/s')} TFLOP/s)",
+            "detail": f"{note}; compile {r.get('compile s')} s; peak {r.get('peak GiB')} GiB"}
 
 
 def add_arguments(p) -> None:

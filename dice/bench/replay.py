@@ -3,7 +3,8 @@
 * programs: rollout j of task k replays the reference program of task k from `--solutions`
   (DICE JSON: `pytorch_code`, `cuda_code`; the 99 DICE infilling references are load_inline,
   `python -m dice.taskgen` splits CuPy). Only references the verifier calls `correct` are
-  replayed: each is verified once (the reward's options), its verdict kept by the hash of its task
+  replayed: each is verified once (the reward's options: untimed, so references are checked
+  concurrently, not one at a time under the timing lock), its verdict kept by the hash of its task
   and program in the verifier's cache folder (REFERENCE_VERDICTS), and tasks are taken in
   curriculum order until enough have a correct one. Every copy gets its own `__device__` variable
   (a new source to every build cache, as 16 samples of a task are 16 programs), and a `--broken`
@@ -144,7 +145,8 @@ def correct_references(tasks: list, count: int, verifier, bench, timeout_s: floa
         if todo:
             broken = set()
             results, _, _ = bench.verify_map(verifier, [(t.source, t.solution) for t in todo], "checking references",
-                                             on_broken_task=lambda i, _: broken.add(i), trials=3, timeout_s=timeout_s)
+                                             on_broken_task=lambda i, _: broken.add(i), trials=3, timeout_s=timeout_s,
+                                             timing=False)
             for i, (t, r) in enumerate(zip(todo, results)):
                 if r is not None or i in broken:
                     verdicts[reference_key(t)] = "task_error" if i in broken else r.status

@@ -12,9 +12,11 @@ DICE-shaped work.
 
 The optimiser state exists before the step (as in every step after the first). Times: generate
 (the generating thread), verify (time with a reward call running, mostly hidden behind generation),
-verify exposed (scoring left after the last token), update (the TraceRL update, after `warm_flex`
-compiled FlexAttention for its shapes: compile, once per process), with its model FLOPs
-(`dice.packing.update_flops`) per second against the H200's measured bf16 rate. The bound is the
+verify exposed (scoring left after the last token), update (the TraceRL update as a later step runs
+it: its time less compile s), with its model FLOPs (`dice.packing.update_flops`) per second against
+the H200's measured bf16 rate, and compile s (what the update's first micro-batches took beyond
+steady ones, `dice.rl.CompileClock`: FlexAttention compiles once per process for the update's one
+micro-batch shape, so a `--compare`'s second step compiles nothing and shows 0). The bound is the
 largest of generate, verify and update. `--baseline` runs the step as it ran before the rounds of a
 response shared one clean stream (`--update-rows round`: one doubled row per round, in the same
 token-sized micro-batches); `--compare` runs the baseline and then the given settings in one
@@ -33,8 +35,8 @@ from ..cli import at_least, in_range
 from ..config import TrainConfig
 from ..memory import check_fits, kv_cache_bytes
 from ..model import SDAR
-from ..packing import UPDATE_ROWS, flex_shape, packed_logprobs
-from ..rl import curriculum, group_advantages, policy_update, rollout, step_tasks, update_plan
+from ..packing import UPDATE_ROWS
+from ..rl import curriculum, group_advantages, policy_update, rollout, step_tasks
 from ..rollout import OVERLAP
 from ..tasks import load_tasks
 from .common import BF16_FLOPS
@@ -103,24 +105,6 @@ class Settings:
 BASELINE = Settings("stream", "auto", "bf16", "auto", "round")
 
 
-def warm_flex(model, completions, advantages, cfg, rt, pad_id: int) -> tuple[float, int]:
-    """Compile FlexAttention, forward and backward, for the padded shapes of the update's own
-    micro-batches (`dice.rl.update_plan`), so that the update is timed warm; returns (seconds, shapes)."""
-    c = model.config
-    plan, _, _ = update_plan(completions, advantages, cfg, rt, c.block_size, c.mask_token_id, pad_id, use_flex=True)
-    shapes = {}
-    for batch in (b for step in plan for b in step):
-        shapes.setdefault(flex_shape(*batch.ids.shape), batch)
-    start = time.perf_counter()
-    for batch in shapes.values():
-        with rt.autocast(cfg.dtype):
-            logp = packed_logprobs(model, batch, use_flex=True)
-        (0 * logp.sum()).backward()
-    model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize(rt.device)
-    return time.perf_counter() - start, len(shapes)
-
-
 def build_policy(config, device, grad_ckpt: bool, seed: int) -> SDAR:
     """Random float32 master weights, as `train.py` trains them (bf16 comes from autocast)."""
     with torch.device("meta"):
@@ -161,16 +145,14 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
     rollout_s = time.perf_counter() - start
     advantages = group_advantages(rewards, cfg.group_size)
     model.train()
-    bench.progress(f"{name}: compiling the update's shapes")
-    compile_s, shapes = (0.0, 0) if skip_update or not cuda or s.attention == "dense" else \
-        warm_flex(model, completions, advantages, cfg, rt, tok.pad_token_id)
     t0 = time.perf_counter()
     update = {} if skip_update else policy_update(
         model, None, completions, advantages, cfg, rt, optimizer, tok.pad_token_id,
         progress=lambda done, total: bench.progress(f"{name}: update micro-batches", done, total))
     if cuda:
         torch.cuda.synchronize()
-    update_s = time.perf_counter() - t0
+    compile_s = update.get("compile_s", 0.0)
+    update_s = time.perf_counter() - t0 - compile_s
     step_s = rollout_s + update_s
     parts = {"generate": timing["generate_s"], "verify": timing["verify_s"], "update": update_s}
     bound = max(parts, key=parts.get)
@@ -187,7 +169,7 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
            "update TFLOP/s": f"{flops_s / 1e12:.3g} ({100 * flops_s / BF16_FLOPS:.0f}% of bf16)" if update else "-",
            "peak GiB": f"{torch.cuda.max_memory_allocated() / 2**30:.1f}" if cuda else "-",
            "bound": f"{bound} ({100 * parts[bound] / max(step_s, 1e-9):.0f}%)",
-           "compile s (once)": f"{compile_s:.1f} ({shapes} shapes)"}
+           "compile s": f"{compile_s:.1f}"}
     verdicts = collections.Counter(r.status for r in verified)
     line = (f"{row['run']}: {len(completions)} rollouts, {tokens} tokens; verdicts "
             f"{' '.join(f'{k}={v}' for k, v in sorted(verdicts.items())) or '(python reward)'}; reward mean "

@@ -6,10 +6,11 @@ compiles included) and a warm one, with and without timing; load_inline built ea
 (`--build`, default both: torch's load_inline, and the split build of `verifier.fastbuild`) with
 a warm pool and a cold then warm build cache (the fast build also with its precompiled header
 already made, and prebuilt by a `prebuild.BuildPool` before verifying); the warm no-timing CuPy
-row again with two judges; and load_inline evaluated KernelBench's way, one fresh Python process
+row again with one judge (the default is one per 4 workers); and load_inline evaluated KernelBench's way, one fresh Python process
 per kernel, one at a time. Every kernel is a new source (salted), so no cache helps unless the row
 says so. "judge busy" is the fraction of the row's time each judge spent answering: near 100%, the
-judges bound the throughput.
+judges bound the throughput; "judge s by op" splits that time by request (reference: a new
+task's reference outputs; compare: a candidate's outputs against them).
 
 `check_reference_solutions(path, workers)`: runs the verifier over the reference solutions
 (`cuda_code`) of a DICE JSON file and prints how many it calls correct and every rejection
@@ -153,23 +154,29 @@ def variants(n: int, salt: str) -> list[tuple[str, dict]]:
     return out
 
 
-def _row(run, label: str, n: int, results: list, seconds: float, complete: bool, judge_busy: float | None = None) -> dict:
-    """One throughput row: kernels finished per minute of the row's time."""
+def _row(run, label: str, n: int, results: list, seconds: float, complete: bool, judge_busy: float | None = None,
+         judge_ops: dict | None = None) -> dict:
+    """One throughput row: kernels finished per minute of the row's time; the judges' busy share
+    and their seconds per request op (which of their jobs bounds them)."""
     done = [r for r in results if r is not None]
     statuses = collections.Counter(r.status for r in done)
+    ops = " ".join(f"{op}={s:.1f}" for op, s in sorted((judge_ops or {}).items(), key=lambda x: -x[1]) if s >= 0.05)
     return run.row({"mode": label, "kernels": f"{len(done)}" if complete else f"{len(done)}/{n}",
                     "seconds": f"{seconds:.1f}", "kernels/min": f"{60 * len(done) / max(seconds, 1e-9):.1f}",
                     "judge busy": "-" if judge_busy is None else f"{100 * judge_busy:.0f}%",
+                    "judge s by op": ops or "-",
                     "verdicts": " ".join(f"{k}={v}" for k, v in sorted(statuses.items()))}, partial=not complete)
 
 
 def _map_row(run, verifier: Verifier, label: str, pairs: list, started: float | None = None, **options) -> dict:
     """Verify `pairs` and add their row; `started`: the row's clock started earlier (a cold pool)."""
-    busy = verifier.judge_busy_s
+    busy, ops = verifier.judge_busy_s, verifier.busy_by_op()["judge"]
     results, seconds, complete = run.verify_map(verifier, pairs, label, **options)
     total = seconds if started is None else time.perf_counter() - started
+    after = verifier.busy_by_op()["judge"]
     return _row(run, label, len(pairs), results, total, complete,
-                (verifier.judge_busy_s - busy) / total / verifier.judges)
+                (verifier.judge_busy_s - busy) / total / verifier.judges,
+                {op: after[op] - ops.get(op, 0.0) for op in after})
 
 
 def bench_verify(args, run) -> None:
@@ -182,18 +189,19 @@ def bench_verify(args, run) -> None:
     cupy = {k: [(task, CUPY_CANDIDATE.format(**f)) for task, f in variants(n_cupy, salt + k)] for k in "abcd"}
     start = time.perf_counter()
     timing = not args.skip_timed
-    with Verifier(workers=workers, judges=1, cache_dir=os.path.join(scratch, "cache")) as verifier:
-        _map_row(run, verifier, f"cupy, cold pool ({workers} workers, 1 judge), {'timing' if timing else 'no timing'}",
+    with Verifier(workers=workers, cache_dir=os.path.join(scratch, "cache")) as verifier:
+        judges = f"{verifier.judges} judge{'s' * (verifier.judges > 1)}"
+        _map_row(run, verifier, f"cupy, cold pool ({workers} workers, {judges}), {'timing' if timing else 'no timing'}",
                  cupy["a"], started=start, timing=timing)
         _map_row(run, verifier, "cupy, warm pool, no timing (RL reward)", cupy["c"], timing=False)
         if timing:
             _map_row(run, verifier, "cupy, warm pool, timing", cupy["b"])
     for build in BUILDS[args.build] if n_inline else ():
         _inline_rows(run, build, workers, n_inline, salt, os.path.join(scratch, f"cache-{build}"), timing)
-    run.check("cupy, 2 judges")
-    with Verifier(workers=workers, judges=2, cache_dir=os.path.join(scratch, "cache")) as verifier:
-        run.verify_map(verifier, cupy["a"], "warming the 2-judge pool", timing=False)
-        _map_row(run, verifier, "cupy, warm pool, no timing, 2 judges", cupy["d"], timing=False)
+    run.check("cupy, 1 judge")
+    with Verifier(workers=workers, judges=1, cache_dir=os.path.join(scratch, "cache")) as verifier:
+        run.verify_map(verifier, cupy["a"], "warming the 1-judge pool", timing=False)
+        _map_row(run, verifier, "cupy, warm pool, no timing, 1 judge", cupy["d"], timing=False)
     if n_inline and not args.skip_one_process:
         label = "load_inline, one process per kernel (KernelBench), timing"
         one_process = [(task, INLINE_CANDIDATE.format(**f)) for task, f in variants(n_inline, salt + "k")]
@@ -227,7 +235,7 @@ def _inline_rows(run, build: str, workers: int, n: int, salt: str, cache_dir: st
     """The load_inline rows for one build way, in a fresh build cache."""
     inline = [(task, INLINE_CANDIDATE.format(**f)) for task, f in variants(n, salt + "i" + build)]
     run.check(f"load_inline ({build} build)")
-    with build_way(build), Verifier(workers=workers, judges=1, cache_dir=cache_dir) as verifier:
+    with build_way(build), Verifier(workers=workers, cache_dir=cache_dir) as verifier:
         first = "cold build cache" + (" and precompiled header" if build == "fast" else "")
         how = "timing" if timing else "no timing"
         _map_row(run, verifier, f"load_inline ({build} build), warm pool, {first}, {how}", inline, timing=timing)
@@ -407,7 +415,7 @@ def main(argv=None) -> None:
     parser.add_argument("--check", metavar="JSON", help="instead verify the reference solutions in a DICE JSON file")
     parser.add_argument("--timing", action="store_true", help="with --check: also time each solution")
     parser.add_argument("--limit", type=at_least(1), help="with --check: only the first N solutions")
-    parser.add_argument("--judges", type=at_least(1), help="with --check: reference processes (default: one per 8 workers)")
+    parser.add_argument("--judges", type=at_least(1), help="with --check: reference processes (default: one per 4 workers)")
     parser.add_argument("--log", metavar="JSONL", help="with --check: append each verdict here; solutions "
                         "already logged are skipped (continue a run that was cut short; delete the file to start over)")
     parser.add_argument("--prebuild", action="store_true", help="with --check --build: build every solution "

@@ -212,6 +212,38 @@ def run_compiler(argv: list[str], log: Path, slots: CompilerSlots) -> tuple[int,
     return process.returncode, usage.ru_utime + usage.ru_stime
 
 
+class CompiledUnits:
+    """Objects of compiled units shared by every build under `root`: a unit whose text and command
+    (the build folder's own path left out) were compiled before is copied, not compiled again. The
+    programs of an RL group often differ in one unit only (infilled kernels under the same host
+    code, or the same host code around new kernels). Only objects of successful compiles are kept,
+    each with its compiler output; a failure is compiled again, so its message is the program's."""
+
+    def __init__(self, root: Path, build_dir: Path):
+        self.folder, self.build_dir = root / "objects", build_dir
+
+    def compile(self, argv: list[str], compiler: list[str], log: Path, slots: CompilerSlots) -> tuple[int, float]:
+        """run_compiler's (exit status, CPU seconds) for `argv` (`-c SOURCE -o OBJECT` at its end); a
+        copy costs no compiler seconds."""
+        source, target = Path(argv[argv.index("-c") + 1]), Path(argv[argv.index("-o") + 1])
+        command = [a.replace(str(self.build_dir), "<build>") for a in argv]
+        key = hashlib.sha256(json.dumps([command, compiler_version(tuple(compiler)),
+                                         source.read_text()]).encode()).hexdigest()
+        kept = self.folder / key[:2] / f"{key}.o"
+        if kept.is_file() and kept.with_suffix(".log").is_file():
+            shutil.copyfile(kept.with_suffix(".log"), log)
+            shutil.copyfile(kept, target)
+            return 0, 0.0
+        status, cpu_s = run_compiler(argv, log, slots)
+        if status == 0:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            for made, name in ((log, kept.with_suffix(".log")), (target, kept)):   # the object last: it marks both
+                tmp = name.with_name(f"{name.name}.{os.getpid()}.{random.getrandbits(32):08x}.tmp")
+                shutil.copyfile(made, tmp)
+                os.replace(tmp, name)
+        return status, cpu_s
+
+
 def _locked_artifact(root: Path, key: str, make) -> Path | None:
     """root/key, made once by make(tmp_folder) -> bool under root/key.lock and renamed into place;
     None if making it failed (remembered: a failure is not retried for this key)."""
@@ -360,7 +392,7 @@ def fast_build(arguments: dict, name: str, build_dir: Path, root: Path, capabili
         split = make_split("pybind")
     pch = precompiled_header(root, flags, slots, split.binding)
     try:
-        library, report = _compile_and_link(split, flags, build_dir, pch, slots)
+        library, report = _compile_and_link(split, flags, build_dir, pch, slots, CompiledUnits(root, build_dir))
     except FastBuildFailed as exc:   # the headers' names are read only when a build fails
         names = header_names(root, flags)
         if names is not None and shared_error(str(exc), names, split.declared):
@@ -370,7 +402,7 @@ def fast_build(arguments: dict, name: str, build_dir: Path, root: Path, capabili
 
 
 def _compile_and_link(split: Split, flags: Flags, build_dir: Path, pch: Path | None,
-                      slots: CompilerSlots) -> tuple[Path, dict]:
+                      slots: CompilerSlots, objects: CompiledUnits) -> tuple[Path, dict]:
     (build_dir / "main.cpp").write_text(split.host)
     (build_dir / "cuda.cu").write_text(split.device)
     host = [*flags.cxx, *flags.host(), *(["-include", str(pch), "-Winvalid-pch"] if pch else []),
@@ -378,8 +410,8 @@ def _compile_and_link(split: Split, flags: Flags, build_dir: Path, pch: Path | N
     device = [*flags.nvcc, *flags.device(), "-c", str(build_dir / "cuda.cu"), "-o", str(build_dir / "cuda.cuda.o")]
     start = time.perf_counter()
     with ThreadPoolExecutor(2) as pool:
-        host_run = pool.submit(run_compiler, host, build_dir / "host.log", slots)
-        device_run = pool.submit(run_compiler, device, build_dir / "device.log", slots)
+        host_run = pool.submit(objects.compile, host, flags.cxx, build_dir / "host.log", slots)
+        device_run = pool.submit(objects.compile, device, flags.nvcc, build_dir / "device.log", slots)
         (host_status, host_s), (device_status, device_s) = host_run.result(), device_run.result()
     host_log = (build_dir / "host.log").read_text(errors="replace")
     if host_status != 0 and _main_cpp_error(host_log, build_dir / "main.cpp", split.main_lines):

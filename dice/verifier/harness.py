@@ -115,6 +115,17 @@ def build_model(task: types.ModuleType, cls: type, init_seed: int, device: torch
 
 
 def make_inputs(task: types.ModuleType, seed: int, device: torch.device) -> list:
+    """get_inputs() under `seed`, its tensors on `device`. On CUDA the task's tensor factories draw
+    on the GPU (the device as torch's default device): a CPU draw of a 2^28-element input costs a
+    core seconds, and the judge and every worker draw each trial's inputs. A get_inputs that cannot
+    run so (it calls .numpy(), say) draws on the CPU instead, the same way in every process."""
+    if device.type == "cuda":
+        trusted.manual_seed(seed)
+        try:
+            with device:
+                return to_device(list(task.get_inputs()), device)
+        except Exception:
+            pass
     trusted.manual_seed(seed)
     return to_device(list(task.get_inputs()), device)
 

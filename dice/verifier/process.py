@@ -21,6 +21,7 @@ exclusive, so no other work of this pool runs on the GPU while a kernel is being
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -81,6 +82,7 @@ class WorkerProcess:
         self.info: dict = {}  # what the worker reported when it became ready (e.g. GPU name)
         self.jobs = 0         # candidates handled since the last (re)start; the Verifier counts them
         self.busy_s = 0.0     # seconds spent answering requests (start-up excluded), over all restarts
+        self.busy_by_op: collections.Counter = collections.Counter()   # the same per request op
         self._lock = threading.Lock()
         self._process = None
         self._conn = None
@@ -178,7 +180,9 @@ class WorkerProcess:
                     raise self._died(log_start) from None
                 reply = self._receive(timeout, log_start)
             finally:
-                self.busy_s += time.monotonic() - start
+                took = time.monotonic() - start
+                self.busy_s += took
+                self.busy_by_op[request["op"]] += took
             if reply.get("recycle"):   # replaced under the lock: no other caller reaches the old process
                 self._kill()
                 self._start()

@@ -43,6 +43,7 @@ every process, so tensors a task draws at import time are the same for reference
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 import queue
@@ -70,6 +71,7 @@ from .speedup import BUDGET_S, CHECKS_PER_BLOCK, PLAUSIBLE, Timing, paired_round
 from .timing import calls_per_block
 from .verdicts import kernel_verdict, timed_block_verdict, trial_verdict
 
+WORKERS_PER_JUDGE = 4         # a new task costs its judge 5 references; a known one 5 comparisons a candidate
 MAX_TASKS_REMEMBERED = 4096   # tasks whose trial kinds are kept (an RL run sees far fewer at a time)
 
 NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is False); run on a GPU "
@@ -93,9 +95,10 @@ class Verifier:
     """A pool of warm candidate workers plus judges; verifies candidates concurrently.
 
     Every trial of every candidate passes through a judge (reference outputs, comparison), one
-    request at a time per judge, so a large pool gets several: `judges` (default one per 8
-    workers), each task always served by the same judge so that its reference outputs are cached
-    once (each judge keeps up to `reference_cache_gb` of them on the GPU). `judge_busy_s` is the
+    request at a time per judge, so a large pool gets several: `judges` (default one per
+    WORKERS_PER_JUDGE workers), each task always served by the same judge so that its reference
+    outputs are computed once and shared by every candidate of the task (an RL group: 16
+    candidates of one task; each judge keeps up to `reference_cache_gb` of them on the GPU). `judge_busy_s` is the
     judges' summed time answering requests: near `judges` x the wall time means the judges, not
     the workers, bound the throughput. `timing_budget_s`: the most a candidate's paired timing
     runs before its interval is stable (`speedup`). `build`: how load_inline programs are built
@@ -109,7 +112,7 @@ class Verifier:
         self.cuda = torch.device(device).type == "cuda"
         if self.cuda and not torch.cuda.is_available():
             raise RuntimeError(NO_GPU)
-        judges = max(1, workers // 8) if judges is None else judges
+        judges = max(1, workers // WORKERS_PER_JUDGE) if judges is None else judges
         if workers < 1 or judges < 1:
             raise ValueError(f"Verifier(workers={workers}, judges={judges}): need at least one of each")
         self.cache_dir = Path(cache_dir or os.environ.get("DICE_CACHE_DIR") or Path.home() / ".cache" / "dice")
@@ -412,6 +415,13 @@ class Verifier:
     @property
     def judge_busy_s(self) -> float:
         return sum(judge.busy_s for judge in self._judges)
+
+    def busy_by_op(self) -> dict[str, dict[str, float]]:
+        """Seconds the judges and the candidate workers spent answering, per request op."""
+        total = {"judge": collections.Counter(), "candidate": collections.Counter()}
+        for worker in [*self._judges, *self._workers]:
+            total[worker.role].update(worker.busy_by_op)
+        return {role: dict(ops) for role, ops in total.items()}
 
     def _release(self, worker: WorkerProcess) -> None:
         worker.jobs += 1
