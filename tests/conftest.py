@@ -112,8 +112,9 @@ def prebuilt_programs(request):
 
 @pytest.fixture(scope="session")
 def verifier(gpu_cache):
-    """One GPU Verifier pool for the whole session (workers start once, the judge caches reference
-    outputs per task): the GPU tests verify through it, mostly with `map` so candidates overlap."""
+    """One GPU Verifier pool for the whole session (workers start once, with the session when a
+    selected test uses it: `prebuilt_programs`; the judges cache reference outputs per task): the GPU
+    tests verify through it, mostly with `map` so candidates overlap."""
     from dice.verifier import Verifier
     with Verifier(workers=8, cache_dir=gpu_cache, timing_budget_s=2.0) as v:
         yield v
