@@ -25,6 +25,14 @@ two-sided sign test over those tasks: p = min(1, 2 P[X <= min(n_A, n_B)]), X ~ B
     python -m dice.metrics plot RUN [RUN ...] --out FILE.png
 
 draws RL runs' curves (`dice.plot`).
+
+    python -m dice.metrics learnable EVAL.json --tasks FILE.json --out LEARNABLE.json [--overwrite]
+
+keeps the records of a DICE task file whose samples in an `evaluate.py --samples k` file (k >= 2,
+temperature 1) disagree: a correct rate strictly between 0 and 1 (`learnable`). Their RL groups
+have an advantage; a group whose samples all agree trains nothing (DESIGN.md §7). This is DAPO's
+filter (arXiv 2503.14476 §3.2) applied once, before training, against the model that starts it;
+`train.py --dynamic-sampling-rounds N` applies it during training instead.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from pathlib import Path
 from typing import Iterable
 
 from .cli import ArgumentParser, at_least, fail_cleanly
-from .data import DataError
+from .data import DataError, read_text
 
 
 @dataclass
@@ -211,14 +219,57 @@ def read_outcomes(path: str | Path, levels: Iterable[int] = ()) -> dict[tuple[st
     return dict(outcomes)
 
 
+def learnable(outcomes: dict[tuple[str, int | None], list[bool]]) -> set[str]:
+    """The names of the tasks whose samples disagree: some correct, some not."""
+    return {name for (name, _), verdicts in outcomes.items() if 0 < sum(verdicts) < len(verdicts)}
+
+
+def learnable_main(argv: list[str]) -> None:
+    """`python -m dice.metrics learnable` (module docstring)."""
+    from .inputs import input_path, output_file
+    from .tasks import load_tasks
+    p = ArgumentParser(prog="python -m dice.metrics learnable",
+                       description="Keep the tasks of a DICE task file whose samples in an evaluate.py --samples k "
+                                   "file disagree (the ones RL can learn from), as a new task file.")
+    p.add_argument("evaluation", help="an evaluate.py --out file of --samples k >= 2 per task on --tasks")
+    p.add_argument("--tasks", required=True, help="the DICE .json task file the evaluation ran on")
+    p.add_argument("--out", required=True, help="the task file to write (DICE .json: the kept records as they are)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    args = p.parse_args(argv)
+    tasks_file = input_path(args.tasks, "--tasks", "file", "give --tasks the DICE .json task file the evaluation ran on")
+    if tasks_file.suffix != ".json":
+        p.error(f"argument --tasks: {tasks_file} is not a DICE .json task file; give the one the evaluation ran on")
+    if Path(args.out).suffix != ".json":
+        p.error(f"argument --out: {args.out} does not end in .json, which train.py --data reads as a DICE task "
+                "file; name it FILE.json")
+    out = output_file(args.out, "--out", overwrite=args.overwrite, inputs={"--tasks": args.tasks,
+                                                                           "evaluation": args.evaluation})
+    outcomes = read_outcomes(args.evaluation)
+    names = [t.name for t in load_tasks(tasks_file)]
+    evaluated = {name for name, _ in outcomes} & set(names)
+    if not evaluated:
+        raise DataError(f"{args.evaluation} and {tasks_file} share no task; give the task file the evaluation ran on")
+    if max(map(len, outcomes.values())) < 2:
+        raise DataError(f"{args.evaluation} holds one sample per task, so no task's samples can disagree; evaluate "
+                        "with --samples 8 (temperature 1)")
+    keep = learnable(outcomes)
+    records = [r for r, name in zip(json.loads(read_text(tasks_file)), names) if name in keep]
+    out.write_text(json.dumps(records, indent=1))
+    print(f"wrote {out}: {len(records)} of the {len(evaluated)} evaluated tasks of {tasks_file} (samples disagree)"
+          + (f"; {len(names) - len(evaluated)} had no verdict" if len(evaluated) < len(names) else ""))
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plot"]:   # `python -m dice.metrics plot RUN ...`: dice.plot's command
         from .plot import main as plot
         return plot(argv[1:])
+    if argv[:1] == ["learnable"]:
+        return learnable_main(argv[1:])
     p = ArgumentParser(prog="python -m dice.metrics",
                        description="Compare two evaluate.py --out files task by task (paired sign test); "
-                                   "`python -m dice.metrics plot --help`: RL runs' curves.")
+                                   "`python -m dice.metrics plot --help`: RL runs' curves; `python -m dice.metrics "
+                                   "learnable --help`: the tasks whose samples disagree.")
     p.add_argument("a", help="the first evaluate.py --out file")
     p.add_argument("b", help="the second, on the same tasks")
     p.add_argument("--level", type=at_least(0), nargs="+", default=[], help="only these levels (default: all)")

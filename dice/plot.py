@@ -11,10 +11,12 @@ task's correct rate, as `python -m dice.metrics A.json B.json` counts it). One l
 shared step axis; `--chain` lays the runs one after another on it (phase 2 started from phase 1's
 final model), so run k's step s is drawn at s plus the last steps of the runs before it.
 
-matplotlib is an optional extra: `pip install -e '.[plot]'`.
+matplotlib is an optional extra: `pip install -e '.[plot]'`. An RL run of `train.py` ends by drawing
+its own curves into its folder (`plot_run`).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from dataclasses import dataclass
@@ -142,6 +144,19 @@ def draw(runs: list[Run], evals: list[tuple[str, list[tuple[int, float]]]] = (),
     for ax in axes[-2:]:
         ax.set_xlabel("RL step" + (" (runs one after another)" if chain else ""))
     return fig
+
+
+def plot_run(out: Path) -> str:
+    """`out`/plot.png from the run's metrics.jsonl (`draw`): the line that names it, or why there is
+    none (matplotlib missing, no step logged)."""
+    later = f"python -m dice.metrics plot {out} --out {out / 'plot.png'}"
+    if importlib.util.find_spec("matplotlib") is None:
+        return f"no plot: matplotlib is not installed; pip install -e '.[plot]', then {later}"
+    try:
+        draw([read_run(out)]).savefig(out / "plot.png")
+    except UserError as e:   # no step logged
+        return f"no plot: {e}"
+    return f"wrote {out / 'plot.png'} (the run's curves)"
 
 
 def main(argv=None) -> None:

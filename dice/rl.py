@@ -5,7 +5,9 @@ Per RL step: take `tasks_per_step` tasks in curriculum order (ascending level, w
 `group_size` responses each with the block-diffusion sampler, reward each (1 if the kernel
 compiles and is correct; in the `infill` phase also only if the program keeps the given prefix
 and suffix), and form group z-score advantages A = (R - mean_g) / std_g, dropping groups whose
-rewards are all equal.
+rewards are all equal. `--dynamic-sampling-rounds N` (DAPO's dynamic sampling, `sample_step`)
+draws the next tasks in place of the dropped groups, up to N more rounds a step, and a step
+starts where the one before stopped drawing.
 
 Trace -> training rounds: `dice.trace`; their forwards, a response's rounds beside one clean
 stream in micro-batches sized by tokens: `dice.packing`.
@@ -50,6 +52,7 @@ from .rollout import (auto_rollout_batch, complete, generate_and_score, generati
                       prompt_format, task_prompt_ids)
 from .checkpoint import load_model
 from .data import DataError
+from .plot import plot_run
 from .packing import (PackedBatch, empty_batch, flex_length, group_rounds, micro_batches, pack, packed_logprobs,
                       pad_batch, update_flops)
 from .trace import row_weights, trace_rounds
@@ -63,7 +66,8 @@ from .runtime import (MetricsLog, build_model, check_resume, check_run_folder, c
 RESUME_FIELDS = ("phase", "seed", "tasks_per_step", "group_size", "max_new_tokens", "temperature", "remasking",
                  "threshold", "steps_per_block", "updates_per_step", "rows_per_update", "loss_norm", "clip_eps",
                  "kl_beta", "reference_model", "reward", "lr", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip",
-                 "minibatch_order", "optimizer_state", "prompt_template", "task_order")
+                 "minibatch_order", "optimizer_state", "prompt_template", "task_order",
+                 "dynamic_sampling_rounds")
 
 
 def group_advantages(rewards: Sequence[float], group_size: int) -> list[float | None]:
@@ -143,7 +147,12 @@ def curriculum(tasks: list[Task], order: str = "curriculum") -> list[Task]:
 def step_tasks(ordered: list[Task], step: int, count: int) -> list[Task]:
     """Step `step`'s `count` tasks: the next run of `ordered`, wrapping (DICE's `sequential_select`,
     `training/RL/sample/sdar_rl_rollout_kernel.py`, with `sequential_select: True` in its configs)."""
-    return [ordered[(step * count + i) % len(ordered)] for i in range(count)]
+    return tasks_at(ordered, step * count, count)
+
+
+def tasks_at(ordered: list[Task], first: int, count: int) -> list[Task]:
+    """`count` tasks of `ordered` from position `first` on, wrapping."""
+    return [ordered[(first + i) % len(ordered)] for i in range(count)]
 
 
 # ---------------------------------------------------------------- the loop
@@ -201,6 +210,48 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
         steps_per_block=cfg.steps_per_block, remasking=cfg.remasking, threshold=cfg.threshold,
         temperature=cfg.temperature)
     return completions, rewards, results, {**timings, "rollout_batch": size}
+
+
+@dataclasses.dataclass
+class StepRollout:
+    """One RL step's rollouts (`sample_step`): this process's completions, rewards, verifier results
+    and advantages in draw order; the counts are all processes'."""
+    completions: list
+    rewards: list[float]
+    results: list
+    advantages: list[float | None]
+    timing: dict        # generate_s and verify_s, summed over the rounds
+    drawn: int = 0      # tasks rolled out
+    dropped: int = 0    # of them, groups whose rewards all agreed (no advantage: they train nothing)
+    rounds: int = 0     # rollout rounds run
+
+
+def sample_step(model, tok, ordered: list[Task], first: int, cfg, reward_fn: RewardFn, rt, seed: int, infill: bool,
+                fmt: PromptFormat | None = None) -> StepRollout:
+    """A step's rollouts: `tasks_per_step` tasks of `ordered` from position `first` on (`rollout`),
+    then, with `--dynamic-sampling-rounds N`, up to N more rounds, each drawing the next tasks, one
+    for every group of the round before whose rewards all agreed, until no group of a round agrees
+    (DAPO's dynamic sampling, arXiv 2503.14476 §3.2: keep sampling until the batch holds only groups
+    with an advantage; DAPO over-samples a fixed batch and cuts the surplus, here a round draws
+    exactly the groups missing, so no group that teaches is thrown away). The d-th task the step
+    draws fills slot d (its samples' seeds, `rollout`), the slots of a round spread over the
+    processes as in the first, so the draws and seeds depend on (seed, step, slot) alone."""
+    out = StepRollout([], [], [], [], {"generate_s": 0.0, "verify_s": 0.0})
+    count = cfg.tasks_per_step
+    while count and out.rounds <= cfg.dynamic_sampling_rounds:
+        drawn = tasks_at(ordered, first + out.drawn, count)
+        slots = list(range(out.drawn, out.drawn + count))[rt.rank::rt.world]
+        completions, rewards, results, timing = rollout(model, tok, [drawn[k - out.drawn] for k in slots], slots,
+                                                        cfg, reward_fn, seed=seed, infill=infill, fmt=fmt)
+        advantages = group_advantages(rewards, cfg.group_size)
+        count = int(rt.all_sum(advantages[::cfg.group_size].count(None)))
+        out.completions += completions
+        out.rewards += rewards
+        out.results += results
+        out.advantages += advantages
+        out.timing = {key: out.timing[key] + timing[key] for key in out.timing}
+        out.drawn, out.dropped, out.rounds = out.drawn + len(drawn), out.dropped + count, out.rounds + 1
+    return out
 
 
 def update_plan(completions, advantages, cfg, rt, block_size: int, mask_id: int, pad_id: int, use_flex: bool,
@@ -411,8 +462,9 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
     if cfg.resume:
         check_resume(out, settings, start, cfg.steps)
     start_run(out, cfg.overwrite, settings, rt)
+    cursor = start * cfg.tasks_per_step   # where the next step's tasks start in `ordered`
     if cfg.resume:
-        resume(out, model, optimizer, log)
+        cursor = resume(out, model, optimizer, log)[1].get("task_cursor", cursor)
     metrics = MetricsLog(out, start, rt.main)
     verifier, eval_reward = None, reward_fn
     if reward_fn is None:
@@ -439,14 +491,14 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
             t0 = time.perf_counter()
             if cfg.eval_every and eval_tasks and step % cfg.eval_every == 0:
                 evaluate(step, f"eval before step {step + 1}")
-            slots = list(range(cfg.tasks_per_step))[rt.rank::rt.world]
-            step_set = step_tasks(ordered, step, cfg.tasks_per_step)
             model.eval()
             with torch.no_grad(), (gather or contextlib.nullcontext()):
-                completions, rewards, results, timing = rollout(
-                    model, tok, [step_set[k] for k in slots], slots, cfg, reward_fn,
-                    seed=(cfg.seed * 100_003 + step) * 10_007, infill=infill, fmt=fmt)
-            advantages = group_advantages(rewards, cfg.group_size)
+                sampled = sample_step(model, tok, ordered, cursor, cfg, reward_fn, rt,
+                                      seed=(cfg.seed * 100_003 + step) * 10_007, infill=infill, fmt=fmt)
+            cursor += sampled.drawn
+            completions, rewards, results, advantages = (sampled.completions, sampled.rewards, sampled.results,
+                                                         sampled.advantages)
+            timing = sampled.timing
             model.train()
             t_update = time.perf_counter()
             restart_moments(optimizer, cfg.optimizer_state)
@@ -463,19 +515,26 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
                                                           for r in results)) / n) if cfg.reward == "speedup" else None,
                       "mean_response_len": tokens / n, "kl": upd["kl"], "clip_fraction": upd["clip_fraction"],
                       "loss": upd["loss"], "groups_kept_pct": 100 * upd["responses_trained"] / n,
+                      "tasks_drawn": sampled.drawn, "tasks_dropped": sampled.dropped,
+                      "rollout_rounds": sampled.rounds,
                       "rollout_tokens_per_s": tokens / max(timing["generate_s"], 1e-9),
                       "kernels_verified_per_s": verified / timing["verify_s"] if timing["verify_s"] > 0 else None,
                       "generate_s": timing["generate_s"], "verify_s": timing["verify_s"], "update_s": t_update,
                       "compile_s": upd["compile_s"], "step_time_s": time.perf_counter() - t0}
             metrics.write(record)
-            log(progress_line(step, total, started, start, {
-                "reward": record["reward_mean"], "correct%": record["correct_pct"], "kl": record["kl"],
-                "len": round(record["mean_response_len"]), "tok/s": round(record["rollout_tokens_per_s"])}))
+            shown = {"reward": record["reward_mean"], "correct%": record["correct_pct"], "kl": record["kl"],
+                     "len": round(record["mean_response_len"]), "tok/s": round(record["rollout_tokens_per_s"])}
+            if cfg.dynamic_sampling_rounds:
+                shown |= {"tasks drawn": sampled.drawn, "dropped": sampled.dropped}
+            log(progress_line(step, total, started, start, shown))
             if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == total):
-                save_checkpoint(out, step + 1, model, optimizer, cfg.model, rt, cfg.keep_checkpoints)
+                save_checkpoint(out, step + 1, model, optimizer, cfg.model, rt, cfg.keep_checkpoints,
+                                extra={"task_cursor": cursor})
         if cfg.eval_every and eval_tasks:
             evaluate(total, "eval after training")
         save_final(model, optimizer, out, cfg.model, rt, log)
+        if rt.main:
+            log(plot_run(out))
     finally:
         if verifier is not None:
             verifier.close()

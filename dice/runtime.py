@@ -10,6 +10,7 @@ Run directory layout (`--out DIR`):
     DIR/checkpoints/latest            the name of the newest complete checkpoint
     DIR/final/                        the model folder after the last step
     DIR/run.json                      the settings a --resume must match (data hash, batch, seed, ...)
+    DIR/plot.png                      an RL run's curves, drawn at its end (`dice.plot.plot_run`)
 A run never overwrites another: an --out holding any of these is refused, untouched, unless
 --resume (continue it; every setting in run.json must match, --steps may grow, and every file it
 reads is checked first) or --overwrite (delete them, just before the first step) says what to do
@@ -213,7 +214,7 @@ class RunFolderError(UserError):
     """An --out whose earlier run this one would not continue exactly, or whose files a resume cannot read."""
 
 
-RUN_ENTRIES = ("final", "metrics.jsonl", "checkpoints", "run.json")
+RUN_ENTRIES = ("final", "metrics.jsonl", "checkpoints", "run.json", "plot.png")
 
 
 def check_run_folder(out: Path, resuming: bool, overwriting: bool, *, also: tuple[str, ...] = (),

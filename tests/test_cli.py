@@ -479,7 +479,7 @@ def _readme_command_rows():
 
 def _command_parsers(monkeypatch) -> dict:
     """The parser of every command README shows, by program: sample.py, evaluate.py, train.py,
-    dice.taskgen, dice.metrics, "dice.metrics plot" and "dice.bench <subcommand>"."""
+    dice.taskgen, dice.metrics, "dice.metrics plot", "dice.metrics learnable" and "dice.bench <subcommand>"."""
     import dice.bench
     import dice.bench.verify
     import dice.metrics
@@ -493,6 +493,7 @@ def _command_parsers(monkeypatch) -> dict:
             "dice.taskgen": _parser_of(dice.taskgen.main, [], monkeypatch),
             "dice.metrics": _parser_of(dice.metrics.main, [], monkeypatch),
             "dice.metrics plot": _parser_of(dice.metrics.main, ["plot"], monkeypatch),
+            "dice.metrics learnable": _parser_of(dice.metrics.main, ["learnable"], monkeypatch),
             "dice.bench verify": _parser_of(dice.bench.verify.main, [], monkeypatch),
             **{f"dice.bench {name}": p for name, p in subcommands.items() if name != "verify"}}
 

@@ -2,7 +2,10 @@
 accepts, what it refuses, the launch shims), cache keys, torch's flags, the fallback to torch's
 build, and (slow: nvcc and g++ here) compiling split programs and a BuildPool prebuild."""
 import inspect
+import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -301,7 +304,8 @@ def test_a_unit_compiled_before_is_copied_not_compiled(tmp_path):
         folder = tmp_path / build
         folder.mkdir()
         (folder / "cuda.cu").write_text(text)
-        argv = [str(cc), "-O3", "-c", str(folder / "cuda.cu"), "-o", str(folder / "cuda.o")]
+        argv = [str(cc), "-O3", f"-DTORCH_EXTENSION_NAME=ext_{build}", "-c", str(folder / "cuda.cu"), "-o",
+                str(folder / "cuda.o")]
         status, _ = CompiledUnits(tmp_path / "cache", folder).compile(argv, [str(cc)], folder / "device.log", slots)
         return status, folder
 
@@ -319,6 +323,37 @@ def test_a_unit_compiled_before_is_copied_not_compiled(tmp_path):
         status, folder = compile_in(build, "an error")
         assert status == 1 and "bad unit" in (folder / "device.log").read_text()
     assert runs() == 4
+    assert compile_in("f", "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)")[0] == 0 and runs() == 5
+    assert compile_in("g", "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)")[0] == 0 and runs() == 6   # names its module
+
+
+def test_a_failed_toolchain_artifact_is_tried_again_later_not_for_ever(tmp_path, monkeypatch):
+    from dice.verifier import fastbuild
+    tries = []
+
+    def make(folder: Path) -> bool:
+        tries.append(folder)
+        (folder / "made").write_text("x")
+        return len(tries) > 1          # the first try fails
+
+    assert fastbuild._locked_artifact(tmp_path, "key", make) is None
+    assert fastbuild._locked_artifact(tmp_path, "key", make) is None and len(tries) == 1   # remembered
+    old = time.time() - fastbuild.RETRY_FAILED_S - 1
+    os.utime(tmp_path / "key", (old, old))                                                  # ... for a while
+    made = fastbuild._locked_artifact(tmp_path, "key", make)
+    assert made == tmp_path / "key" and (made / "made").exists() and len(tries) == 2
+    assert fastbuild._locked_artifact(tmp_path, "key", make) == made and len(tries) == 2    # kept for good
+
+
+def test_torch_macros_are_read_in_a_process_without_stdin(tmp_path, cuda_home):
+    """The prebuild children ran with fd 0 closed, where nvcc fails ("Failed to preprocess host
+    compiler properties") and every build then took torch's ~60 s way."""
+    script = (f"import os, torch.utils.cpp_extension as ce\nce.CUDA_HOME = '/usr/local/cuda'\nos.close(0)\n"
+              f"from pathlib import Path\nfrom dice.verifier.fastbuild import Flags, torch_macros\n"
+              f"flags = Flags(dict.fromkeys(['extra_cflags', 'extra_cuda_cflags', 'extra_ldflags', "
+              f"'extra_include_paths']), 'ext', (9, 0))\nprint(len(torch_macros(Path({str(tmp_path)!r}), flags)))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and int(done.stdout.split()[-1]) > 100, done.stderr[-2000:]
 
 
 class _FakeTorchBuild:
@@ -342,7 +377,7 @@ def test_fallback_to_torch(tmp_path, monkeypatch, cuda_home):
     templated = HEADER + "template <typename T> __global__ void k(T* y) {}\n"
     assert cache.load_inline("x", CPP, cuda_sources=templated, functions=["run"]) == "module"
     assert fake.calls == 1 and cache.history[-1]["how"] == "torch"
-    assert cache.history[-1]["reason"] == "split refused: templated kernel"
+    assert cache.history[-1]["reason"].startswith("split refused: templated kernel")
 
     def failing(*args):
         raise FastBuildFailed("nvcc: error")
@@ -480,6 +515,9 @@ def test_build_pool_prebuilds_into_the_cache(tmp_path):
         assert report["status"] == "built" and report["builds"][0]["how"] == "torch", report
         assert pool.submit("import os\nos._exit(3)  # load_inline").result()["status"] == "error"
         assert pool.submit("x = 1").result()["status"] == "no build"
+        # a child's stdin is /dev/null, never closed (nvcc cannot preprocess without one)
+        stdin = pool.submit("import os  # load_inline\nraise RuntimeError(os.readlink('/proc/self/fd/0'))").result()
+        assert stdin["status"] == "error" and stdin["message"] == "RuntimeError: /dev/null", stdin
         pool.timeout_s = 2
         assert pool.submit("while True: pass  # load_inline").result()["status"] == "timeout"
     cache = BuildCache(tmp_path / "torch_extensions", capability=(9, 0))

@@ -120,3 +120,59 @@ def test_an_incorrect_kernel_with_a_speedup_counts_in_no_speed_metric():
     results = [ok(2.0), fast_but_wrong]
     assert fast_p(results, 1.0) == pytest.approx(1 / 2)
     assert geometric_mean_speedup(results) == pytest.approx(2.0)
+
+
+def learnable_case(tmp_path):
+    """A DICE task file of four records and an evaluation of three of them, two samples or three each."""
+    import json
+    source = "import torch\n\n\nclass Model(torch.nn.Module):\n    pass\n\n\ndef get_inputs():\n    return []\n\n\n" \
+             "def get_init_inputs():\n    return []\n"
+    records = [{"id": name, "level": 1, "ops": [name], "pytorch_code": source} for name in "abcd"]
+    (tmp_path / "rl.json").write_text(json.dumps(records))
+    verdicts = [("a", True), ("a", True), ("b", True), ("b", False), ("c", False), ("c", False), ("c", True)]
+    (tmp_path / "eval.json").write_text(json.dumps({"summary": {}, "results": [
+        {"task": f"rl/{name}", "level": 1, "correct": ok} for name, ok in verdicts]}))
+    return records, str(tmp_path / "rl.json"), str(tmp_path / "eval.json")
+
+
+def test_learnable_keeps_the_records_whose_samples_disagree(tmp_path, capsys):
+    """a: 2 of 2 correct (its group agrees), b: 1 of 2, c: 1 of 3, d: not evaluated: b and c are
+    kept, as they were written (ops too), and load as tasks."""
+    import json
+
+    from dice.metrics import main
+    from dice.tasks import load_tasks
+    records, tasks, evaluation = learnable_case(tmp_path)
+    out = tmp_path / "learnable.json"
+    main(["learnable", evaluation, "--tasks", tasks, "--out", str(out)])
+    assert json.loads(out.read_text()) == records[1:3]
+    assert [t.name for t in load_tasks(out)] == ["learnable/b", "learnable/c"]
+    assert capsys.readouterr().out == f"wrote {out}: 2 of the 3 evaluated tasks of {tasks} (samples disagree); " \
+                                      "1 had no verdict\n"
+
+
+def test_learnable_refuses_in_one_line_what_it_cannot_use(tmp_path, capsys):
+    import json
+
+    from dice.cli import fail_cleanly
+    from dice.metrics import main
+    _, tasks, evaluation = learnable_case(tmp_path)
+    (tmp_path / "one.json").write_text(json.dumps({"results": [{"task": "rl/a", "level": 1, "correct": True}]}))
+    (tmp_path / "other.json").write_text(json.dumps({"results": [{"task": "x/a", "level": 1, "correct": True}]}))
+    (tmp_path / "taken.json").write_text("[]")
+    out = str(tmp_path / "new.json")
+    for argv, status, message in (
+            ([str(tmp_path / "one.json"), "--tasks", tasks, "--out", out], 1,
+             "holds one sample per task, so no task's samples can disagree; evaluate with --samples 8"),
+            ([str(tmp_path / "other.json"), "--tasks", tasks, "--out", out], 1, "share no task"),
+            ([evaluation, "--tasks", tasks, "--out", str(tmp_path / "taken.json")], 2, "already exists; pass --overwrite"),
+            ([evaluation, "--tasks", tasks, "--out", str(tmp_path / "new.txt")], 2, "does not end in .json"),
+            ([evaluation, "--tasks", str(tmp_path), "--out", out], 1, "--tasks")):
+        with pytest.raises(SystemExit) as stop:
+            fail_cleanly(lambda: main(["learnable", *argv]))
+        if status == 2:
+            err = capsys.readouterr().err
+            assert stop.value.code == 2 and message in err and err.count("\n") == 1, err
+        else:   # sys.exit(message): status 1
+            assert message in stop.value.code and "\n" not in stop.value.code, stop.value.code
+    assert not (tmp_path / "new.json").exists()

@@ -154,3 +154,24 @@ def test_a_run_that_train_rl_wrote_is_plotted(tmp_path):
     reward, correct, kept, kl, _, _ = draw([read_run(tmp_path / "run")]).axes
     for ax, key in ((reward, "reward_mean"), (correct, "correct_pct"), (kept, "groups_kept_pct"), (kl, "kl")):
         assert lines_by_label(ax) == {"run": ([1, 2], [r[key] for r in logged])}, key
+
+
+def test_a_run_without_matplotlib_ends_saying_how_to_draw_it_later(tmp_path, monkeypatch):
+    from dice.plot import plot_run
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    run = tmp_path / "run"
+    write_run(run, E2E)
+    assert plot_run(run) == (f"no plot: matplotlib is not installed; pip install -e '.[plot]', then "
+                             f"python -m dice.metrics plot {run} --out {run / 'plot.png'}")
+    assert not (run / "plot.png").exists()
+
+
+@needs_matplotlib
+def test_a_run_folder_gets_its_plot_or_the_reason_there_is_none(tmp_path):
+    from dice.plot import plot_run
+    run = tmp_path / "run"
+    write_run(run, E2E)
+    assert plot_run(run) == f"wrote {run / 'plot.png'} (the run's curves)"
+    assert (run / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (run / "metrics.jsonl").write_text("")
+    assert plot_run(run).startswith(f"no plot: {run / 'metrics.jsonl'} holds no RL step")

@@ -141,7 +141,7 @@ class BuildCache:
                 try:
                     return self._fast(name, arguments, library, Path(build_dir), start)
                 except Unsplittable as exc:
-                    reason = f"split refused: {exc.reason}"
+                    reason = f"split refused: {exc}"
                 except FastBuildFailed as exc:
                     first = next((line for line in str(exc).splitlines() if "error" in line), str(exc)[:200])
                     reason = f"fast build failed: {first.replace(build_dir + os.sep, '')[:300]}"

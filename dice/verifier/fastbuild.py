@@ -58,6 +58,7 @@ TAKES_VALUE = {"-Xptxas", "--ptxas-options", "-maxrregcount", "--maxrregcount", 
                "-code", "--gpu-architecture", "-Xcudafe"}
 RESERVED_MACRO = re.compile(r"NDEBUG|_(?!_CUDA_NO_)\w*|(C10|TORCH|AT|CAFFE2?|PYBIND11|USE)_\w*")
 PCH_REJECTED = "not used because"
+RETRY_FAILED_S = 600.0   # a toolchain artifact that failed to build is tried again after this
 IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 QUOTED = r"['\u2018\"](\w+)['\u2019\"]"
 UNDECLARED = re.compile(rf"error: (?:identifier \"(\w+)\" is undefined|{QUOTED} (?:was not declared in this scope|"
@@ -169,7 +170,8 @@ def _call(function, **kwargs):
 def compiler_version(argv: tuple[str, ...]) -> str:
     """`--version` of a compiler, part of every cache key (so a new compiler rebuilds)."""
     try:
-        return subprocess.run([*argv, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+        return subprocess.run([*argv, "--version"], capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return "unavailable"
 
@@ -226,9 +228,12 @@ class CompiledUnits:
         """run_compiler's (exit status, CPU seconds) for `argv` (`-c SOURCE -o OBJECT` at its end); a
         copy costs no compiler seconds."""
         source, target = Path(argv[argv.index("-c") + 1]), Path(argv[argv.index("-o") + 1])
-        command = [a.replace(str(self.build_dir), "<build>") for a in argv]
-        key = hashlib.sha256(json.dumps([command, compiler_version(tuple(compiler)),
-                                         source.read_text()]).encode()).hexdigest()
+        text = source.read_text()
+        # the module's name (a hash of the whole program) matters only to a unit that names it:
+        # torch's headers never read TORCH_EXTENSION_NAME, torch's main.cpp binding does
+        command = [a.replace(str(self.build_dir), "<build>") for a in argv
+                   if not a.startswith("-DTORCH_EXTENSION_NAME=") or "TORCH_EXTENSION_NAME" in text]
+        key = hashlib.sha256(json.dumps([command, compiler_version(tuple(compiler)), text]).encode()).hexdigest()
         kept = self.folder / key[:2] / f"{key}.o"
         if kept.is_file() and kept.with_suffix(".log").is_file():
             shutil.copyfile(kept.with_suffix(".log"), log)
@@ -246,21 +251,31 @@ class CompiledUnits:
 
 def _locked_artifact(root: Path, key: str, make) -> Path | None:
     """root/key, made once by make(tmp_folder) -> bool under root/key.lock and renamed into place;
-    None if making it failed (remembered: a failure is not retried for this key)."""
+    None if making it failed. A failure is remembered for RETRY_FAILED_S, not for good: one that
+    came from its moment (a compiler killed with its build, a process without stdin: nvcc cannot
+    preprocess then) must not leave a cache without the fast build for ever."""
     final = root / key
-    if not final.exists():
+    if not (final / "ok").exists() and not _failed_recently(final):
         root.mkdir(parents=True, exist_ok=True)
         with open(root / f"{key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if not final.exists():
+            if not (final / "ok").exists() and not _failed_recently(final):
                 tmp = Path(tempfile.mkdtemp(prefix=f"tmp-{key[:8]}-", dir=root))
                 try:
                     if make(tmp):
                         (tmp / "ok").touch()
+                    shutil.rmtree(final, ignore_errors=True)
                     os.replace(tmp, final)
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
     return final if (final / "ok").exists() else None
+
+
+def _failed_recently(final: Path) -> bool:
+    try:
+        return time.time() - final.stat().st_mtime < RETRY_FAILED_S
+    except FileNotFoundError:
+        return False
 
 
 def precompiled_header(root: Path, flags: Flags, slots: CompilerSlots, binding: str = "pybind") -> Path | None:
@@ -311,7 +326,7 @@ def torch_macros(root: Path, flags: Flags) -> frozenset[str]:
                             ("prelude", [*(f"#include <{h}>" for h in DEVICE_PRELUDE), *TORCH_PREFIX[1:]])):
             (folder / f"{unit}.cu").write_text("\n".join(lines) + "\n")
             done = subprocess.run([*flags.nvcc, *nvcc, "-E", "-Xcompiler", "-dM", str(folder / f"{unit}.cu")],
-                                  capture_output=True, text=True)
+                                  capture_output=True, text=True, stdin=subprocess.DEVNULL)
             if done.returncode != 0:
                 return False
             names.append(set(re.findall(r"^#define (\w+)", done.stdout, re.MULTILINE)))
@@ -341,7 +356,7 @@ def header_names(root: Path, flags: Flags) -> frozenset[str] | None:
                      [*flags.cxx, *flags.pch(), "-E", "-dM", str(folder / "main.cpp")],
                      [*flags.nvcc, *nvcc, "-E", str(folder / "cuda.cu")],
                      [*flags.nvcc, *nvcc, "-E", "-Xcompiler", "-dM", str(folder / "cuda.cu")]):
-            done = subprocess.run(argv, capture_output=True, text=True)
+            done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
             if done.returncode != 0:
                 return False
             names.update(IDENTIFIER.findall(done.stdout))

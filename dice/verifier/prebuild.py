@@ -144,8 +144,10 @@ def serve(processes: int) -> None:
             reader, writer = os.pipe()
             pid = os.fork()
             if pid == 0:
-                for fd in (0, reader, *running):
+                for fd in (reader, *running):
                     os.close(fd)
+                # the requests pipe is not the child's; a closed fd 0 would make nvcc fail to preprocess
+                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
                 _child(writer, request["candidate_src"], request["root"], request["capability"], request["build"])
             os.close(writer)
             running[reader] = (pid, request, time.monotonic(), [])
