@@ -127,8 +127,8 @@ def test_torchs_build_gives_the_fast_builds_verdicts(verifier, fast_verdicts, to
     builds compile with the same nvcc flags: their verdicts are the fast build's in the test above.)"""
     templated = program(PROGRAMS[TEMPLATED][0])
     report = prebuilt_programs.reports("fast")[templated].result()     # the session's prebuild of it
-    assert [(b["how"], b.get("reason")) for b in report["builds"]] == [("torch", "split refused: templated kernel")], \
-        report
+    assert [b["how"] for b in report["builds"]] == ["torch"], report
+    assert report["builds"][0]["reason"].startswith("split refused: templated kernel"), report
     fallback = verifier.verify(TASK, templated, timing=False, trials=2)
     assert fallback.status == PROGRAMS[TEMPLATED][1], fallback.message
     with Verifier(workers=len(TORCH_WAY), cache_dir=torch_build_cache, build="torch", prebuild=False) as torch_way:
