@@ -426,7 +426,9 @@ def test_a_compile_error_is_built_once_per_cache(tmp_path, monkeypatch):
 
     for log, remembered in (("[1/3] c++ main.cpp\nFAILED: main.o\n/tmp/b/main.cpp:2:8: error: 'Tensr' in namespace "
                              "'torch' does not name a type", True),
-                            ("FAILED: main.o\nc++: fatal error: Killed signal terminated program cc1plus", False)):
+                            ("FAILED: main.o\nc++: fatal error: Killed signal terminated program cc1plus", False),
+                            ("FAILED: main.o\n/tmp/b/main.cpp:1:0: fatal error: error writing to -: No space left on "
+                             "device", False)):
         calls = []
         for _ in range(2):
             cache = BuildCache(tmp_path, capability=(9, 0), build="torch")

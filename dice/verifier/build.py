@@ -13,7 +13,7 @@ torch's build gives (a compile error torch's build must hit as well, `fastbuild.
 is reported without the fallback: an error in torch's main.cpp lines, a name declared nowhere).
 A generic-binding library is cached as `<name>.dispatch.so` beside a `.dispatcher` file naming
 the dice_dispatch module. A build that fails on a compiler error (an error line at a place in a
-file: the program's own, never a killed compiler or a full disk) is cached too, as `<name>.failed`
+file, and no sign of a killed compiler or a full disk) is cached too, as `<name>.failed`
 holding the message: every process of the cache (a prebuild, each worker) reports that
 compile_error without compiling the program again.
 """
@@ -45,6 +45,7 @@ BUILDS = ("fast", "torch")
 STALE_BUILD_S = 3600.0  # build-* folders older than this were left by killed builds
 MAX_MESSAGE_LINES = 25
 LOCATED_ERROR = re.compile(r"^\S.*?(?::\d+(?::\d+)?: (?:fatal )?error\b|\(\d+\): (?:catastrophic )?error\b)", re.MULTILINE)
+TRANSIENT = re.compile(r"No space left on device|Killed signal|virtual memory exhausted|Cannot allocate memory")
 
 
 class BuildError(Exception):
@@ -158,12 +159,12 @@ class BuildCache:
                 self.history.append({"name": name, "how": "fast", "reason": "compile error torch's build shares",
                                      "wall_s": time.perf_counter() - start})
             self.failed[name] = str(exc) if isinstance(exc, BuildError) else build_error_message(str(exc), build_dir)
-            if isinstance(exc, SharedCompileError):
+            if isinstance(exc, SharedCompileError) and not TRANSIENT.search(str(exc)):
                 self._remember_failure(name, build_dir)
             raise BuildError(self.failed[name]) from None
         except Exception as exc:
             self.failed[name] = build_error_message(str(exc), torch_dir)
-            if LOCATED_ERROR.search(str(exc)):
+            if LOCATED_ERROR.search(str(exc)) and not TRANSIENT.search(str(exc)):
                 self._remember_failure(name, build_dir)
             raise BuildError(self.failed[name]) from None
         finally:
