@@ -18,14 +18,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_logreport(report):
-    """With DICE_TEST_LOG=FILE, one JSON line per test as it ends (`python -m dice.bench check`
-    reads them, so a run cut short still says what passed and how long each test took)."""
+    """With DICE_TEST_LOG=FILE, one JSON line per test phase (setup, call, teardown) as it ends
+    (`python -m dice.bench check` reads them, so a run cut short still says what passed and how long
+    each test took, session fixtures' start and end included: they land on the first and last test)."""
     path = os.environ.get("DICE_TEST_LOG")
-    if not path or (report.when == "teardown" and report.passed):
+    if not path:
         return
     failure = "\n".join(report.longreprtext.splitlines()[-30:]) if report.failed else ""
     with open(path, "a") as log:
-        log.write(json.dumps({"test": report.nodeid, "when": report.when, "outcome": report.outcome,
+        outcome = "xfailed" if report.skipped and hasattr(report, "wasxfail") else report.outcome
+        log.write(json.dumps({"test": report.nodeid, "when": report.when, "outcome": outcome,
                               "seconds": round(report.duration, 2), "at": round(time.time(), 1),
                               "slow": "slow" in report.keywords, "failure": failure}) + "\n")
 
@@ -44,37 +46,75 @@ def torch_build_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("gpu-cache-torch")
 
 
+def wanted_builds(items) -> dict[str, list[str]]:
+    """The load_inline programs the GPU tests among `items` verify, by way of building them: a
+    module's PREBUILD list (the fast way, whichever of its tests runs) and each test's own
+    `@pytest.mark.prebuild(*sources, build="fast" | "torch")`; each program once, in test order."""
+    wanted = {"fast": {}, "torch": {}}
+    for item in items:
+        if "gpu" not in item.keywords:
+            continue
+        for source in getattr(item.module, "PREBUILD", ()):
+            wanted["fast"][source] = None
+        for mark in item.iter_markers("prebuild"):
+            for source in mark.args:
+                wanted[mark.kwargs.get("build", "fast")][source] = None
+    return {way: list(sources) for way, sources in wanted.items()}
+
+
+class SessionBuilds:
+    """The session's build pools, `pools` = {"fast": a BuildPool into `gpu_cache`, "torch": one into
+    `torch_build_cache`}, and `reports(way)` = {source: the Future of its prebuild's report}."""
+
+    def __init__(self):
+        self.pools, self._reports, self._submitted = {}, {"fast": {}, "torch": {}}, threading.Event()
+
+    def submit(self, wanted: dict[str, list[str]]) -> None:
+        try:
+            for way, pool in self.pools.items():
+                for source in wanted[way]:
+                    self._reports[way][source] = pool.submit(source)
+        finally:
+            self._submitted.set()
+
+    def reports(self, way: str) -> dict:
+        self._submitted.wait()
+        return self._reports[way]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def prebuilt_programs(request):
-    """On a GPU, the load_inline programs the selected GPU tests verify (their modules' PREBUILD
-    list) are built from the session's start, on every core, while the GPU runs the tests before
-    them: the fast way into `gpu_cache`, then torch's way into `torch_build_cache` when a selected
-    test uses it. A worker asking for a program still being built waits for that build
-    (`build.BuildCache`'s per-name lock)."""
+    """On a GPU, from the session's start, the load_inline programs the selected GPU tests verify
+    (`wanted_builds`, nothing else: a quick run builds nothing torch's way) are built on every core,
+    both ways at once, a process each, while the GPU runs the tests before them (`SessionBuilds`);
+    a worker asking for a program still being built waits for that build (`build.BuildCache`'s
+    per-name lock). The session Verifier's workers start now too, when a selected test uses it, so
+    that no test waits for them."""
+    builds = SessionBuilds()
     if not torch.cuda.is_available():
-        yield
+        builds.submit({})
+        yield builds
         return
     from dice.verifier.prebuild import BuildPool
     selected = [item for item in request.session.items if "gpu" in item.keywords]
-    sources = sorted({src for item in selected for src in getattr(item.module, "PREBUILD", ())})
-    ways = [("fast", "gpu_cache")] + [("torch", "torch_build_cache")] * any(
-        "torch_build_cache" in item.fixturenames for item in selected)
-    pools = [BuildPool(request.getfixturevalue(cache), build=way) for way, cache in ways] if sources else []
-
-    def build_all():   # the fast way first: more tests wait on it
-        for pool in pools:
-            for future in [pool.submit(src) for src in sources]:
-                future.result()
-    threading.Thread(target=build_all, daemon=True, name="dice-test-prebuild").start()
-    yield
-    for pool in pools:
+    wanted = wanted_builds(selected)
+    builds.pools["fast"] = BuildPool(request.getfixturevalue("gpu_cache"), build="fast")
+    if wanted["torch"]:
+        builds.pools["torch"] = BuildPool(request.getfixturevalue("torch_build_cache"), build="torch")
+    # a thread: a server reads its requests only once it has imported torch, and a pipe holds 64 KiB
+    threading.Thread(target=builds.submit, args=(wanted,), daemon=True, name="dice-test-prebuild").start()
+    if any("verifier" in item.fixturenames for item in selected):
+        request.getfixturevalue("verifier")
+    yield builds
+    for pool in builds.pools.values():
         pool.close()
 
 
 @pytest.fixture(scope="session")
 def verifier(gpu_cache):
-    """One GPU Verifier pool for the whole session (workers start once, the judge caches reference
-    outputs per task): the GPU tests verify through it, mostly with `map` so candidates overlap."""
+    """One GPU Verifier pool for the whole session (workers start once, with the session when a
+    selected test uses it: `prebuilt_programs`; the judges cache reference outputs per task): the GPU
+    tests verify through it, mostly with `map` so candidates overlap."""
     from dice.verifier import Verifier
     with Verifier(workers=8, cache_dir=gpu_cache, timing_budget_s=2.0) as v:
         yield v

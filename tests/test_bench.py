@@ -88,3 +88,41 @@ def test_a_bench_command_refuses_such_an_out_in_one_line(tmp_path, capsys):
                           capture_output=True, text=True)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "--out" in done.stderr and out.read_text() == '{"mine": 1}\n'
+
+
+def test_the_checks_test_summary_puts_wall_time_beside_test_time_and_names_the_slowest():
+    """`bench check`'s summary of a made-up DICE_TEST_LOG: per test the phases' seconds add up and
+    the worst phase decides (a failed teardown fails a passed call; an xfail is counted apart);
+    the row has the wall time beside the tests' own time, then each file's time and the slowest
+    tests, longest first, at most `top`."""
+    from dice.bench.check import suite_summary
+
+    def line(test, when, outcome, seconds, slow=False):
+        return {"test": f"tests/{test}", "when": when, "outcome": outcome, "seconds": seconds, "at": 0.0,
+                "slow": slow, "failure": ""}
+    reports = [line("test_a_gpu.py::test_build", "setup", "passed", 100.0, slow=True),
+               line("test_a_gpu.py::test_build", "call", "passed", 30.5, slow=True),
+               line("test_a_gpu.py::test_build", "teardown", "passed", 0.0, slow=True),
+               line("test_a_gpu.py::test_quick", "setup", "passed", 0.5),
+               line("test_a_gpu.py::test_quick", "call", "passed", 2.0),
+               line("test_b_gpu.py::test_leaky", "call", "passed", 10.0),
+               line("test_b_gpu.py::test_leaky", "teardown", "failed", 1.0),
+               line("test_b_gpu.py::test_gap", "call", "xfailed", 4.0),
+               line("test_b_gpu.py::test_off", "setup", "skipped", 0.0),
+               line("test_b_gpu.py::test_off", "teardown", "passed", 0.0)]
+    row, lines = suite_summary(reports, wall_s=175.2, top=3)
+    assert row["result"] == "2 passed, 1 failed, 1 skipped, 1 xfailed" and row["seconds"] == "175"
+    assert row["detail"] == ("wall 175 s, tests' own time 148 s (not slow 18 s), outside tests 27 s; "
+                             "failed: test_leaky")
+    assert lines[0] == "test suite: wall 175 s; tests' own time 148 s over 5 tests"
+    assert lines[1] == "by file: test_a_gpu.py 133 s, test_b_gpu.py 15 s"
+    assert lines[2] == "slowest 3 tests (setup + call + teardown):"
+    assert [line.split()[:2] + line.split()[-2:] for line in lines[3:]] == [
+        ["130.5", "s", "passed", "tests/test_a_gpu.py::test_build"],
+        ["11.0", "s", "failed", "tests/test_b_gpu.py::test_leaky"],
+        ["4.0", "s", "xfailed", "tests/test_b_gpu.py::test_gap"]]
+    assert "slow" in lines[3] and "slow" not in lines[4]
+    cut, _ = suite_summary(reports[:3], wall_s=420.0, stopped_at=420.0)
+    assert cut["result"] == "1 passed, 0 failed, 0 skipped (stopped at 420 s)"
+    nothing, said = suite_summary([], wall_s=12.0)
+    assert nothing["result"].startswith("0 passed") and "no test" in said[0]

@@ -37,7 +37,7 @@ def test_bf16_gpu_logits_agree_with_fp32_cpu():
     assert rel_err(got, ref) < 2e-2
 
 
-@pytest.mark.slow   # the packed-update test below runs the same mask rule through FlexAttention quickly
+@pytest.mark.slow   # the packed-update test below runs the same mask rule through FlexAttention
 @torch.no_grad()
 def test_flex_training_forward_equals_dense():
     """bf16, 1.7B layer shapes (FlexAttention's kernels need head_dim >= 64 in practice), packed rows."""
@@ -118,6 +118,7 @@ def test_static_decoding_does_not_wait_on_the_gpu_per_step():
     assert syncs(32) == syncs(64) > 0
 
 
+@pytest.mark.slow   # FlexAttention's first Inductor compile, ~15 s on the H200: the full run's, not the quick check's
 @torch.no_grad()
 def test_flex_packed_update_rows_equal_dense():
     """The update's packed micro-batch (several responses, each with noisy copies of its rounds

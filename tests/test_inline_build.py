@@ -393,6 +393,70 @@ def test_fallback_to_torch(tmp_path, monkeypatch, cuda_home):
     assert fake.calls == 2   # torch's main.cpp is that text: no rebuild
 
 
+class _FailingTorchBuild(_FakeTorchBuild):
+    """torch's load_inline failing with `log` as its build output."""
+
+    def __init__(self, log: str):
+        super().__init__()
+        self.log = log
+
+    def __call__(self, **arguments):
+        self.calls += 1
+        raise RuntimeError(f"Error building extension '{arguments['name']}': {self.log}")
+
+
+def test_a_compile_error_is_built_once_per_cache(tmp_path, monkeypatch):
+    """A compile error is remembered in the cache (`<name>.failed`): another BuildCache on it (another
+    process: a prebuild, a worker) reports the same message without building. Both ways: the fast
+    build's shared error, torch's build failing on an error line in a file; a failure without one
+    (a killed compiler) is not remembered, so the next build tries again."""
+    seen = []
+
+    def shared(arguments, name, build_dir, *rest, **kwargs):
+        seen.append(name)
+        raise SharedCompileError(f'{build_dir}/cuda.cu(14): error: identifier "dice_nowhere" is undefined')
+    monkeypatch.setattr(build_module, "fast_build", shared)
+    call = dict(name="x", cpp_sources=CPP, cuda_sources=MANY, functions=["run"])
+    with pytest.raises(BuildError, match='cuda.cu\\(14\\): error: identifier "dice_nowhere"') as first:
+        BuildCache(tmp_path, capability=(9, 0), build="fast").load_inline(**call)
+    with pytest.raises(BuildError) as again:
+        BuildCache(tmp_path, capability=(9, 0), build="fast").load_inline(**call)
+    assert str(again.value) == str(first.value) and len(seen) == 1 and str(tmp_path) not in str(first.value)
+    assert [p.name for p in tmp_path.glob("*.failed")] == [f"{seen[0]}.failed"]
+
+    for log, remembered in (("[1/3] c++ main.cpp\nFAILED: main.o\n/tmp/b/main.cpp:2:8: error: 'Tensr' in namespace "
+                             "'torch' does not name a type", True),
+                            ("FAILED: main.o\nc++: fatal error: Killed signal terminated program cc1plus", False),
+                            ("FAILED: main.o\n/tmp/b/main.cpp:1:0: fatal error: error writing to -: No space left on "
+                             "device", False)):
+        calls = []
+        for _ in range(2):
+            cache = BuildCache(tmp_path, capability=(9, 0), build="torch")
+            cache.real_load_inline = _FailingTorchBuild(log)
+            with pytest.raises(BuildError, match="error"):
+                cache.load_inline(**{**call, "cuda_sources": MANY.replace("BLOCK 256", f"BLOCK {len(log)}")})
+            calls.append(cache.real_load_inline.calls)
+        assert calls == ([1, 0] if remembered else [1, 1]), log
+
+
+def test_the_gpu_session_prebuilds_what_its_selected_tests_verify():
+    """tests/conftest.py's `wanted_builds`: a selected GPU test's module PREBUILD (the fast way) and
+    its own prebuild marks, each program once in test order; nothing for tests left out or on the CPU."""
+    import types
+
+    from conftest import wanted_builds
+
+    def item(module, keywords=("gpu",), marks=()):
+        return types.SimpleNamespace(module=module, keywords=set(keywords),
+                                     iter_markers=lambda name: [m for m in marks if m.name == name])
+    verifier, inline = types.SimpleNamespace(PREBUILD=["relu", "broken"]), types.SimpleNamespace(PREBUILD=["ok"])
+    slow = [pytest.mark.prebuild("templated").mark, pytest.mark.prebuild("ok", "bad", build="torch").mark]
+    items = [item(verifier), item(verifier), item(inline, marks=slow), item(types.SimpleNamespace(), ("slow",)),
+             item(types.SimpleNamespace(PREBUILD=["cpu"]), keywords=())]
+    assert wanted_builds(items) == {"fast": ["relu", "broken", "ok", "templated"], "torch": ["ok", "bad"]}
+    assert wanted_builds(items[:2]) == {"fast": ["relu", "broken"], "torch": []}
+
+
 @pytest.fixture(scope="module")
 def shared_cache(tmp_path_factory):
     """One cache folder (so one precompiled header) for the compiling tests."""

@@ -1,13 +1,12 @@
 """The fast load_inline build on a GPU: through the Verifier it gives torch's verdict on correct,
 incorrect, compile-broken, crashing and unsplittable programs, and a BuildPool prebuild is what the
 workers then load. Run with `pytest -m gpu tests/test_inline_build_gpu.py`; torch's own builds (about
-a minute of CPU each) are the slow test."""
+a minute of CPU each, prebuilt from the session's start: tests/conftest.py) are the slow test."""
 import os
 
 import pytest
 
 from dice.verifier import Verifier
-from dice.verifier.prebuild import BuildPool
 
 pytestmark = pytest.mark.gpu
 
@@ -94,19 +93,22 @@ def program(edits: dict) -> str:
     return text
 
 
-PREBUILD = [program(edits) for edits, _ in PROGRAMS.values()]   # built from the session's start (conftest)
-BUILDS_TORCH_WAY = True    # run after the other GPU tests (conftest), when the builds are done
 FAST_WAY = [name for name in PROGRAMS if "torch's build" not in name]   # the rest need torch's load_inline
+TEMPLATED = "templated kernel (torch's build)"
+# torch's own build decides these as the fast build did: a build that runs (torch's binding against the
+# generic one) and the two compile errors the fast build reports as torch's without running torch's build
+# (`fastbuild.SharedCompileError`: a name declared nowhere in cuda_sources, an error in torch's main.cpp)
+TORCH_WAY = ["correct", "kernel does not compile", "cpp_sources do not compile"]
+PREBUILD = [program(PROGRAMS[name][0]) for name in FAST_WAY]   # built from the session's start (conftest)
+BUILDS_TORCH_WAY = True    # run after the other GPU tests (conftest), when the builds are done
 
 
 @pytest.fixture(scope="module")
-def fast_verdicts(request, verifier):
-    """The session pool's verdicts (the fast build, DESIGN.md §8.5) on the programs the selected
-    tests need, in one map: {name: result}."""
-    needed = list(PROGRAMS) if any(item.originalname == "test_torchs_build_gives_the_fast_builds_verdicts"
-                                   for item in request.session.items) else FAST_WAY
-    results = verifier.map([(TASK, program(PROGRAMS[name][0])) for name in needed], timing=False, trials=2)
-    return dict(zip(needed, results))
+def fast_verdicts(verifier):
+    """The session pool's verdicts (the fast build, DESIGN.md §8.5) on the programs it builds its
+    own way, in one map: {name: result}."""
+    results = verifier.map([(TASK, program(PROGRAMS[name][0])) for name in FAST_WAY], timing=False, trials=2)
+    return dict(zip(FAST_WAY, results))
 
 
 def test_fast_build_gives_the_expected_verdicts(fast_verdicts):
@@ -115,25 +117,37 @@ def test_fast_build_gives_the_expected_verdicts(fast_verdicts):
 
 
 @pytest.mark.slow
-def test_torchs_build_gives_the_fast_builds_verdicts(fast_verdicts, torch_build_cache):
-    """torch's own load_inline (about a minute of CPU per program, prebuilt from the session's start)
-    decides every verdict as the fast build did."""
-    with Verifier(workers=4, cache_dir=torch_build_cache, build="torch") as torch_way:
-        results = torch_way.map([(TASK, program(edits)) for edits, _ in PROGRAMS.values()], timing=False, trials=2)
-    for (name, (_, expected)), slow in zip(PROGRAMS.items(), results):
+@pytest.mark.prebuild(program(PROGRAMS[TEMPLATED][0]))     # the fast way: the split refuses it, torch's builds it
+@pytest.mark.prebuild(*(program(PROGRAMS[name][0]) for name in TORCH_WAY), build="torch")
+def test_torchs_build_gives_the_fast_builds_verdicts(verifier, fast_verdicts, torch_build_cache, prebuilt_programs):
+    """torch's own load_inline (about a minute of CPU per program, prebuilt from the session's start):
+    the fast build gives a program the split refuses to it (the prebuild's report says so), which
+    decides its verdict; and torch's build of TORCH_WAY decides as the fast build did. (The
+    incorrect and crashing programs differ from the correct one only in a kernel's body, which both
+    builds compile with the same nvcc flags: their verdicts are the fast build's in the test above.)"""
+    templated = program(PROGRAMS[TEMPLATED][0])
+    report = prebuilt_programs.reports("fast")[templated].result()     # the session's prebuild of it
+    assert [b["how"] for b in report["builds"]] == ["torch"], report
+    assert report["builds"][0]["reason"].startswith("split refused: templated kernel"), report
+    fallback = verifier.verify(TASK, templated, timing=False, trials=2)
+    assert fallback.status == PROGRAMS[TEMPLATED][1], fallback.message
+    with Verifier(workers=len(TORCH_WAY), cache_dir=torch_build_cache, build="torch", prebuild=False) as torch_way:
+        results = torch_way.map([(TASK, program(PROGRAMS[name][0])) for name in TORCH_WAY], timing=False, trials=2)
+    for name, slow in zip(TORCH_WAY, results):
         fast = fast_verdicts[name]
-        assert fast.status == slow.status == expected, (name, fast.message, slow.message)
+        assert fast.status == slow.status == PROGRAMS[name][1], (name, fast.message, slow.message)
 
 
-def test_prebuilt_extension_is_loaded(verifier, gpu_cache):
-    """A BuildPool prebuild (the fast way, its precompiled header and the generic binding) into the
-    session's cache is what a worker then loads: no new build."""
+def test_prebuilt_extension_is_loaded(verifier, gpu_cache, prebuilt_programs):
+    """A BuildPool prebuild (the fast way, its precompiled header and the generic binding; the
+    session's pool) into the session's cache is what a worker then loads: no new build."""
     candidate = program({"affine_relu": "affine_relu_prebuilt"})
-    with BuildPool(gpu_cache, processes=2) as pool:
-        report = pool.submit(candidate).result()
+    report = prebuilt_programs.pools["fast"].submit(candidate).result()
     build = report["builds"][0] if report.get("builds") else {}
     assert report["status"] == "built" and build.get("how") == "fast", report
     assert build["dispatcher"] and build["pch"], report   # the generic binding, on the precompiled header
+    for prebuild in prebuilt_programs.reports("fast").values():   # nothing else builds into the cache now
+        prebuild.result()
     libraries = sorted(os.listdir(gpu_cache / "torch_extensions"))
     assert verifier.verify(TASK, candidate, timing=False, trials=2).status == "correct"
     assert sorted(os.listdir(gpu_cache / "torch_extensions")) == libraries   # no new build

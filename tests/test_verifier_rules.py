@@ -127,7 +127,7 @@ needs_cxx = pytest.mark.skipif(not shutil.which("c++"), reason="needs a C++ comp
 
 
 @needs_cxx
-def test_library_kernel_names_are_read_from_a_librarys_read_only_data(tmp_path):
+def test_library_kernel_names_are_read_from_a_librarys_read_only_data(tmp_path, monkeypatch):
     """nvcc registers each kernel by its mangled name, a string literal: a host library built
     here with such strings (and other text) gives their qualified names, and nothing else."""
     (tmp_path / "lib.cpp").write_text(
@@ -135,8 +135,18 @@ def test_library_kernel_names_are_read_from_a_librarys_read_only_data(tmp_path):
         '    "_ZN2at6native13reduce_kernelEv", "plain text, not a name"};\n')
     subprocess.run(["c++", "-shared", "-fPIC", "-O0", "-o", str(tmp_path / "libfake.so"), str(tmp_path / "lib.cpp")],
                    check=True)
-    names = library_kernel_names([tmp_path / "libfake.so", tmp_path / "lib.cpp", tmp_path / "missing.so"])
+    paths = [tmp_path / "libfake.so", tmp_path / "lib.cpp", tmp_path / "missing.so"]
+    names = library_kernel_names(paths)
     assert names == {"softmax_warp_forward", "dot_kernel", "at::native::reduce_kernel"}
+    # read once per process (every Verifier asks), again once a library changes
+    import os
+
+    from dice.verifier import kernels
+    reads = []
+    monkeypatch.setattr(kernels, "_read_only_sections", lambda f: reads.append(f.name) or [])
+    assert library_kernel_names(paths) == names and not reads
+    os.utime(tmp_path / "libfake.so", ns=(1, 1))
+    assert library_kernel_names(paths) == set() and reads == [str(p) for p in paths[:2]]
 
 
 def test_timed_calls_obey_the_rule_per_call():

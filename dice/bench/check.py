@@ -3,7 +3,9 @@
 Runs, one after another and each within its own slice of `--budget-s` (default 540 s, so that
 the whole check fits one 10-minute call on a lent machine):
 1. the GPU test suite, `python -m pytest -q -m gpu` (`--fast`: `-m "gpu and not slow"`), every
-   test's outcome and time logged as it ends (tests/conftest.py, DICE_TEST_LOG);
+   test's outcome and time logged as it ends (tests/conftest.py, DICE_TEST_LOG); printed as soon as
+   it ends: the failures, the suite's wall time beside the tests' own time, each file's time and the
+   ten slowest tests (`suite_summary`), so that a test that grew slow shows at once;
 2. `bench verify`: CuPy kernels verified per minute (cold pool with timing, warm untimed: the RL
    reward) and load_inline with the fast build (cold build cache, timed);
 3. `bench builds`: load_inline fast builds per minute (generic binding, one program per core);
@@ -57,20 +59,51 @@ def _tests(args, logs: Path, timeout_s: float) -> dict:
     status, seconds = _run([sys.executable, "-m", "pytest", "-q", "-m", marker, "-p", "no:cacheprovider",
                             *args.pytest_args], logs / "tests.log", timeout_s, {"DICE_TEST_LOG": str(record)})
     reports = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
-    outcome = {}
-    for r in reports:   # a test's worst phase decides (a failed teardown fails a passed call)
-        if r["outcome"] != "passed" or r["test"] not in outcome:
-            outcome[r["test"]] = r["outcome"]
-    counts = {k: sum(v == k for v in outcome.values()) for k in ("passed", "failed", "skipped")}
-    fast = sum(r["seconds"] for r in reports if not r["slow"])
-    failed = [t for t, v in outcome.items() if v == "failed"]
     for r in reports:
         if r.get("failure"):
             print(f"FAILED {r['test']} ({r['when']}):\n" + "\n".join(r["failure"].splitlines()[-12:]), flush=True)
-    return {"check": f"pytest -m '{marker}'", "result": f"{counts['passed']} passed, {counts['failed']} failed, "
-            f"{counts['skipped']} skipped" + ("" if status is not None else f" (stopped at {timeout_s:.0f} s)"),
-            "seconds": f"{seconds:.0f}", "detail": f"not-slow tests' own time {fast:.0f} s"
-            + (f"; failed: {', '.join(t.split('::')[-1] for t in failed[:6])}" if failed else "")}
+    row, lines = suite_summary(reports, seconds, None if status is not None else timeout_s)
+    print("\n".join(lines), flush=True)
+    return {"check": f"pytest -m '{marker}'", **row}
+
+
+def suite_summary(reports: list[dict], wall_s: float, stopped_at: float | None = None,
+                  top: int = 10) -> tuple[dict, list[str]]:
+    """The test step's row ({result, seconds, detail}) and the lines printed under it, from the
+    suite's DICE_TEST_LOG lines (tests/conftest.py: one per phase of a test): the wall time of the
+    pytest run beside the tests' own time (the rest is start-up, collection and what runs between
+    tests), each file's time, and the `top` slowest tests (setup + call + teardown). A test's worst
+    phase decides its outcome (a failed teardown fails a passed call)."""
+    tests: dict[str, dict] = {}
+    for r in reports:
+        test = tests.setdefault(r["test"], {"outcome": r["outcome"], "seconds": 0.0, "slow": r.get("slow", False)})
+        test["seconds"] += r["seconds"]
+        if r["outcome"] != "passed":
+            test["outcome"] = r["outcome"]
+    counts = {k: sum(t["outcome"] == k for t in tests.values()) for k in ("passed", "failed", "skipped", "xfailed")}
+    own = sum(t["seconds"] for t in tests.values())
+    quick = sum(t["seconds"] for t in tests.values() if not t["slow"])
+    failed = [name for name, t in tests.items() if t["outcome"] == "failed"]
+    result = f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped" + (
+        f", {counts['xfailed']} xfailed" if counts["xfailed"] else "") + (
+        f" (stopped at {stopped_at:.0f} s)" if stopped_at is not None else "")
+    detail = (f"wall {wall_s:.0f} s, tests' own time {own:.0f} s (not slow {quick:.0f} s), outside tests "
+              f"{max(wall_s - own, 0.0):.0f} s" + (f"; failed: {', '.join(t.split('::')[-1] for t in failed[:6])}"
+                                                   if failed else ""))
+    if not tests:
+        return {"result": result, "seconds": f"{wall_s:.0f}", "detail": detail}, [
+            f"the test suite reported no test in its {wall_s:.0f} s (its output: tests.log in the logs folder)"]
+    files: dict[str, float] = {}
+    for name, t in tests.items():
+        files[name.split("::")[0]] = files.get(name.split("::")[0], 0.0) + t["seconds"]
+    slowest = sorted(tests.items(), key=lambda item: -item[1]["seconds"])[:top]
+    lines = [f"test suite: wall {wall_s:.0f} s; tests' own time {own:.0f} s over {len(tests)} tests",
+             "by file: " + ", ".join(f"{Path(f).name} {sec:.0f} s" for f, sec in
+                                     sorted(files.items(), key=lambda item: -item[1])),
+             f"slowest {len(slowest)} tests (setup + call + teardown):"]
+    lines += [f"  {t['seconds']:7.1f} s  {'slow' if t['slow'] else '    '}  {t['outcome']:7}  {name}"
+              for name, t in slowest]
+    return {"result": result, "seconds": f"{wall_s:.0f}", "detail": detail}, lines
 
 
 def _rows(out: Path) -> list[dict]:

@@ -12,7 +12,10 @@ load_inline whenever the split is refused or its build fails, so the verdict is 
 torch's build gives (a compile error torch's build must hit as well, `fastbuild.shared_error`,
 is reported without the fallback: an error in torch's main.cpp lines, a name declared nowhere).
 A generic-binding library is cached as `<name>.dispatch.so` beside a `.dispatcher` file naming
-the dice_dispatch module.
+the dice_dispatch module. A build that fails on a compiler error (an error line at a place in a
+file, and no sign of a killed compiler or a full disk) is cached too, as `<name>.failed`
+holding the message: every process of the cache (a prebuild, each worker) reports that
+compile_error without compiling the program again.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from .inline import Unsplittable
 BUILDS = ("fast", "torch")
 STALE_BUILD_S = 3600.0  # build-* folders older than this were left by killed builds
 MAX_MESSAGE_LINES = 25
+LOCATED_ERROR = re.compile(r"^\S.*?(?::\d+(?::\d+)?: (?:fatal )?error\b|\(\d+\): (?:catastrophic )?error\b)", re.MULTILINE)
+TRANSIENT = re.compile(r"No space left on device|Killed signal|virtual memory exhausted|Cannot allocate memory")
 
 
 class BuildError(Exception):
@@ -91,6 +96,7 @@ class BuildCache:
             raise BuildError(self.failed[name])
         if name not in self.loaded:
             library, generic = self.root / f"{name}.so", self.root / f"{name}.dispatch.so"
+            failed = self.root / f"{name}.failed"
             # one build of a name at a time over every process of this cache (a prebuild and a worker
             # asking for the same program): the second waits and loads what the first built
             with open(self._lock_file(name), "w") as lock:
@@ -99,6 +105,9 @@ class BuildCache:
                     self.loaded[name] = load_dispatched(name, generic, Path(f"{generic}.dispatcher").read_text())
                 elif library.exists():
                     self.loaded[name] = _load_library(name, library, arguments["is_python_module"])
+                elif failed.exists():   # a compiler error another process of this cache hit
+                    self.failed[name] = failed.read_text()
+                    raise BuildError(self.failed[name])
                 else:
                     self.loaded[name] = self._build(name, arguments, library)
         return self.loaded[name]
@@ -150,12 +159,21 @@ class BuildCache:
                 self.history.append({"name": name, "how": "fast", "reason": "compile error torch's build shares",
                                      "wall_s": time.perf_counter() - start})
             self.failed[name] = str(exc) if isinstance(exc, BuildError) else build_error_message(str(exc), build_dir)
+            if isinstance(exc, SharedCompileError) and not TRANSIENT.search(str(exc)):
+                self._remember_failure(name, build_dir)
             raise BuildError(self.failed[name]) from None
         except Exception as exc:
             self.failed[name] = build_error_message(str(exc), torch_dir)
+            if LOCATED_ERROR.search(str(exc)) and not TRANSIENT.search(str(exc)):
+                self._remember_failure(name, build_dir)
             raise BuildError(self.failed[name]) from None
         finally:
             shutil.rmtree(build_dir, ignore_errors=True)
+
+    def _remember_failure(self, name: str, build_dir: str) -> None:
+        """`<name>.failed` with the message, written atomically (under the name's lock)."""
+        Path(build_dir, "failed").write_text(self.failed[name])
+        os.replace(Path(build_dir, "failed"), self.root / f"{name}.failed")
 
     def _fast(self, name: str, arguments: dict, library: Path, build_dir: Path, start: float):
         """The fast build, imported from build_dir (an import failure is a FastBuildFailed too)."""

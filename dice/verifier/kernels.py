@@ -19,6 +19,7 @@ demangled name alike.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import struct
@@ -166,9 +167,23 @@ def library_kernel_names(paths) -> frozenset[str]:
     nvcc's host code registers every kernel by its mangled name, a string in the library's
     read-only data, so the names are read there (the device code itself is often a compressed
     fatbin). A candidate's kernel with one of these names is not its own: a launch of it may be
-    the library's (PyTorch's anonymous-namespace kernels reduce to bare names)."""
+    the library's (PyTorch's anonymous-namespace kernels reduce to bare names). Read once per
+    process for the same files (each Verifier asks: a trainer's, a bench's, a test session's)."""
+    return _scanned(tuple((str(path), *_stamp(path)) for path in paths))
+
+
+def _stamp(path) -> tuple:
+    try:
+        info = os.stat(path)
+        return info.st_size, info.st_mtime_ns
+    except OSError:
+        return None, None
+
+
+@functools.lru_cache(maxsize=4)
+def _scanned(stamped: tuple) -> frozenset[str]:
     names = set()
-    for path in paths:
+    for path, *_ in stamped:
         try:
             with open(path, "rb") as f:
                 for data in _read_only_sections(f):
