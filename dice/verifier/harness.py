@@ -20,9 +20,9 @@ floating-point tensors a structure (`TRIAL_KINDS`), the same in the judge and th
 - "plain": get_inputs() as drawn, for a trial whose structure the task's own reference cannot take
   (the Verifier's `_trial_kinds`: e.g. float indices that jitter pushes past their table).
 Trials "iid", "spiked" and "scaled" and every timed call also get one heavy element per floating
-tensor (`with_heavy`): as large as the dtype allows up to the tensor's element count times its
-value, so it carries about half of a sum; the other elements look as they always do, so no
-sample of a few elements tells these inputs from any others, and an estimate from part of a
+tensor (`with_heavy`): the tensor's largest magnitude times its element count (at most half the
+dtype's range), so it carries about half of a sum; the other elements look as they always do, so
+no sample of a few elements tells these inputs from any others, and an estimate from part of a
 tensor fails whatever part it reads (the hot trial's faded elements are easy to spot). Complex
 tensors take every structure through their real and imaginary parts.
 Signs and zeros are left alone, and integer and boolean tensors (indices, labels, masks) keep
@@ -212,12 +212,13 @@ def _structured_one(x: torch.Tensor, kind: str, g: torch.Generator) -> torch.Ten
 
 def with_heavy(inputs: list, kind: str, seed: int) -> list:
     """`inputs` of a trial kind in HEAVY_KINDS with one heavy element per floating (or complex)
-    tensor: the largest in magnitude of HOT_DRAWS random ones, times the largest power of two
-    up to its element count that keeps the tensor within a quarter of its dtype's range, so it
-    carries about as much as all the others together (a sum or mean, a norm, a loss). The other
-    elements stay as the kind made them, so a few samples of the tensor look like any other
-    trial's, and an estimate from part of it either misses the heavy element or holds it
-    scaled up: it fails on every trial and timed call whatever it reads first (module docstring)."""
+    tensor: at the largest in magnitude of HOT_DRAWS random elements, with its sign, the tensor's
+    largest magnitude times its element count, or half the dtype's largest value if that is less
+    (fp16), so it carries about as much of a sum, a mean, a norm or a loss as all the others
+    together (fp16 tensors of 2^20 elements: ~6%). The other elements stay as the kind made them,
+    so a few samples of the tensor look like any other trial's, and an estimate from a fraction f
+    of it either misses the heavy element or holds it scaled by 1/f: it fails whatever it reads
+    first, on every trial and timed call (module docstring)."""
     if kind not in HEAVY_KINDS:
         return list(inputs)
     out = []
@@ -236,11 +237,10 @@ def _heavy_one(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     pick = torch.randint(flat.numel(), (HOT_DRAWS,), generator=g, device=x.device)
     at = pick[flat[pick].abs().argmax()]
     peak = float(flat.abs().max())
-    if not 0 < peak < float("inf"):
+    if not 0 < peak < math.inf:
         return x
-    factor = 2.0 ** math.floor(math.log2(max(1.0, min(flat.numel(), torch.finfo(x.dtype).max / 4 / peak))))
     heavy = flat.clone()
-    heavy[at] = heavy[at] * factor
+    heavy[at] = math.copysign(min(peak * flat.numel(), float(torch.finfo(x.dtype).max) / 2), float(flat[at]))
     return heavy.view(x.shape)
 
 

@@ -67,7 +67,7 @@ class JudgeHandler:
             got = [import_tensor(data) for data in request["outputs"]]
             second = [import_tensor(data) for data in request["second"]] if request["second"] is not None else None
             changed = {j: import_tensor(data) for j, data in request["inputs"]}
-            allowed = self._tolerances(request, reference["outputs"], reference["own_error"])
+            allowed = self._tolerances(request, reference["outputs"], self._trial_errors(request, reference))
             reply = {"status": "ok", "mismatch": compare_outputs(reference["outputs"], got, per_output=allowed),
                      "second_mismatch": (compare_outputs(reference["outputs"], second, per_output=allowed)
                                          if second is not None else None),
@@ -78,6 +78,17 @@ class JudgeHandler:
             return self._failed("runtime_error", f"comparing the outputs failed: {describe_exception(exc)}")
         del got, second, changed  # releases the CUDA IPC mappings of the candidate's memory
         return reply
+
+    def _trial_errors(self, request: dict, reference: dict) -> list | None:
+        """The trial's own errors (`_own_error`), but the task's loosest for float64 outputs: those
+        are measured in float32, whose rounding saturates on values far below its unit (a hot
+        trial's faded elements), so the task's trials together show the computation's conditioning."""
+        errors = reference["own_error"]
+        task = self.task_errors.get((request["task_key"], request["init_seed"], request["precision"]))
+        if errors is None or task is None or len(task) != len(errors):
+            return errors
+        return [t if EXACT.get(e.dtype) == torch.float64 else own
+                for e, own, t in zip(reference["outputs"], errors, task)]
 
     def _inputs_mismatch(self, request: dict, after: dict, changed: dict) -> str | None:
         """Why the inputs the reference modifies in place (`after`: their values once it returned) do

@@ -85,31 +85,41 @@ def matched_families(device: torch.device) -> list[str]:
     """The families of device work (`records.LAUNCH_FAMILIES`: kernel launches, graph launches,
     copies, memsets) whose every runtime or driver call the profiler matched with a device record
     in a probe of each, made before any candidate runs: the families `records.unrecorded_launches`
-    may check (a family CUPTI reports otherwise on this machine is left unchecked)."""
+    may check (a family CUPTI reports otherwise here, or that cannot be probed, is left unchecked)."""
+    found = []
+    for family, probe in _probes(device).items():
+        try:
+            calls = gpu_records(probe)[1]
+        except Exception:
+            continue
+        pattern = records.LAUNCH_FAMILIES[family]
+        if any(pattern.match(r[0]) for r in records.api_calls(calls)) and not records.unrecorded_launches(calls, [family]):
+            found.append(family)
+    return found
+
+
+def _probes(device: torch.device) -> dict:
+    """One piece of work per launch family (`matched_families`)."""
     x, host = torch.ones(1024, device=device), torch.ones(1024)
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        x.mul(2)
-    torch.cuda.current_stream(device).wait_stream(side)
-    with torch.cuda.graph(graph):
-        x.mul(2)
+    probes = {"kernel": lambda: x.add_(1), "copy": lambda: (x.cpu(), x.copy_(host))}
+    try:
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            x.mul(2)                               # lazy initialisation outside the capture
+        torch.cuda.current_stream(device).wait_stream(side)
+        with torch.cuda.graph(graph):
+            x.mul(2)
+        probes["graph"] = graph.replay
+    except Exception:
+        pass
     try:
         import cupy
-        memset = lambda: cupy.cuda.runtime.memsetAsync(x.data_ptr(), 0, 16, torch.cuda.current_stream(device).cuda_stream)  # noqa: E731
+        stream = torch.cuda.current_stream(device).cuda_stream
+        probes["set"] = lambda: cupy.cuda.runtime.memsetAsync(x.data_ptr(), 0, 16, stream)
     except ImportError:
-        memset = lambda: None  # noqa: E731
-
-    def probe():
-        x.add_(1)
-        x.cpu()
-        x.copy_(host, non_blocking=False)
-        graph.replay()
-        memset()
-    found = gpu_records(probe)[1]
-    present = [f for f, pattern in records.LAUNCH_FAMILIES.items() if any(pattern.match(r[0]) for r in records.api_calls(found))]
-    return [f for f in present if not records.unrecorded_launches(found, [f])]
+        pass
+    return probes
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,9 @@
     output against the same Model run in float64 on the same inputs; a float64 output from the
     Model run in float32, times 2^-29: the computation's conditioning in float64's units), for a
     long cumsum near its zero crossings or a sum with cancellation;
+  * for a float64 output, rel_l2 to the relative error of an output off by atol everywhere
+    (garbage below an atol of ~1e-12 buys nothing), and its own error the loosest of the task's
+    trials (the judge: float32's rounding saturates on values far below its unit);
   * rtol and rel_l2 to SERIAL (m - 1) u for an output each of whose elements summarises m input
     elements (`reduction_terms`: the largest input's elements over the output's). torch sums in a
     tree (error ~u log m), an honest kernel may add the m terms one by one into one float (atomics),
@@ -86,6 +89,15 @@ def own_error(e: torch.Tensor, other: torch.Tensor | None, ratio: float = 1.0) -
     return float(diff.abs().max()) * ratio, (float(diff.norm()) / norm * ratio if norm > 0 else 0.0)
 
 
+def _rms_inverse(e: torch.Tensor) -> float:
+    """sqrt(n) / ||e|| over the finite elements (0 for an all-zero output): atol times it is the
+    whole-output relative error of an output off by atol everywhere."""
+    e = _real(e).double()
+    finite = e[torch.isfinite(e)]
+    norm = float(finite.norm()) if finite.numel() else 0.0
+    return finite.numel() ** 0.5 / norm if norm > 0 else 0.0
+
+
 def _real(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
@@ -104,6 +116,8 @@ def tolerances(outputs: list, errors: list | None, precision: str, atol: float |
             rule = [min(max(FP32_TOLERANCE * floor, SCALE * worst), DICE_TOLERANCE),
                     min(max(FP32_TOLERANCE * floor, serial), DICE_TOLERANCE),
                     min(max(REL_L2 * floor, SCALE * relative, serial), DICE_TOLERANCE)]
+            if u < unit(torch.float32):   # float64: an error of atol at every element is float64's own
+                rule[2] = max(rule[2], min(rule[0] * _rms_inverse(e), DICE_TOLERANCE))
         else:
             rule = [DICE_TOLERANCE] * 3
         found.append([rule[0] if atol is None else atol, rule[1] if rtol is None else rtol,

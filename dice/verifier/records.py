@@ -83,9 +83,10 @@ def split_marker(records: list, marker: str, canary: bool = False) -> tuple[list
     """(the device records of the forward: those that started before the trailing marker, why its
     outputs were not complete when it returned, or None). The marker runs on torch's current
     stream once everything forward made that stream wait for has finished; work that ends later,
-    or starts later, was left running on another stream. With `canary`, the one record after the
-    marker must be the harness's canary copy (its absence: copies were not being recorded). A
-    forward that launches markers itself is refused (it could move the one that decides)."""
+    or starts later, was left running on another stream. With `canary`, what follows the marker
+    must be the harness's canary copy to the host, and it must be there (else copies were not
+    being recorded). A forward that launches markers itself is refused (it could move the one
+    that decides)."""
     device = on_device(records)
     starts = [start for name, start, _ in device if name == marker]
     if len(starts) != 1:
@@ -94,7 +95,7 @@ def split_marker(records: list, marker: str, canary: bool = False) -> tuple[list
     mark = starts[0]
     forward = [r for r in device if r[0] != marker and r[1] <= mark]
     after = [r for r in device if r[0] != marker and r[1] > mark]
-    canaries = [r for r in after if r[0].startswith(CANARY)][:1] if canary else []
+    canaries = [r for r in after if r[0].startswith(CANARY)] if canary else []
     late = [name for name, _, end in forward if end > mark + JOIN_SLACK_NS] + [r[0] for r in after if r not in canaries]
     if late:
         return forward, (f"{late[0][:80]} was still running after forward returned: work launched on "
