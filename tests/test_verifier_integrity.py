@@ -365,6 +365,7 @@ IN_PLACE_TASK = task_source("x.mul_(2).sum(0)", "torch.randn(64, 32)")
 FP64_TASK = task_source("x @ x.t()", "torch.randn(128, 64, dtype=torch.float64)")
 FP64_ROUNDED_TASK = task_source("(x + 4096.0) - 4096.0", "torch.randn(4096, dtype=torch.float64)")
 COMPLEX_TASK = task_source("x * x", "X", "X = torch.randn(64, 64, dtype=torch.complex64)\n")
+BOUNDED_TASK = task_source("torch.relu(x) if x.abs().max() < 100 else None.fail", "torch.randn(64, 64)")
 POOL_CASES = {   # name: (task, candidate, verdict, text)
     "an input the reference doubles, doubled": (IN_PLACE_TASK, model("return x.mul_(2).sum(0)"), "correct", ""),
     "an input the reference doubles, left alone": (IN_PLACE_TASK, model("return (2 * x).sum(0)"), "incorrect",
@@ -378,6 +379,9 @@ POOL_CASES = {   # name: (task, candidate, verdict, text)
     "float64 cancellation within the reference's own rounding": (FP64_ROUNDED_TASK, model("return x.clone()"),
                                                                  "correct", ""),
     "complex product": (COMPLEX_TASK, model("return x * x"), "correct", ""),
+    # a reference that raises on the heavy element: its trials keep their jitter, without one
+    "a bounded task, honest": (BOUNDED_TASK, model("return x.clamp_min(0)"), "correct", ""),
+    "a bounded task, off by 1%": (BOUNDED_TASK, model("return x.clamp_min(0) * 1.01"), "incorrect", "(light inputs"),
     "complex product replayed from one trial": (COMPLEX_TASK, model(
         "if self.out is None:\n    self.out = x * x\nreturn self.out.clone()", init="self.out = None"), "incorrect", ""),
     "complex product in half precision": (COMPLEX_TASK, model(
@@ -391,6 +395,8 @@ def test_inputs_modified_in_place_and_float64_and_complex_outputs_are_checked_fo
     results = cpu_verifier.map([(task, src) for task, src, _, _ in POOL_CASES.values()], timing=False, seed=4)
     for (name, (_, _, status, text)), result in zip(POOL_CASES.items(), results):
         assert result.status == status and text in result.message, (name, result)
+    timed = cpu_verifier.verify(BOUNDED_TASK, model("return x.clamp_min(0)"), seed=4)   # timed calls jittered, light
+    assert timed.correct and timed.speedup > 0, timed
 
 
 FP16_MEAN_TASK = task_source("x.mean()", "torch.rand(1 << 20).half()")

@@ -162,7 +162,8 @@ def _as_reference_gemm(key: str, reference: set) -> str:
     return covering[0] if covering else key
 
 
-def _steps(launches: dict, reference: set, skip=lambda name: False, epilogues: dict | None = None) -> collections.Counter:
+def _steps(launches: dict, reference: set, skip=lambda name: False,
+           epilogues: dict | None = None) -> collections.Counter:
     """Launches by `kernel_class`, GEMM classes as the reference's that cover them, a GEMM or a
     convolution counted once per forward (cuBLAS may split one product in two)."""
     counts = collections.Counter()

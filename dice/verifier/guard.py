@@ -16,8 +16,9 @@ Python gives code several ways to run inside someone else's code; they are close
   child process at a reply is `invalid`; a native thread still alive when the candidate is
   unloaded ends the worker (`native_threads`), so nothing reaches the next candidate.
 - the profiler's switches: torch's profiler controls (`_toggle_collection_dynamic`, the session's
-  prepare / enable / disable, kineto steps, the CUPTI monitor) are replaced in the public namespaces
-  by functions that refuse (the harness calls the originals it captured, `checks.trusted`), and the
+  prepare / enable / disable, kineto steps, the CUPTI monitor) are replaced by functions that
+  refuse in every torch module that binds them (the harness calls the originals it captured,
+  `checks.trusted`), and the
   audit hook refuses importing a CUPTI binding (`cupti`, torch's `_cupti_monitor`) and opening
   libcupti or looking up its functions through ctypes, so candidate Python cannot change which
   kinds of activity CUPTI records while it is profiled (`records.unrecorded_launches` finds it
@@ -60,7 +61,8 @@ PROFILER_CONTROLS = ("_prepare_profiler", "_enable_profiler", "_disable_profiler
 
 def _refuse(event: str, args: tuple) -> None:
     if event in REFUSED:
-        raise HarnessTampered(f"the verifier's worker refuses {event} (a way into the harness that times the candidate)")
+        raise HarnessTampered(f"the verifier's worker refuses {event} (a way into the harness that times the "
+                              "candidate)")
     if event in NAMING and any("cupti" in str(a).lower() for a in args[:2]):
         named = args[0] if event == "import" else args[-1]
         raise HarnessTampered(f"the verifier's worker refuses {event} of {str(named)[:80]} (CUPTI decides what the "
@@ -78,14 +80,15 @@ def install() -> dict:
     """Install the audit hook (it cannot be removed), put refusals in place of torch's profiler
     controls (module docstring) and return the callbacks as they are now."""
     sys.addaudithook(_refuse)
-    import torch.autograd.profiler
-    for module in (torch._C._autograd, torch.autograd, torch.autograd.profiler):
-        for name in PROFILER_CONTROLS:
-            if hasattr(module, name):
-                setattr(module, name, _refusing(name))
-    for name in dir(torch._C._profiler):
-        if name.startswith("_cupti"):
-            setattr(torch._C._profiler, name, _refusing(name))
+    import torch.autograd.profiler  # noqa: F401  bound there too
+    controls = {id(getattr(torch._C._autograd, name)): name for name in PROFILER_CONTROLS
+                if hasattr(torch._C._autograd, name)}
+    controls.update({id(getattr(torch._C._profiler, name)): name for name in dir(torch._C._profiler)
+                     if name.startswith("_cupti")})
+    for module in [m for name, m in sys.modules.items() if name.split(".")[0] == "torch" and m is not None]:
+        for name, value in list(vars(module).items()):
+            if id(value) in controls:
+                setattr(module, name, _refusing(controls[id(value)]))
     return callbacks()
 
 

@@ -17,6 +17,7 @@ floating-point tensors a structure (`TRIAL_KINDS`), the same in the judge and th
   more than 64 elements) the fade is sparse instead (`faded`: a random few at the smallest
   normal, the rest zero, the same expected sum), so the hot element decides just as much;
 - "scaled": the whole tensor times 1/4 or 4: a constant output, or one off by a scale, fails;
+- "light": as "iid" without the heavy element below, for a task whose reference cannot take it;
 - "plain": get_inputs() as drawn, for a trial whose structure the task's own reference cannot take
   (the Verifier's `_trial_kinds`: e.g. float indices that jitter pushes past their table).
 Trials "iid", "spiked" and "scaled" and every timed call also get one heavy element per floating
@@ -32,7 +33,8 @@ task imported anew under a seed of the trial's, so even integers drawn once at i
 an output that ignores their order, a sum or a histogram, cannot be recorded once and replayed).
 Timed calls use "timed" inputs from their own seeds (`timed_inputs`): no two timed calls see the
 same inputs, so outputs cached by value cannot beat the clock. For a task checked on "plain"
-inputs, timed calls permute every tensor instead.
+inputs, timed calls permute every tensor instead ("permuted"); on "light" ones they are jittered
+without a heavy element ("jittered").
 """
 from __future__ import annotations
 
@@ -193,7 +195,7 @@ def _structured_one(x: torch.Tensor, kind: str, g: torch.Generator) -> torch.Ten
     if not x.is_floating_point() or kind == "permuted":
         # integers and booleans (indices, labels, masks) keep their values, in new places
         return x.reshape(-1)[torch.randperm(x.numel(), generator=g, device=x.device)].view(x.shape)
-    if kind in ("iid", "timed"):
+    if kind in ("iid", "timed", "light", "jittered"):
         u = torch.rand(x.shape, generator=g, device=x.device)
         return x * (1 + JITTER * (2 * u - 1)).to(x.dtype)
     if kind == "hot":

@@ -135,7 +135,8 @@ class JudgeHandler:
             model = self._model(task, request["task_key"], request["init_seed"])
             pristine = make_inputs(task, request["seed"], self.device, request["task_src"])
             draws = call_draws(task, request["task_src"], request["seed"], self.device, pristine)
-            self.timer = Timer(model, pristine, request["seed"], self.device, request["method"], request["inputs"], draws)
+            self.timer = Timer(model, pristine, request["seed"], self.device, request["method"], request["inputs"],
+                               draws)
             activity = records.activity(self.timer.profile()) if self.cuda else None
             if activity is not None:
                 activity["epilogues"] = self._epilogues(request, model, self.timer.call_inputs(-4))

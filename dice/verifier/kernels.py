@@ -44,7 +44,8 @@ def gpu_records(fn) -> tuple[object, list]:
     and list appends only, with no arithmetic, so that the records reach the parent as the GPU
     wrote them; they are judged there (`records`). A session that can no longer be ended was ended
     inside `fn`: HarnessTampered."""
-    config = trusted.profiler_config(trusted.kineto, False, False, False, False, False, trusted.experimental_config(), "")
+    config = trusted.profiler_config(trusted.kineto, False, False, False, False, False,
+                                     trusted.experimental_config(), "")
     activities = {trusted.cuda_activity}
     trusted.prepare_profiler(config, activities)
     trusted.enable_profiler(config, activities)
@@ -93,7 +94,8 @@ def matched_families(device: torch.device) -> list[str]:
         except Exception:
             continue
         pattern = records.LAUNCH_FAMILIES[family]
-        if any(pattern.match(r[0]) for r in records.api_calls(calls)) and not records.unrecorded_launches(calls, [family]):
+        present = any(pattern.match(r[0]) for r in records.api_calls(calls))
+        if present and not records.unrecorded_launches(calls, [family]):
             found.append(family)
     return found
 

@@ -110,7 +110,8 @@ def tolerances(outputs: list, errors: list | None, precision: str, atol: float |
     found = []
     for i, e in enumerate(outputs):
         if precision == "strict" and is_exact_float(e):
-            worst, relative, terms = (tuple(errors[i]) + (1,))[:3] if errors is not None and i < len(errors) else (0.0, 0.0, 1)
+            found_error = errors[i] if errors is not None and i < len(errors) else (0.0, 0.0)
+            worst, relative, terms = (tuple(found_error) + (1,))[:3]
             u = unit(e.dtype)
             floor, serial = u / unit(torch.float32), SERIAL * (terms - 1) * u
             rule = [min(max(FP32_TOLERANCE * floor, SCALE * worst), DICE_TOLERANCE),
@@ -144,4 +145,5 @@ def model_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """`model` with its floating parameters and buffers in `dtype` and complex ones in the matching
     complex dtype (in place; `nn.Module.double()` leaves complex ones as they are)."""
     complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
-    return model._apply(lambda t: t.to(complex_dtype) if t.is_complex() else t.to(dtype) if t.is_floating_point() else t)
+    return model._apply(lambda t: t.to(complex_dtype) if t.is_complex() else
+                        t.to(dtype) if t.is_floating_point() else t)

@@ -23,10 +23,12 @@ Stages, first failure wins:
    the profiler (trial 1 calls forward twice), the inputs written into the previous call's
    tensors. Invalid (`verdicts.trial_verdict`): the kernels break `checks.kernel_problem` under
    `rules`, inputs modified or aliased, an output in an earlier call's memory or changed by a
-   later call, work still running after forward returned, threads or processes left running, an
-   output equal to an earlier trial's while the references differ, the harness changed
-   (`guard`). Incorrect: `checks.compare_outputs` fails at the `precision` rule's tolerances on
-   any trial or repeated call;
+   later call, work still running after forward returned, the profiler's recording switched
+   (`records`: launches without their device records, a missing canary copy), threads or processes
+   left running, an output equal to an earlier trial's while the references differ, the harness
+   changed or a refused hook (`guard`). Incorrect: `checks.compare_outputs` fails at the `precision`
+   rule's tolerances on any trial or repeated call, or an input the reference modifies in place
+   does not end as the reference leaves it;
 4. timing (if `timing`), the GPU lock held exclusively: `timing.Timer` in the worker and in the
    judge (CUDA graphs when both capture faithfully, else eager calls timed from the GPU's own
    records, shipped raw: `records`), paired blocks until the speedup is stable (`speedup`), the
@@ -229,7 +231,8 @@ class Verifier:
         if not opts.timing:
             return VerifyResult("correct", compiled=True, message=f"correct on {len(seeds)} trials")
         trials = [activity for _, _, activity in history if activity is not None]
-        inputs = "permuted" if "plain" in kinds else "timed"   # a task that takes no jitter (`_trial_kinds`)
+        # a task that takes no jitter, or no heavy element (`_trial_kinds`)
+        inputs = "permuted" if "plain" in kinds else "jittered" if "light" in kinds else "timed"
         timed = self._timing(worker, task, init_seed, timing_seed, clock, opts, trials, inputs)
         if isinstance(timed, Timing) and timed.speedup > PLAUSIBLE:   # measured again by a fresh process
             worker.restart()
@@ -252,15 +255,15 @@ class Verifier:
         """Each trial's input structure (`harness.trial_kinds`; with `plain`, DICE's check, the
         inputs as drawn) with every reference computed, once per task and seeds. A structure the
         task's own reference cannot take (it raises, e.g. on float indices spiked or jittered past
-        their table) falls back to iid, then to the inputs as drawn ("plain"), so no candidate is
-        judged outside the task's domain; a reference that fails on plain inputs too is the task's
-        error (TaskError)."""
+        their table) falls back to iid, then to iid without the heavy element ("light"), then to
+        the inputs as drawn ("plain"), so no candidate is judged outside the task's domain; a
+        reference that fails on plain inputs too is the task's error (TaskError)."""
         key = (task["task_key"], task["precision"], init_seed, tuple(seeds), plain)
         if key not in self._kinds:
             kinds = ["plain"] * len(seeds) if plain else trial_kinds(len(seeds))
             for i, seed in enumerate(seeds):
                 request = {"op": "reference", **task, "init_seed": init_seed, "seed": seed}
-                for kind in dict.fromkeys([kinds[i], "iid", "plain"]):
+                for kind in dict.fromkeys([kinds[i], "iid", "light", "plain"]):
                     try:
                         self._judge_call({**request, "kind": kind})
                         kinds[i] = kind
