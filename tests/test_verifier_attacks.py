@@ -421,9 +421,9 @@ INT_TASK = RELU_TASK.replace("def get_inputs():\n    return [torch.randn(256, 10
     "return torch.relu(x)", "return (x * 3 - 7).float()")
 TRIAL_CASES = {
     # fp16: the hot trial's fade used to stop at fp16's smallest normal, so the hot element decided little;
-    # since issue #46 every trial's heavy element (`harness.with_heavy`) decides it from trial 1 on
+    # since issue #46 the spiked trial's heavy element (`harness.with_heavy`) decides it, before the hot one
     "fp16 mean from the first 1/8": (FP16_MEAN_TASK, _model("return x[: x.numel() // 8].float().mean().half()"),
-                                     "incorrect", "trial 1"),
+                                     "incorrect", "(spiked"),
     # integers drawn once at import were the same in every trial: one recorded output answered them all
     "replays one output of integer inputs drawn at import": (INT_TASK, _model(
         "if self.out is None:\n    self.out = (x * 3 - 7).float()\nreturn self.out.clone()", init="self.out = None"),

@@ -17,15 +17,19 @@ floating-point tensors a structure (`TRIAL_KINDS`), the same in the judge and th
   more than 64 elements) the fade is sparse instead (`faded`: a random few at the smallest
   normal, the rest zero, the same expected sum), so the hot element decides just as much;
 - "scaled": the whole tensor times 1/4 or 4: a constant output, or one off by a scale, fails;
-- "light": as "iid" without the heavy element below, for a task whose reference cannot take it;
+- "light": as "iid", for a "spiked" or "scaled" trial whose heavy element (below) the task's
+  reference cannot take;
 - "plain": get_inputs() as drawn, for a trial whose structure the task's own reference cannot take
   (the Verifier's `_trial_kinds`: e.g. float indices that jitter pushes past their table).
-Trials "iid", "spiked" and "scaled" and every timed call also get one heavy element per floating
-tensor (`with_heavy`): the tensor's largest magnitude times its element count (at most half the
-dtype's range), so it carries about half of a sum; the other elements look as they always do, so
-no sample of a few elements tells these inputs from any others, and an estimate from part of a
-tensor fails whatever part it reads (the hot trial's faded elements are easy to spot). Complex
-tensors take every structure through their real and imaginary parts.
+Trials "spiked" and "scaled" and every timed call also get one heavy element per floating tensor
+(`with_heavy`): the tensor's largest magnitude times its element count (at most half the dtype's
+range), so it carries about half of a sum; the other elements look as they always do, so no
+sample of a few elements tells these inputs from any others, and an estimate from part of a
+tensor fails whatever part it reads (the hot trial's faded elements are easy to spot). The "iid"
+trial has none: the outputs a heavy element reaches set the scale of a trial's error bounds (the
+reference's own error, the whole-output norm), so the iid trial is where every output element is
+held to the precision rule at its ordinary scale. Complex tensors take every structure through
+their real and imaginary parts.
 Signs and zeros are left alone, and integer and boolean tensors (indices, labels, masks) keep
 their values in new places (a permutation per trial), so inputs stay in the task's domain; their
 values are new draws on every trial and timed call (`make_inputs` with the task's source: the
@@ -54,7 +58,7 @@ from .checks import trusted
 
 TASK_IMPORT_SEED = 0            # module-level randomness of a task is the same in every process
 TRIAL_KINDS = ("iid", "spiked", "hot", "scaled", "spiked")   # trials 1-5; later trials are "iid"
-HEAVY_KINDS = ("iid", "spiked", "scaled", "timed")             # kinds that also get a heavy element (`with_heavy`)
+HEAVY_KINDS = ("spiked", "scaled", "timed")                    # kinds that also get a heavy element (`with_heavy`)
 JITTER = 2**-3
 HOT_FADE, HOT_DRAWS = 2**-8, 8
 SPIKE, SPIKE_EVERY = 64.0, 4096

@@ -23,7 +23,7 @@
     tree (error ~u log m), an honest kernel may add the m terms one by one into one float (atomics),
     whose worst case is (m - 1) u and which reaches ~(m - 1) u / 30 when most terms fall below half
     a unit of the running sum (a mean of 2^20 values with one of them dominant, an MSE of values
-    near 0.5: 1e-3 to 2e-3 relative, simulated in `tests/test_verifier_rules.py`); SERIAL = 1/8
+    near 0.5: 1e-3 to 2e-3 relative, simulated in `tests/test_verifier_integrity.py`); SERIAL = 1/8
     keeps a factor of ~4 above that. A GEMM's output is as large as its operands (m = 1 here),
     so a TF32 or fp16 GEMM (errors ~4e-4 of the output's scale, hundreds of times a true fp32
     GEMM's) still fails the elementwise 1e-4.

@@ -255,15 +255,15 @@ class Verifier:
         """Each trial's input structure (`harness.trial_kinds`; with `plain`, DICE's check, the
         inputs as drawn) with every reference computed, once per task and seeds. A structure the
         task's own reference cannot take (it raises, e.g. on float indices spiked or jittered past
-        their table) falls back to iid, then to iid without the heavy element ("light"), then to
-        the inputs as drawn ("plain"), so no candidate is judged outside the task's domain; a
-        reference that fails on plain inputs too is the task's error (TaskError)."""
+        their table, or on a heavy element) falls back to jitter alone ("light"), then to the inputs
+        as drawn ("plain"), so no candidate is judged outside the task's domain; a reference that
+        fails on plain inputs too is the task's error (TaskError)."""
         key = (task["task_key"], task["precision"], init_seed, tuple(seeds), plain)
         if key not in self._kinds:
             kinds = ["plain"] * len(seeds) if plain else trial_kinds(len(seeds))
             for i, seed in enumerate(seeds):
                 request = {"op": "reference", **task, "init_seed": init_seed, "seed": seed}
-                for kind in dict.fromkeys([kinds[i], "iid", "light", "plain"]):
+                for kind in dict.fromkeys([kinds[i], "light", "plain"]):
                     try:
                         self._judge_call({**request, "kind": kind})
                         kinds[i] = kind
