@@ -156,7 +156,7 @@ def test_an_estimate_from_part_of_a_tensor_fails_every_heavy_trial_whatever_it_r
     perm = torch.randperm(numel, generator=torch.Generator().manual_seed(0))
     ways = {"prefix": lambda v, f: v[: int(f * v.numel())], "stride": lambda v, f: v[:: round(1 / f)],
             "fixed random": lambda v, f: v[perm[: int(f * v.numel())]]}
-    for seed in range(6):
+    for seed in range(3):
         x = torch.rand(numel, generator=torch.Generator().manual_seed(seed)).to(dtype)
         for kind in ("spiked", "scaled"):
             heavy = trial_like(x, kind, seed).float()
@@ -188,6 +188,7 @@ def _strict(reference: torch.Tensor, exact: torch.Tensor, inputs: list) -> list:
     return tolerances([reference], [(*own_error(reference, exact), reduction_terms(inputs, reference))], "strict")[0]
 
 
+@pytest.mark.slow
 def test_a_mean_of_a_million_floats_added_by_atomics_is_correct_on_every_trial():
     """The honest controls that were `incorrect` on the H200 (the MSE off by 3.3e-4 at 0.403 on a
     spiked trial, outside atol + rtol |e| = 1.4e-4): reproduced here by adding the 2^20 terms one
@@ -212,7 +213,7 @@ def test_tf32_and_fp16_gemms_stay_incorrect_under_the_strict_rule():
     fp16-rounded operands (~4e-4 of the output's scale) fails; the exact product summed in float64
     and rounded passes."""
     g = torch.Generator().manual_seed(1)
-    a, b = torch.randn(256, 1024, generator=g), torch.randn(1024, 256, generator=g)
+    a, b = torch.randn(128, 1024, generator=g), torch.randn(1024, 128, generator=g)
     tf32 = lambda t: ((t.view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)  # noqa: E731
     reference, exact = a @ b, a.double() @ b.double()
     allowed = _strict(reference, exact, [a, b])

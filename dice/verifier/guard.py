@@ -86,7 +86,7 @@ def install() -> dict:
     controls.update({id(getattr(torch._C._profiler, name)): name for name in dir(torch._C._profiler)
                      if name.startswith("_cupti")})
     for module in [m for name, m in sys.modules.items() if name.split(".")[0] == "torch" and m is not None]:
-        for name, value in list(vars(module).items()):
+        for name, value in list(getattr(module, "__dict__", {}).items()):
             if id(value) in controls:
                 setattr(module, name, _refusing(controls[id(value)]))
     return callbacks()

@@ -1,9 +1,10 @@
 """Timing one model's forward in a worker: the candidate's and the eager reference's alike (DESIGN.md §8).
 
 A `Timer` serves one timing of one model on one task: call k runs on `harness.timed_inputs(k)`
-(new values every call, drawn from a seed no correctness trial uses), the L2 cache flushed
-before it. Two methods, the same for the candidate and its baseline (the parent picks one both
-can use):
+(new values every call, drawn from a seed no correctness trial uses, written into the previous
+eager call's input tensors as a training loop reuses its buffers, so outputs cached by input
+address answer stale), the L2 cache flushed before it. Two methods, the same for the candidate
+and its baseline (the parent picks one both can use):
 - "graph": the forward is captured once in a CUDA graph on static input buffers; call k copies
   its inputs into them and replays the graph between two CUDA events. A replay runs exactly the
   captured kernels and no Python of the candidate at all, so nothing it does can tell timed calls
@@ -33,7 +34,7 @@ from torch import nn
 
 from .checks import (HarnessTampered, fingerprint, flatten, relative_error, replaced_functions, trusted,
                      trusted_intact)
-from .harness import timed_inputs
+from .harness import rewritten_in_place, timed_inputs
 from .kernels import gpu_records
 from .records import EMPTY_WINDOWS
 
@@ -49,6 +50,7 @@ class Timer:
                  inputs: str = "timed", draws=None):
         self.model, self.pristine, self.seed, self.device, self.inputs = model, pristine, seed, device, inputs
         self.draws = draws      # call -> that call's own draw (`harness.call_draws`), or None
+        self.held: list = []    # the last eager call's inputs, into which the next call's are written
         self.cuda = device.type == "cuda"
         self.flush_bytes = L2_FLUSH_BYTES if self.cuda else 0
         self.flush = torch.empty(self.flush_bytes, dtype=torch.uint8, device=device)
@@ -144,6 +146,8 @@ class Timer:
             marker(0)
         for k in range(first, first + calls):
             inputs = self.call_inputs(k)
+            if self.graph is None:       # new values in the last call's tensors: a cache by address answers stale
+                inputs = self.held = rewritten_in_place(self.held, inputs)
             if self.graph is not None:
                 self._load(inputs)
                 flush.zero_()            # not waited for: the GPU is still flushing while the replay is
