@@ -56,23 +56,26 @@ def _layouts(shape: tuple, stride: tuple) -> set:
 
 def activation_kernels(operands: set, device: torch.device) -> dict[str, list[str]]:
     """{GEMM kernel name: the activations it was launched with} for the kernels that ran with an
-    activation epilogue on these operands (in every layout) and never without one."""
-    seen: dict[str, set] = {"plain": set(), **{a: set() for a in ACTIVATIONS}}
-    for (a_shape, a_stride, dtype), (b_shape, b_stride, _) in operands:
-        for sa in _layouts(a_shape, a_stride):
-            for sb in _layouts(b_shape, b_stride):
-                a = torch.empty_strided(a_shape, sa, dtype=dtype, device=device).normal_()
-                b = torch.empty_strided(b_shape, sb, dtype=dtype, device=device).normal_()
-                bias = torch.zeros(b_shape[1], dtype=dtype, device=device)
-                seen["plain"] |= _gemm_names(lambda: (torch.mm(a, b), torch.addmm(bias, a, b)))
-                for name, gelu in ACTIVATIONS.items():
-                    seen[name] |= _gemm_names(lambda: torch._addmm_activation(bias, a, b, use_gelu=gelu))
+    activation epilogue on these operands (in each layout) and never without one; one profiled
+    session per variant (plain products and products with a bias; each activation)."""
+    if not operands:
+        return {}
+    plain = _gemm_names(operands, device, lambda a, b, bias: (torch.mm(a, b), torch.addmm(bias, a, b)))
     found: dict[str, list[str]] = {}
-    for name in ACTIVATIONS:
-        for kernel in seen[name] - seen["plain"]:
+    for name, gelu in ACTIVATIONS.items():
+        epilogue = _gemm_names(operands, device, lambda a, b, bias: torch._addmm_activation(bias, a, b, use_gelu=gelu))
+        for kernel in sorted(epilogue - plain):
             found.setdefault(kernel, []).append(name)
     return found
 
 
-def _gemm_names(run) -> set:
+def _gemm_names(operands: set, device: torch.device, product) -> set:
+    """The GEMM-class kernels `product(a, b, bias)` launches on every operand pair, in every layout."""
+    def run():
+        for (a_shape, a_stride, dtype), (b_shape, b_stride, _) in operands:
+            for sa in _layouts(a_shape, a_stride):
+                for sb in _layouts(b_shape, b_stride):
+                    a = torch.empty_strided(a_shape, sa, dtype=dtype, device=device).normal_()
+                    b = torch.empty_strided(b_shape, sb, dtype=dtype, device=device).normal_()
+                    product(a, b, torch.zeros(b_shape[1], dtype=dtype, device=device))
     return {name for name, _, _ in records.on_device(gpu_records(run)[1]) if kernel_class(name).startswith("gemm")}
