@@ -21,6 +21,7 @@ before any candidate loads) delimits what belongs to a forward:
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import re
 
@@ -114,9 +115,14 @@ def unrecorded_launches(records: list, families: list) -> list[str]:
     patterns = [LAUNCH_FAMILIES[f] for f in families if f in LAUNCH_FAMILIES]
     calls = [r for r in api_calls(records) if r[3] and any(p.match(r[0]) for p in patterns)]
     recorded = {r[3] for r in records if len(r) == 5 and r[4]}
-    matched = [c for c in calls if c[3] in recorded]
-    return [name for name, start, end, _ in calls if not any(
-        c[1] <= start and end <= c[2] or start <= c[1] and c[2] <= end for c in matched)]
+    matched = sorted((start, end) for _, start, end, correlation in calls if correlation in recorded)
+    starts = [start for start, _ in matched]
+
+    def nested(start: int, end: int) -> bool:   # inside a matched call, or around one
+        i, j = bisect.bisect_right(starts, start), bisect.bisect_left(starts, start)
+        return (i > 0 and matched[i - 1][1] >= end) or any(
+            matched[m][1] <= end for m in range(j, bisect.bisect_right(starts, end)))
+    return [name for name, start, end, correlation in calls if correlation not in recorded and not nested(start, end)]
 
 
 def windows(records: list, marker: str, calls: int, empty: int = 0) -> tuple[list, int | None]:
