@@ -598,6 +598,7 @@ def test_timing_attacks_gain_nothing(timed, name):
     assert not result.correct or result.speedup <= 1.25 * honest_relu.speedup_ci[1], (name, result, honest_relu)
 
 
+@pytest.mark.slow
 def test_an_atomic_mean_is_correct_and_downgraded_gemms_incorrect_under_the_strict_rule(verifier):
     """Item 3 of issue #46: the strict rule's serial-sum allowance accepts 2^20 floats added one by
     one with atomics, while a GEMM (its output as large as its operands) keeps the fp32 bound."""
@@ -636,6 +637,7 @@ def test_the_judge_learns_which_gemm_kernels_compute_an_activation():
     assert not plain & set(labelled), (plain, labelled)
 
 
+@pytest.mark.slow
 def test_dices_own_check_passes_the_attacks_the_strict_one_refuses(verifier):
     """`train.py --reward-rules dice` (`protocols.DICE_REWARD`): DICE's one trial at 1e-2 with no
     kernel rule is the reward these attacks defeat; ours refuses them."""
