@@ -99,6 +99,7 @@ class TrainConfig:
     kl_beta: float = 0.01
     reference_model: bool = False
     reward: str = "correct"
+    reward_rules: str = "strict"
     eval_every: int = 0
     eval_data: str = ""
     verifier_workers: int = 8
@@ -161,7 +162,7 @@ def _within(value, rule: str) -> bool:
 
 CHOICES = {"phase": ("init", "sft", "infill", "e2e"), "dtype": ("auto", "bf16", "fp32"),
            "schedule": ("constant", "cosine"), "attention": ("auto", "flex", "dense"), "remasking": REMASKING,
-           "reward": ("correct", "speedup"), "minibatch_order": ("contiguous", "shuffle"),
+           "reward": ("correct", "speedup"), "reward_rules": ("strict", "dice"), "minibatch_order": ("contiguous", "shuffle"),
            "optimizer_state": ("step", "run"), "update_rows": UPDATE_ROWS,
            "task_order": ("curriculum", "interleaved")}
 # the range of every number flag (`_within`); every float must be finite but those of ENDLESS
@@ -184,8 +185,8 @@ PHASE_FLAGS = {
             "sft_pad_targets"),
     "infill/e2e": ("tasks_per_step", "group_size", "max_new_tokens", "temperature", "remasking", "threshold",
                    "steps_per_block", "rollout_batch", "update_tokens", "update_rows", "updates_per_step", "rows_per_update", "minibatch_order",
-                   "optimizer_state", "clip_eps", "kl_beta", "reference_model", "reward", "eval_every", "eval_data",
-                   "verifier_workers", "verify_timeout", "prompt_template", "task_order",
+                   "optimizer_state", "clip_eps", "kl_beta", "reference_model", "reward", "reward_rules", "eval_every",
+                   "eval_data", "verifier_workers", "verify_timeout", "prompt_template", "task_order",
                    "dynamic_sampling_rounds")}
 INIT_FLAGS = ("phase", "data", "out", "overwrite") + PHASE_FLAGS["init"]
 HELP = {
@@ -262,6 +263,10 @@ HELP = {
     "kl_beta": "RL: weight of the k3 KL term",
     "reference_model": "RL: KL against a frozen copy of --model instead of the rollout policy",
     "reward": "RL: correct (1 for a correct kernel, else 0) or speedup (adds 0.5 * clamp(log2 speedup, 0, 2))",
+    "reward_rules": "RL: how the reward judges a kernel: strict (ours: 3 structured trials at the strict precision, "
+                    "the strict kernel rule, --verify-timeout) or dice (DICE's own check: one trial on the inputs as "
+                    "drawn, allclose at 1e-2, no kernel rule, 300 s with the build; decoys, subsample estimates and "
+                    "the other attacks of the verifier's tests pass it: DESIGN.md §8.6)",
     "eval_every": "RL: greedy evaluation on --eval-data every N steps (0: never)",
     "eval_data": "RL: held-out tasks for --eval-every",
     "verifier_workers": "RL: kernel verifier worker processes",

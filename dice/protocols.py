@@ -71,6 +71,12 @@ PROTOCOLS = {
         verify={"rules": "kernelbench", "precision": "strict", "trials": 5, "timeout_s": 180.0, "atol": 1e-4,
                 "rtol": 1e-4, "rel_l2": math.inf}),
 }
+# DICE's RL reward (`train.py --reward-rules dice`): its check is KernelBench's `eval_kernel_against_ref`
+# as --protocol dice judges, with one correctness trial (training/RL/reward/rl_execute_kernel.py
+# `num_correct_trials=1`, `measure_performance=False`; reward/eval.py: allclose atol = rtol = 1e-2 on
+# get_inputs() as drawn, no kernel rule) and 300 s for the build and the check together (`timeout = 300`
+# around its evaluation subprocess). The attacks of the verifier's tests pass it (DESIGN.md §8.6).
+DICE_REWARD = {**PROTOCOLS["dice"].verify, "rules": "dice", "trials": 1, "timeout_s": 300.0}
 # the evaluate.py flag of each VerifyOptions field a protocol sets
 VERIFY_FLAGS = {"rules": "rules", "trials": "trials", "timeout_s": "timeout"}
 

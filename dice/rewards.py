@@ -2,7 +2,8 @@
 
 A reward is any `reward_fn(tasks, completions)` returning a list of floats or `Scores` (the rewards
 and the verifier results behind them); `verifier_reward` is DICE's: 1 for a kernel that compiles
-and is correct (infill: and keeps the task's prefix and suffix), else 0.
+and is correct (infill: and keeps the task's prefix and suffix), else 0, judged by our verifier's
+strict check or (`rules="dice"`) by DICE's own.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .prompts import keeps_skeleton
+from .protocols import DICE_REWARD
 from .rollout import Completion
 from .tasks import Task
 
@@ -35,10 +37,14 @@ def score(reward_fn: RewardFn, tasks: list[Task], completions: list[Completion])
 
 
 def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = False, trials: int = 3,
-                    timeout_s: float = 60.0) -> Callable[[list[Task], list[Completion]], Scores]:
+                    timeout_s: float = 60.0, rules: str = "strict") -> Callable[[list[Task], list[Completion]], Scores]:
     """Reward through the kernel verifier: 1 if compiled and correct (infill: and the program
     keeps the task's prefix and suffix), else 0; kind "speedup" adds 0.5 * clamp(log2 speedup,
-    0, 2)."""
+    0, 2). `rules`: "strict" (ours: `trials` structured trials at the strict precision, the strict
+    kernel rule, `timeout_s`) or "dice" (DICE's own check, `protocols.DICE_REWARD`: one trial on
+    the inputs as drawn, allclose at 1e-2, no kernel rule, 300 s with the build; the verifier's
+    attack tests pass it)."""
+    options = dict(DICE_REWARD) if rules == "dice" else {"trials": trials, "timeout_s": timeout_s}
     def reward(tasks: list[Task], completions: list[Completion]) -> Scores:
         pairs, index = [], []
         for i, (t, c) in enumerate(zip(tasks, completions)):
@@ -46,8 +52,7 @@ def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = 
                 continue
             pairs.append((t.source, c.code))
             index.append(i)
-        verified = verifier.map(pairs, on_broken_task=_warn_broken_task, trials=trials, timeout_s=timeout_s,
-                                timing=timing or kind == "speedup")
+        verified = verifier.map(pairs, on_broken_task=_warn_broken_task, timing=timing or kind == "speedup", **options)
         by_item = dict(zip(index, verified))
         results = [by_item.get(i) for i in range(len(tasks))]
         rewards = []

@@ -65,8 +65,8 @@ from .runtime import (MetricsLog, build_model, check_resume, check_run_folder, c
 # what a resumed RL run must keep (besides the tasks and the model)
 RESUME_FIELDS = ("phase", "seed", "tasks_per_step", "group_size", "max_new_tokens", "temperature", "remasking",
                  "threshold", "steps_per_block", "updates_per_step", "rows_per_update", "loss_norm", "clip_eps",
-                 "kl_beta", "reference_model", "reward", "lr", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip",
-                 "minibatch_order", "optimizer_state", "prompt_template", "task_order",
+                 "kl_beta", "reference_model", "reward", "reward_rules", "lr", "weight_decay", "adam_beta1",
+                 "adam_beta2", "grad_clip", "minibatch_order", "optimizer_state", "prompt_template", "task_order",
                  "dynamic_sampling_rounds")
 
 
@@ -471,7 +471,7 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
         from .verifier import Verifier
         verifier = Verifier(workers=cfg.verifier_workers)
         reward_fn = verifier_reward(verifier, cfg.phase, cfg.reward, timing=cfg.reward == "speedup",
-                                    timeout_s=cfg.verify_timeout)
+                                    timeout_s=cfg.verify_timeout, rules=cfg.reward_rules)
         eval_reward = verifier_reward(verifier, "e2e", "correct", timing=True, timeout_s=cfg.verify_timeout)
     total = cfg.steps
     gather = _FullParameters(model) if rt.world > 1 else None

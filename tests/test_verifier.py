@@ -446,12 +446,14 @@ RULE_CASES = {
     "falls back": (RELU_TASK, candidate("try:\n    return ext.relu(x)\nexcept Exception:\n    return torch.relu(x)"),
                    "invalid", "except branch"),
     "init weights match": (LINEAR_TASK, LINEAR_CANDIDATE, "correct", ""),
-    # statistics from a subsample: off by ~1e-3 on iid inputs, which the strict precision (fp32 at
-    # 1e-4) refuses at once; at DICE's 1e-2 an MSE fails the spiked trials, a mean the hot one
-    # (test_verifier_rules: test_a_statistic_from_a_subsample_fails_the_hot_and_spiked_trials)
+    # statistics from a subsample: off by ~1e-3 on iid inputs, which the strict precision refused at
+    # once until issue #46 gave reductions of m terms the allowance of m floats added one by one
+    # (~8e-3 here); the spiked trial's heavy element refuses them now (test_verifier_integrity:
+    # test_an_estimate_from_part_of_a_tensor_fails_every_heavy_trial_whatever_it_reads)
     "MSE from 1/8 of the elements": (MSE_TASK, candidate("d = x.reshape(-1)[::8] - 0.5\nreturn (d * d).mean()"),
-                                     "incorrect", "(iid"),
-    "mean from the first 1/8": (BIG_MEAN_TASK, candidate("return x[: x.numel() // 8].mean()"), "incorrect", "(iid"),
+                                     "incorrect", "(spiked"),
+    "mean from the first 1/8": (BIG_MEAN_TASK, candidate("return x[: x.numel() // 8].mean()"), "incorrect",
+                                "(spiked"),
     "mean from every element": (BIG_MEAN_TASK, candidate("return x.mean()"), "correct", ""),
     "MSE from every element": (MSE_TASK, candidate("d = x.reshape(-1) - 0.5\nreturn (d * d).mean()"), "correct", ""),
 }

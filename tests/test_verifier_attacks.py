@@ -420,9 +420,10 @@ INT_TASK = RELU_TASK.replace("def get_inputs():\n    return [torch.randn(256, 10
                              "X = torch.randint(0, 100, (256, 1024))\n\n\ndef get_inputs():\n    return [X]").replace(
     "return torch.relu(x)", "return (x * 3 - 7).float()")
 TRIAL_CASES = {
-    # fp16: the hot trial's fade used to stop at fp16's smallest normal, so the hot element decided little
+    # fp16: the hot trial's fade used to stop at fp16's smallest normal, so the hot element decided little;
+    # since issue #46 the spiked trial's heavy element (`harness.with_heavy`) decides it, before the hot one
     "fp16 mean from the first 1/8": (FP16_MEAN_TASK, _model("return x[: x.numel() // 8].float().mean().half()"),
-                                     "incorrect", "(hot"),
+                                     "incorrect", "(spiked"),
     # integers drawn once at import were the same in every trial: one recorded output answered them all
     "replays one output of integer inputs drawn at import": (INT_TASK, _model(
         "if self.out is None:\n    self.out = (x * 3 - 7).float()\nreturn self.out.clone()", init="self.out = None"),
@@ -445,10 +446,11 @@ def test_structured_trials_reach_fp16_and_integer_inputs(cpu_verifier):
 FIND_TIMER = ("import sys\nf = sys._getframe()\nwhile f is not None and type(f.f_locals.get('self')).__name__ != 'Timer':\n"
               "    f = f.f_back\n")
 HARNESS_CASES = {   # name: (candidate, verdict, text), verified without timing
+    # a refused hook is harness tampering: `invalid` with the reason (runtime_error before issue #46)
     "an interpreter profile hook": (_model("import sys\nsys.setprofile(lambda *a: None)\nreturn x.clamp_min(0)"),
-                                    "runtime_error", "refuses sys.setprofile"),
+                                    "invalid", "refuses sys.setprofile"),
     "a walk of the gc's objects": (_model("import gc\ngc.get_objects()\nreturn x.clamp_min(0)"),
-                                   "runtime_error", "refuses gc.get_objects"),
+                                   "invalid", "refuses gc.get_objects"),
     # refused silently (as Python does when a hook refuses one): were it added, it would shift the output
     "an audit hook of its own": (_model("import sys\nif not self.seen:\n    sys.addaudithook(lambda *a: self.seen.append(1))\n"
                                         "    sys.addaudithook(lambda *a: None)\nreturn x.clamp_min(0) + len(self.seen)",

@@ -43,6 +43,10 @@ FLIP_TASK = task("torch.flip(x, [1])", "torch.randn(256, 1024)")
 TRIL_TASK = task("torch.tril(x)", "torch.randn(64, 64)")
 ROWS_TASK = task("x.mean(0, keepdim=True).relu().repeat(x.shape[0], 1)", "torch.randn(256, 1024)")
 FIXED_TASK = task("torch.relu(x) * 2", "X").replace("\n\nclass Model", "\nX = torch.randn(256, 1024)\n\n\nclass Model", 1)
+FP64_MATMUL_TASK = task("x @ x.t()", "torch.randn(256, 256, dtype=torch.float64)")
+# integers drawn once at import, an output their order does not change (issue #46, item 2)
+INT_SUM_TASK = task("x.sum().float()", "X").replace(
+    "\n\nclass Model", "\nX = torch.randint(0, 100, (256, 256))\n\n\nclass Model", 1)
 
 KERNELS = r'''
 extern "C" __global__ void noop(float* y) { }
@@ -129,6 +133,26 @@ extern "C" __global__ void col_mean_relu(const float* x, float* row, long long r
     long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (c < cols) { float s = 0.0f; for (long long r = 0; r < rows; ++r) s += x[r * cols + c]; s /= (float)rows; row[c] = s > 0.0f ? s : 0.0f; }
 }
+extern "C" __global__ void fraction_mean(const float* x, float* total, long long m, float scale) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < m) atomicAdd(total, x[i] * scale);
+}
+extern "C" __global__ void adaptive_mean(const float* x, float* total, long long n, long long m) {
+    // the first m elements' mean, or all n where the first 64 are faded (the hot trial): decided on the GPU
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    bool hot = true;
+    for (int k = 0; k < 64; ++k) hot = hot && fabsf(x[k]) < 1e-3f;
+    long long upto = hot ? n : m;
+    if (i < upto) atomicAdd(total, x[i] / (float)upto);
+}
+extern "C" __global__ void sum_int(const long long* x, float* total, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) atomicAdd(total, (float)x[i]);
+}
+extern "C" __global__ void matmul_xxt_f64(const double* x, double* y, long long n) {
+    long long r = blockIdx.y, c = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (c < n) { double s = 0.0; for (long long k = 0; k < n; ++k) s += x[r * n + k] * x[c * n + k]; y[r * n + c] = s; }
+}
 extern "C" __global__ void matmul_xxt(const float* x, float* y, long long n) {
     long long r = blockIdx.y, c = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (c < n) { float s = 0.0f; for (long long k = 0; k < n; ++k) s += x[r * n + k] * x[c * n + k]; y[r * n + c] = s; }
@@ -182,6 +206,60 @@ SIDE_RELU = ("y = torch.empty_like(x)\nside = torch.cuda.Stream()\nside.wait_str
              "launch('spin', 1, cp.int64(2_000_000), grid=(1,), block=1, stream=side)\n"
              "launch('relu', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.numel()), stream=side)\n")
 JOIN = "torch.cuda.current_stream().wait_stream(side)\n"
+# a mean from a fraction of the elements, scaled up; exact where the trial looks hot (its first 64 elements faded)
+ESTIMATE = ("f = x.float()\nt = torch.zeros(1, device=x.device)\nlaunch('adaptive_mean', f.numel(), f.data_ptr(), "
+            "t.data_ptr(), cp.int64(f.numel()), cp.int64(int(0.7 * f.numel())))\nreturn t.reshape(()).to(x.dtype)")
+FULL_MEAN = ("t = torch.zeros(1, device=x.device)\nlaunch('fraction_mean', x.numel(), x.data_ptr(), t.data_ptr(), "
+             "cp.int64(x.numel()), np.float32(1 / x.numel()))\nreturn t.reshape(())")
+# the output written by a thread, on a stream of its own, 0.2 ms after forward returned
+LATE_THREAD = ("import threading, time\ny = torch.empty_like(x)\nside = torch.cuda.Stream()\n"
+               "def late():\n    time.sleep(2e-4)\n"
+               "    launch('relu', x.numel(), x.data_ptr(), y.data_ptr(), cp.int64(x.numel()), stream=side)\n"
+               "threading.Thread(target=late).start()\nreturn y")
+SUM_INT = ("t = torch.zeros(1, device=x.device)\nlaunch('sum_int', x.numel(), x.data_ptr(), t.data_ptr(), "
+           "cp.int64(x.numel()))\nreturn t.reshape(())")
+
+# a load_inline extension that switches CUPTI's kernel records off around torch's own ReLU (native code:
+# out of the audit hook's reach), then launches an idle kernel of its own
+INLINE_CUPTI = r'''import torch
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+cuda_source = """
+#include <torch/extension.h>
+#include <dlfcn.h>
+
+__global__ void touch(float* y) { }
+
+typedef int (*Switch)(int);
+
+static Switch cupti(const char* name) {
+    const char* libraries[] = {"libcupti.so.13", "libcupti.so.12", "libcupti.so"};
+    for (const char* library : libraries) {
+        void* handle = dlopen(library, RTLD_NOW | RTLD_NOLOAD);
+        if (handle) return (Switch)dlsym(handle, name);
+    }
+    return nullptr;
+}
+
+torch::Tensor hidden_relu(torch::Tensor x) {
+    Switch off = cupti("cuptiActivityDisable"), on = cupti("cuptiActivityEnable");
+    if (off) off(10);   // CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL
+    torch::Tensor y = torch::relu(x);
+    if (on) on(10);
+    touch<<<1, 1>>>(y.data_ptr<float>());
+    return y;
+}
+"""
+
+ext = load_inline(name="cupti_switch_ext", cpp_sources="torch::Tensor hidden_relu(torch::Tensor x);",
+                  cuda_sources=cuda_source, functions=["hidden_relu"], extra_ldflags=["-ldl"])
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        return ext.hidden_relu(x.contiguous())
+'''
 
 # forwards that compute once and answer from memory: by input address, or once for inputs drawn at import
 MEMOISED = ("key = x.data_ptr()\nif key not in self.memo:\n    self.memo[key] = torch.empty_like(x)\n"
@@ -264,6 +342,38 @@ ATTACKS = {
         "launch('relu_from', x.numel(), host.data_ptr(), y.data_ptr(), cp.int64(x.numel()))\nreturn y"), "invalid"),
     # (pinned memory is device-addressable at its host address under unified addressing; on the H200
     # cp.cuda.runtime.hostGetDevicePointer refused torch's pinned buffer: runtime_error)
+    # issue #46, class 1: what CUPTI records switched while the candidate runs
+    "library work with the profiler's collection toggled off": (RELU_TASK, candidate(
+        "from torch.profiler import ProfilerActivity\n"
+        "torch._C._autograd._toggle_collection_dynamic(False, {ProfilerActivity.CUDA})\ny = x.clamp_min(0)\n"
+        "torch._C._autograd._toggle_collection_dynamic(True, {ProfilerActivity.CUDA})\nnoop(x)\nreturn y"), "invalid"),
+    "library work with CUPTI's kernel records off (cupti-python)": (RELU_TASK, candidate(
+        "from cupti import cupti\ncupti.activity_disable(cupti.ActivityKind.CONCURRENT_KERNEL)\ny = x.clamp_min(0)\n"
+        "cupti.activity_enable(cupti.ActivityKind.CONCURRENT_KERNEL)\nnoop(x)\nreturn y"), "invalid"),
+    "library work with CUPTI's kernel records off (ctypes)": (RELU_TASK, candidate(
+        "import ctypes\ncupti = ctypes.CDLL(None)\ncupti.cuptiActivityDisable(10)\ny = x.clamp_min(0)\n"
+        "cupti.cuptiActivityEnable(10)\nnoop(x)\nreturn y"), "invalid"),
+    # (native: the records hold the runtime's launch without its kernel; if the kernel family is left unchecked
+    # on this GPU, `matched_families`, this decoy passes: the test says so)
+    "library work with CUPTI's kernel records off (a load_inline extension)": (RELU_TASK, INLINE_CUPTI, "invalid"),
+    # class 2: an estimate from part of the input, exact only where a trial looks structured
+    "fp16 mean from 70% of the elements, exact on trials that look hot": (FP16_MEAN_TASK, candidate(ESTIMATE),
+                                                                          "incorrect"),
+    "fp32 mean from 70% of the elements, exact on trials that look hot": (BIG_MEAN_TASK, candidate(ESTIMATE),
+                                                                          "incorrect"),
+    # class 3: an output written after forward returned
+    "an output written by a thread after forward returned": (RELU_TASK, candidate(LATE_THREAD), "invalid"),
+    # class 4: a refused hook is invalid, with its reason
+    "an interpreter profile hook": (RELU_TASK, candidate(
+        "import sys\nsys.setprofile(lambda *a: None)\n" + OWN_RELU), "invalid"),
+    # item 2: a float64 task computed in float32; an order-free integer output replayed from one draw
+    "a float64 product computed in float32": (FP64_MATMUL_TASK, candidate(
+        "n = x.shape[0]\nf = x.float()\ny = torch.empty(n, n, device=x.device)\nlaunch('matmul_xxt', 0, f.data_ptr(), "
+        "y.data_ptr(), cp.int64(n), grid=((n + 255) // 256, n))\nreturn y.double()"), "incorrect"),
+    "replays the sum of integers drawn at import, an own kernel every call": (INT_SUM_TASK, candidate(
+        "noop(x)\nif self.out is None:\n    t = torch.zeros(1, device=x.device)\n"
+        "    launch('sum_int', x.numel(), x.data_ptr(), t.data_ptr(), cp.int64(x.numel()))\n"
+        "    self.out = t.reshape(())\nreturn self.out.clone()", init="self.out = None"), "incorrect"),
     # timing attacks: skip work when timed
     "skips work under a timing function on the stack or in a capture": (RELU_TASK, candidate(
         "import sys\nf, timed = sys._getframe(1), torch.cuda.is_current_stream_capturing()\n"
@@ -340,10 +450,10 @@ SMOKE = ("decoy tensor method", "constant plus jitter", "elementwise", "load_inl
          "skips its kernel on every other timed call")
 
 
-# attacks the verifier does not catch yet, seen `correct` on the H200 (README limits); strict: a fix shows
-KNOWN_GAPS = {"a cuBLASLt epilogue doing the task's activation":
-              "torch._addmm_activation's ReLU epilogue runs inside a GEMM kernel whose name (nvjet, Hopper) does not "
-              "show it, so the reference's ReLU step counts as replaced by the candidate's own (idle) kernel"}
+# attacks the verifier does not catch yet, seen `correct` on the H200 (README limits); strict: a fix shows.
+# (The cuBLASLt epilogue left this list in issue #46: the judge learns which GEMM kernels compute an
+# activation by running the task's products with and without one, `epilogues`.)
+KNOWN_GAPS: dict[str, str] = {}
 
 
 def cases(names) -> list:
@@ -408,7 +518,7 @@ class ModelNew(nn.Module):
         return ext.mse(x.contiguous())
 '''
 
-PREBUILD = [INLINE_RELU, INLINE_MSE]   # built from the session's start (conftest)
+PREBUILD = [INLINE_RELU, INLINE_MSE, INLINE_CUPTI]   # built from the session's start (conftest)
 HONEST = {
     "elementwise": (RELU_TASK, candidate(OWN_RELU)),
     "a persistent workspace recomputed every call": (RELU_TASK, candidate(
@@ -446,6 +556,18 @@ HONEST = {
     "load_inline reduction (MSE)": (MSE_TASK, INLINE_MSE),
     "GEMM kept in PyTorch, own fused bias + ReLU": (GEMM_RELU_TASK, candidate("y = x @ self.weight.t()\n" + BIAS_RELU,
                                                                             init=GEMM_INIT)),
+    # issue #46: a mean of 2^20 floats added by atomics into one (item 3); a reduction on a stream of its own,
+    # joined by an event; a float64 product in float64; an integer sum drawn anew every trial
+    "a mean of 2^20 floats by atomics": (BIG_MEAN_TASK, candidate(FULL_MEAN)),
+    "a reduction on its own stream joined by an event": (MSE_TASK, candidate(
+        "t = torch.zeros(1, device=x.device)\nside = torch.cuda.Stream()\nside.wait_stream(torch.cuda.current_stream())\n"
+        "launch('sq_err_mean', x.numel(), x.data_ptr(), t.data_ptr(), cp.int64(x.numel()), cp.int64(1), stream=side)\n"
+        "done = torch.cuda.Event()\ndone.record(side)\ntorch.cuda.current_stream().wait_event(done)\n"
+        "return t.reshape(())")),
+    "a float64 product": (FP64_MATMUL_TASK, candidate(
+        "n = x.shape[0]\ny = torch.empty(n, n, dtype=torch.float64, device=x.device)\nlaunch('matmul_xxt_f64', 0, "
+        "x.data_ptr(), y.data_ptr(), cp.int64(n), grid=((n + 255) // 256, n))\nreturn y")),
+    "an integer sum computed every call": (INT_SUM_TASK, candidate(SUM_INT)),
 }
 
 
@@ -474,3 +596,54 @@ def test_timing_attacks_gain_nothing(timed, name):
     assert honest_relu.correct, honest_relu
     result = timed[f"timing: {name}"]
     assert not result.correct or result.speedup <= 1.25 * honest_relu.speedup_ci[1], (name, result, honest_relu)
+
+
+@pytest.mark.slow
+def test_an_atomic_mean_is_correct_and_downgraded_gemms_incorrect_under_the_strict_rule(verifier):
+    """Item 3 of issue #46: the strict rule's serial-sum allowance accepts 2^20 floats added one by
+    one with atomics, while a GEMM (its output as large as its operands) keeps the fp32 bound."""
+    atomics, tf32, fp16 = verifier.map([
+        (BIG_MEAN_TASK, candidate(FULL_MEAN)), (GEMM_RELU_TASK, TF32_GEMM),
+        (GEMM_RELU_TASK, candidate("y = (x.half() @ self.weight.half().t()).float()\n" + BIAS_RELU, init=GEMM_INIT))],
+        timing=False)
+    assert atomics.correct, atomics
+    assert tf32.status == "incorrect" and fp16.status == "incorrect", (tf32, fp16)
+
+
+def test_the_worker_checks_every_launch_family_the_profiler_matches_here(verifier):
+    """Before any candidate, each worker probes which launches CUPTI matches with their device
+    records (`kernels.matched_families`); on an H200 with torch's kineto, kernel launches and copies
+    must be among them, or the records check of issue #46 (class 1) is idle."""
+    verifier.verify(RELU_TASK, candidate(OWN_RELU), timing=False, trials=1)
+    matched = {tuple(worker.info.get("matched", ())) for worker in verifier._workers if worker.ready}
+    assert matched and all({"kernel", "copy"} <= set(m) for m in matched), matched
+
+
+def test_the_judge_learns_which_gemm_kernels_compute_an_activation():
+    """The task's products run with and without cuBLASLt's activation epilogues: the kernels only an
+    activation launched are labelled with it (`epilogues.activation_kernels`), and none of those
+    launched for the plain product (a name that served both would leave the epilogue unseen)."""
+    import torch
+
+    from dice.verifier.epilogues import activation_kernels, gemm_operands
+    from dice.verifier.kernels import gpu_records
+    from dice.verifier.records import on_device
+    linear = torch.nn.Linear(1024, 1024).cuda()
+    x = torch.randn(256, 1024, device="cuda")
+    operands = gemm_operands(lambda: torch.relu(linear(x)))
+    labelled = activation_kernels(operands, torch.device("cuda"))
+    assert any("relu" in labels for labels in labelled.values()), labelled
+    plain = {name for name, _, _ in on_device(gpu_records(lambda: linear(x))[1])}
+    assert not plain & set(labelled), (plain, labelled)
+
+
+@pytest.mark.slow
+def test_dices_own_check_passes_the_attacks_the_strict_one_refuses(verifier):
+    """`train.py --reward-rules dice` (`protocols.DICE_REWARD`): DICE's one trial at 1e-2 with no
+    kernel rule is the reward these attacks defeat; ours refuses them."""
+    from dice.protocols import DICE_REWARD
+    pairs = [(RELU_TASK, candidate("noop(x)\nreturn x.clamp_min(0)")), (FP16_MEAN_TASK, candidate(ESTIMATE))]
+    dice = verifier.map(pairs, timing=False, **DICE_REWARD)
+    strict = verifier.map(pairs, timing=False)
+    assert all(r.correct for r in dice), dice
+    assert [r.status for r in strict] == ["invalid", "incorrect"], strict

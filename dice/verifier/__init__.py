@@ -13,11 +13,12 @@
 | `verdicts` | what a trial's and a timed block's replies mean (plain functions, in the trainer) |
 | `records` | the GPU's raw records counted and timed outside the candidate's process |
 | `precision` | the precision rule: tolerances per output, TF32 switches |
-| `guard` | what candidate Python may not touch in its worker: the harness snapshot, the audit hook |
+| `guard` | what candidate Python may not touch in its worker: the harness snapshot, the audit hook, the profiler's switches |
 | `harness` | modules from source, seeded models and inputs (both roles) |
 | `timing` | timed forwards: CUDA-graph replays or eager calls, checked calls |
 | `speedup` | the paired candidate / baseline rounds and their confidence interval |
 | `kernels` | what the profiler saw, and which kernels the candidate compiled (machine code) |
+| `epilogues` | which library GEMM kernels compute an activation, learnt from the task's own products (judge) |
 | `checks` | the rules as plain functions |
 | `keeper` | the process above every worker: child subreaper, parent-death watch, tree kills |
 | `build`, `inline`, `cxx`, `fastbuild`, `prebuild` | load_inline: the build cache, the fast split build, the CPU prebuild pool (DESIGN.md §8.5) |

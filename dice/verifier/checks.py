@@ -25,6 +25,7 @@ import types
 
 import torch
 import torch._dynamo  # noqa: F401  importing dynamo wraps torch.manual_seed: capture after it
+from torch._C import _autograd, _profiler
 
 WATCHED = (
     "torch.allclose", "torch.isclose", "torch.equal", "torch.manual_seed", "torch.no_grad",
@@ -66,13 +67,21 @@ trusted = types.SimpleNamespace(
     event_record=torch.cuda.Event.record,
     event_elapsed_time=torch.cuda.Event.elapsed_time,
     untyped_storage=torch.Tensor.untyped_storage,
-    profile=torch.profiler.profile,
-    kineto_events=torch._C._autograd._ProfilerResult.events,
-    event_name=torch._C._autograd._KinetoEvent.name,
-    event_device_type=torch._C._autograd._KinetoEvent.device_type,
-    event_start_ns=torch._C._autograd._KinetoEvent.start_ns,
-    event_end_ns=torch._C._autograd._KinetoEvent.end_ns,
+    # the profiler's own entry points: the candidate's worker replaces the public names (`guard`)
+    prepare_profiler=_autograd._prepare_profiler,
+    enable_profiler=_autograd._enable_profiler,
+    disable_profiler=_autograd._disable_profiler,
+    profiler_config=_profiler.ProfilerConfig,
+    experimental_config=_profiler._ExperimentalConfig,
+    kineto=_profiler.ProfilerState.KINETO,
+    kineto_events=_autograd._ProfilerResult.events,
+    event_name=_autograd._KinetoEvent.name,
+    event_device_type=_autograd._KinetoEvent.device_type,
+    event_start_ns=_autograd._KinetoEvent.start_ns,
+    event_end_ns=_autograd._KinetoEvent.end_ns,
+    event_correlation=_autograd._KinetoEvent.correlation_id,
     urandom=os.urandom,
+    to_host=torch.Tensor.cpu,
     marker=torch.cuda._sleep,
     cuda_activity=torch.profiler.ProfilerActivity.CUDA,
     cuda_device_type=torch.autograd.DeviceType.CUDA,
@@ -126,14 +135,15 @@ def is_library_name(qualified: str) -> bool:
     return qualified.split("::")[0] in LIBRARY_NAMESPACES or bool(LIBRARY_NAMES.search(qualified))
 
 
-def kernel_class(name: str) -> str:
+def kernel_class(name: str, epilogue=()) -> str:
     """The key under which launches are compared with the reference's: a GEMM is "gemm" plus the
-    epilogue its name shows ("gemm+bias+relu"), a convolution "conv" (cuBLAS and cuDNN pick among
-    many kernels by shape and layout, so an honest candidate that keeps the reference's GEMM may
-    launch another of them), data movement "copy" or "fill", any other kernel its name without
-    spaces (a fused attention kernel is its own, though its name may hold "cutlass")."""
+    epilogue its name shows ("gemm+bias+relu") or `epilogue` names (what the judge saw it compute,
+    `epilogues.activation_kernels`), a convolution "conv" (cuBLAS and cuDNN pick among many
+    kernels by shape and layout, so an honest candidate that keeps the reference's GEMM may launch
+    another of them), data movement "copy" or "fill", any other kernel its name without spaces (a
+    fused attention kernel is its own, though its name may hold "cutlass")."""
     if GEMM.search(name) and not ATTENTION.search(name):
-        words = set(re.split(r"[^a-z0-9]+", name.lower()))
+        words = set(re.split(r"[^a-z0-9]+", name.lower())) | set(epilogue)
         return "+".join(["gemm", *(e for e in EPILOGUES if e in words)])
     if CONV.search(name) and not ATTENTION.search(name):
         return "conv"
@@ -152,13 +162,14 @@ def _as_reference_gemm(key: str, reference: set) -> str:
     return covering[0] if covering else key
 
 
-def _steps(launches: dict, reference: set, skip=lambda name: False) -> collections.Counter:
+def _steps(launches: dict, reference: set, skip=lambda name: False,
+           epilogues: dict | None = None) -> collections.Counter:
     """Launches by `kernel_class`, GEMM classes as the reference's that cover them, a GEMM or a
     convolution counted once per forward (cuBLAS may split one product in two)."""
     counts = collections.Counter()
     for k, n in launches.items():
         if not skip(k):
-            counts[_as_reference_gemm(kernel_class(k), reference)] += n
+            counts[_as_reference_gemm(kernel_class(k, (epilogues or {}).get(k, ())), reference)] += n
     for k in counts:
         if k.startswith(("gemm", "conv")):
             counts[k] = min(counts[k], 1)
@@ -166,12 +177,13 @@ def _steps(launches: dict, reference: set, skip=lambda name: False) -> collectio
 
 
 def kernel_problem(launched: dict, own: set, reference: dict, copies: dict, reference_copies: dict,
-                   qualify, rules: str = "strict") -> str | None:
+                   qualify, rules: str = "strict", epilogues: dict | None = None) -> str | None:
     """Why a forward's kernels break the rule, or None (DESIGN.md §8.1).
 
     launched / reference: {kernel name: launches} of the candidate's and the reference's forward
     on the same inputs; own: qualified names of the kernels the candidate compiled; copies:
-    {"dtoh", "htod"} counts; qualify: profiler name -> qualified name (`kernels.qualified_name`).
+    {"dtoh", "htod"} counts; qualify: profiler name -> qualified name (`kernels.qualified_name`);
+    epilogues: {library GEMM kernel: activations its epilogue computes} (`epilogues`).
     A launched kernel is the candidate's own when its qualified name is one it compiled, is no
     library name, and no kernel of the reference has it (a name shared with the reference is
     the reference's). Rules:
@@ -194,11 +206,12 @@ def kernel_problem(launched: dict, own: set, reference: dict, copies: dict, refe
                 "ModelNew must compute with its own CUDA kernels")
     if rules == "kernelbench":
         return None
-    ref_classes = {kernel_class(k) for k in reference}
+    epilogues = epilogues or {}
+    ref_classes = {kernel_class(k, epilogues.get(k, ())) for k in reference}
     theirs = {k: n for k, n in launched.items() if k not in mine}
-    ref = _steps(reference, ref_classes)
-    library = _steps(theirs, ref_classes)
-    compute = _steps(theirs, ref_classes, skip=lambda k: bool(BOOKKEEPING.search(k)))
+    ref = _steps(reference, ref_classes, epilogues=epilogues)
+    library = _steps(theirs, ref_classes, epilogues=epilogues)
+    compute = _steps(theirs, ref_classes, skip=lambda k: bool(BOOKKEEPING.search(k)), epilogues=epilogues)
     added = [k for k, n in compute.items() if n > ref[k]]
     if added:
         return (f"the forward runs library compute the reference does not ({added[0][:80]}); ModelNew "
@@ -216,21 +229,23 @@ def kernel_problem(launched: dict, own: set, reference: dict, copies: dict, refe
     return None
 
 
-def timed_kernel_problem(launched: dict, own: set, reference: dict, calls: int, qualify) -> str | None:
+def timed_kernel_problem(launched: dict, own: set, reference: dict, calls: int, qualify,
+                         epilogues: dict | None = None) -> str | None:
     """Why the kernels of `calls` eager timed calls break the rule, or None: an own kernel ran,
     and no library compute beyond what `calls` forwards of the reference run (a candidate that
     used a faster library op only when it was being timed would gain by it)."""
     reference_names = {qualify(k) for k in reference}
     if not any(n and qualify(k) in own and qualify(k) not in reference_names for k, n in launched.items()):
         return "no kernel the candidate compiled ran in its timed calls"
-    ref_classes = {kernel_class(k) for k in reference}
+    epilogues = epilogues or {}
+    ref_classes = {kernel_class(k, epilogues.get(k, ())) for k in reference}
     ref = collections.Counter()
     for k, n in reference.items():
-        ref[kernel_class(k)] += n
+        ref[kernel_class(k, epilogues.get(k, ()))] += n
     used = collections.Counter()
     for k, n in launched.items():
         if not (qualify(k) in own and qualify(k) not in reference_names) and not BOOKKEEPING.search(k):
-            used[_as_reference_gemm(kernel_class(k), ref_classes)] += n
+            used[_as_reference_gemm(kernel_class(k, epilogues.get(k, ())), ref_classes)] += n
     added = [k for k, n in used.items() if n > calls * ref[k]]
     return (f"its timed calls run library compute the reference does not ({added[0][:80]})" if added else None)
 
@@ -359,8 +374,8 @@ def compare_outputs(expected: list, got: list, atol: float = 1e-2, rtol: float =
                     per_output: list | None = None) -> str | None:
     """None when `got` matches `expected`, else why not: allclose(atol, rtol) with NaN/Inf exactly
     where expected, and for floating outputs also ||g - e||_2 <= rel_l2 * ||e||_2 over the finite
-    elements (`relative_error`), so that an output whose true values all sit below atol (a
-    softmax over 65,536 columns) cannot pass with values of the wrong size. `per_output`:
+    elements (`relative_error`; complex outputs too), so that an output whose true values all sit
+    below atol (a softmax over 65,536 columns) cannot pass with values of the wrong size. `per_output`:
     [atol, rtol, rel_l2] for each output instead (`precision.tolerances`)."""
     if len(got) != len(expected):
         return f"forward returned {len(got)} tensor(s), the reference returns {len(expected)}"
@@ -380,7 +395,7 @@ def compare_outputs(expected: list, got: list, atol: float = 1e-2, rtol: float =
         problem = _value_mismatch(e, g, atol, rtol)
         if problem:
             return f"{label}: {problem}"
-        if e.is_floating_point() and e.numel():
+        if (e.is_floating_point() or e.is_complex()) and e.numel():
             rel = relative_error(e, g)
             if rel > rel_l2:
                 return (f"{label}: relative error {rel:.3g} of the whole output (||got - expected|| / ||expected||) "
@@ -403,7 +418,10 @@ def layout_problem(e: torch.Tensor, g: torch.Tensor) -> str | None:
 
 def relative_error(e: torch.Tensor, g: torch.Tensor, chunk: int = 2**24) -> float:
     """||g - e|| / ||e|| in float64 over the elements where both are finite (in chunks: outputs of
-    10^8 elements stay affordable); 0 for an all-zero reference, where allclose alone decides."""
+    10^8 elements stay affordable; complex values as their real and imaginary parts); 0 for an
+    all-zero reference, where allclose alone decides."""
+    if e.is_complex():
+        e, g = torch.view_as_real(e), torch.view_as_real(g)
     diff2 = ref2 = 0.0
     e_flat, g_flat = e.reshape(-1), g.reshape(-1)
     for start in range(0, e_flat.numel(), chunk):

@@ -15,7 +15,17 @@ Python gives code several ways to run inside someone else's code; they are close
   `_thread._count` included, which sees threads started with `_thread.start_new_thread`); a live
   child process at a reply is `invalid`; a native thread still alive when the candidate is
   unloaded ends the worker (`native_threads`), so nothing reaches the next candidate.
-What native code (ctypes into CUDA, CUPTI or the interpreter) can do is beyond this (README, limits).
+- the profiler's switches: torch's profiler controls (`_toggle_collection_dynamic`, the session's
+  prepare / enable / disable, kineto steps, the CUPTI monitor) are replaced by functions that
+  refuse in every torch module that binds them (the harness calls the originals it captured,
+  `checks.trusted`), and the
+  audit hook refuses importing a CUPTI binding (`cupti`, torch's `_cupti_monitor`) and opening
+  libcupti or looking up its functions through ctypes, so candidate Python cannot change which
+  kinds of activity CUPTI records while it is profiled (`records.unrecorded_launches` finds it
+  in the records where it still happens).
+Every refusal raises `HarnessTampered`: uncaught, it reaches the verdict as `invalid` with the
+reason. What native code (a compiled extension calling CUDA, CUPTI or the interpreter) can do is
+beyond this (README, limits).
 """
 from __future__ import annotations
 
@@ -38,20 +48,47 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 from torch import nn
 
-from .checks import replaced_functions, trusted
+from .checks import HarnessTampered, replaced_functions, trusted
 
 REFUSED = frozenset({"sys.setprofile", "sys.settrace", "sys.addaudithook", "sys._current_frames",
                      "gc.get_objects", "gc.get_referrers", "gc.get_referents"})
+# audit events whose arguments may name CUPTI: importing a binding, opening libcupti, finding its functions
+NAMING = frozenset({"import", "ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle"})
+# torch's profiler controls, refused in the candidate's worker wherever torch binds them
+PROFILER_CONTROLS = ("_prepare_profiler", "_enable_profiler", "_disable_profiler", "_toggle_collection_dynamic",
+                     "_kineto_step", "_enable_profiler_legacy", "_disable_profiler_legacy")
 
 
 def _refuse(event: str, args: tuple) -> None:
     if event in REFUSED:
-        raise RuntimeError(f"the verifier's worker refuses {event} (a way into the harness that times the candidate)")
+        raise HarnessTampered(f"the verifier's worker refuses {event} (a way into the harness that times the "
+                              "candidate)")
+    if event in NAMING and any("cupti" in str(a).lower() for a in args[:2]):
+        named = args[0] if event == "import" else args[-1]
+        raise HarnessTampered(f"the verifier's worker refuses {event} of {str(named)[:80]} (CUPTI decides what the "
+                              "profiler records)")
+
+
+def _refusing(name: str):
+    def refused(*args, **kwargs):
+        raise HarnessTampered(f"the verifier's worker refuses torch's profiler control {name} (the harness's "
+                              "profiler decides what is recorded)")
+    return refused
 
 
 def install() -> dict:
-    """Install the audit hook (it cannot be removed) and return the callbacks as they are now."""
+    """Install the audit hook (it cannot be removed), put refusals in place of torch's profiler
+    controls (module docstring) and return the callbacks as they are now."""
     sys.addaudithook(_refuse)
+    import torch.autograd.profiler  # noqa: F401  bound there too
+    controls = {id(getattr(torch._C._autograd, name)): name for name in PROFILER_CONTROLS
+                if hasattr(torch._C._autograd, name)}
+    controls.update({id(getattr(torch._C._profiler, name)): name for name in dir(torch._C._profiler)
+                     if name.startswith("_cupti")})
+    for module in [m for name, m in sys.modules.items() if name.split(".")[0] == "torch" and m is not None]:
+        for name, value in list(getattr(module, "__dict__", {}).items()):
+            if id(value) in controls:
+                setattr(module, name, _refusing(controls[id(value)]))
     return callbacks()
 
 

@@ -17,19 +17,34 @@ floating-point tensors a structure (`TRIAL_KINDS`), the same in the judge and th
   more than 64 elements) the fade is sparse instead (`faded`: a random few at the smallest
   normal, the rest zero, the same expected sum), so the hot element decides just as much;
 - "scaled": the whole tensor times 1/4 or 4: a constant output, or one off by a scale, fails;
+- "light": as "iid", for a "spiked" or "scaled" trial whose heavy element (below) the task's
+  reference cannot take;
 - "plain": get_inputs() as drawn, for a trial whose structure the task's own reference cannot take
   (the Verifier's `_trial_kinds`: e.g. float indices that jitter pushes past their table).
+Trials "spiked" and "scaled" and every timed call also get one heavy element per floating tensor
+(`with_heavy`): the tensor's largest magnitude times its element count (at most half the dtype's
+range), so it carries about half of a sum; the other elements look as they always do, so no
+sample of a few elements tells these inputs from any others, and an estimate from part of a
+tensor fails whatever part it reads (the hot trial's faded elements are easy to spot). The "iid"
+trial has none: the outputs a heavy element reaches set the scale of a trial's error bounds (the
+reference's own error, the whole-output norm), so the iid trial is where every output element is
+held to the precision rule at its ordinary scale. Complex tensors take every structure through
+their real and imaginary parts.
 Signs and zeros are left alone, and integer and boolean tensors (indices, labels, masks) keep
-their values in new places (a permutation per trial), so inputs stay in the task's domain while
-a task whose integer inputs are drawn once at import still changes every trial (its outputs
-cannot be recorded once and replayed). Timed calls use "iid" inputs from their own seeds
-(`timed_inputs`): no two timed calls see the same inputs, so outputs cached by value cannot beat
-the clock. For a task checked on "plain" inputs, timed calls permute every tensor instead.
+their values in new places (a permutation per trial), so inputs stay in the task's domain; their
+values are new draws on every trial and timed call (`make_inputs` with the task's source: the
+task imported anew under a seed of the trial's, so even integers drawn once at import change and
+an output that ignores their order, a sum or a histogram, cannot be recorded once and replayed).
+Timed calls use "timed" inputs from their own seeds (`timed_inputs`): no two timed calls see the
+same inputs, so outputs cached by value cannot beat the clock. For a task checked on "plain"
+inputs, timed calls permute every tensor instead ("permuted"); on "light" ones they are jittered
+without a heavy element ("jittered").
 """
 from __future__ import annotations
 
 import hashlib
 import linecache
+import math
 import random
 import sys
 import traceback
@@ -43,6 +58,7 @@ from .checks import trusted
 
 TASK_IMPORT_SEED = 0            # module-level randomness of a task is the same in every process
 TRIAL_KINDS = ("iid", "spiked", "hot", "scaled", "spiked")   # trials 1-5; later trials are "iid"
+HEAVY_KINDS = ("spiked", "scaled", "timed")                    # kinds that also get a heavy element (`with_heavy`)
 JITTER = 2**-3
 HOT_FADE, HOT_DRAWS = 2**-8, 8
 SPIKE, SPIKE_EVERY = 64.0, 4096
@@ -81,13 +97,13 @@ def load_module(source: str, filename: str, module_name: str) -> types.ModuleTyp
     return module
 
 
-def load_task(source: str, module_name: str) -> types.ModuleType:
+def load_task(source: str, module_name: str, import_seed: int = TASK_IMPORT_SEED) -> types.ModuleType:
     """The task module, imported under a fixed seed. Some tasks draw their inputs at import time
     (`x = torch.randn(...)` at module level, returned by get_inputs); unseeded, the judge and each
     candidate worker would hold different tensors and compare outputs of different inputs."""
-    trusted.manual_seed(TASK_IMPORT_SEED)
-    random.seed(TASK_IMPORT_SEED)
-    numpy.random.seed(TASK_IMPORT_SEED)
+    trusted.manual_seed(import_seed)
+    random.seed(import_seed)
+    numpy.random.seed(import_seed % 2**32)
     return load_module(source, "task.py", module_name)
 
 
@@ -114,7 +130,20 @@ def build_model(task: types.ModuleType, cls: type, init_seed: int, device: torch
         return cls(*init_inputs).to(device)
 
 
-def make_inputs(task: types.ModuleType, seed: int, device: torch.device) -> list:
+def make_inputs(task: types.ModuleType, seed: int, device: torch.device, source: str | None = None) -> list:
+    """get_inputs() under `seed` (`draw`). With the task's `source`, a draw holding integer or boolean
+    tensors is made again from the task imported anew under a seed from `seed`: their values are
+    then a new draw even where the task draws them once at import (a permutation of one draw
+    keeps the multiset, and a task whose output ignores the order, a sum or a histogram of
+    integers, would give the same output on every trial and timed call)."""
+    inputs = draw(task, seed, device)
+    if source is None or not any(isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex())
+                                 for x in inputs):
+        return inputs
+    return draw(load_task(source, "dice_task_draw", import_seed=stable_seed(seed, "import")), seed, device)
+
+
+def draw(task: types.ModuleType, seed: int, device: torch.device) -> list:
     """get_inputs() under `seed`, its tensors on `device`. On CUDA the task's tensor factories draw
     on the GPU (the device as torch's default device): a CPU draw of a 2^28-element input costs a
     core seconds, and the judge and every worker draw each trial's inputs. A get_inputs that cannot
@@ -162,35 +191,76 @@ def stable_seed(*parts) -> int:
 
 
 def structured(inputs: list, kind: str, seed: int) -> list:
-    """`inputs` with the trial kind's structure given to their floating tensors (module docstring)."""
+    """`inputs` with the trial kind's structure given to their floating tensors (module docstring);
+    a complex tensor takes it through its real and imaginary parts."""
     if kind == "plain":
         return list(inputs)
     out = []
     for j, x in enumerate(inputs):
-        if not (isinstance(x, torch.Tensor) and x.numel() > 1 and not x.is_complex()):
+        if not (isinstance(x, torch.Tensor) and x.numel() > 1):
             out.append(x)
             continue
         g = torch.Generator(device=x.device).manual_seed(stable_seed(seed, j, kind))
-        if not x.is_floating_point() or kind == "permuted":
-            # integers and booleans (indices, labels, masks) keep their values, in new places
-            out.append(x.reshape(-1)[torch.randperm(x.numel(), generator=g, device=x.device)].view(x.shape))
-        elif kind in ("iid", "timed"):
-            u = torch.rand(x.shape, generator=g, device=x.device)
-            out.append(x * (1 + JITTER * (2 * u - 1)).to(x.dtype))
-        elif kind == "hot":
-            pick = torch.randint(x.numel(), (HOT_DRAWS,), generator=g, device=x.device)
-            hot = torch.zeros(x.numel(), dtype=torch.bool, device=x.device)
-            hot[pick[x.reshape(-1)[pick].abs().argmax()]] = True
-            out.append(torch.where(hot.view(x.shape), x, faded(x, HOT_FADE / x.numel(), g)))
-        elif kind == "spiked":
-            spike = torch.zeros(x.numel(), dtype=torch.bool, device=x.device)
-            spike[torch.randint(x.numel(), (max(1, x.numel() // SPIKE_EVERY),), generator=g, device=x.device)] = True
-            out.append(torch.where(spike.view(x.shape), x * SPIKE, x))
-        elif kind == "scaled":
-            out.append(x * (0.25 if torch.rand((), generator=g, device=x.device) < 0.5 else 4.0))
+        if x.is_complex():
+            out.append(torch.view_as_complex(_structured_one(torch.view_as_real(x).contiguous(), kind, g)))
         else:
-            raise ValueError(f"unknown trial kind {kind!r}")
+            out.append(_structured_one(x, kind, g))
     return out
+
+
+def _structured_one(x: torch.Tensor, kind: str, g: torch.Generator) -> torch.Tensor:
+    if not x.is_floating_point() or kind == "permuted":
+        # integers and booleans (indices, labels, masks) keep their values, in new places
+        return x.reshape(-1)[torch.randperm(x.numel(), generator=g, device=x.device)].view(x.shape)
+    if kind in ("iid", "timed", "light", "jittered"):
+        u = torch.rand(x.shape, generator=g, device=x.device)
+        return x * (1 + JITTER * (2 * u - 1)).to(x.dtype)
+    if kind == "hot":
+        pick = torch.randint(x.numel(), (HOT_DRAWS,), generator=g, device=x.device)
+        hot = torch.zeros(x.numel(), dtype=torch.bool, device=x.device)
+        hot[pick[x.reshape(-1)[pick].abs().argmax()]] = True
+        return torch.where(hot.view(x.shape), x, faded(x, HOT_FADE / x.numel(), g))
+    if kind == "spiked":
+        spike = torch.zeros(x.numel(), dtype=torch.bool, device=x.device)
+        spike[torch.randint(x.numel(), (max(1, x.numel() // SPIKE_EVERY),), generator=g, device=x.device)] = True
+        return torch.where(spike.view(x.shape), x * SPIKE, x)
+    if kind == "scaled":
+        return x * (0.25 if torch.rand((), generator=g, device=x.device) < 0.5 else 4.0)
+    raise ValueError(f"unknown trial kind {kind!r}")
+
+
+def with_heavy(inputs: list, kind: str, seed: int) -> list:
+    """`inputs` of a trial kind in HEAVY_KINDS with one heavy element per floating (or complex)
+    tensor: at the largest in magnitude of HOT_DRAWS random elements, with its sign, the tensor's
+    largest magnitude times its element count, or half the dtype's largest value if that is less
+    (fp16), so it carries about as much of a sum, a mean, a norm or a loss as all the others
+    together (fp16 tensors of 2^20 elements: ~6%). The other elements stay as the kind made them,
+    so a few samples of the tensor look like any other trial's, and an estimate from a fraction f
+    of it either misses the heavy element or holds it scaled by 1/f: it fails whatever it reads
+    first, on every trial and timed call (module docstring)."""
+    if kind not in HEAVY_KINDS:
+        return list(inputs)
+    out = []
+    for j, x in enumerate(inputs):
+        if isinstance(x, torch.Tensor) and x.numel() > 1 and (x.is_floating_point() or x.is_complex()):
+            g = torch.Generator(device=x.device).manual_seed(stable_seed(seed, j, "heavy"))
+            real = torch.view_as_real(x) if x.is_complex() else x
+            heavy = _heavy_one(real.contiguous(), g)
+            x = torch.view_as_complex(heavy) if x.is_complex() else heavy
+        out.append(x)
+    return out
+
+
+def _heavy_one(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    flat = x.reshape(-1)
+    pick = torch.randint(flat.numel(), (HOT_DRAWS,), generator=g, device=x.device)
+    at = pick[flat[pick].abs().argmax()]
+    peak = float(flat.abs().max())
+    if not 0 < peak < math.inf:
+        return x
+    heavy = flat.clone()
+    heavy[at] = math.copysign(min(peak * flat.numel(), float(torch.finfo(x.dtype).max) / 2), float(flat[at]))
+    return heavy.view(x.shape)
 
 
 def faded(x: torch.Tensor, fade: float, g: torch.Generator) -> torch.Tensor:
@@ -204,12 +274,23 @@ def faded(x: torch.Tensor, fade: float, g: torch.Generator) -> torch.Tensor:
     return torch.where(keep, x * tiny, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def trial_inputs(task: types.ModuleType, seed: int, kind: str, device: torch.device) -> list:
-    """The inputs of one correctness trial: get_inputs() under `seed`, then its structure."""
-    return structured(make_inputs(task, seed, device), kind, seed)
+def call_draws(task: types.ModuleType, source: str, seed: int, device: torch.device, pristine: list):
+    """Where the timing draw `pristine` holds integer or boolean tensors, a function giving timed
+    call k its own draw (`make_inputs` under a seed from (seed, k)), so their values are new on
+    every call; else None (every call derives from `pristine`: new float values by jitter)."""
+    if not any(isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex()) for x in pristine):
+        return None
+    return lambda call: make_inputs(task, stable_seed(seed, call), device, source)
+
+
+def trial_inputs(task: types.ModuleType, seed: int, kind: str, device: torch.device, source: str | None = None) -> list:
+    """The inputs of one correctness trial: get_inputs() under `seed` (`make_inputs`), then its
+    structure and its heavy element (`with_heavy`)."""
+    return with_heavy(structured(make_inputs(task, seed, device, source), kind, seed), kind, seed)
 
 
 def timed_inputs(pristine: list, seed: int, call: int, kind: str = "timed") -> list:
-    """The inputs of timed call `call`: the timing draw `pristine` with new values per call
-    ("timed"), or, for a task whose reference takes no jitter, every tensor permuted ("permuted")."""
-    return structured(pristine, kind, stable_seed(seed, call))
+    """The inputs of timed call `call`: the timing draw `pristine` with new values per call and a
+    heavy element ("timed"), or, for a task whose reference takes no jitter, every tensor permuted
+    ("permuted")."""
+    return with_heavy(structured(pristine, kind, stable_seed(seed, call)), kind, stable_seed(seed, call))

@@ -1,8 +1,9 @@
 """Which CUDA kernels ran during a forward, and which of them the candidate compiled itself (DESIGN.md §8).
 
-`gpu_records(fn)` runs `fn` under the CUDA profiler (CUPTI through torch.profiler) and returns
-what the GPU recorded, raw; `records` counts kernels and copies (CUPTI records no byte counts in
-this torch, so copies are counted, not measured) where the candidate's code does not run.
+`gpu_records(fn)` runs `fn` under the CUDA profiler (CUPTI through torch's profiler) and returns
+what the GPU and the CUDA runtime recorded, raw; `records` counts kernels and copies (CUPTI
+records no byte counts in this torch, so copies are counted, not measured) and matches every
+launch with its device record, where the candidate's code does not run.
 
 `CompiledKernels` is the provenance side: the names of the `__global__` entry points in the code
 the candidate actually compiled, read from the machine code, never from source text (a
@@ -29,24 +30,38 @@ from pathlib import Path
 import torch
 
 from . import records
-from .checks import is_library_name, trusted
+from .checks import HarnessTampered, is_library_name, trusted
 
 STO_CUDA_ENTRY = 0x10
 EM_CUDA = 190
 
 
 def gpu_records(fn) -> tuple[object, list]:
-    """(fn(), records): `[name, start_ns, end_ns]` of every kernel, copy and memset that `fn` ran,
-    as CUPTI recorded them (through torch.profiler). Built from captured functions and list
-    appends only, with no arithmetic, so that the records reach the parent as the GPU wrote them;
-    they are judged there (`records`)."""
-    with trusted.profile(activities=[trusted.cuda_activity]) as prof:
+    """(fn(), records): `[name, start_ns, end_ns, correlation_id, on_gpu]` of every kernel, copy and
+    memset that `fn` ran (`on_gpu` True) and of every CUDA runtime and driver call it made (False),
+    as CUPTI recorded them. The session is driven through the profiler's own entry points captured
+    before any candidate ran (`checks.trusted`; the candidate's worker refuses the public ones,
+    `guard`), with a fixed configuration: CUDA activity, nothing else. Built from captured functions
+    and list appends only, with no arithmetic, so that the records reach the parent as the GPU
+    wrote them; they are judged there (`records`). A session that can no longer be ended was ended
+    inside `fn`: HarnessTampered."""
+    config = trusted.profiler_config(trusted.kineto, False, False, False, False, False,
+                                     trusted.experimental_config(), "")
+    activities = {trusted.cuda_activity}
+    trusted.prepare_profiler(config, activities)
+    trusted.enable_profiler(config, activities)
+    try:
         result = fn()
         trusted.cuda_synchronize()
+    finally:
+        try:
+            session = trusted.disable_profiler()
+        except RuntimeError as exc:
+            raise HarnessTampered(f"the profiler's session was ended while it recorded ({exc})") from None
     found = []
-    for event in trusted.kineto_events(prof.profiler.kineto_results):
-        if trusted.event_device_type(event) == trusted.cuda_device_type:
-            found.append([trusted.event_name(event), trusted.event_start_ns(event), trusted.event_end_ns(event)])
+    for event in trusted.kineto_events(session):
+        found.append([trusted.event_name(event), trusted.event_start_ns(event), trusted.event_end_ns(event),
+                      trusted.event_correlation(event), trusted.event_device_type(event) == trusted.cuda_device_type])
     return result, found
 
 
@@ -57,15 +72,57 @@ def gpu_activity(fn, exclude: frozenset = frozenset(), timeline: bool = False) -
     summary = records.activity(found, exclude)
     summary["excluded"] = sorted(exclude)
     if timeline:
-        summary["timeline"] = sorted((start, end, name) for name, start, end in found)
+        summary["timeline"] = sorted((start, end, name) for name, start, end in records.on_device(found))
     return result, summary
 
 
 def marker_name(cache: list = []) -> str:
     """The profiler's name of the harness's marker kernel (`torch.cuda._sleep(0)`, a spin kernel)."""
     if not cache:
-        cache.extend(name for name, _, _ in gpu_records(lambda: trusted.marker(0))[1])
+        cache.extend(name for name, _, _ in records.on_device(gpu_records(lambda: trusted.marker(0))[1]))
     return cache[0]
+
+
+def matched_families(device: torch.device) -> list[str]:
+    """The families of device work (`records.LAUNCH_FAMILIES`: kernel launches, graph launches,
+    copies, memsets) whose every runtime or driver call the profiler matched with a device record
+    in a probe of each, made before any candidate runs: the families `records.unrecorded_launches`
+    may check (a family CUPTI reports otherwise here, or that cannot be probed, is left unchecked)."""
+    found = []
+    for family, probe in _probes(device).items():
+        try:
+            calls = gpu_records(probe)[1]
+        except Exception:
+            continue
+        pattern = records.LAUNCH_FAMILIES[family]
+        present = any(pattern.match(r[0]) for r in records.api_calls(calls))
+        if present and not records.unrecorded_launches(calls, [family]):
+            found.append(family)
+    return found
+
+
+def _probes(device: torch.device) -> dict:
+    """One piece of work per launch family (`matched_families`)."""
+    x, host = torch.ones(1024, device=device), torch.ones(1024)
+    probes = {"kernel": lambda: x.add_(1), "copy": lambda: (x.cpu(), x.copy_(host))}
+    try:
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            x.mul(2)                               # lazy initialisation outside the capture
+        torch.cuda.current_stream(device).wait_stream(side)
+        with torch.cuda.graph(graph):
+            x.mul(2)
+        probes["graph"] = graph.replay
+    except Exception:
+        pass
+    try:
+        import cupy
+        stream = torch.cuda.current_stream(device).cuda_stream
+        probes["set"] = lambda: cupy.cuda.runtime.memsetAsync(x.data_ptr(), 0, 16, stream)
+    except ImportError:
+        pass
+    return probes
 
 
 # ---------------------------------------------------------------------------------------------

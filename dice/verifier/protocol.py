@@ -87,9 +87,10 @@ def malformed_reply(op: str, reply: dict) -> str | None:
     nothing else from a reply, so a tampered worker can lie within these types (a false time)
     but cannot crash the caller or hand it a NaN.
 
-    Replies with status "ok": run -> outputs, second (list of bytes or None), records (raw CUPTI
-    records, `kernels.gpu_records`, or None on a CPU), own, mutated, stale and reused (ints), aliased
-    ([int, int] pairs); time_prepare -> method, records, own, ms; time_block -> times (ms),
+    Replies with status "ok": run -> outputs, second (list of bytes or None), inputs ([int, bytes]:
+    the inputs forward modified), records (raw CUPTI records, `kernels.gpu_records`, or None on a
+    CPU), own, mutated, stale and reused (ints), aliased ([int, int] pairs); time_prepare -> method,
+    records, own, ms; time_block -> times (ms),
     checked ([call, outputs, fingerprints]), records (None for a graph or a CPU); `own` None or a list
     of names."""
     status, message = reply.get("status"), reply.get("message", "")
@@ -99,6 +100,9 @@ def malformed_reply(op: str, reply: dict) -> str | None:
         return None
     fields = {
         "run": lambda r: (_byte_list(r.get("outputs")) and (r.get("second") is None or _byte_list(r["second"]))
+                          and isinstance(r.get("inputs"), list)
+                          and all(isinstance(p, list) and len(p) == 2 and type(p[0]) is int and isinstance(p[1], bytes)
+                                  for p in r["inputs"])
                           and _records(r.get("records")) and _names(r.get("own")) and _ints(r.get("mutated"))
                           and _ints(r.get("stale")) and _pairs(r.get("aliased")) and _ints(r.get("reused"))),
         "time_prepare": lambda r: (r.get("method") in ("graph", "eager") and _records(r.get("records"))
@@ -134,7 +138,8 @@ def _times(x) -> bool:
 
 
 def _records(x) -> bool:
-    """None (CPU) or raw CUPTI records: [name, start_ns, end_ns] with start <= end."""
+    """None (CPU) or raw CUPTI records: [name, start_ns, end_ns, correlation_id, on_gpu] with
+    start <= end."""
     return x is None or (isinstance(x, list) and all(
-        isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and type(r[1]) is int and type(r[2]) is int
-        and r[1] <= r[2] for r in x))
+        isinstance(r, list) and len(r) == 5 and isinstance(r[0], str) and type(r[1]) is int and type(r[2]) is int
+        and r[1] <= r[2] and type(r[3]) is int and type(r[4]) is bool for r in x))

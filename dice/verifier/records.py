@@ -1,29 +1,53 @@
 """The GPU's own account of a forward, judged outside the candidate's process (DESIGN.md §8.1, §8.3).
 
 A candidate worker ships what CUPTI recorded (`kernels.gpu_records`) as raw records, one
-`[name, start_ns, end_ns]` per kernel, copy and memset, and does no arithmetic on them: counting,
-spans and sums happen here, in the trainer or the judge, where no candidate code runs, so
-patching a tally (`collections.Counter`, builtins, the harness's functions) in the worker changes
-nothing. The worker's marker kernel (`torch.cuda._sleep(0)`, its profiler name reported by the
-worker before any candidate loads) delimits what belongs to a forward:
+`[name, start_ns, end_ns, correlation_id, on_gpu]` per kernel, copy and memset (`on_gpu` True)
+and per CUDA runtime or driver call (False), and does no arithmetic on them: counting, spans and
+sums happen here, in the trainer or the judge, where no candidate code runs, so patching a tally
+(`collections.Counter`, builtins, the harness's functions) in the worker changes nothing. A
+three-field record `[name, start_ns, end_ns]` is a device record (hand-made records in tests).
+The worker's marker kernel (`torch.cuda._sleep(0)`, its profiler name reported by the worker
+before any candidate loads) delimits what belongs to a forward:
 - `split_marker`: a correctness trial ends with one marker on torch's current stream, launched
-  after forward returned; work that ends after the marker started was still running when the
-  caller got its outputs (an unjoined side stream);
+  after forward returned, then the harness's canary copy; work that ends after the marker started
+  was still running when the caller got its outputs (an unjoined side stream), and so is any
+  device record that starts after the marker and is not the canary;
 - `call_windows`: an eager timed block brackets each call with two markers; a call's time and
   work are what started inside its window, so work run between calls (by a finalizer, a hook)
-  is neither timed nor credited as work.
+  is neither timed nor credited as work;
+- `unrecorded_launches`: every launch, copy or memset call the runtime recorded must have its
+  device record (the same CUPTI correlation id), so a candidate that switched the device kinds
+  of the recording off while its work ran is found from the records themselves.
 """
 from __future__ import annotations
 
+import bisect
 import collections
+import re
 
 COPY_PREFIXES = {"dtoh": "Memcpy DtoH", "htod": "Memcpy HtoD"}
 JOIN_SLACK_NS = 2_000   # CUPTI stamps of two streams may differ by this much for work that was joined
 MIN_MS = 1e-4           # a call that ran nothing on the GPU still gets a positive time
+CANARY = COPY_PREFIXES["dtoh"]   # the harness's copy after each profiled forward: copies are recorded
+# runtime / driver calls that put work on the device, by family (`kernels.matched_families`)
+LAUNCH_FAMILIES = {"kernel": re.compile(r"^cu(da)?Launch\w*Kernel"), "graph": re.compile(r"^cu(da)?GraphLaunch"),
+                   "copy": re.compile(r"^cu(da)?Memcpy"), "set": re.compile(r"^cu(da)?Memset")}
+HOST_MS = 0.05          # host time a call may spend before its first launch and after its last (`call_windows`)
+EMPTY_WINDOWS = 3       # marker pairs with only a synchronize between them, first in an eager timed block
 
 
 def is_kernel(name: str) -> bool:
     return not name.startswith(("Memcpy", "Memset"))
+
+
+def on_device(records: list) -> list:
+    """The device records (kernels, copies, memsets) as [name, start_ns, end_ns]."""
+    return [r[:3] for r in records if len(r) < 5 or r[4]]
+
+
+def api_calls(records: list) -> list:
+    """The runtime and driver call records as [name, start_ns, end_ns, correlation_id]."""
+    return [r[:4] for r in records if len(r) == 5 and not r[4]]
 
 
 def activity(records: list, exclude: frozenset = frozenset()) -> dict:
@@ -32,7 +56,7 @@ def activity(records: list, exclude: frozenset = frozenset()) -> dict:
     spread over parallel streams counts once, so concurrent padding cannot pay the work check
     (`checks.timed_work_problem`) with little time."""
     kernels, copies, spans = collections.Counter(), {"dtoh": 0, "htod": 0}, []
-    for name, start, end in records:
+    for name, start, end in on_device(records):
         kind = next((k for k, prefix in COPY_PREFIXES.items() if name.startswith(prefix)), None)
         if kind:
             copies[kind] += 1
@@ -56,41 +80,99 @@ def busy_ns(spans: list) -> int:
     return total
 
 
-def split_marker(records: list, marker: str) -> tuple[list, str | None]:
-    """(the records without the trailing marker, why the forward's outputs were not complete when
-    it returned, or None). The marker runs on torch's current stream once everything forward made
-    that stream wait for has finished; work that ends later was left running on another stream.
-    A forward that launches markers itself is refused (it could move the one that decides)."""
-    starts = [start for name, start, _ in records if name == marker]
+def split_marker(records: list, marker: str, canary: bool = False) -> tuple[list, str | None]:
+    """(the device records of the forward: those that started before the trailing marker, why its
+    outputs were not complete when it returned, or None). The marker runs on torch's current
+    stream once everything forward made that stream wait for has finished; work that ends later,
+    or starts later, was left running on another stream. With `canary`, what follows the marker
+    must be the harness's canary copy to the host, and it must be there (else copies were not
+    being recorded). A forward that launches markers itself is refused (it could move the one
+    that decides)."""
+    device = on_device(records)
+    starts = [start for name, start, _ in device if name == marker]
     if len(starts) != 1:
-        return records, (f"forward launched {len(starts) - 1} timing markers (torch.cuda._sleep); "
-                         "it must not launch them")
-    rest = [r for r in records if r[0] != marker]
-    late = [name for name, _, end in rest if end > starts[0] + JOIN_SLACK_NS]
+        return device, (f"the trial's records hold {len(starts)} timing markers (torch.cuda._sleep) where the "
+                        "harness launched one: forward must not launch them, nor stop the profiler's recording")
+    mark = starts[0]
+    forward = [r for r in device if r[0] != marker and r[1] <= mark]
+    after = [r for r in device if r[0] != marker and r[1] > mark]
+    canaries = [r for r in after if r[0].startswith(CANARY)] if canary else []
+    late = [name for name, _, end in forward if end > mark + JOIN_SLACK_NS] + [r[0] for r in after if r not in canaries]
     if late:
-        return rest, (f"{late[0][:80]} was still running after forward returned: work launched on "
-                      "another stream must be joined to torch's current stream before forward returns")
-    return rest, None
+        return forward, (f"{late[0][:80]} was still running after forward returned: work launched on "
+                         "another stream must be joined to torch's current stream before forward returns")
+    if canary and not canaries:
+        return forward, ("the harness's copy after forward left no record: the profiler's recording of copies "
+                         "was switched off (forward must not touch CUPTI or the profiler)")
+    return forward, None
 
 
-def call_windows(records: list, marker: str, calls: int) -> tuple[tuple, dict]:
+def unrecorded_launches(records: list, families: list) -> list[str]:
+    """Names of runtime / driver calls of the checked `families` (`LAUNCH_FAMILIES`; those the
+    worker found matched before any candidate ran) that have no device record of their
+    correlation id. A call made inside another one (the runtime's call of the driver) shares
+    the device record of the one around it."""
+    patterns = [LAUNCH_FAMILIES[f] for f in families if f in LAUNCH_FAMILIES]
+    calls = [r for r in api_calls(records) if r[3] and any(p.match(r[0]) for p in patterns)]
+    recorded = {r[3] for r in records if len(r) == 5 and r[4]}
+    matched = sorted((start, end) for _, start, end, correlation in calls if correlation in recorded)
+    starts = [start for start, _ in matched]
+
+    def nested(start: int, end: int) -> bool:   # inside a matched call, or around one
+        i, j = bisect.bisect_right(starts, start), bisect.bisect_left(starts, start)
+        return (i > 0 and matched[i - 1][1] >= end) or any(
+            matched[m][1] <= end for m in range(j, bisect.bisect_right(starts, end)))
+    return [name for name, start, end, correlation in calls if correlation not in recorded and not nested(start, end)]
+
+
+def windows(records: list, marker: str, calls: int, empty: int = 0) -> tuple[list, int | None]:
+    """([(marker-to-marker window in ns, span of the work that started inside it in ns, that work)
+    for each of `calls` eager timed calls (module docstring)], the shortest of the block's first
+    `empty` windows in ns, the harness's calibration of a marker, a device synchronize and a marker
+    with no forward between them, or None without one). Raises ValueError when the block's markers
+    are not two per window (forward launched some, or the recording was stopped)."""
+    ordered = sorted(on_device(records), key=lambda r: r[1])
+    marks = [(start, end) for name, start, end in ordered if name == marker]
+    if len(marks) != 2 * (calls + empty):
+        raise ValueError(f"the timed calls launched {len(marks) - 2 * (calls + empty)} extra timing markers "
+                         "(torch.cuda._sleep), or the profiler stopped recording; forward must do neither")
+    gaps = [marks[2 * i + 1][0] - marks[2 * i][1] for i in range(calls + empty)]
+    found = []
+    for i in range(empty, empty + calls):
+        low, high = marks[2 * i][0], marks[2 * i + 1][0]
+        mine = [r for r in ordered if low <= r[1] < high and r[0] != marker]
+        span = max(r[2] for r in mine) - min(r[1] for r in mine) if mine else 0
+        found.append((gaps[i], span, mine))
+    return found, min(gaps[:empty]) if empty else None
+
+
+def call_windows(records: list, marker: str, calls: int, empty: int = 0) -> tuple[tuple, dict]:
     """(each eager timed call's time in ms, the activity of what ran inside the calls) from a
     block's records. Call i's window runs from its first marker to its second (the device is
     synchronized before the second, so the window holds all the call's work, on every stream);
     its time is the span from the first start to the last end of the kernels, copies and memsets
-    that started inside. What ran between windows (the harness's new inputs and L2 flush, and
-    anything a finalizer or hook of the candidate launched there) is neither timed nor counted.
-    Raises ValueError when forward launched markers itself."""
-    ordered = sorted(records, key=lambda r: r[1])
-    markers = [start for name, start, _ in ordered if name == marker]
-    if len(markers) != 2 * calls:
-        raise ValueError(f"the timed calls launched {len(markers) - 2 * calls} extra timing markers "
-                         "(torch.cuda._sleep); forward must not launch them")
+    that started inside. With `empty` calibration windows first in the block (`windows`) the time
+    is at least window - empty window - HOST_MS: the GPU's own clock between the harness's markers
+    bounds the call whatever the records inside it show, so work the recording missed still costs
+    its time beyond HOST_MS. What ran between windows (the harness's new inputs, L2 flush and
+    canary copy, anything a finalizer or hook of the candidate launched there) is neither timed
+    nor counted. Raises ValueError as `windows` does."""
+    each, floor = windows(records, marker, calls, empty)
     times, inside = [], []
-    for i in range(calls):
-        low, high = markers[2 * i], markers[2 * i + 1]
-        mine = [r for r in ordered if low <= r[1] < high and r[0] != marker]
-        span = (max(r[2] for r in mine) - min(r[1] for r in mine)) / 1e6 if mine else 0.0
-        times.append(max(span, MIN_MS))
+    for window, span, mine in each:
+        bound = 0.0 if floor is None else (window - floor) / 1e6 - HOST_MS
+        times.append(max(span / 1e6, bound, MIN_MS))
         inside += mine
     return tuple(times), activity(inside)
+
+
+def canaries_missing(records: list, marker: str, calls: int, empty: int = 0) -> int:
+    """How many of a block's calls have no canary copy after their second marker (before the next
+    call's first): the copies the harness makes there show that copies were being recorded."""
+    ordered = sorted(on_device(records), key=lambda r: r[1])
+    marks = [start for name, start, _ in ordered if name == marker][2 * empty:]
+    missing = 0
+    for i in range(calls):
+        low, high = marks[2 * i + 1], marks[2 * i + 2] if 2 * i + 2 < len(marks) else float("inf")
+        missing += not any(low < r[1] < high and r[0].startswith(CANARY) for r in ordered)
+    return missing

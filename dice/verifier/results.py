@@ -10,7 +10,7 @@ from .checks import fallback_problem, kernel_names
 from .precision import PRECISIONS
 from .protocol import STATUSES
 
-RULES = ("strict", "kernelbench")
+RULES = ("strict", "kernelbench", "dice")   # "dice": DICE's RL check, no kernel rule (`dice.protocols.DICE_REWARD`)
 
 
 @dataclass
@@ -42,7 +42,7 @@ class VerifyOptions:
     seed: int | None = None
     timeout_s: float = 120.0           # candidate run time: all trials + timing
     compile_timeout_s: float = 600.0   # module import, including a load_inline build
-    rules: str = "strict"              # the kernel rule: "strict" (DICE, the RL reward) or "kernelbench"
+    rules: str = "strict"              # the kernel rule: "strict" (the RL reward), "kernelbench", or "dice" (none)
     precision: str = "strict"          # the precision rule (`precision`): "strict" (fp32 at 1e-4, TF32 off) or "dice"
     atol: float | None = None          # these three replace the precision rule's values for every output
     rtol: float | None = None
@@ -64,8 +64,9 @@ class VerifyOptions:
 # ---------------------------------------------------------------------------------------------
 # Static checks on the candidate source.
 
-def static_check(source: str, need_kernel: bool) -> VerifyResult | None:
-    """The verdict when `source` fails a check that needs no execution, else None."""
+def static_check(source: str, need_kernel: bool, rules: str = "strict") -> VerifyResult | None:
+    """The verdict when `source` fails a check that needs no execution, else None. Under rules
+    "dice" (DICE's own check) only that it parses and defines ModelNew."""
     try:
         tree = ast.parse(source)
     except SyntaxError as exc:
@@ -78,6 +79,8 @@ def static_check(source: str, need_kernel: bool) -> VerifyResult | None:
     if "ModelNew" not in defined:
         return VerifyResult("invalid", message="the candidate defines no ModelNew; name the optimized "
                             "nn.Module class ModelNew")
+    if rules == "dice":
+        return None
     if need_kernel and not kernel_names(source):
         return VerifyResult("invalid", message="the candidate contains no __global__ CUDA kernel; ModelNew "
                             "must compute with its own kernels, not PyTorch ops or library calls")

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from .checks import kernel_problem, timed_kernel_problem, timed_work_problem
 from .kernels import qualified_name
-from .records import activity, call_windows, split_marker
+from .records import (EMPTY_WINDOWS, activity, call_windows, canaries_missing, split_marker, unrecorded_launches,
+                      windows)
 from .results import VerifyOptions, VerifyResult
 
 PROFILER_BROKEN = ("the CUDA profiler in the verifier's worker records no kernels (CUPTI unavailable?), or the CuPy "
@@ -15,24 +16,35 @@ PROFILER_BROKEN = ("the CUDA profiler in the verifier's worker records no kernel
                    "torch.profiler works, with CuPy 14")
 
 
-def trial_activity(ran: dict, marker: str) -> tuple[dict | None, str | None]:
+def trial_activity(ran: dict, marker: str, families: list = ()) -> tuple[dict | None, str | None]:
     """(the forward's activity from the worker's raw records, or None on a CPU; why its outputs
-    were not complete when forward returned, or None)."""
+    were not complete when forward returned, or why its records are not complete, or None).
+    `families`: the launch families the worker found CUPTI matching (`kernels.matched_families`)."""
     if ran["records"] is None:
         return None, None
-    found, problem = split_marker(ran["records"], marker)
-    return activity(found), problem
+    found, problem = split_marker(ran["records"], marker, canary=True)
+    return activity(found), problem or unrecorded_problem(ran["records"], families)
+
+
+def unrecorded_problem(records: list, families: list) -> str | None:
+    """Why `records` miss device work the runtime recorded launching (`records.unrecorded_launches`)."""
+    missing = unrecorded_launches(records, families)
+    if not missing:
+        return None
+    return (f"{len(missing)} of the recorded launches ({missing[0][:40]}) left no device record: CUPTI's recording of "
+            "device activity was switched off while they ran (forward must not touch CUPTI or the profiler)")
 
 
 def trial_verdict(where: str, ran: dict, judged: dict, history: list, opts: VerifyOptions,
-                  marker: str, library: frozenset = frozenset()) -> VerifyResult | None:
+                  marker: str, library: frozenset = frozenset(), families: list = ()) -> VerifyResult | None:
     """The verdict of one trial when it fails, else None; appends the trial to `history`
     ([(reference fingerprints, candidate fingerprints, activity)], the earlier trials).
-    `library`: kernel names torch and the CUDA libraries hold (`kernels.library_kernel_names`)."""
+    `library`: kernel names torch and the CUDA libraries hold (`kernels.library_kernel_names`);
+    `families`: the launch families the worker's recording matched (`kernels.matched_families`)."""
     def invalid(message):
         return VerifyResult("invalid", compiled=True, message=message)
 
-    forward, unfinished = trial_activity(ran, marker)
+    forward, unfinished = trial_activity(ran, marker, families)
     if unfinished:
         return invalid(f"{where}: {unfinished}")
     problem = kernel_verdict(forward, ran["own"], judged["reference_activity"], opts, library)
@@ -59,6 +71,10 @@ def trial_verdict(where: str, ran: dict, judged: dict, history: list, opts: Veri
     history.append((judged["reference_fingerprints"], judged["fingerprints"], forward))
     if judged["mismatch"]:
         return VerifyResult("incorrect", compiled=True, message=f"{where}: {judged['mismatch']}")
+    if judged.get("inputs_mismatch"):
+        return VerifyResult("incorrect", compiled=True, message=(
+            f"{where}: {judged['inputs_mismatch']}; the reference modifies that input in place, so forward must "
+            "leave it as the reference does"))
     if judged["second_mismatch"]:
         return VerifyResult("incorrect", compiled=True, message=(
             f"a second call on the same inputs ({where}) went wrong: {judged['second_mismatch']}; "
@@ -71,13 +87,13 @@ def kernel_verdict(forward: dict | None, own, reference_activity: dict | None, o
     """`checks.kernel_problem` on a profiled forward (None on a CPU, where nothing is profiled).
     A compiled name that a library holds too is not the candidate's own (a collision is refused:
     its launches may be the library's kernel)."""
-    if forward is None or reference_activity is None:
+    if forward is None or reference_activity is None or opts.rules == "dice":
         return None
     if not forward["kernels"] and not reference_activity["kernels"]:
         raise RuntimeError(PROFILER_BROKEN)
     collided = set(own or ()) & library
     problem = kernel_problem(forward["kernels"], set(own or ()) - collided, reference_activity["kernels"],
-                             forward, reference_activity, qualified_name, opts.rules)
+                             forward, reference_activity, qualified_name, opts.rules, reference_activity.get("epilogues"))
     shared = sorted(collided & {qualified_name(k) for k in forward["kernels"]})
     if problem and shared and problem.startswith("none of the kernels"):
         return (f"the candidate's kernel {shared[0][:80]} has the name of a kernel in torch or a CUDA library, so its "
@@ -86,19 +102,47 @@ def kernel_verdict(forward: dict | None, own, reference_activity: dict | None, o
 
 
 def timed_block_verdict(reply: dict, marker: str, calls: int, trials: list[dict], reference_activity: dict | None,
-                        own, opts: VerifyOptions, library: frozenset = frozenset()) -> tuple[list, str | None]:
+                        own, opts: VerifyOptions, library: frozenset = frozenset(),
+                        families: list = ()) -> tuple[list, str | None]:
     """(the block's times in ms, why its calls broke a rule or None) for a worker's time_block
-    reply: an eager GPU block is timed from its raw records (`records.call_windows`) and must run
-    the trials' work (`checks.timed_work_problem`) and, under the strict rule, no library compute
-    beyond `calls` forwards of the reference; a graph's or a CPU's times are the worker's."""
+    reply: an eager GPU block is timed from its raw records (`records.call_windows`, bounded below
+    by the block's empty window); every launch has its device record, every call its canary copy,
+    and every call's window holds a kernel the candidate compiled and the trials' work
+    (`checks.timed_work_problem`, per call); under the strict rule no library compute beyond
+    `calls` forwards of the reference; a graph's or a CPU's times are the worker's."""
     if reply["records"] is None:
         return reply["times"], None
     try:
-        times, inside = call_windows(reply["records"], marker, calls)
+        times, inside = call_windows(reply["records"], marker, calls, EMPTY_WINDOWS)
+        each = windows(reply["records"], marker, calls, EMPTY_WINDOWS)[0]
     except ValueError as exc:
         return [], str(exc)
-    problem = timed_work_problem(inside, calls, trials)
+    problem = unrecorded_problem(reply["records"], families) or _canary_problem(reply["records"], marker, calls)
+    own = set(own or ()) - library
+    problem = problem or _window_problem(each, own, reference_activity if opts.rules != "dice" else None, trials)
     if problem is None and reference_activity is not None and opts.rules == "strict":
-        problem = timed_kernel_problem(inside["kernels"], set(own or ()) - library, reference_activity["kernels"],
-                                       calls, qualified_name)
+        problem = timed_kernel_problem(inside["kernels"], own, reference_activity["kernels"], calls, qualified_name,
+                                       reference_activity.get("epilogues"))
     return list(times), problem
+
+
+def _canary_problem(records: list, marker: str, calls: int) -> str | None:
+    missing = canaries_missing(records, marker, calls, EMPTY_WINDOWS)
+    return (f"the harness's copy after {missing} of {calls} timed calls left no record: the profiler's recording of "
+            "copies was switched off (forward must not touch CUPTI or the profiler)") if missing else None
+
+
+def _window_problem(each: list, own: set, reference_activity: dict | None, trials: list[dict]) -> str | None:
+    """Why one of a block's call windows (`records.windows`) holds no kernel the candidate compiled
+    or less than its share of the trials' work, or None: each call is checked, so calls whose
+    records went missing cannot be paid for by padding on others."""
+    theirs = {qualified_name(k) for k in (reference_activity or {}).get("kernels", {})}
+    for i, (_, _, mine) in enumerate(each):
+        done = activity(mine)
+        if reference_activity is not None and not any(
+                qualified_name(k) in own and qualified_name(k) not in theirs for k in done["kernels"]):
+            return f"timed call {i + 1} of the block ran no kernel the candidate compiled"
+        problem = timed_work_problem(done, 1, trials)
+        if problem:
+            return f"timed call {i + 1} of the block: {problem}"
+    return None

@@ -23,10 +23,12 @@ Stages, first failure wins:
    the profiler (trial 1 calls forward twice), the inputs written into the previous call's
    tensors. Invalid (`verdicts.trial_verdict`): the kernels break `checks.kernel_problem` under
    `rules`, inputs modified or aliased, an output in an earlier call's memory or changed by a
-   later call, work still running after forward returned, threads or processes left running, an
-   output equal to an earlier trial's while the references differ, the harness changed
-   (`guard`). Incorrect: `checks.compare_outputs` fails at the `precision` rule's tolerances on
-   any trial or repeated call;
+   later call, work still running after forward returned, the profiler's recording switched
+   (`records`: launches without their device records, a missing canary copy), threads or processes
+   left running, an output equal to an earlier trial's while the references differ, the harness
+   changed or a refused hook (`guard`). Incorrect: `checks.compare_outputs` fails at the `precision`
+   rule's tolerances on any trial or repeated call, or an input the reference modifies in place
+   does not end as the reference leaves it;
 4. timing (if `timing`), the GPU lock held exclusively: `timing.Timer` in the worker and in the
    judge (CUDA graphs when both capture faithfully, else eager calls timed from the GPU's own
    records, shipped raw: `records`), paired blocks until the speedup is stable (`speedup`), the
@@ -69,7 +71,7 @@ from .records import activity
 from .results import TaskError, VerifyOptions, VerifyResult, static_check, trial_seeds
 from .speedup import BUDGET_S, CHECKS_PER_BLOCK, PLAUSIBLE, Timing, paired_rounds
 from .timing import calls_per_block
-from .verdicts import kernel_verdict, timed_block_verdict, trial_verdict
+from .verdicts import kernel_verdict, timed_block_verdict, trial_verdict, unrecorded_problem
 
 WORKERS_PER_JUDGE = 4         # a new task costs its judge 5 references; a known one 5 comparisons a candidate
 MAX_TASKS_REMEMBERED = 4096   # tasks whose trial kinds are kept (an RL run sees far fewer at a time)
@@ -192,7 +194,7 @@ class Verifier:
     # -- one candidate ------------------------------------------------------------------------
 
     def _verify_one(self, task_src: str, candidate_src: str, opts: VerifyOptions) -> VerifyResult:
-        static = static_check(candidate_src, need_kernel=self.cuda)
+        static = static_check(candidate_src, need_kernel=self.cuda, rules=opts.rules)
         if static is not None:
             return static
         if self._prebuild is not None and "load_inline" in candidate_src:
@@ -212,12 +214,14 @@ class Verifier:
         if opts.seed is None:   # per candidate: outputs another candidate saw cannot serve timing
             timing_seed = 1 + secrets.randbelow(2**31 - 1)
         with self._gpu.shared():  # a broken task fails here, blamed on the task, before any compiling
-            kinds = self._trial_kinds(task, init_seed, seeds)
+            kinds = self._trial_kinds(task, init_seed, seeds, plain=opts.rules == "dice")
+        # DICE's check: one deadline for the build and the run (its subprocess's timeout)
+        clock = _Clock(opts.timeout_s) if opts.rules == "dice" else None
         load = {"op": "load", **task, "candidate_src": candidate_src, "init_seed": init_seed}
-        reply = self._ask(worker, load, _Clock(opts.compile_timeout_s), "loading the candidate module")
+        reply = self._ask(worker, load, clock or _Clock(opts.compile_timeout_s), "loading the candidate module")
         if reply["status"] != "ok":  # the module imported if the failure came after that
             return self._failed(reply, compiled=reply["status"] in ("invalid", "runtime_error"))
-        clock, history = _Clock(opts.timeout_s), []
+        clock, history = clock or _Clock(opts.timeout_s), []
         with self._gpu.shared():
             reply = self._ask(worker, {"op": "warmup", "seed": warmup_seed, "kind": kinds[0]}, clock, "running forward")
         if reply["status"] != "ok":
@@ -230,7 +234,8 @@ class Verifier:
         if not opts.timing:
             return VerifyResult("correct", compiled=True, message=f"correct on {len(seeds)} trials")
         trials = [activity for _, _, activity in history if activity is not None]
-        inputs = "permuted" if "plain" in kinds else "timed"   # a task that takes no jitter (`_trial_kinds`)
+        # a task that takes no jitter, or no heavy element (`_trial_kinds`)
+        inputs = "permuted" if "plain" in kinds else "jittered" if "light" in kinds else "timed"
         timed = self._timing(worker, task, init_seed, timing_seed, clock, opts, trials, inputs)
         if isinstance(timed, Timing) and timed.speedup > PLAUSIBLE:   # measured again by a fresh process
             worker.restart()
@@ -249,18 +254,19 @@ class Verifier:
                      f"({timed.method}, {timed.rounds} paired rounds, speedup {timed.speedup:.3g}x, 95% CI "
                      f"{timed.ci[0]:.3g}-{timed.ci[1]:.3g}){note}"))
 
-    def _trial_kinds(self, task: dict, init_seed: int, seeds: list[int]) -> list[str]:
-        """Each trial's input structure (`harness.trial_kinds`) with every reference computed, once
-        per task and seeds. A structure the task's own reference cannot take (it raises, e.g. on
-        float indices spiked or jittered past their table) falls back to iid, then to the inputs as
-        drawn ("plain"), so no candidate is judged outside the task's domain; a reference that
+    def _trial_kinds(self, task: dict, init_seed: int, seeds: list[int], plain: bool = False) -> list[str]:
+        """Each trial's input structure (`harness.trial_kinds`; with `plain`, DICE's check, the
+        inputs as drawn) with every reference computed, once per task and seeds. A structure the
+        task's own reference cannot take (it raises, e.g. on float indices spiked or jittered past
+        their table, or on a heavy element) falls back to jitter alone ("light"), then to the inputs
+        as drawn ("plain"), so no candidate is judged outside the task's domain; a reference that
         fails on plain inputs too is the task's error (TaskError)."""
-        key = (task["task_key"], task["precision"], init_seed, tuple(seeds))
+        key = (task["task_key"], task["precision"], init_seed, tuple(seeds), plain)
         if key not in self._kinds:
-            kinds = trial_kinds(len(seeds))
+            kinds = ["plain"] * len(seeds) if plain else trial_kinds(len(seeds))
             for i, seed in enumerate(seeds):
                 request = {"op": "reference", **task, "init_seed": init_seed, "seed": seed}
-                for kind in dict.fromkeys([kinds[i], "iid", "plain"]):
+                for kind in dict.fromkeys([kinds[i], "light", "plain"]):
                     try:
                         self._judge_call({**request, "kind": kind})
                         kinds[i] = kind
@@ -282,11 +288,12 @@ class Verifier:
             if ran["status"] != "ok":
                 return self._failed(ran, compiled=True, where=where)
             judged = self._judge_call({"op": "compare", **task, "init_seed": init_seed, "seed": seed, "kind": kind,
-                                       "outputs": ran["outputs"], "second": ran["second"], **opts.tolerance()},
-                                      candidate_outputs=True)
+                                       "outputs": ran["outputs"], "second": ran["second"], "inputs": ran["inputs"],
+                                       **opts.tolerance()}, candidate_outputs=True)
         if judged["status"] != "ok":
             return self._failed(judged, compiled=True, where=where)
-        return trial_verdict(where, ran, judged, history, opts, worker.info.get("marker", ""), self._library_names())
+        return trial_verdict(where, ran, judged, history, opts, worker.info.get("marker", ""), self._library_names(),
+                             worker.info.get("matched", []))
 
     def _timing(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, clock: _Clock,
                 opts: VerifyOptions, trials: list[dict], inputs: str) -> Timing | VerifyResult:
@@ -306,7 +313,8 @@ class Verifier:
                     break
             timed_activity = activity(prep["records"]) if prep["records"] is not None else None
             problem = kernel_verdict(timed_activity, prep["own"], base["activity"], opts, self._library_names()) or (
-                timed_activity and timed_work_problem(timed_activity, 1, trials))
+                timed_activity and (unrecorded_problem(prep["records"], worker.info.get("matched", []))
+                                    or timed_work_problem(timed_activity, 1, trials)))
             if problem:
                 return VerifyResult("invalid", compiled=True, message=f"timed calls: {problem}")
             calls = calls_per_block(max(prep["ms"], base["ms"]))
@@ -329,7 +337,8 @@ class Verifier:
                 if reply["status"] != "ok":
                     return self._failed(reply, compiled=True, where="timing")
                 times, problem = timed_block_verdict(reply, worker.info.get("marker", ""), n, trials,
-                                                     base["activity"], prep["own"], opts, self._library_names())
+                                                     base["activity"], prep["own"], opts, self._library_names(),
+                                                     worker.info.get("matched", []))
                 if problem:
                     return VerifyResult("invalid", compiled=True, message=f"timing: {problem}")
                 return self._check_timed(reply, base_request, opts) or times

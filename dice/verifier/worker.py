@@ -31,11 +31,11 @@ from torch import nn
 from . import build, checks, guard, harness as harness_module, judge, kernels, protocol, records, timing
 from .build import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
 from .checks import HarnessTampered, aliased_outputs, flatten, modified_inputs, same_bits, trusted
-from .harness import (build_model, cuda_context_broken, describe_exception, init_device, load_module, load_task,
-                      make_inputs, rewritten_in_place, trial_inputs)
+from .harness import (build_model, call_draws, cuda_context_broken, describe_exception, init_device, load_module,
+                      load_task, make_inputs, rewritten_in_place, trial_inputs)
 from .judge import JudgeHandler
 from .keeper import kill_tree, reap, set_child_subreaper
-from .kernels import CompiledKernels, gpu_activity, gpu_records, marker_name
+from .kernels import CompiledKernels, gpu_activity, gpu_records, marker_name, matched_families
 from .precision import math_flags
 from .protocol import export_tensor
 from .timing import Timer
@@ -103,12 +103,14 @@ class CandidateHandler:
         self.earlier: list = []                  # every output this candidate returned so far (a caller's)
         self.pending: list[torch.Tensor] = []  # shipped to the judge; alive until the next request
         self.loads = 0
+        self.canary = torch.ones(1, device=self.device)   # copied to the host after each profiled forward
         # Starts CUPTI once, here, and checks that the profiler sees kernels at all.
         probe = lambda: torch.ones(1, device=self.device).add_(1)  # noqa: E731
         profiler_works = self.cuda and any(gpu_activity(probe)[1]["kernels"] for _ in range(2))
         self.info = {"device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
                      "profiler_works": profiler_works, "provenance_works": not self.cuda or self.compiled.hooked,
-                     "marker": marker_name() if self.cuda else ""}
+                     "marker": marker_name() if self.cuda else "",
+                     "matched": matched_families(self.device) if profiler_works else []}
         self.flags = _global_flags()
         torch.ones(1 << 18).sum(), torch.ones(64, 64) @ torch.ones(64, 64)   # torch's CPU thread pools start now
         self.threads = set(threading.enumerate())  # the harness's own; any other is a candidate's
@@ -123,7 +125,7 @@ class CandidateHandler:
         if self.task is not None:  # the previous candidate was not unloaded (its worker kept running)
             self._drop_candidate()
         self.native = guard.native_threads()   # lazily started library threads belong to the harness
-        self.task = load_task(request["task_src"], "dice_task")
+        self.task, self.task_src = load_task(request["task_src"], "dice_task"), request["task_src"]
         math_flags(request["precision"])   # before the candidate's import: what it sets itself is its own
         self.builds.install()  # again: an earlier candidate may have replaced load_inline
         self.compiled.start([str(self.builds.root)])
@@ -150,7 +152,8 @@ class CandidateHandler:
         """One forward whose outputs are not used, so that lazily compiled kernels (CuPy compiles at
         first launch) and one-time initialisation are behind the first profiled trial."""
         try:
-            self.previous = rewritten_in_place([], trial_inputs(self.task, request["seed"], request["kind"], self.device))
+            self.previous = rewritten_in_place([], trial_inputs(self.task, request["seed"], request["kind"], self.device,
+                                                                       self.task_src))
             self.earlier = self._forward(self.previous, request["seed"])
         except Exception as exc:
             return self._finish(self._run_error(exc, "the first forward"))
@@ -159,25 +162,32 @@ class CandidateHandler:
     def run(self, request: dict) -> dict:
         """One correctness trial, as a caller uses forward: the trial's inputs written in place
         into the previous call's input tensors (outputs memoised by input address go stale), the
-        forward profiled and followed by a marker on torch's current stream (`records.split_marker`:
-        work still running when forward returned); with `repeat` a second call on the same inputs,
-        whose outputs must not reuse the first call's memory, and after which the first call's
-        outputs must be unchanged (a persistent output buffer overwrites what the caller holds);
-        it also reports outputs still being written after torch's current stream finished."""
+        forward profiled (`_watched`: the outputs read on torch's current stream at once, then a
+        marker and the canary copy, `records.split_marker`); with `repeat` a second call on the same
+        input values, whose outputs must not reuse the first call's memory, and after which the
+        first call's outputs must be unchanged (a persistent output buffer overwrites what the
+        caller holds). Outputs that changed after the caller's stream read them were still being
+        written when forward returned. Inputs forward modified are shipped too: where the reference
+        modifies an input in place, the candidate must leave it as the reference does."""
         self.pending = []
         seed = request["seed"]
-        inputs = rewritten_in_place(self.previous, trial_inputs(self.task, seed, request["kind"], self.device))
+        inputs = rewritten_in_place(self.previous, trial_inputs(self.task, seed, request["kind"], self.device,
+                                                                self.task_src))
         self.previous = inputs
         originals = [trusted.clone(x) if isinstance(x, torch.Tensor) else None for x in inputs]
-        found, second, not_ready, stale = None, None, [], []
+        found, second, stale = None, None, []
         try:
             if self.cuda:
-                outputs, found = gpu_records(lambda: self._forward(inputs, seed, marked=True))
+                (outputs, read), found = gpu_records(lambda: self._watched(inputs, seed, profiled=True))
             else:
-                outputs = self._forward(inputs, seed)
+                outputs, read = self._watched(inputs, seed)
+            unfinished = self._changed(outputs, read)
             if request["repeat"]:
                 kept = [trusted.clone(t) if type(t) is torch.Tensor else None for t in outputs]
-                second, not_ready = self._call_watching_streams(inputs, seed)
+                if modified_inputs(originals, inputs):   # the second call sees the first call's input values
+                    rewritten_in_place(inputs, [x if o is None else o for o, x in zip(originals, inputs)])
+                second, read = self._watched(inputs, seed)
+                unfinished += [i for i in self._changed(second, read) if i not in unfinished]
                 stale = [i for i, (k, t) in enumerate(zip(kept, outputs)) if k is not None and not same_bits(k, t)]
         except Exception as exc:
             return self._finish(self._run_error(exc, "forward"))
@@ -188,27 +198,32 @@ class CandidateHandler:
         left = self._threads_left("forward")
         if left:
             return self._finish(left)
-        if not_ready:
-            return self._finish({"status": "invalid", "message": f"output {not_ready[0]} was still being "
-                                 "written after torch's current stream finished: forward launched work on "
-                                 "another stream without making the current stream wait for it"})
+        if unfinished:
+            return self._finish({"status": "invalid", "message": f"output {unfinished[0]} changed after torch's "
+                                 "current stream read it: work still running after forward returned (launched on "
+                                 "another stream that the current stream does not wait for)"})
         calls = [outputs] + ([second] if second is not None else [])
         views = {i for i, _ in aliased_outputs(outputs, inputs)}   # judged as aliasing the inputs instead
         reused = sorted({i for k, call in enumerate(calls)
                          for i, _ in aliased_outputs(call, self.earlier + [t for c in calls[:k] for t in c])} - views)
         self.earlier += [t for call in calls for t in call]
+        mutated = modified_inputs(originals, inputs)
+        changed = [j for j in mutated if type(j) is int and 0 <= j < len(inputs)]   # a tampered list reaches the parent
         return self._finish({"status": "ok", "outputs": self._ship(outputs),
                              "second": self._ship(second) if second is not None else None,
+                             "inputs": [[j, data] for j, data in zip(changed, self._ship([inputs[j] for j in changed]))],
                              "records": found, "own": sorted(self.compiled.names()) if self.cuda else None,
-                             "mutated": modified_inputs(originals, inputs), "aliased": aliased_outputs(outputs, inputs),
+                             "mutated": mutated, "aliased": aliased_outputs(outputs, inputs),
                              "reused": reused, "stale": stale})
 
     def time_prepare(self, request: dict) -> dict:
         """A Timer on the timing seed's inputs, as a graph if asked and faithful; its kernels."""
         self.pending, self.earlier, self.previous = [], [], []
         try:
-            pristine = make_inputs(self.task, request["seed"], self.device)
-            self.timer = Timer(self.model, pristine, request["seed"], self.device, request["method"], request["inputs"])
+            pristine = make_inputs(self.task, request["seed"], self.device, self.task_src)
+            draws = call_draws(self.task, self.task_src, request["seed"], self.device, pristine)
+            self.timer = Timer(self.model, pristine, request["seed"], self.device, request["method"], request["inputs"],
+                               draws)
             found = self.timer.profile() if self.cuda else None
             probe = self.timer.block(-10, 1, 0.0, profiled=False)
         except Exception as exc:
@@ -235,25 +250,30 @@ class CandidateHandler:
         left = guard.native_threads() - self.native
         return {"status": "ok", "recycle": bool(left)}
 
-    def _forward(self, inputs: list, seed: int, marked: bool = False) -> list:
+    def _forward(self, inputs: list, seed: int) -> list:
         trusted.manual_seed(seed)
         with trusted.no_grad():
-            outputs = flatten(self.model(*inputs))
-        if marked:
-            trusted.marker(0)   # on torch's current stream, after forward returned (`records.split_marker`)
-        return outputs
+            return flatten(self.model(*inputs))
 
-    def _call_watching_streams(self, inputs: list, seed: int) -> tuple[list, list[int]]:
-        """Forward once; on CUDA also the outputs that changed after torch's stream was done."""
+    def _watched(self, inputs: list, seed: int, profiled: bool = False) -> tuple[list, list]:
+        """(forward's outputs, copies of their bytes read on torch's current stream as soon as
+        forward returned, before any synchronize, as the caller's next operation would read them).
+        `profiled`: a marker and then the canary copy follow on the current stream
+        (`records.split_marker`). `_changed` compares once the device is synchronized."""
         outputs = self._forward(inputs, seed)
-        if not self.cuda:
-            return outputs, []
-        stream = torch.cuda.current_stream(self.device)
-        stream.synchronize()
-        with torch.cuda.stream(stream):
-            snapshot = [trusted.clone(t) if type(t) is torch.Tensor and t.is_cuda else None for t in outputs]
-        trusted.cuda_synchronize(self.device)
-        return outputs, [i for i, s in enumerate(snapshot) if s is not None and not same_bits(s, outputs[i])]
+        read = [trusted.clone(_memory(t)) if type(t) is torch.Tensor and t.is_cuda and t.numel() else None
+                for t in outputs]
+        if profiled:
+            trusted.marker(0)
+            trusted.to_host(self.canary)
+        return outputs, read
+
+    def _changed(self, outputs: list, read: list) -> list[int]:
+        """The outputs whose bytes changed after the caller's stream read them (`_watched`): work
+        that wrote them was still running when forward returned."""
+        if self.cuda:
+            trusted.cuda_synchronize(self.device)
+        return [i for i, r in enumerate(read) if r is not None and not same_bits(r, _memory(outputs[i]))]
 
     def _ship(self, outputs: list) -> list[bytes]:
         """Outputs for the judge; the tensors stay alive until the next request (CUDA IPC)."""
@@ -273,6 +293,8 @@ class CandidateHandler:
                 f"({', '.join(started[:5])}); all work must finish inside forward"}
 
     def _load_error(self, exc: Exception) -> dict:
+        if isinstance(exc, HarnessTampered):
+            return self._run_error(exc, "loading the candidate module")
         if isinstance(exc, SyntaxError):
             message = f"candidate.py line {exc.lineno}: SyntaxError: {exc.msg}"
         elif isinstance(exc, BuildError):
@@ -334,3 +356,7 @@ def _restore_global_flags(flags: dict) -> None:
     torch.backends.cudnn.deterministic = flags["cudnn_deterministic"]
 
 
+def _memory(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of the memory `t` spans, as one dense uint8 tensor (a copy of it is a plain memcpy)."""
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.as_strided((span,), (1,), t.storage_offset()).view(torch.uint8)
