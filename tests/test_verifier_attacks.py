@@ -89,6 +89,9 @@ def test_a_reply_that_would_run_code_in_the_trainer_is_refused(cpu_verifier, tmp
     ("torch.Tensor.clamp_min = lambda self, m: self.abs()", "torch.Tensor.clamp_min"),   # would skew the next
     ("import dice.verifier.worker as w\nw.CandidateHandler.time_block = lambda self, r: "
      "{'status': 'ok', 'times': [1e-6], 'checked': [], 'activity': None}", "CandidateHandler.time_block"),
+    # the GPU draw of the inputs (`with device:`) builds this class by name: it would see every input
+    ("import torch.utils._device as d\nclass Spy(d.DeviceContext):\n    pass\nd.DeviceContext = Spy",
+     "torch.utils._device.DeviceContext"),
 ])
 @pytest.mark.slow
 def test_replacing_the_harness_is_invalid(cpu_verifier, patch, name):

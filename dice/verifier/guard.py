@@ -46,6 +46,7 @@ import types
 from multiprocessing.reduction import ForkingPickler
 
 import torch
+import torch.utils._device
 from torch import nn
 
 from .checks import HarnessTampered, replaced_functions, trusted
@@ -154,7 +155,11 @@ def live_children() -> list[int]:
 STDLIB = (builtins, collections, gc, math, os, pickle, signal, statistics, threading, _thread, time, types)
 # torch's classes whose methods the harness calls (the profiler that records, the events that time)
 TORCH_CLASSES = (torch.profiler.profile, torch.autograd.profiler.profile, torch.cuda.Event, torch.cuda.Stream,
-                 torch.cuda.CUDAGraph, multiprocessing.connection.Connection, ForkingPickler)
+                 torch.cuda.CUDAGraph, multiprocessing.connection.Connection, ForkingPickler,
+                 torch.utils._device.DeviceContext)
+# torch's modules whose functions the harness reaches: `with device:` (the GPU draw of a trial's
+# inputs, `harness.draw`) builds torch.utils._device.DeviceContext, looked up by name
+TORCH_MODULES = (torch.utils._device,)
 
 
 class HarnessSnapshot:
@@ -168,7 +173,7 @@ class HarnessSnapshot:
 
     def __init__(self, handler: object, modules: tuple, hooks: dict):
         self.handler, self.hooks = handler, hooks
-        spaces = {module.__name__: module for module in (*modules, *STDLIB)}
+        spaces = {module.__name__: module for module in (*modules, *STDLIB, *TORCH_MODULES)}
         for module in modules:
             spaces.update({f"{module.__name__}.{name}": cls for name, cls in vars(module).items()
                            if isinstance(cls, type) and cls.__module__ == module.__name__})
