@@ -269,7 +269,7 @@ HELP = {
                     "the other attacks of the verifier's tests pass it: DESIGN.md §8.6)",
     "eval_every": "RL: greedy evaluation on --eval-data every N steps (0: never)",
     "eval_data": "RL: held-out tasks for --eval-every",
-    "verifier_workers": "RL: kernel verifier worker processes",
+    "verifier_workers": "RL: kernel verifier worker processes of the host (torchrun: split over its processes)",
     "verify_timeout": "RL: seconds a sampled kernel may run before it is a timeout",
     "prompt_template": "RL: a text file holding the whole prompt, chat markup included, with {{pytorch_code}} "
                        "(and for --phase infill {{prefix}}, {{suffix}}) where the task goes, e.g. DICE's own prompt "

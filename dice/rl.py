@@ -39,6 +39,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -295,6 +296,14 @@ def update_plan(completions, advantages, cfg, rt, block_size: int, mask_id: int,
 _FLEX_MET: set = set()
 
 
+def rank_verifier(workers: int, device: torch.device) -> dict:
+    """This process's Verifier arguments: its own GPU (under torchrun rank r trains on cuda:r, and its
+    rollouts' kernels run there too) and its share of `--verifier-workers`, which counts the
+    workers of the whole host (LOCAL_WORLD_SIZE processes share its cores)."""
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return {"workers": max(1, workers // local), "device": str(device) if device.type == "cuda" else "cuda"}
+
+
 class CompileClock:
     """The seconds an update spent compiling (`compile_s`). Compiled FlexAttention and its block
     masks (`dice.attention`) compile once per process for each shape and pass (a no-grad forward;
@@ -469,7 +478,7 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
     verifier, eval_reward = None, reward_fn
     if reward_fn is None:
         from .verifier import Verifier
-        verifier = Verifier(workers=cfg.verifier_workers)
+        verifier = Verifier(**rank_verifier(cfg.verifier_workers, rt.device))
         reward_fn = verifier_reward(verifier, cfg.phase, cfg.reward, timing=cfg.reward == "speedup",
                                     timeout_s=cfg.verify_timeout, rules=cfg.reward_rules)
         eval_reward = verifier_reward(verifier, "e2e", "correct", timing=True, timeout_s=cfg.verify_timeout)

@@ -547,3 +547,13 @@ def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():
     assert verifier_reward(FakeVerifier(), "e2e", kind="speedup")(tasks, comps).rewards[0] == pytest.approx(1.5)
     comps[0] = Completion([1], [2], [1], "", "good\nx\nchanged end")
     assert verifier_reward(FakeVerifier(), "infill")(tasks, comps).rewards[0] == 0.0   # the suffix was not kept
+
+
+def test_each_torchrun_process_verifies_on_its_own_gpu_with_its_share_of_the_workers(monkeypatch):
+    from dice.rl import rank_verifier
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert rank_verifier(14, torch.device("cuda", 2)) == {"workers": 3, "device": "cuda:2"}
+    assert rank_verifier(2, torch.device("cuda", 3)) == {"workers": 1, "device": "cuda:3"}
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert rank_verifier(14, torch.device("cuda", 0)) == {"workers": 14, "device": "cuda:0"}
+    assert rank_verifier(8, torch.device("cpu")) == {"workers": 8, "device": "cuda"}   # says there is no GPU
