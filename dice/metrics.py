@@ -48,6 +48,7 @@ from typing import Iterable
 
 from .cli import ArgumentParser, at_least, fail_cleanly
 from .data import DataError, read_text
+from .errors import json_problem
 
 
 @dataclass
@@ -199,7 +200,7 @@ def read_outcomes(path: str | Path, levels: Iterable[int] = ()) -> dict[tuple[st
     except IsADirectoryError:
         raise DataError(f"{path} is a folder; give the file `evaluate.py --out` wrote") from None
     except json.JSONDecodeError as e:
-        raise DataError(f"{not_ours}: it is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise DataError(f"{not_ours}: it is not valid JSON ({json_problem(e)})") from None
     except ValueError:   # not UTF-8 text
         raise DataError(not_ours) from None
     if not isinstance(data, dict) or not isinstance(data.get("results"), list):

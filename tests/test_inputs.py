@@ -212,7 +212,7 @@ CASES = [
     Case("train records that are strings", "train", SFT.replace("{ws}/sft.json", "{case}/d.json"), 1,
          "record 0 is a JSON str, not a record object", setup=lambda ws, case: write(case, "d.json", ["a", "b"])),
     Case("train a cut JSONL line", "train", SFT.replace("{ws}/sft.json", "{case}/d.jsonl"), 1,
-         "d.jsonl line 2 is not valid JSON", setup=lambda ws, case: write(case, "d.jsonl", '{"prompt": "a", "response": "b"}\n{"prompt": "a", "re')),
+         "d.jsonl is not valid JSONL (Unterminated string starting at line 2 column 17)", setup=lambda ws, case: write(case, "d.jsonl", '{"prompt": "a", "response": "b"}\n{"prompt": "a", "re')),
     Case("init --data missing", "train", f"{INIT} --out {{case}}/o".replace("sft.json", "nope.json"), 1, "does not exist"),
     *[Case(f"train --resume with {what}", "train", RESUME, 1, says, setup=lambda ws, case, m=mutate: run_copy(ws, case, m))
       for what, mutate, says in [
@@ -347,6 +347,28 @@ CASES = [
     Case("bench rl --solutions missing", "bench", RL.replace("tasks.json", "nope.json"), 1, "no such task file"),
     Case("bench rl --solutions cut", "bench", RL.replace("{ws}/tasks.json", "{case}/t.json"), 1, "not valid JSON",
          setup=lambda ws, case: write(case, "t.json", '[{"pytorch_code": ')),
+    # issue 44 item 5: JSON errors name line and column (no "at at"); refusals start with error: and name the fix
+    Case("train --data a JSON string cut", "train", SFT.replace("{ws}/sft.json", "{case}/d.json"), 1,
+         "d.json is not valid JSON (Unterminated string starting at line 2 column 13); fix it there",
+         setup=lambda ws, case: write(case, "d.json", '[\n {"prompt": "a')),
+    Case("bench rl --solutions a JSON string cut", "bench", RL.replace("{ws}/tasks.json", "{case}/t.json"), 1,
+         "t.json is not valid JSON (Unterminated string starting at line 1 column 19); fix it there",
+         setup=lambda ws, case: write(case, "t.json", '[{"pytorch_code": "x')),
+    Case("train --resume a run.json cut", "train", RESUME, 1,
+         "run.json is not a JSON object of the run's settings (Expecting ',' delimiter at line 1 column 14); restore it",
+         setup=lambda ws, case: run_copy(ws, case, lambda run: (run / "run.json").write_text('{"--seed": 0 "x": 1}'))),
+    Case("bench builds --solutions without load_inline", "bench", "builds --solutions {case}/t.json", 1,
+         "t.json: no reference solution calls load_inline; pass a DICE JSON file whose cuda_code programs build",
+         setup=lambda ws, case: write(case, "t.json", task_records(ws, cuda_code="print('no kernel here')"))),
+    Case("bench rl --rollout-batch 0 says its range", "bench", f"{RL} --rollout-batch 0", 2,
+         "--rollout-batch: must be auto or a whole number >= 1, got 0"),
+    Case("init --out a run folder", "train", f"{INIT} --out {{ws}}/run", 2,
+         "argument --out: {ws}/run holds a training run (metrics.jsonl, checkpoints, run.json); --phase init writes a "
+         "new model folder: choose another --out"),
+    Case("train without --out where the default folder is unwritable", "train",
+         SFT.replace(" --out {case}/o", ""), 2,
+         "the default output folder runs/sft-",
+         patch=lambda monkeypatch, case: unwritable(".")(monkeypatch, case)),
     Case("bench rl sizes over memory", "bench", f"{RL} --max-new-tokens 1000000000", 1, "the rollout KV cache"),
     Case("bench profile on a CPU", "bench", "profile", 1, "needs a CUDA GPU"),
 ]
@@ -398,3 +420,6 @@ def test_every_bad_input_is_one_line_and_leaves_every_file_as_it_was(case, ws, t
     assert what == "one-line", f"{what} (exit status {code}): {err}"
     assert code == case.code, f"exit status {code}, not {case.code}: {err}"
     assert case.says.format(ws=ws, case=tmp_path) in err, err
+    prog = err.split(": error: ", 1)[0] if ": error: " in err else None      # argparse's `prog: error: ...`
+    assert err.startswith("error: ") or prog in ("train.py", "sample.py", "evaluate.py") or prog.startswith(
+        "python -m dice."), err
