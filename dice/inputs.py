@@ -84,6 +84,9 @@ def output_file(path: str | os.PathLike, flag: str, *, overwrite: bool,
     if path.exists() and not overwrite:
         raise UsageError(f"{_named(flag)}: {path} already exists; pass --overwrite to replace it, or choose "
                          "another path")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UsageError(f"{_named(flag)}: {path} is not writable (permission denied), so --overwrite cannot "
+                         "replace it; fix its permissions or choose another path")
     return path
 
 

@@ -96,6 +96,23 @@ def unwritable(folder: str):
     return patch
 
 
+def denied(name: str, mode: int):
+    """The case's file `name` is not writable (os.access says so, as for root on a read-only file), or
+    (mode os.R_OK) not readable: reading it raises PermissionError."""
+    def patch(monkeypatch, case):
+        target, access, read_text = (case / name).resolve(), os.access, Path.read_text
+        if mode & os.W_OK:
+            monkeypatch.setattr(os, "access", lambda p, m, **kw: False if Path(p).resolve() == target and m & os.W_OK
+                                else access(p, m, **kw))
+        else:
+            def refuse(path, *args, **kwargs):
+                if path.resolve() == target:
+                    raise PermissionError(13, "Permission denied", str(path))
+                return read_text(path, *args, **kwargs)
+            monkeypatch.setattr(Path, "read_text", refuse)
+    return patch
+
+
 def gpu_with(free: int):
     """A CUDA GPU with `free` bytes free (the checks before any kernel or model runs)."""
     def patch(monkeypatch, case):
@@ -316,6 +333,11 @@ CASES = [
     Case("taskgen --train -1", "taskgen", "--out {case}/o --train -1", 2, "--train: must be >= 0"),
     Case("taskgen nothing to draw", "taskgen", "--out {case}/o --train 0 --valid 0 --heldout 0 --rl 0", 2,
          "nothing to draw"),
+    Case("taskgen a count over the free disk", "taskgen", "--out {case}/o --train 1000000 --valid 0 --heldout 0 --rl 0", 1,
+         "1000000 tasks take about 3,906 MiB in --out {case}/o, whose disk has 1 MiB free; draw fewer (--train, "
+         "--valid, --heldout, --rl), free some disk space, or choose an --out on another disk",
+         patch=lambda monkeypatch, case: monkeypatch.setattr(
+             "dice.taskgen.shutil.disk_usage", lambda path: shutil._ntuple_diskusage(2**30, 2**30 - 2**20, 2**20))),
     # dice.metrics
     *[Case(f"metrics {what}", "metrics", "{case}/a.json {ws}/results.json", 1, says,
            setup=lambda ws, case, content=content: write(case, "a.json", content)) for what, content, says in [
@@ -369,6 +391,16 @@ CASES = [
          SFT.replace(" --out {case}/o", ""), 2,
          "the default output folder runs/sft-",
          patch=lambda monkeypatch, case: unwritable(".")(monkeypatch, case)),
+    Case("evaluate --out an unwritable file with --overwrite", "evaluate", f"{EVAL} --out {{case}}/r.json --overwrite", 2,
+         "argument --out: {case}/r.json is not writable (permission denied), so --overwrite cannot replace it; fix its "
+         "permissions or choose another path", setup=lambda ws, case: write(case, "r.json", "{}"),
+         patch=denied("r.json", os.W_OK)),
+    Case("metrics an unreadable results file", "metrics", "{case}/a.json {ws}/results.json", 1,
+         "{case}/a.json is not readable (permission denied); fix its permissions, or give the file `evaluate.py --out` "
+         "wrote", setup=lambda ws, case: write(case, "a.json", "{}"), patch=denied("a.json", os.R_OK)),
+    Case("metrics a results file that is no results JSON", "metrics", "{case}/a.json {ws}/results.json", 1,
+         "a.json is not an `evaluate.py --out` file (JSON with a 'results' list of task verdicts); give the file",
+         setup=lambda ws, case: write(case, "a.json", [1, 2])),
     Case("bench rl sizes over memory", "bench", f"{RL} --max-new-tokens 1000000000", 1, "the rollout KV cache"),
     Case("bench profile on a CPU", "bench", "profile", 1, "needs a CUDA GPU"),
 ]
