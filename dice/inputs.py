@@ -120,4 +120,4 @@ def replaceable(path: Path, names: Iterable[str], flag: str, inputs: Mapping[str
                 if source == entry or source.is_relative_to(entry):
                     raise UsageError(f"{_named(flag)}: --overwrite would replace {path / name}, which holds the input "
                                      f"{input_flag} {source}; copy that input elsewhere first, or choose another "
-                                     f"{flag}")
+                                     f"{flag if flag.startswith('-') else '--out'}")
