@@ -315,7 +315,7 @@ def score_broken_tasks(pairs: list, results: list, broken: dict, how: str) -> tu
                    if t.source in broken else r for (t, _), r in zip(pairs, results)]
 
 
-NO_GPU = "evaluate.py: running the kernels needs a CUDA GPU (and cupy), which this machine lacks"
+NO_GPU = "error: running the kernels needs a CUDA GPU (and cupy), which this machine lacks"
 
 
 def main(argv=None) -> None:

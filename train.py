@@ -24,10 +24,11 @@ import torch
 from dice.checkpoint import CheckpointError, read_config
 from dice.cli import fail_cleanly, usage_error
 from dice.config import EMBEDDED, EMBEDDED_SFT_TASKS, RL_PHASES, config_from_args, with_embedded_defaults
+from dice.errors import UsageError
 from dice.inputs import input_path, output_folder
 from dice.memory import check_fits, kv_cache_bytes, micro_batch_bytes, parameter_bytes
 from dice.rollout import load_prompt_template
-from dice.runtime import check_run_folder, latest_checkpoint
+from dice.runtime import RUN_ENTRIES, check_run_folder, latest_checkpoint
 from dice.sft import INIT_ENTRIES, init_model_folder, sft_sizes, train_sft
 
 MODEL_GIVE = "pass --model DIR (a downloaded SDAR/DICE checkpoint, or a folder written by train.py)"
@@ -64,20 +65,22 @@ def check_usage(cfg, embedded: bool) -> None:
 def check_machine(cfg) -> None:
     """What this machine cannot do: one line, exit status 1."""
     if cfg.phase in ("infill", "e2e") and not torch.cuda.is_available():
-        sys.exit(f"train.py: --phase {cfg.phase} rewards kernels with the verifier, which needs a CUDA GPU "
+        sys.exit(f"error: --phase {cfg.phase} rewards kernels with the verifier, which needs a CUDA GPU "
                          "(and cupy) that this machine lacks; run it on a GPU machine")
     if cfg.phase == "sft" and cfg.attention == "flex" and not torch.cuda.is_available():
-        sys.exit("train.py: --attention flex needs a CUDA GPU (FlexAttention has no CPU backward); "
+        sys.exit("error: --attention flex needs a CUDA GPU (FlexAttention has no CPU backward); "
                          "use --attention dense or auto on this machine")
 
 
-def check_paths(cfg, embedded: bool) -> None:
+def check_paths(cfg, embedded: bool, out_flag: str = "--out") -> None:
     """Inputs exist, are of their kind and readable, the model's config.json is usable (exit 1);
     outputs follow `dice.inputs` (nothing the user made is overwritten, never inside an input) and
-    run folders `check_run_folder` (exit 2; a --resume's files that cannot be read: exit 1)."""
+    run folders `check_run_folder` (exit 2; a --resume's files that cannot be read: exit 1). `out_flag`
+    names the run folder in a refusal: "--out", or "the default output folder runs/..." when none was given."""
     if cfg.phase == "init":
         input_path(cfg.data, "--data", "file", "give --data a .json or .jsonl file of records to train the tokenizer on")
-        output_folder(cfg.out, "--out", INIT_ENTRIES, overwrite=cfg.overwrite, inputs={"--data": cfg.data})
+        output_folder(cfg.out, out_flag, INIT_ENTRIES, overwrite=cfg.overwrite, inputs={"--data": cfg.data})
+        check_no_run(Path(cfg.out))
         return
     input_path(cfg.model, "--model", "folder", MODEL_GIVE)
     read_config(cfg.model)
@@ -91,8 +94,17 @@ def check_paths(cfg, embedded: bool) -> None:
         load_prompt_template(cfg.prompt_template, cfg.phase == "infill")
     inputs = {"--model": cfg.model, "--eval-data": cfg.eval_data, "--prompt-template": cfg.prompt_template} | (
         {} if embedded else {"--data": cfg.data})
-    check_run_folder(Path(cfg.out), cfg.resume, cfg.overwrite, inputs=inputs,
+    check_run_folder(Path(cfg.out), cfg.resume, cfg.overwrite, inputs=inputs, flag=out_flag,
                      also=("tasks.json",) if embedded and not cfg.resume else ())
+
+
+def check_no_run(out: Path) -> None:
+    """--phase init writes a model folder; one that holds a training run (its run.json, metrics.jsonl,
+    checkpoints/, ...) is refused even with --overwrite, which would mix a model into the run."""
+    found = [name for name in RUN_ENTRIES if (out / name).exists()]
+    if found:
+        raise UsageError(f"argument --out: {out} holds a training run ({', '.join(found)}); --phase init writes a new "
+                         "model folder: choose another --out, e.g. a new folder")
 
 
 def check_memory(cfg) -> None:
@@ -159,9 +171,11 @@ def main(argv=None) -> None:
         cfg = with_embedded_defaults(cfg, given)
     check_usage(cfg, embedded)
     check_machine(cfg)
+    out_flag = "--out"
     if not cfg.out:
         cfg.out = f"runs/{cfg.phase}-{time.strftime('%Y%m%d-%H%M%S')}"
-    check_paths(cfg, embedded)
+        out_flag = f"the default output folder {cfg.out}"
+    check_paths(cfg, embedded, out_flag)
     if cfg.phase != "init":
         check_memory(cfg)
     out = Path(cfg.out)

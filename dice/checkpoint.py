@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .errors import UserError
+from .errors import UserError, json_problem
 from .model import SDAR, ModelConfig
 
 CONFIG = "config.json"
@@ -81,8 +81,10 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
             raise CheckpointError(f"{file} holds a JSON {type(keys).__name__}, not an object of config keys; "
                                   "re-download or fix it")
         config = ModelConfig.from_dict(keys)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file} is not valid JSON ({e}); re-download or fix it") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON ({json_problem(e)}); re-download or fix it") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{file} is not UTF-8 text; re-download or fix it") from None
     except KeyError as e:
         raise CheckpointError(f"{file} lacks required key(s) {e}; is this an SDAR/DICE config?") from None
     problem = config_problem(config)
@@ -129,8 +131,10 @@ def weight_files(path: str | os.PathLike) -> dict[str, Path]:
     if (path / INDEX).is_file():
         try:
             weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{path / INDEX} is not a valid safetensors index ({e!r}); re-download it") from None
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path / INDEX} is not valid JSON ({json_problem(e)}); re-download it") from None
+        except (KeyError, TypeError):
+            raise CheckpointError(f"{path / INDEX} is not a safetensors index (no 'weight_map'); re-download it") from None
         return {name: path / shard for name, shard in weight_map.items()}
     if (path / SINGLE).is_file():
         return {name: path / SINGLE for name in _open(path / SINGLE, "cpu").keys()}

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError
+from .errors import UserError, json_problem
 from .prompts import chat_prompt, chat_response, kernel_prompt
 
 
@@ -59,8 +59,8 @@ def read_records(path: str | Path) -> list[dict]:
             try:
                 record = json.loads(line) if line.strip() else None
             except json.JSONDecodeError as e:
-                raise DataError(f"{path} line {number} is not valid JSON ({e.msg} at column {e.colno}); "
-                                "fix that line (JSONL holds one record per line)") from None
+                raise DataError(f"{path} is not valid JSONL ({json_problem(e, number)}); fix that line "
+                                "(JSONL holds one record per line)") from None
             if line.strip() and not isinstance(record, dict):
                 raise DataError(f"{path} line {number} holds a {type(record).__name__}, not a record object; "
                                 "write one JSON object per line")
@@ -69,7 +69,7 @@ def read_records(path: str | Path) -> list[dict]:
     try:
         records = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); fix it there, "
+        raise DataError(f"{path} is not valid JSON ({json_problem(e)}); fix it there, "
                         "or write one record per line in a .jsonl file") from None
     if not isinstance(records, list):
         raise DataError(f"{path} must hold a JSON list of records (or be .jsonl with one record per line)")

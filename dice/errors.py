@@ -13,3 +13,10 @@ class UserError(ValueError):
 
 class UsageError(UserError):
     """A flag or an output path that cannot be used as given; the message names it and the fix."""
+
+
+def json_problem(error, line: int | None = None) -> str:
+    """A JSONDecodeError as "<what> at line L column C" (`line`: the file's line number of a JSONL
+    record, whose decoder counts from its own line 1), with no doubled "at" ("... starting at")."""
+    where = f"line {line if line is not None else error.lineno} column {error.colno}"
+    return f"{error.msg} {where}" if error.msg.endswith(" at") else f"{error.msg} at {where}"

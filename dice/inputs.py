@@ -41,6 +41,12 @@ def input_path(path: str | os.PathLike, flag: str, kind: str, give: str) -> Path
     return path
 
 
+def _named(flag: str) -> str:
+    """How a refusal names the output: `argument --out`, or a phrase such as "the default output
+    folder runs/sft-<time>" for a path the user never gave (which they fix by passing the flag)."""
+    return f"argument {flag}" if flag.startswith("-") else f"{flag} (pass --out DIR to choose another)"
+
+
 def _inside_an_input(path: Path, flag: str, inputs: Mapping[str, str | os.PathLike | None]) -> None:
     """Refuse an output that is an input, or lies inside an input folder."""
     target = path.resolve()
@@ -50,19 +56,19 @@ def _inside_an_input(path: Path, flag: str, inputs: Mapping[str, str | os.PathLi
         source = Path(source).resolve()
         if target == source or (source.is_dir() and target.is_relative_to(source)):
             where = "is" if target == source else "is inside"
-            raise UsageError(f"argument {flag}: {path} {where} the input {input_flag} {source}; "
+            raise UsageError(f"{_named(flag)}: {path} {where} the input {input_flag} {source}; "
                              "write outputs elsewhere, never into an input")
 
 
 def _writable_folder(folder: Path, flag: str, path: Path) -> None:
     """The nearest existing folder on the way to `folder` must be a folder we may write into."""
-    existing = folder
+    existing = folder.absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise UsageError(f"argument {flag}: {existing} on the way to {path} is a file; give a path through folders")
+        raise UsageError(f"{_named(flag)}: {existing} on the way to {path} is a file; give a path through folders")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"argument {flag}: {existing} is not writable; fix its permissions or choose another path")
+        raise UsageError(f"{_named(flag)}: {existing} is not writable; fix its permissions or choose another path")
 
 
 def output_file(path: str | os.PathLike, flag: str, *, overwrite: bool,
@@ -70,14 +76,17 @@ def output_file(path: str | os.PathLike, flag: str, *, overwrite: bool,
     """Check a file the command will write (module docstring); its folder must exist already."""
     path = Path(path)
     if path.is_dir():
-        raise UsageError(f"argument {flag}: {path} is a folder; give the path of a file to write")
+        raise UsageError(f"{_named(flag)}: {path} is a folder; give the path of a file to write")
     if not path.resolve().parent.is_dir():
-        raise UsageError(f"argument {flag}: the folder of {path} does not exist; create it or choose another path")
+        raise UsageError(f"{_named(flag)}: the folder of {path} does not exist; create it or choose another path")
     _inside_an_input(path, flag, inputs or {})
     _writable_folder(path.resolve().parent, flag, path)
     if path.exists() and not overwrite:
-        raise UsageError(f"argument {flag}: {path} already exists; pass --overwrite to replace it, or choose "
+        raise UsageError(f"{_named(flag)}: {path} already exists; pass --overwrite to replace it, or choose "
                          "another path")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UsageError(f"{_named(flag)}: {path} is not writable (permission denied), so --overwrite cannot "
+                         "replace it; fix its permissions or choose another path")
     return path
 
 
@@ -88,13 +97,13 @@ def output_folder(path: str | os.PathLike, flag: str, entries: Iterable[str], *,
     already: with `overwrite` the caller replaces those."""
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise UsageError(f"argument {flag}: {path} is a file; give a folder")
+        raise UsageError(f"{_named(flag)}: {path} is a file; give a folder")
     _inside_an_input(path, flag, inputs or {})
     _writable_folder(path, flag, path)
     found = [name for name in entries if (path / name).exists() or (path / name).is_symlink()]
     if found and not overwrite:
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
-        raise UsageError(f"argument {flag}: {path} already holds {shown}, which this command would replace; pass "
+        raise UsageError(f"{_named(flag)}: {path} already holds {shown}, which this command would replace; pass "
                          "--overwrite to replace them, or choose another folder")
     replaceable(path, found, flag, inputs or {})
     return found
@@ -109,6 +118,6 @@ def replaceable(path: Path, names: Iterable[str], flag: str, inputs: Mapping[str
             if source and Path(source).exists():
                 source = Path(source).resolve()
                 if source == entry or source.is_relative_to(entry):
-                    raise UsageError(f"argument {flag}: --overwrite would replace {path / name}, which holds the input "
+                    raise UsageError(f"{_named(flag)}: --overwrite would replace {path / name}, which holds the input "
                                      f"{input_flag} {source}; copy that input elsewhere first, or choose another "
-                                     f"{flag}")
+                                     f"{flag if flag.startswith('-') else '--out'}")

@@ -48,6 +48,7 @@ from typing import Iterable
 
 from .cli import ArgumentParser, at_least, fail_cleanly
 from .data import DataError, read_text
+from .errors import json_problem
 
 
 @dataclass
@@ -192,18 +193,21 @@ def read_outcomes(path: str | Path, levels: Iterable[int] = ()) -> dict[tuple[st
     some levels)."""
     path, levels = Path(path), set(levels)
     not_ours = f"{path} is not an `evaluate.py --out` file (JSON with a 'results' list of task verdicts)"
+    give = "give the file `evaluate.py --out` wrote"
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise DataError(f"{path} does not exist; give the file `evaluate.py --out` wrote") from None
     except IsADirectoryError:
-        raise DataError(f"{path} is a folder; give the file `evaluate.py --out` wrote") from None
+        raise DataError(f"{path} is a folder; {give}") from None
+    except PermissionError:
+        raise DataError(f"{path} is not readable (permission denied); fix its permissions, or {give}") from None
     except json.JSONDecodeError as e:
-        raise DataError(f"{not_ours}: it is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise DataError(f"{not_ours}: it is not valid JSON ({json_problem(e)}); {give}") from None
     except ValueError:   # not UTF-8 text
-        raise DataError(not_ours) from None
+        raise DataError(f"{not_ours}: it is not UTF-8 text; {give}") from None
     if not isinstance(data, dict) or not isinstance(data.get("results"), list):
-        raise DataError(not_ours)
+        raise DataError(f"{not_ours}; {give}")
     if data.get("verified") is False:
         raise DataError(f"{path} lists solutions that were not verified (evaluate.py generated them without a GPU); "
                         f"verify them with evaluate.py --solutions {data.get('solutions')} on a GPU machine first")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .cli import ArgumentParser
 from .data import DataError, read_text
-from .errors import UserError
+from .errors import UserError, json_problem
 
 # (metrics.jsonl key, panel title, factor): the panels of an RL step record, in drawing order
 STEP_PANELS = (("reward_mean", "reward (rollout mean)", 1.0),
@@ -62,8 +62,9 @@ def read_run(path: str | Path) -> Run:
         where = f"{file} line {number}"
         try:
             record = json.loads(line)
-        except ValueError:
-            raise DataError(f"{where} is not JSON (cut off while written?); delete that line and plot again") from None
+        except json.JSONDecodeError as e:
+            raise DataError(f"{file} is not valid JSONL ({json_problem(e, number)}; cut off while written?); delete "
+                            "that line and plot again") from None
         if not isinstance(record, dict) or type(record.get("step")) is not int:
             raise DataError(f"{where} is not a metrics record (a JSON object with an integer 'step'); "
                             "give a metrics.jsonl that train.py wrote")

@@ -41,7 +41,7 @@ from safetensors import SafetensorError, safe_open
 
 from .checkpoint import CheckpointError, from_published, has_weights, load_model, read_config, save_model
 from .config import TrainConfig
-from .errors import UsageError, UserError
+from .errors import UsageError, UserError, json_problem
 from .inputs import output_folder, replaceable
 from .model import SDAR
 
@@ -218,12 +218,13 @@ RUN_ENTRIES = ("final", "metrics.jsonl", "checkpoints", "run.json", "plot.png")
 
 
 def check_run_folder(out: Path, resuming: bool, overwriting: bool, *, also: tuple[str, ...] = (),
-                     inputs: dict | None = None) -> None:
+                     inputs: dict | None = None, flag: str = "--out") -> None:
     """Refuse, touching nothing, an --out holding an earlier run unless --resume or --overwrite says
     what to do with it (a UsageError, as for every output: `dice.inputs`), an --out that is a file,
     unwritable or inside an input, and `also` (other entries the run writes, e.g. tasks.json) where
     they exist already. With --resume: refuse a folder that holds no run, or a run without
-    checkpoints, and any of its files that a resume reads but cannot (`check_resumable`)."""
+    checkpoints, and any of its files that a resume reads but cannot (`check_resumable`). `flag` names
+    the folder in a refusal: "--out", or a phrase for a default the user never gave (`dice.inputs`)."""
     if resuming:
         if not out.is_dir():
             raise UsageError(f"--resume: {out} does not exist, so there is no run to continue; check --out, or drop "
@@ -231,7 +232,7 @@ def check_run_folder(out: Path, resuming: bool, overwriting: bool, *, also: tupl
         if not any((out / name).exists() for name in RUN_ENTRIES):
             raise UsageError(f"--resume: {out} holds no run (no {', '.join(RUN_ENTRIES)}); check --out, or drop "
                              "--resume to start a new run there")
-    output_folder(out, "--out", () if resuming else also, overwrite=overwriting, inputs=inputs or {})
+    output_folder(out, flag, () if resuming else also, overwrite=overwriting, inputs=inputs or {})
     if resuming:
         if latest_checkpoint(out) is None:
             raise RunFolderError(f"{out} holds a run without checkpoints (it ran with --save-every 0), so --resume "
@@ -239,10 +240,15 @@ def check_run_folder(out: Path, resuming: bool, overwriting: bool, *, also: tupl
         check_resumable(out)
         return
     found = [name for name in RUN_ENTRIES if (out / name).exists()]
-    replaceable(out, found if overwriting else (), "--out", inputs or {})
+    replaceable(out, found if overwriting else (), flag, inputs or {})
     if found and not overwriting:
         raise UsageError(f"{out} holds an earlier run ({', '.join(found)}); pass --resume to continue it, "
                          "--overwrite to replace it, or choose another --out")
+
+
+def _problem(error: ValueError, line: int | None = None) -> str:
+    """What is wrong with a JSON text: where it stops parsing (`json_problem`), or the check it failed."""
+    return json_problem(error, line) if isinstance(error, json.JSONDecodeError) else str(error)
 
 
 def check_resumable(out: Path) -> None:
@@ -255,8 +261,8 @@ def check_resumable(out: Path) -> None:
             if not isinstance(json.loads(settings.read_text()), dict):
                 raise ValueError("not a JSON object")
         except (ValueError, UnicodeDecodeError) as e:
-            raise RunFolderError(f"{settings} is not a JSON object of the run's settings ({e}); restore it, or "
-                                 "start a new run with --overwrite or another --out") from None
+            raise RunFolderError(f"{settings} is not a JSON object of the run's settings ({_problem(e)}); restore "
+                                 "it, or start a new run with --overwrite or another --out") from None
     metrics = out / "metrics.jsonl"
     for number, line in enumerate(metrics.read_bytes().splitlines() if metrics.is_file() else [], 1):
         try:
@@ -264,8 +270,8 @@ def check_resumable(out: Path) -> None:
             if not isinstance(record, dict) or type(record.get("step")) is not int:
                 raise ValueError("no whole-number step")
         except ValueError as e:   # UnicodeDecodeError too
-            raise RunFolderError(f"{metrics} line {number} is not a metrics record ({e}); a run killed while writing "
-                                 "cuts its last line: delete that line and resume again") from None
+            raise RunFolderError(f"{metrics} line {number} is not a metrics record ({_problem(e, number)}); a run "
+                                 "killed while writing cuts its last line: delete that line and resume again") from None
     checkpoint = latest_checkpoint(out)
     files = [checkpoint / "trainer_state.pt", *sorted(checkpoint.glob("*.safetensors"))]
     for file in files:

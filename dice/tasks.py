@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .data import DataError, read_text
+from .errors import json_problem
 
 REQUIRED_NAMES = ("Model", "get_inputs", "get_init_inputs")
 
@@ -110,7 +111,8 @@ def _load_json(path: Path) -> list[Task]:
     try:
         records = json.loads(read_text(path))
     except json.JSONDecodeError as exc:
-        raise DataError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+        raise DataError(f"{path} is not valid JSON ({json_problem(exc)}); fix it there (a task file holds a "
+                        "JSON list of task records)") from None
     if not isinstance(records, list):
         raise DataError(f"{path}: expected a JSON list of task records, got a {type(records).__name__}")
     file_level = _level_of(re.sub(r".*(level_?\d+).*", r"\1", path.stem))

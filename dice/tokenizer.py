@@ -25,7 +25,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 
-from .errors import UserError
+from .errors import UserError, json_problem
 
 # Qwen2's split, the same string as in the `pre_tokenizer` of Qwen2 / SDAR tokenizer.json files.
 QWEN2_SPLIT_PATTERN = (
@@ -242,7 +242,7 @@ def _read_json(file: Path) -> dict:
     try:
         return json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise TokenizerError(f"{file} is not valid JSON ({e}); re-download or fix it") from None
+        raise TokenizerError(f"{file} is not valid JSON ({json_problem(e)}); re-download or fix it") from None
 
 
 def _write_json(file: Path, data: dict) -> None:

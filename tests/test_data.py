@@ -155,7 +155,7 @@ def test_a_bad_jsonl_line_is_named_by_its_line_number(tmp_path):
     """It was reported as `line 1 column 23` (of the line) when it was line 6 of the file."""
     good = json.dumps({"prompt": "Q", "response": "A"})
     (tmp_path / "d.jsonl").write_text("\n".join([good, "", good, good, good, '{"prompt": "Q", "response": A}']))
-    with pytest.raises(DataError, match=r"d.jsonl line 6 is not valid JSON \(Expecting value at column 29\)"):
+    with pytest.raises(DataError, match=r"d.jsonl is not valid JSONL \(Expecting value at line 6 column 29\); fix that line"):
         read_records(tmp_path / "d.jsonl")
     (tmp_path / "e.jsonl").write_text(good + "\n[1, 2]\n")
     with pytest.raises(DataError, match=r"e.jsonl line 2 holds a list, not a record object"):

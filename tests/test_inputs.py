@@ -96,6 +96,23 @@ def unwritable(folder: str):
     return patch
 
 
+def denied(name: str, mode: int):
+    """The case's file `name` is not writable (os.access says so, as for root on a read-only file), or
+    (mode os.R_OK) not readable: reading it raises PermissionError."""
+    def patch(monkeypatch, case):
+        target, access, read_text = (case / name).resolve(), os.access, Path.read_text
+        if mode & os.W_OK:
+            monkeypatch.setattr(os, "access", lambda p, m, **kw: False if Path(p).resolve() == target and m & os.W_OK
+                                else access(p, m, **kw))
+        else:
+            def refuse(path, *args, **kwargs):
+                if path.resolve() == target:
+                    raise PermissionError(13, "Permission denied", str(path))
+                return read_text(path, *args, **kwargs)
+            monkeypatch.setattr(Path, "read_text", refuse)
+    return patch
+
+
 def gpu_with(free: int):
     """A CUDA GPU with `free` bytes free (the checks before any kernel or model runs)."""
     def patch(monkeypatch, case):
@@ -212,7 +229,7 @@ CASES = [
     Case("train records that are strings", "train", SFT.replace("{ws}/sft.json", "{case}/d.json"), 1,
          "record 0 is a JSON str, not a record object", setup=lambda ws, case: write(case, "d.json", ["a", "b"])),
     Case("train a cut JSONL line", "train", SFT.replace("{ws}/sft.json", "{case}/d.jsonl"), 1,
-         "d.jsonl line 2 is not valid JSON", setup=lambda ws, case: write(case, "d.jsonl", '{"prompt": "a", "response": "b"}\n{"prompt": "a", "re')),
+         "d.jsonl is not valid JSONL (Unterminated string starting at line 2 column 17)", setup=lambda ws, case: write(case, "d.jsonl", '{"prompt": "a", "response": "b"}\n{"prompt": "a", "re')),
     Case("init --data missing", "train", f"{INIT} --out {{case}}/o".replace("sft.json", "nope.json"), 1, "does not exist"),
     *[Case(f"train --resume with {what}", "train", RESUME, 1, says, setup=lambda ws, case, m=mutate: run_copy(ws, case, m))
       for what, mutate, says in [
@@ -316,6 +333,11 @@ CASES = [
     Case("taskgen --train -1", "taskgen", "--out {case}/o --train -1", 2, "--train: must be >= 0"),
     Case("taskgen nothing to draw", "taskgen", "--out {case}/o --train 0 --valid 0 --heldout 0 --rl 0", 2,
          "nothing to draw"),
+    Case("taskgen a count over the free disk", "taskgen", "--out {case}/o --train 1000000 --valid 0 --heldout 0 --rl 0", 1,
+         "1000000 tasks take about 3,906 MiB in --out {case}/o, whose disk has 1 MiB free; draw fewer (--train, "
+         "--valid, --heldout, --rl), free some disk space, or choose an --out on another disk",
+         patch=lambda monkeypatch, case: monkeypatch.setattr(
+             "dice.taskgen.shutil.disk_usage", lambda path: shutil._ntuple_diskusage(2**30, 2**30 - 2**20, 2**20))),
     # dice.metrics
     *[Case(f"metrics {what}", "metrics", "{case}/a.json {ws}/results.json", 1, says,
            setup=lambda ws, case, content=content: write(case, "a.json", content)) for what, content, says in [
@@ -347,6 +369,38 @@ CASES = [
     Case("bench rl --solutions missing", "bench", RL.replace("tasks.json", "nope.json"), 1, "no such task file"),
     Case("bench rl --solutions cut", "bench", RL.replace("{ws}/tasks.json", "{case}/t.json"), 1, "not valid JSON",
          setup=lambda ws, case: write(case, "t.json", '[{"pytorch_code": ')),
+    # issue 44 item 5: JSON errors name line and column (no "at at"); refusals start with error: and name the fix
+    Case("train --data a JSON string cut", "train", SFT.replace("{ws}/sft.json", "{case}/d.json"), 1,
+         "d.json is not valid JSON (Unterminated string starting at line 2 column 13); fix it there",
+         setup=lambda ws, case: write(case, "d.json", '[\n {"prompt": "a')),
+    Case("bench rl --solutions a JSON string cut", "bench", RL.replace("{ws}/tasks.json", "{case}/t.json"), 1,
+         "t.json is not valid JSON (Unterminated string starting at line 1 column 19); fix it there",
+         setup=lambda ws, case: write(case, "t.json", '[{"pytorch_code": "x')),
+    Case("train --resume a run.json cut", "train", RESUME, 1,
+         "run.json is not a JSON object of the run's settings (Expecting ',' delimiter at line 1 column 14); restore it",
+         setup=lambda ws, case: run_copy(ws, case, lambda run: (run / "run.json").write_text('{"--seed": 0 "x": 1}'))),
+    Case("bench builds --solutions without load_inline", "bench", "builds --solutions {case}/t.json", 1,
+         "t.json: no reference solution calls load_inline; pass a DICE JSON file whose cuda_code programs build",
+         setup=lambda ws, case: write(case, "t.json", task_records(ws, cuda_code="print('no kernel here')"))),
+    Case("bench rl --rollout-batch 0 says its range", "bench", f"{RL} --rollout-batch 0", 2,
+         "--rollout-batch: must be auto or a whole number >= 1, got 0"),
+    Case("init --out a run folder", "train", f"{INIT} --out {{ws}}/run", 2,
+         "argument --out: {ws}/run holds a training run (metrics.jsonl, checkpoints, run.json); --phase init writes a "
+         "new model folder: choose another --out"),
+    Case("train without --out where the default folder is unwritable", "train",
+         SFT.replace(" --out {case}/o", ""), 2,
+         "the default output folder runs/sft-",
+         patch=lambda monkeypatch, case: unwritable(".")(monkeypatch, case)),
+    Case("evaluate --out an unwritable file with --overwrite", "evaluate", f"{EVAL} --out {{case}}/r.json --overwrite", 2,
+         "argument --out: {case}/r.json is not writable (permission denied), so --overwrite cannot replace it; fix its "
+         "permissions or choose another path", setup=lambda ws, case: write(case, "r.json", "{}"),
+         patch=denied("r.json", os.W_OK)),
+    Case("metrics an unreadable results file", "metrics", "{case}/a.json {ws}/results.json", 1,
+         "{case}/a.json is not readable (permission denied); fix its permissions, or give the file `evaluate.py --out` "
+         "wrote", setup=lambda ws, case: write(case, "a.json", "{}"), patch=denied("a.json", os.R_OK)),
+    Case("metrics a results file that is no results JSON", "metrics", "{case}/a.json {ws}/results.json", 1,
+         "a.json is not an `evaluate.py --out` file (JSON with a 'results' list of task verdicts); give the file",
+         setup=lambda ws, case: write(case, "a.json", [1, 2])),
     Case("bench rl sizes over memory", "bench", f"{RL} --max-new-tokens 1000000000", 1, "the rollout KV cache"),
     Case("bench profile on a CPU", "bench", "profile", 1, "needs a CUDA GPU"),
 ]
@@ -398,3 +452,6 @@ def test_every_bad_input_is_one_line_and_leaves_every_file_as_it_was(case, ws, t
     assert what == "one-line", f"{what} (exit status {code}): {err}"
     assert code == case.code, f"exit status {code}, not {case.code}: {err}"
     assert case.says.format(ws=ws, case=tmp_path) in err, err
+    prog = err.split(": error: ", 1)[0] if ": error: " in err else None      # argparse's `prog: error: ...`
+    assert err.startswith("error: ") or prog in ("train.py", "sample.py", "evaluate.py") or prog.startswith(
+        "python -m dice."), err

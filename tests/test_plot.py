@@ -90,7 +90,7 @@ def plot_error(argv, capsys) -> tuple[int, str]:
 
 @pytest.mark.parametrize("lines, message", [
     (None, "metrics.jsonl does not exist; give the --out folder of a `train.py --phase infill|e2e` run"),
-    ([json.dumps(E2E[0]), '{"step": 2, "reward_m'], "metrics.jsonl line 2 is not JSON (cut off while written?)"),
+    ([json.dumps(E2E[0]), '{"step": 2, "reward_m'], "metrics.jsonl is not valid JSONL (Unterminated string starting at line 2 column 13; cut off while written?)"),
     ([json.dumps({"step": 1, "loss": 2.5, "lr": 1e-5})], "holds no RL step (reward_mean) and no evaluation"),
     ([json.dumps({"reward_mean": 0.5})], "line 1 is not a metrics record (a JSON object with an integer 'step')"),
     ([json.dumps({"step": 1, "reward_mean": "0.5"})], "line 1: reward_mean is '0.5', not a number"),

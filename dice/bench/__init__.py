@@ -86,7 +86,8 @@ def main(argv=None) -> None:
                "rl": rl.bench_rl, "builds": builds.bench_builds, "check": check.bench_check}
     # rl (with --reward python) and builds (compiles only) run on a CPU too
     if not torch.cuda.is_available() and args.what not in ("train", "rl", "builds"):
-        sys.exit("python -m dice.bench needs a CUDA GPU; this machine has none")
+        sys.exit(f"error: python -m dice.bench {args.what} needs a CUDA GPU, which this machine lacks; run it on a GPU "
+                 "machine (rl --reward python and builds run on a CPU too)")
     if not torch.cuda.is_available() and args.what == "train":
         print("note: dice.bench train is meant for a CUDA GPU; this machine has none, so it runs on the CPU "
               "(slow for the SDAR shapes)", file=sys.stderr)

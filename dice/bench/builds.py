@@ -74,7 +74,8 @@ def bench_builds(args, bench) -> None:
     calls = [(t.name, (recorded_calls(t.solution) or [None])[0]) for t in tasks]
     calls = [(name, call) for name, call in calls if call is not None]
     if not calls:
-        raise SystemExit(f"{args.solutions}: no reference solution calls load_inline")
+        raise SystemExit(f"error: {args.solutions}: no reference solution calls load_inline; pass a DICE JSON file "
+                         "whose cuda_code programs build with torch.utils.cpp_extension.load_inline")
     print(f"{len(calls)} programs, sm_{capability[0]}{capability[1]}, {jobs} at a time"
           + ("; CPU-only torch: linked without " + " ".join(CPU_ONLY_LIBRARIES) if torch.version.cuda is None else ""))
     for binding in args.binding:

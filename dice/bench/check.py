@@ -139,7 +139,7 @@ def _pick(rows: list[dict], key: str, text: str) -> dict | None:
 def bench_check(args, bench) -> None:
     """The steps of the module docstring; the table of their rows is printed last (BenchRun.finish)."""
     if not (ROOT / "tests").is_dir():
-        sys.exit(f"python -m dice.bench check runs the test suite of a checkout; {ROOT / 'tests'} does not "
+        sys.exit(f"error: python -m dice.bench check runs the test suite of a checkout; {ROOT / 'tests'} does not "
                  "exist (installed from a wheel?): run it from a git clone of the project")
     logs = Path(args.logs or tempfile.mkdtemp(prefix="dice-check-"))
     logs.mkdir(parents=True, exist_ok=True)

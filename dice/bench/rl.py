@@ -24,6 +24,7 @@ process (fresh program salts, so both build cold).
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import dataclasses
 import sys
@@ -45,10 +46,11 @@ from .replay import (CHARS_PER_TOKEN, SDAR_TOKENIZER, ReplayTokenizer, correct_r
 
 
 def rollout_batch(text: str) -> int | str:
+    """An argparse `type`: "auto" or a whole number >= 1."""
     if text == "auto":
         return text
     if not text.isdigit() or int(text) < 1:
-        raise ValueError(text)
+        raise argparse.ArgumentTypeError(f"must be auto or a whole number >= 1, got {text}")
     return int(text)
 
 
@@ -184,16 +186,16 @@ def bench_rl(args, bench) -> None:
     from .train import model_config
     rt = Runtime(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if args.reward == "verifier" and rt.device.type != "cuda":
-        sys.exit("python -m dice.bench rl --reward verifier needs a CUDA GPU; pass --reward python on this machine")
+        sys.exit("error: python -m dice.bench rl --reward verifier needs a CUDA GPU; pass --reward python on this machine")
     config = model_config(args.shape)
     if rt.device.type == "cuda" and not args.skip_update:
         need, have = 16 * config.num_parameters(), torch.cuda.get_device_properties(rt.device).total_memory
         if need > 0.9 * have:
-            sys.exit(f"--shape {args.shape}: float32 weights, gradients and AdamW moments need {need / 2**30:.0f} GiB "
+            sys.exit(f"error: --shape {args.shape}: float32 weights, gradients and AdamW moments need {need / 2**30:.0f} GiB "
                      f"of this GPU's {have / 2**30:.0f} GiB; pass --skip-update to time its rollouts alone")
     tasks = [t for t in load_tasks(args.solutions) if t.solution and (args.phase == "e2e" or t.prefix is not None)]
     if not tasks:
-        sys.exit(f"{args.solutions}: no record has a cuda_code program" + (" and a prefix/middle/suffix split"
+        sys.exit(f"error: {args.solutions}: no record has a cuda_code program" + (" and a prefix/middle/suffix split"
                  if args.phase == "infill" else "") + "; pass a DICE JSON file with reference solutions")
     verifier = None
     if args.reward == "verifier":
@@ -204,7 +206,7 @@ def bench_rl(args, bench) -> None:
         if verifier is not None:
             correct, verdicts = correct_references(tasks, args.tasks_per_step, verifier, bench, args.verify_timeout)
             if not correct:
-                sys.exit(f"{args.solutions}: the verifier calls no reference program correct ({dict(verdicts)}); "
+                sys.exit(f"error: {args.solutions}: the verifier calls no reference program correct ({dict(verdicts)}); "
                          "pass a file whose cuda_code programs verify (python -m dice.bench verify --check FILE)")
         else:
             correct, verdicts = curriculum(tasks), None
@@ -258,7 +260,7 @@ def _tokenizer_and_model(args, config, rt, chosen):
     model = build_policy(config, rt.device, args.grad_ckpt, args.seed)
     prompts = [task_prompt_ids(tok, t, infill=args.phase == "infill", fmt=prompt_format(model)) for t in chosen]
     if max(max(p) for p in prompts) >= config.vocab_size:
-        sys.exit(f"--tokenizer {tok_dir} has ids beyond the model's vocabulary of {config.vocab_size}; pass the "
+        sys.exit(f"error: --tokenizer {tok_dir} has ids beyond the model's vocabulary of {config.vocab_size}; pass the "
                  "tokenizer of this shape (the SDAR tokenizer for 1.7b/4b/8b) or none")
     return tok_dir, tok, model, prompts
 

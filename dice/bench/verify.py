@@ -267,7 +267,8 @@ def compare_builds(run, path: str, workers: int, builds: tuple[str, ...], timing
     prebuild: build every solution with a BuildPool (one process per core) before verifying."""
     tasks = [t for t in load_tasks(path) if t.solution][:limit]
     if not tasks:
-        raise SystemExit(f"{path}: no records with a cuda_code reference solution")
+        raise SystemExit(f"error: {path}: no records with a cuda_code reference solution; pass a DICE JSON file "
+                         "with reference solutions")
     verdicts = {}
     try:
         for build in builds:
@@ -358,7 +359,8 @@ def check_reference_solutions(run, path: str, workers: int, timing: bool = False
     (~/.cache/dice/torch_extensions), so a second run on the same machine is quick anyway."""
     tasks = [t for t in load_tasks(path) if t.solution][:limit]
     if not tasks:
-        raise SystemExit(f"{path}: no records with a cuda_code reference solution")
+        raise SystemExit(f"error: {path}: no records with a cuda_code reference solution; pass a DICE JSON file "
+                         "with reference solutions")
     earlier = read_log(log) if log and os.path.exists(log) else {}
     todo = [t for t in tasks if t.name not in earlier]
     start, verdicts = time.perf_counter(), {}
@@ -430,7 +432,7 @@ def main(argv=None) -> None:
     if args.log and args.check and Path(args.log).resolve() == Path(args.check).resolve():
         parser.error("argument --log: it is the --check file, which verdicts would be appended to; give another file")
     if not torch.cuda.is_available():
-        sys.exit("python -m dice.bench verify needs a CUDA GPU; this machine has none")
+        sys.exit("error: python -m dice.bench verify needs a CUDA GPU, which this machine lacks; run it on a GPU machine")
     run = BenchRun("verify", args.budget_s, args.out)
     try:
         if args.check and args.build:
