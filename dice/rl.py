@@ -318,15 +318,16 @@ class CompileClock:
 
     def run(self, kind: str, batch: PackedBatch, fn):
         """fn(), the pass `kind` over `batch`, timed."""
+        if self.met is None:   # nothing compiles: no time to take, no synchronize on the step's path
+            return fn()
         key = (kind, tuple(batch.ids.shape))
-        new = self.met is not None and key not in self.met
+        new = key not in self.met
         start = time.perf_counter()
         out = fn()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.times.append((kind, new, batch.ids.numel(), time.perf_counter() - start))
-        if self.met is not None:
-            self.met.add(key)
+        self.met.add(key)
         return out
 
     def seconds(self) -> float:

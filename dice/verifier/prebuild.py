@@ -147,7 +147,9 @@ def serve(processes: int) -> None:
                 for fd in (reader, *running):
                     os.close(fd)
                 # the requests pipe is not the child's; a closed fd 0 would make nvcc fail to preprocess
-                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+                null = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(null, 0)
+                os.close(null)
                 _child(writer, request["candidate_src"], request["root"], request["capability"], request["build"])
             os.close(writer)
             running[reader] = (pid, request, time.monotonic(), [])
