@@ -305,6 +305,60 @@ def test_the_products_a_reference_computes_are_read_at_dispatch():
     assert _layouts((32, 64), (64, 1)) == {(64, 1), (1, 32)}
 
 
+UNFUSED = """
+import math, torch
+from dice.verifier import guard
+from dice.verifier.epilogues import unfuse_activations
+bias, a, b = torch.randn(8), torch.randn(4, 6), torch.randn(6, 8)
+product = bias + a @ b
+unfuse_activations("cpu")
+before = guard.callbacks()
+with torch.profiler.profile() as prof:
+    relu = torch._addmm_activation(bias, a, b)
+gelu = torch._addmm_activation(bias, a, b, use_gelu=True)
+tanh_gelu = 0.5 * product * (1 + torch.tanh(math.sqrt(2 / math.pi) * (product + 0.044715 * product ** 3)))
+print(sorted({e.name for e in prof.events()} & {"aten::relu_", "aten::addmm"}))
+print(torch.allclose(relu, product.clamp_min(0), atol=1e-5), torch.allclose(gelu, tanh_gelu, atol=1e-5))
+print(guard.callbacks_changed(before))
+lib = torch.library.Library("aten", "IMPL")
+import warnings; warnings.simplefilter("ignore")
+lib.impl("_addmm_activation", lambda *args, **kwargs: args[0], "CPU")
+print(guard.callbacks_changed(before))
+"""
+
+
+def test_the_worker_computes_a_fused_activation_as_its_own_kernel():
+    """On the H200 a ReLU epilogue runs in the plain product's nvjet kernel, so in the worker
+    torch._addmm_activation is the product with a bias, then the activation as aten's unfused path
+    computes it (relu_, gelu_ with the tanh estimate: the formula written out here); a candidate
+    that registers its own kernel for the op is named by the guard. In a fresh interpreter (the
+    registration lasts as long as the process), on the CPU's dispatch key."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", UNFUSED], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    ops, results, untouched, replaced = done.stdout.splitlines()[-4:]
+    assert ops == "['aten::addmm', 'aten::relu_']" and results == "True True", done.stdout
+    assert untouched == "[]" and "aten::_addmm_activation" in replaced, done.stdout
+
+
+@pytest.mark.parametrize("line", ["cublasLtEpilogue_t e = CUBLASLT_EPILOGUE_RELU_BIAS;",
+                                  "at::cuda::blas::gemm_and_bias<float>(true, false, m, n, k, 1.0f, a, lda, b, ldb,",
+                                  "auto act = at::cuda::blas::GEMMAndBiasActivationEpilogue::GELU;"])
+def test_compiled_code_naming_an_activation_epilogue_is_invalid_under_the_strict_rule(line):
+    """What the worker's unfusing cannot reach, a compiled extension calling cuBLASLt itself, is
+    refused where the source names it (strict rule only: KernelBench's rules allow library work)."""
+    from dice.verifier.results import static_check
+    source = (f'import torch\nfrom torch.utils.cpp_extension import load_inline\nsrc = """\n{line}\n'
+              '__global__ void noop() {}\n"""\nclass ModelNew(torch.nn.Module):\n    pass\n')
+    verdict = static_check(source, need_kernel=True, rules="strict")
+    assert verdict is not None and verdict.status == "invalid" and "activation epilogue" in verdict.message
+    assert static_check(source, need_kernel=True, rules="kernelbench") is None
+    plain = source.replace(line, "cublasLtEpilogue_t e = CUBLASLT_EPILOGUE_BIAS;")
+    assert static_check(plain, need_kernel=True, rules="strict") is None
+
+
 # ---------------------------------------------------------------------------------------------
 # Item 4: DICE's own reward as an option.
 

@@ -1,5 +1,5 @@
-"""Which library GEMM kernels compute an activation in their epilogue, learnt from the task's own
-GEMMs (DESIGN.md §8.1). Runs in the judge, never beside candidate code.
+"""Library GEMMs that would compute an activation in their epilogue (DESIGN.md §8.1): learnt from
+the task's own GEMMs in the judge, and unfused in the candidate's worker.
 
 cuBLASLt fuses a bias and a ReLU or GELU into a GEMM's epilogue (`torch._addmm_activation`), and
 its kernels' names (nvjet on Hopper) need not show it: a candidate could leave the task's
@@ -10,8 +10,19 @@ runs the plain product, the product with a bias, and the product with a bias and
 and records their kernels (`activation_kernels`). A GEMM kernel launched only with an activation
 computes it; `checks.kernel_problem` classes its launches "gemm+<activation>", which no reference
 GEMM without that activation covers, so it is library compute the reference does not run.
+
+On the H200 (cuBLASLt of CUDA 13) a ReLU epilogue runs in the very nvjet kernel the plain product
+runs: no name tells them apart. So in the candidate's worker torch's entry point to those epilogues,
+`aten::_addmm_activation`, is replaced before any candidate code runs (`unfuse_activations`) by the
+product with a bias followed by the activation as its own kernel, as aten computes it where
+cuBLASLt does not (`addmm_out_cuda_impl`'s unfused path: `relu_`, `gelu_` with the tanh estimate).
+The result is the same; the activation becomes a launch of its own that the kernel rule classes,
+from Python and from compiled code alike (both call through the dispatcher). A compiled extension
+that calls cuBLASLt itself is beyond this (README, limits).
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -24,6 +35,26 @@ aten = torch.ops.aten
 # the products and where their two matrix operands are among the arguments
 PRODUCTS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten._addmm_activation.default: (1, 2)}
 ACTIVATIONS = {"relu": False, "gelu": True}     # name -> torch._addmm_activation's use_gelu
+
+
+_UNFUSED = []    # the torch.library registration, alive as long as the worker
+
+
+def unfuse_activations(device_type: str = "cuda") -> None:
+    """In this process, torch._addmm_activation on `device_type` computes its product and its
+    activation as two kernels (module docstring); call once, before candidate code runs."""
+    if _UNFUSED:
+        return
+    library = torch.library.Library("aten", "IMPL")
+
+    def addmm_then_activation(bias, a, b, *, beta=1, alpha=1, use_gelu=False):
+        out = aten.addmm.default(bias, a, b, beta=beta, alpha=alpha)
+        return aten.gelu_.default(out, approximate="tanh") if use_gelu else aten.relu_.default(out)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Oo]verrid")   # replacing aten's kernel is the point
+        library.impl("_addmm_activation", addmm_then_activation, device_type.upper())
+    _UNFUSED.append(library)
 
 
 class _Products(TorchDispatchMode):

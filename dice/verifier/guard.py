@@ -9,7 +9,8 @@ Python gives code several ways to run inside someone else's code; they are close
   objects that do not pass through the candidate's own frames);
 - callbacks the interpreter would run between harness lines: gc callbacks, signal handlers,
   `sys.unraisablehook`, import hooks (`sys.meta_path`, `sys.path_hooks`), torch function and
-  dispatch modes (they would run on every torch call of the harness) must be as they were
+  dispatch modes (they would run on every torch call of the harness) and the dispatcher's kernels
+  of `aten::_addmm_activation` (`epilogues.unfuse_activations`) must be as they were
   (`callbacks_changed`, after every request);
 - threads and processes: a Python thread left running is `invalid` (`worker._threads_left`,
   `_thread._count` included, which sees threads started with `_thread.start_new_thread`); a live
@@ -105,7 +106,8 @@ def callbacks() -> dict:
             "sys.unraisablehook": sys.unraisablehook, "sys.meta_path": list(sys.meta_path),
             "sys.path_hooks": list(sys.path_hooks), "a profile or trace function": (sys.getprofile(), sys.gettrace()),
             "torch function modes": torch._C._len_torch_function_stack(),
-            "torch dispatch modes": torch._C._len_torch_dispatch_stack()}
+            "torch dispatch modes": torch._C._len_torch_dispatch_stack(),
+            "the dispatcher's kernels of aten::_addmm_activation": torch._C._dispatch_dump("aten::_addmm_activation")}
 
 
 def callbacks_changed(before: dict) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import random
+import re
 from dataclasses import dataclass
 
 from .checks import fallback_problem, kernel_names
@@ -11,6 +12,9 @@ from .precision import PRECISIONS
 from .protocol import STATUSES
 
 RULES = ("strict", "kernelbench", "dice")   # "dice": DICE's RL check, no kernel rule (`dice.protocols.DICE_REWARD`)
+# compiled code's ways to a library GEMM whose epilogue computes an activation (torch's own entry
+# point is unfused in the worker, `epilogues.unfuse_activations`; these are named in the source)
+NATIVE_EPILOGUE = re.compile(r"CUBLASLT_EPILOGUE_\w*(?:RELU|GELU)|GEMMAndBiasActivationEpilogue|\bgemm_and_bias\b")
 
 
 @dataclass
@@ -87,6 +91,10 @@ def static_check(source: str, need_kernel: bool, rules: str = "strict") -> Verif
     problem = fallback_problem(tree)
     if problem:
         return VerifyResult("invalid", message=problem)
+    named = NATIVE_EPILOGUE.search(source) if rules == "strict" else None
+    if named:
+        return VerifyResult("invalid", message=f"the candidate names a cuBLASLt activation epilogue ({named.group()}); "
+                            "ModelNew must compute the task's activation in its own kernels, not in a library GEMM's")
     return None
 
 

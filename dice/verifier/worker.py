@@ -31,6 +31,7 @@ from torch import nn
 from . import build, checks, guard, harness as harness_module, judge, kernels, protocol, records, timing
 from .build import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
 from .checks import HarnessTampered, aliased_outputs, flatten, modified_inputs, same_bits, trusted
+from .epilogues import unfuse_activations
 from .harness import (build_model, call_draws, cuda_context_broken, describe_exception, init_device, load_module,
                       load_task, make_inputs, rewritten_in_place, trial_inputs)
 from .judge import JudgeHandler
@@ -97,6 +98,8 @@ class CandidateHandler:
         self.cuda = self.device.type == "cuda"
         self.builds = BuildCache(Path(config["cache_dir"]) / "torch_extensions", self.device, build=config.get("build"))
         self.builds.install()
+        if self.cuda:   # an activation a library GEMM would fuse becomes a kernel the rule sees
+            unfuse_activations()
         self.compiled = CompiledKernels()
         self.task = self.model = self.timer = None
         self.previous: list = []                 # the last call's inputs, rewritten in place by the next trial
