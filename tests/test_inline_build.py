@@ -303,7 +303,7 @@ def test_a_unit_compiled_before_is_copied_not_compiled(tmp_path):
     def compile_in(build: str, text: str):
         folder = tmp_path / build
         folder.mkdir()
-        (folder / "cuda.cu").write_text(text)
+        (folder / "cuda.cu").write_text(text.replace("FOLDER", str(folder)))
         argv = [str(cc), "-O3", f"-DTORCH_EXTENSION_NAME=ext_{build}", "-c", str(folder / "cuda.cu"), "-o",
                 str(folder / "cuda.o")]
         status, _ = CompiledUnits(tmp_path / "cache", folder).compile(argv, [str(cc)], folder / "device.log", slots)
@@ -317,7 +317,8 @@ def test_a_unit_compiled_before_is_copied_not_compiled(tmp_path):
     status, second = compile_in("b", "kernel one")          # the same unit in another program's folder
     assert status == 0 and runs() == 1
     assert (second / "cuda.o").read_text() == "object of kernel one"
-    assert (second / "device.log").read_text() == (first / "device.log").read_text()   # its warnings too
+    # its warnings too, naming the folder of the build that copies it
+    assert (second / "device.log").read_text() == (first / "device.log").read_text().replace(str(first), str(second))
     assert compile_in("c", "kernel two")[0] == 0 and runs() == 2
     for build in ("d", "e"):                                  # a failure is compiled again each time
         status, folder = compile_in(build, "an error")
@@ -325,6 +326,10 @@ def test_a_unit_compiled_before_is_copied_not_compiled(tmp_path):
     assert runs() == 4
     assert compile_in("f", "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)")[0] == 0 and runs() == 5
     assert compile_in("g", "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)")[0] == 0 and runs() == 6   # names its module
+    # a unit that names its own folder (the split's #line directives) is the same unit in every folder
+    assert compile_in("h", '#line 4 "FOLDER/cuda.cu"\nhost')[0] == 0 and runs() == 7
+    status, folder = compile_in("i", '#line 4 "FOLDER/cuda.cu"\nhost')
+    assert status == 0 and runs() == 7 and str(folder / "cuda.cu") in (folder / "device.log").read_text()
 
 
 def test_a_failed_toolchain_artifact_is_tried_again_later_not_for_ever(tmp_path, monkeypatch):

@@ -214,12 +214,18 @@ def run_compiler(argv: list[str], log: Path, slots: CompilerSlots) -> tuple[int,
     return process.returncode, usage.ru_utime + usage.ru_stime
 
 
+BUILD_FOLDER = "<build>"   # the build folder's path in a kept unit's key and compiler output
+
+
 class CompiledUnits:
-    """Objects of compiled units shared by every build under `root`: a unit whose text and command
-    (the build folder's own path left out) were compiled before is copied, not compiled again. The
-    programs of an RL group often differ in one unit only (infilled kernels under the same host
-    code, or the same host code around new kernels). Only objects of successful compiles are kept,
-    each with its compiler output; a failure is compiled again, so its message is the program's."""
+    """Objects of compiled units shared by every build under `root`: a unit whose text and command,
+    the build folder's own path left out of both, were compiled before is copied, not compiled
+    again. The programs of an RL group often differ in one unit only (infilled kernels under the
+    same host code, or the same host code around new kernels); each builds in its own folder, which
+    the units' `#line` directives name. Only objects of successful compiles are kept, each with its
+    compiler output (the folder's path in it replaced by the copying build's); a failure is compiled
+    again, so its message is the program's. A copied object's `__FILE__` names the folder that
+    compiled it: a path in a message, never a verdict."""
 
     def __init__(self, root: Path, build_dir: Path):
         self.folder, self.build_dir = root / "objects", build_dir
@@ -228,23 +234,26 @@ class CompiledUnits:
         """run_compiler's (exit status, CPU seconds) for `argv` (`-c SOURCE -o OBJECT` at its end); a
         copy costs no compiler seconds."""
         source, target = Path(argv[argv.index("-c") + 1]), Path(argv[argv.index("-o") + 1])
-        text = source.read_text()
+        folder = str(self.build_dir)
+        text = source.read_text().replace(folder, BUILD_FOLDER)
         # the module's name (a hash of the whole program) matters only to a unit that names it:
         # torch's headers never read TORCH_EXTENSION_NAME, torch's main.cpp binding does
-        command = [a.replace(str(self.build_dir), "<build>") for a in argv
+        command = [a.replace(folder, BUILD_FOLDER) for a in argv
                    if not a.startswith("-DTORCH_EXTENSION_NAME=") or "TORCH_EXTENSION_NAME" in text]
         key = hashlib.sha256(json.dumps([command, compiler_version(tuple(compiler)), text]).encode()).hexdigest()
         kept = self.folder / key[:2] / f"{key}.o"
         if kept.is_file() and kept.with_suffix(".log").is_file():
-            shutil.copyfile(kept.with_suffix(".log"), log)
+            log.write_text(kept.with_suffix(".log").read_text(errors="replace").replace(BUILD_FOLDER, folder))
             shutil.copyfile(kept, target)
             return 0, 0.0
         status, cpu_s = run_compiler(argv, log, slots)
         if status == 0:
             kept.parent.mkdir(parents=True, exist_ok=True)
-            for made, name in ((log, kept.with_suffix(".log")), (target, kept)):   # the object last: it marks both
+            output = log.read_text(errors="replace").replace(folder, BUILD_FOLDER)
+            for write, name in ((lambda tmp: tmp.write_text(output), kept.with_suffix(".log")),
+                                (lambda tmp: shutil.copyfile(target, tmp), kept)):   # the object last: it marks both
                 tmp = name.with_name(f"{name.name}.{os.getpid()}.{random.getrandbits(32):08x}.tmp")
-                shutil.copyfile(made, tmp)
+                write(tmp)
                 os.replace(tmp, name)
         return status, cpu_s
 
