@@ -24,7 +24,7 @@ two-sided sign test over those tasks: p = min(1, 2 P[X <= min(n_A, n_B)]), X ~ B
 
     python -m dice.metrics plot RUN [RUN ...] --out FILE.png
 
-draws RL runs' curves (`dice.plot`).
+draws RL runs' curves (`dice.plot`). An RL step's line of their metrics.jsonl is `rl_step_record`.
 
     python -m dice.metrics learnable EVAL.json --tasks FILE.json --out LEARNABLE.json [--overwrite]
 
@@ -41,6 +41,7 @@ import json
 import math
 import statistics
 import sys
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,6 +262,41 @@ def learnable_main(argv: list[str]) -> None:
     out.write_text(json.dumps(records, indent=1))
     print(f"wrote {out}: {len(records)} of the {len(evaluated)} evaluated tasks of {tasks_file} (samples disagree)"
           + (f"; {len(names) - len(evaluated)} had no verdict" if len(evaluated) < len(names) else ""))
+
+
+# ---------------------------------------------------------------- an RL step's record (metrics.jsonl)
+
+def rl_step_record(step: int, sampled, update: dict, rt, reward_kind: str, update_s: float, started: float) -> dict:
+    """RL step `step`'s line of metrics.jsonl (`dice.rl.train_rl`; README lists the keys). The rates
+    and means are over every rollout the step drew on all processes (`rt.all_sum`, the same order on
+    every rank); `sampled` is its `dice.rl.StepRollout`, `update` what `policy_update` returned.
+    fast_1_pct (correct and speedup > 1) only under `--reward speedup`, the one reward that times;
+    kernels_verified_per_s None when nothing was verified; step_time_s since `started`."""
+    results, timing = sampled.results, sampled.timing
+    n = rt.all_sum(len(sampled.rewards))
+    tokens = rt.all_sum(sum(len(c.tokens) for c in sampled.completions))
+    verified = rt.all_sum(sum(r is not None for r in results))
+    return {"step": step, "reward_mean": rt.all_sum(sum(sampled.rewards)) / n,
+            "compiled_pct": 100 * rt.all_sum(sum(bool(r and r.compiled) for r in results)) / n,
+            "correct_pct": 100 * rt.all_sum(sum(bool(r and r.correct) for r in results)) / n,
+            "fast_1_pct": (100 * rt.all_sum(sum(bool(r and r.correct and (r.speedup or 0) > 1) for r in results)) / n)
+            if reward_kind == "speedup" else None,
+            "mean_response_len": tokens / n, "kl": update["kl"], "clip_fraction": update["clip_fraction"],
+            "loss": update["loss"], "groups_kept_pct": 100 * update["responses_trained"] / n,
+            "tasks_drawn": sampled.drawn, "tasks_dropped": sampled.dropped, "rollout_rounds": sampled.rounds,
+            "rollout_tokens_per_s": tokens / max(timing["generate_s"], 1e-9),
+            "kernels_verified_per_s": verified / timing["verify_s"] if timing["verify_s"] > 0 else None,
+            "generate_s": timing["generate_s"], "verify_s": timing["verify_s"], "update_s": update_s,
+            "compile_s": update["compile_s"], "step_time_s": time.perf_counter() - started}
+
+
+def rl_progress_fields(record: dict, dynamic_sampling: bool) -> dict:
+    """What an RL step's progress line shows of its record (with dynamic sampling, the draws too)."""
+    shown = {"reward": record["reward_mean"], "correct%": record["correct_pct"], "kl": record["kl"],
+             "len": round(record["mean_response_len"]), "tok/s": round(record["rollout_tokens_per_s"])}
+    if dynamic_sampling:
+        shown |= {"tasks drawn": record["tasks_drawn"], "dropped": record["tasks_dropped"]}
+    return shown
 
 
 def main(argv=None) -> None:

@@ -23,9 +23,13 @@ mask skips the tiles between them) padded to a fixed length (`flex_length`: the 
 group over it the smallest multiple of the budget), so that compiled FlexAttention, which compiles
 once per shape, compiles in a process's first update and not after; the dense path gives every
 group its own row, unpadded, since a dense mask grows with the square of the row.
+
+An RL step's update (`update_plan`, called by `dice.rl.policy_update`) cuts its round rows into
+the optimiser steps' `minibatches` and each step's rows into these micro-batches.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -34,7 +38,7 @@ import torch.nn.functional as F
 
 from .attention import flex_streams_mask, streams_mask
 from .rollout import Completion
-from .trace import Round
+from .trace import Round, row_weights, trace_rounds
 
 UPDATE_ROWS = ("response", "round")
 
@@ -225,7 +229,7 @@ def packed_logprobs(model, batch: PackedBatch, use_flex: bool | None = None) -> 
     """log p(target | its noisy copy and the clean past) at every loss token, in `loss_at` order: [N].
 
     use_flex (None: on CUDA) attends through the block-sparse FlexAttention mask, over the batch as
-    given: `dice.rl.update_plan` pads the update's micro-batches to `flex_length`."""
+    given: `update_plan` pads the update's micro-batches to `flex_length`."""
     device = next(model.parameters()).device
     if use_flex is None:
         use_flex = device.type == "cuda"
@@ -246,3 +250,59 @@ def update_flops(config, batch: PackedBatch, backward: bool = True) -> float:
                + 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * batch.visible_pairs
                + 2 * c.hidden_size * c.vocab_size * int(batch.targets.numel()))
     return 3 * forward if backward else forward
+
+
+# ---------------------------------------------------------------- an RL step's update plan (DESIGN.md §7)
+
+def minibatches(items: list, updates: int, order: str = "contiguous", seed: int = 0) -> list[list]:
+    """The round rows of each of a step's `updates` optimiser steps (DESIGN.md §7).
+
+    `items` come in rollout order: response by response, each response's rounds in order. contiguous
+    (DICE): they are cut into `updates` consecutive runs whose sizes differ by at most one, so a
+    step trains every round of a few responses, as DICE's 256-row chunks do (`train/rl_sdar.py`: a
+    DataLoader without a sampler over rows built response by response, one optimiser step per 32
+    accumulation steps of 8 processes); DICE drops the last N mod 256 rows' gradient (no step
+    follows them), here every row trains. shuffle: the same cut after a permutation seeded by
+    `seed`, so every step mixes responses and rounds of the whole rollout."""
+    if order == "shuffle":
+        items = [items[i] for i in torch.randperm(len(items), generator=torch.Generator().manual_seed(seed))]
+    base, extra = divmod(len(items), updates)
+    bounds = [u * base + min(u, extra) for u in range(updates + 1)]
+    return [items[bounds[u]:bounds[u + 1]] for u in range(updates)]
+
+
+def update_plan(completions, advantages, cfg, rt, block_size: int, mask_id: int, pad_id: int, use_flex: bool,
+                seed: int = 0) -> tuple[list[list[PackedBatch]], int, int]:
+    """The update's micro-batches, per optimiser step (`dice.rl`'s docstring; this module's): the kept
+    responses' trace rounds as round rows, split into U optimiser steps (U = `updates_per_step`, or
+    with 0 one per `rows_per_update` round rows of all processes, as in DICE; step u holds each
+    process's u-th run of rows, `minibatches`, shuffled with seed + rank under `--minibatch-order
+    shuffle`), each step's rows weighted by `row_weights` and packed into micro-batches of
+    `update_tokens` tokens. Returns (the micro-batches of every step, the responses and the round
+    rows of all processes). Under FSDP every backward is a collective, so each rank runs as many
+    micro-batches as the busiest rank, padding with empty ones. use_flex: each micro-batch is one
+    row padded to `dice.packing.flex_length`, so every micro-batch of every step has the shape
+    [1, update_tokens] but for a group over the budget ([1, m x update_tokens], m the fewest
+    budgets that hold it); otherwise one unpadded row per group, as the dense mask wants."""
+    kept = [k for k, a in enumerate(advantages) if a is not None and completions[k].tokens]
+    n_responses = int(rt.all_sum(len(kept)))
+    items = [(k, completions[k], rnd) for k in kept
+             for rnd in trace_rounds(completions[k].step_map, len(completions[k].prompt_ids), block_size,
+                                     completions[k].tail_step_map)]
+    n_rows = int(rt.all_sum(len(items)))
+    if n_responses == 0:
+        return [], 0, 0
+    U = cfg.updates_per_step or max(1, math.ceil(n_rows / cfg.rows_per_update))
+    width = int(rt.all_max(max((len(completions[k].tokens) for k in kept), default=0)))   # L1
+    plan = []
+    for step in minibatches(items, U, cfg.minibatch_order, seed + rt.rank):
+        weights = row_weights(step, cfg.loss_norm, width=width, rows=int(rt.all_sum(len(step))),
+                              responses=n_responses, updates=U)
+        groups = group_rounds(step, weights, cfg.update_rows, block_size, cfg.update_tokens)
+        batches = [pack([chunk] if use_flex else [[g] for g in chunk], mask_id, pad_id, advantages)
+                   for chunk in micro_batches(groups, cfg.update_tokens)]
+        batches += [empty_batch(block_size, pad_id)] * (int(rt.all_max(len(batches))) - len(batches))
+        if use_flex:
+            batches = [pad_batch(b, flex_length(b.ids.shape[1], cfg.update_tokens)) for b in batches]
+        plan.append(batches)
+    return plan, n_responses, n_rows

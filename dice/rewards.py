@@ -3,14 +3,18 @@
 A reward is any `reward_fn(tasks, completions)` returning a list of floats or `Scores` (the rewards
 and the verifier results behind them); `verifier_reward` is DICE's: 1 for a kernel that compiles
 and is correct (infill: and keeps the task's prefix and suffix), else 0, judged by our verifier's
-strict check or (`rules="dice"`) by DICE's own.
+strict check or (`rules="dice"`) by DICE's own. `rl_rewards` gives an RL run its reward and
+its evaluation's, each process with a Verifier of its own (`rank_verifier`).
 """
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 from .prompts import keeps_skeleton
 from .protocols import DICE_REWARD
@@ -68,3 +72,26 @@ def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = 
 def _warn_broken_task(index: int, error: ValueError) -> None:
     """A task whose own reference fails scores 0 for that sample (its result is None)."""
     print(f"warning: skipping a broken task: {error}", file=sys.stderr)
+
+
+def rank_verifier(workers: int, device: torch.device) -> dict:
+    """This process's Verifier arguments: its own GPU (under torchrun rank r trains on cuda:r, and its
+    rollouts' kernels run there too) and its share of `--verifier-workers`, which counts the
+    workers of the whole host (LOCAL_WORLD_SIZE processes share its cores)."""
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return {"workers": max(1, workers // local), "device": str(device) if device.type == "cuda" else "cuda"}
+
+
+def rl_rewards(cfg, rt, reward_fn: RewardFn | None) -> tuple[object | None, RewardFn, RewardFn]:
+    """An RL run's (verifier, reward, evaluation reward). A given `reward_fn` is both, without a
+    verifier; otherwise this process's Verifier gives the phase's `--reward` under `--reward-rules`
+    and, for `--eval-every`, the end-to-end correct reward timed (fast_1), under the strict rules."""
+    if reward_fn is not None:
+        return None, reward_fn, reward_fn
+    # read when a run starts: a run with its own reward skips dice.verifier's import (torch.utils.cpp_extension),
+    # and the Verifier is the one dice.verifier holds then (tests' fake_verifier swaps it)
+    from .verifier import Verifier
+    verifier = Verifier(**rank_verifier(cfg.verifier_workers, rt.device))
+    reward = verifier_reward(verifier, cfg.phase, cfg.reward, timing=cfg.reward == "speedup",
+                             timeout_s=cfg.verify_timeout, rules=cfg.reward_rules)
+    return verifier, reward, verifier_reward(verifier, "e2e", "correct", timing=True, timeout_s=cfg.verify_timeout)

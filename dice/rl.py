@@ -1,7 +1,7 @@
 """BiC-RL: TraceRL rollouts -> verifier rewards -> policy update, in two phases (DESIGN.md §7).
 
 Per RL step: take `tasks_per_step` tasks in curriculum order (ascending level, wrapping; or with
-`--task-order interleaved` every level in its share each step: `curriculum`), sample
+`--task-order interleaved` every level in its share each step: `dice.tasks.curriculum`), sample
 `group_size` responses each with the block-diffusion sampler, reward each (1 if the kernel
 compiles and is correct; in the `infill` phase also only if the program keeps the given prefix
 and suffix), and form group z-score advantages A = (R - mean_g) / std_g, dropping groups whose
@@ -10,7 +10,8 @@ draws the next tasks in place of the dropped groups, up to N more rounds a step,
 starts where the one before stopped drawing.
 
 Trace -> training rounds: `dice.trace`; their forwards, a response's rounds beside one clean
-stream in micro-batches sized by tokens: `dice.packing`.
+stream in micro-batches sized by tokens, per optimiser step: `dice.packing` (`update_plan`). A step
+reads top to bottom in `train_rl`; its metrics.jsonl line is `dice.metrics.rl_step_record`.
 
 Objective per loss token (ids kept from generation, never re-tokenised):
     rho = exp(logp_new - logp_old)
@@ -26,7 +27,7 @@ DICE takes one optimiser step per 256 round rows (`total_batch_size_lm` = batch_
 x 32 accumulation steps, one epoch; `training/RL/configs/rl_sdar_kernel_*.yaml`), the ratio always
 against the rollout policy's log-probs from before the first: `--updates-per-step 0` (default)
 does the same with `--rows-per-update 256`, so after the first update clipping and KL act.
-Which rows form each optimiser step (`minibatches`, DESIGN.md §7): DICE's consecutive chunks of the
+Which rows form each optimiser step (`dice.packing.minibatches`, DESIGN.md §7): DICE's consecutive chunks of the
 rows in rollout order (`--minibatch-order contiguous`), or the same cut after a seeded shuffle.
 The gradient is clipped to 32 by default, DICE's clip of 1.0 in these units (its gradient is 1/32
 of this one), and AdamW's moments restart every RL step as in DICE (`--optimizer-state step`).
@@ -38,8 +39,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
-import os
 import statistics
 import time
 from pathlib import Path
@@ -47,21 +46,21 @@ from typing import Sequence
 
 import torch
 
-from .rewards import RewardFn, Scores, score, verifier_reward
-from .prompts import PromptFormat
-from .rollout import (auto_rollout_batch, complete, generate_and_score, generation_copy, load_prompt_template,
-                      prompt_format, task_prompt_ids)
 from .checkpoint import load_model
 from .data import DataError
+from .metrics import rl_progress_fields, rl_step_record
+from .packing import PackedBatch, packed_logprobs, update_flops, update_plan
 from .plot import plot_run
-from .packing import (PackedBatch, empty_batch, flex_length, group_rounds, micro_batches, pack, packed_logprobs,
-                      pad_batch, update_flops)
-from .trace import row_weights, trace_rounds
-from .tasks import Task, load_tasks
-from .tokenizer import load_tokenizer
+from .prompts import PromptFormat
+from .rewards import RewardFn, Scores, rl_rewards, score
+from .rollout import (FullParameters, auto_rollout_batch, complete, generate_and_score, generation_copy,
+                      load_prompt_template, prompt_format, task_prompt_ids)
 from .runtime import (MetricsLog, build_model, check_resume, check_run_folder, checkpoint_step, make_logger,
                       make_optimizer, progress_line, resume, run_settings, save_checkpoint, save_final, setup_runtime,
                       start_run)
+from .tasks import Task, load_tasks, phase_tasks, tasks_at
+from .tasks import curriculum, step_tasks  # noqa: F401  dice.bench.rl takes the task stream's order from here
+from .tokenizer import load_tokenizer
 
 # what a resumed RL run must keep (besides the tasks and the model)
 RESUME_FIELDS = ("phase", "seed", "tasks_per_step", "group_size", "max_new_tokens", "temperature", "remasking",
@@ -96,23 +95,6 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantage: torch
     return pg + kl_beta * k3, stats
 
 
-def minibatches(items: list, updates: int, order: str = "contiguous", seed: int = 0) -> list[list]:
-    """The round rows of each of a step's `updates` optimiser steps (DESIGN.md §7).
-
-    `items` come in rollout order: response by response, each response's rounds in order. contiguous
-    (DICE): they are cut into `updates` consecutive runs whose sizes differ by at most one, so a
-    step trains every round of a few responses, as DICE's 256-row chunks do (`train/rl_sdar.py`: a
-    DataLoader without a sampler over rows built response by response, one optimiser step per 32
-    accumulation steps of 8 processes); DICE drops the last N mod 256 rows' gradient (no step
-    follows them), here every row trains. shuffle: the same cut after a permutation seeded by
-    `seed`, so every step mixes responses and rounds of the whole rollout."""
-    if order == "shuffle":
-        items = [items[i] for i in torch.randperm(len(items), generator=torch.Generator().manual_seed(seed))]
-    base, extra = divmod(len(items), updates)
-    bounds = [u * base + min(u, extra) for u in range(updates + 1)]
-    return [items[bounds[u]:bounds[u + 1]] for u in range(updates)]
-
-
 def restart_moments(optimizer, lifetime: str) -> None:
     """`--optimizer-state step` (DICE): forget AdamW's moments and step counts before an RL step's
     update, so its first optimiser step is Adam's first again. DICE runs every RL step's update
@@ -123,61 +105,7 @@ def restart_moments(optimizer, lifetime: str) -> None:
         optimizer.state.clear()
 
 
-def curriculum(tasks: list[Task], order: str = "curriculum") -> list[Task]:
-    """The tasks in the order the RL steps take them (`step_tasks`; `--task-order`).
-
-    curriculum (DICE): ascending level, stable, unknown levels last; a run shorter than one pass
-    moves from level 1 to 3, so its reward curve mixes learning with difficulty. interleaved: the
-    i-th of a level's n tasks (in file order) gets the key (i + 1/2) / n and the tasks go in
-    ascending key (ties by level), so every run of consecutive tasks, and hence every step, holds
-    each level in its share of the data (each prefix within one task of it; tests/test_rl_tasks.py)."""
-    def level(t: Task):
-        return (t.level is None, t.level or 0)
-    if order == "curriculum":
-        return sorted(tasks, key=level)
-    rank, size = {}, {}
-    for t in tasks:
-        size[level(t)] = size.get(level(t), 0) + 1
-    keyed = []
-    for i, t in enumerate(tasks):
-        r = rank[level(t)] = rank.get(level(t), -1) + 1
-        keyed.append(((r + 0.5) / size[level(t)], level(t), i))
-    return [tasks[i] for *_, i in sorted(keyed)]
-
-
-def step_tasks(ordered: list[Task], step: int, count: int) -> list[Task]:
-    """Step `step`'s `count` tasks: the next run of `ordered`, wrapping (DICE's `sequential_select`,
-    `training/RL/sample/sdar_rl_rollout_kernel.py`, with `sequential_select: True` in its configs)."""
-    return tasks_at(ordered, step * count, count)
-
-
-def tasks_at(ordered: list[Task], first: int, count: int) -> list[Task]:
-    """`count` tasks of `ordered` from position `first` on, wrapping."""
-    return [ordered[(first + i) % len(ordered)] for i in range(count)]
-
-
 # ---------------------------------------------------------------- the loop
-
-class _FullParameters:
-    """Generation calls layers directly (not the root forward), so under FSDP2 every module's
-    parameters are gathered for the whole rollout and resharded afterwards."""
-
-    def __init__(self, model):
-        from torch.distributed.fsdp import FSDPModule
-        self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        with torch.no_grad():   # FSDP initialises lazily, from a forward of the root module
-            model(torch.zeros(1, model.config.block_size, dtype=torch.long, device=next(model.parameters()).device))
-
-    def __enter__(self):
-        for m in self.modules:
-            m.set_reshard_after_forward(False)
-            m.unshard()
-
-    def __exit__(self, *exc):
-        for m in self.modules:
-            m.reshard()
-            m.set_reshard_after_forward(True)
-
 
 def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: RewardFn, seed: int, infill: bool, *,
             overlap: str = "stream", low_precision: bool = True, auto_batch: bool = False,
@@ -255,53 +183,8 @@ def sample_step(model, tok, ordered: list[Task], first: int, cfg, reward_fn: Rew
     return out
 
 
-def update_plan(completions, advantages, cfg, rt, block_size: int, mask_id: int, pad_id: int, use_flex: bool,
-                seed: int = 0) -> tuple[list[list[PackedBatch]], int, int]:
-    """The update's micro-batches, per optimiser step (module docstring; `dice.packing`): the kept
-    responses' trace rounds as round rows, split into U optimiser steps (U = `updates_per_step`, or
-    with 0 one per `rows_per_update` round rows of all processes, as in DICE; step u holds each
-    process's u-th run of rows, `minibatches`, shuffled with seed + rank under `--minibatch-order
-    shuffle`), each step's rows weighted by `row_weights` and packed into micro-batches of
-    `update_tokens` tokens. Returns (the micro-batches of every step, the responses and the round
-    rows of all processes). Under FSDP every backward is a collective, so each rank runs as many
-    micro-batches as the busiest rank, padding with empty ones. use_flex: each micro-batch is one
-    row padded to `dice.packing.flex_length`, so every micro-batch of every step has the shape
-    [1, update_tokens] but for a group over the budget ([1, m x update_tokens], m the fewest
-    budgets that hold it); otherwise one unpadded row per group, as the dense mask wants."""
-    kept = [k for k, a in enumerate(advantages) if a is not None and completions[k].tokens]
-    n_responses = int(rt.all_sum(len(kept)))
-    items = [(k, completions[k], rnd) for k in kept
-             for rnd in trace_rounds(completions[k].step_map, len(completions[k].prompt_ids), block_size,
-                                     completions[k].tail_step_map)]
-    n_rows = int(rt.all_sum(len(items)))
-    if n_responses == 0:
-        return [], 0, 0
-    U = cfg.updates_per_step or max(1, math.ceil(n_rows / cfg.rows_per_update))
-    width = int(rt.all_max(max((len(completions[k].tokens) for k in kept), default=0)))   # L1
-    plan = []
-    for step in minibatches(items, U, cfg.minibatch_order, seed + rt.rank):
-        weights = row_weights(step, cfg.loss_norm, width=width, rows=int(rt.all_sum(len(step))),
-                              responses=n_responses, updates=U)
-        groups = group_rounds(step, weights, cfg.update_rows, block_size, cfg.update_tokens)
-        batches = [pack([chunk] if use_flex else [[g] for g in chunk], mask_id, pad_id, advantages)
-                   for chunk in micro_batches(groups, cfg.update_tokens)]
-        batches += [empty_batch(block_size, pad_id)] * (int(rt.all_max(len(batches))) - len(batches))
-        if use_flex:
-            batches = [pad_batch(b, flex_length(b.ids.shape[1], cfg.update_tokens)) for b in batches]
-        plan.append(batches)
-    return plan, n_responses, n_rows
-
-
 # the (pass, shape) pairs this process has run through compiled FlexAttention (`CompileClock`)
 _FLEX_MET: set = set()
-
-
-def rank_verifier(workers: int, device: torch.device) -> dict:
-    """This process's Verifier arguments: its own GPU (under torchrun rank r trains on cuda:r, and its
-    rollouts' kernels run there too) and its share of `--verifier-workers`, which counts the
-    workers of the whole host (LOCAL_WORLD_SIZE processes share its cores)."""
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return {"workers": max(1, workers // local), "device": str(device) if device.type == "cuda" else "cuda"}
 
 
 class CompileClock:
@@ -434,32 +317,39 @@ def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, inf
     return out
 
 
-def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = None,
-             eval_tasks: list[Task] | None = None) -> Path:
-    """BiC-RL phase `cfg.phase` ("infill" or "e2e"); `reward_fn(tasks, completions) -> rewards`
-    replaces the kernel verifier (tests, other rewards). Returns the final model folder."""
-    rt = setup_runtime()
-    log = make_logger(rt)
-    out = Path(cfg.out)
+@dataclasses.dataclass
+class RLRun:
+    """What `open_run` sets up before a run's first step."""
+    out: Path
+    ordered: list[Task]                 # the task stream (`dice.tasks.phase_tasks`)
+    eval_tasks: list[Task] | None
+    tok: object
+    model: torch.nn.Module
+    ref_model: torch.nn.Module | None   # frozen, with --reference-model
+    optimizer: torch.optim.Optimizer
+    fmt: PromptFormat                   # the rollouts' prompts
+    eval_fmt: PromptFormat              # the evaluation's: end to end in the model's format
+    start: int                          # the first step to run (resume)
+    cursor: int                         # where the next step's tasks start in `ordered`
+    metrics: MetricsLog
+
+
+def open_run(cfg, rt, log, tasks: list[Task] | None, eval_tasks: list[Task] | None) -> RLRun:
+    """A run's set-up, the checks that need no model first: the run folder, the tasks (`tasks`, or
+    `cfg.data`'s), the model, optimiser and reference, the settings a resume must match
+    (RESUME_FIELDS, the tasks' sha256, the model's path), then the checkpoint it resumes from."""
+    out, infill = Path(cfg.out), cfg.phase == "infill"
     check_run_folder(out, cfg.resume, cfg.overwrite)
-    infill = cfg.phase == "infill"
     if cfg.tasks_per_step < rt.world:
         raise DataError(f"--tasks-per-step {cfg.tasks_per_step} is below the {rt.world} processes; pass "
                         f"--tasks-per-step {rt.world} or more (every process needs a task per step)")
-    ordered = tasks if tasks is not None else load_tasks(cfg.data)
-    if infill:
-        ordered = [t for t in ordered if t.prefix is not None]
-        if not ordered:
-            raise DataError(f"{cfg.data}: no task has the prefix/middle/suffix split the infill phase needs; pass "
-                            "a DICE JSON file whose records have prefix, middle and suffix, or use --phase e2e")
-    ordered = curriculum(ordered, cfg.task_order)
+    ordered = phase_tasks(tasks if tasks is not None else load_tasks(cfg.data), cfg.data, infill, cfg.task_order)
     if eval_tasks is None and cfg.eval_every:
         eval_tasks = load_tasks(cfg.eval_data)
     template = load_prompt_template(cfg.prompt_template, infill) if cfg.prompt_template else None
     tok = load_tokenizer(cfg.model)
     model = build_model(cfg, rt, log)
     fmt = prompt_format(model, template)
-    eval_fmt = prompt_format(model) if infill else fmt   # the evaluation prompts end to end
     if template and infill and cfg.eval_every:
         log("--prompt-template holds an infilling prompt: the end-to-end evaluation of --eval-every asks in the "
             "model's own prompt format")
@@ -472,82 +362,75 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
     if cfg.resume:
         check_resume(out, settings, start, cfg.steps)
     start_run(out, cfg.overwrite, settings, rt)
-    cursor = start * cfg.tasks_per_step   # where the next step's tasks start in `ordered`
+    cursor = start * cfg.tasks_per_step
     if cfg.resume:
         cursor = resume(out, model, optimizer, log)[1].get("task_cursor", cursor)
-    metrics = MetricsLog(out, start, rt.main)
-    verifier, eval_reward = None, reward_fn
-    if reward_fn is None:
-        from .verifier import Verifier
-        verifier = Verifier(**rank_verifier(cfg.verifier_workers, rt.device))
-        reward_fn = verifier_reward(verifier, cfg.phase, cfg.reward, timing=cfg.reward == "speedup",
-                                    timeout_s=cfg.verify_timeout, rules=cfg.reward_rules)
-        eval_reward = verifier_reward(verifier, "e2e", "correct", timing=True, timeout_s=cfg.verify_timeout)
-    total = cfg.steps
-    gather = _FullParameters(model) if rt.world > 1 else None
+    return RLRun(out, ordered, eval_tasks, tok, model, ref_model, optimizer, fmt,
+                 prompt_format(model) if infill else fmt, start, cursor, MetricsLog(out, start, rt.main))
 
-    def evaluate(at_step: int, label: str) -> None:
-        model.eval()
-        with torch.no_grad(), (gather or contextlib.nullcontext()):
-            ev = evaluate_policy(model, tok, eval_tasks, cfg, eval_reward, infill=False, rt=rt, fmt=eval_fmt)
-        metrics.write({"step": at_step, **ev})
-        log(f"{label}: " + json.dumps(ev))
 
-    log(f"BiC-RL {cfg.phase}: {len(ordered)} tasks (levels {sorted({t.level for t in ordered}, key=str)}), "
-        f"{cfg.tasks_per_step} tasks x {cfg.group_size} samples per step, steps {start + 1}..{total}")
+def _evaluate(run: RLRun, cfg, rt, log, reward_fn: RewardFn, gather, at_step: int, label: str) -> None:
+    """`evaluate_policy` on the run's eval tasks, end to end, into metrics.jsonl as step `at_step`."""
+    run.model.eval()
+    with torch.no_grad(), gather:
+        ev = evaluate_policy(run.model, run.tok, run.eval_tasks, cfg, reward_fn, infill=False, rt=rt, fmt=run.eval_fmt)
+    run.metrics.write({"step": at_step, **ev})
+    log(f"{label}: " + json.dumps(ev))
+
+
+def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = None,
+             eval_tasks: list[Task] | None = None) -> Path:
+    """BiC-RL phase `cfg.phase` ("infill" or "e2e"); `reward_fn(tasks, completions) -> rewards`
+    replaces the kernel verifier (tests, other rewards). Returns the final model folder.
+
+    A step in its sections (module docstring): rollouts, their rewards and advantages, the update,
+    the log, the checkpoint; a greedy evaluation before every `--eval-every`-th step and at the end."""
+    rt = setup_runtime()
+    log = make_logger(rt)
+    run = open_run(cfg, rt, log, tasks, eval_tasks)
+    model, optimizer, total = run.model, run.optimizer, cfg.steps
+    verifier, reward_fn, eval_reward = rl_rewards(cfg, rt, reward_fn)
+    # generation calls the layers, not the root forward: under FSDP every parameter is gathered first
+    gather = FullParameters(model) if rt.world > 1 else contextlib.nullcontext()
+    evaluate = functools.partial(_evaluate, run, cfg, rt, log, eval_reward, gather)
+    log(f"BiC-RL {cfg.phase}: {len(run.ordered)} tasks (levels {sorted({t.level for t in run.ordered}, key=str)}), "
+        f"{cfg.tasks_per_step} tasks x {cfg.group_size} samples per step, steps {run.start + 1}..{total}")
     started = time.perf_counter()
     try:
-        for step in range(start, total):
+        for step in range(run.start, total):
             t0 = time.perf_counter()
-            if cfg.eval_every and eval_tasks and step % cfg.eval_every == 0:
+            if cfg.eval_every and run.eval_tasks and step % cfg.eval_every == 0:
                 evaluate(step, f"eval before step {step + 1}")
+            # rollouts, rewards, advantages: one pass (`sample_step`), the reward scoring each block's finished
+            # responses while generation goes on, the advantages deciding which tasks dynamic sampling redraws
             model.eval()
-            with torch.no_grad(), (gather or contextlib.nullcontext()):
-                sampled = sample_step(model, tok, ordered, cursor, cfg, reward_fn, rt,
-                                      seed=(cfg.seed * 100_003 + step) * 10_007, infill=infill, fmt=fmt)
-            cursor += sampled.drawn
-            completions, rewards, results, advantages = (sampled.completions, sampled.rewards, sampled.results,
-                                                         sampled.advantages)
-            timing = sampled.timing
+            with torch.no_grad(), gather:
+                sampled = sample_step(model, run.tok, run.ordered, run.cursor, cfg, reward_fn, rt,
+                                      seed=(cfg.seed * 100_003 + step) * 10_007, infill=cfg.phase == "infill",
+                                      fmt=run.fmt)
+            run.cursor += sampled.drawn
+            # update: the optimiser steps over the kept responses' trace rounds
             model.train()
             t_update = time.perf_counter()
             restart_moments(optimizer, cfg.optimizer_state)
-            upd = policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer, tok.pad_token_id,
-                                seed=cfg.seed * 100_003 + step)
+            upd = policy_update(model, run.ref_model, sampled.completions, sampled.advantages, cfg, rt, optimizer,
+                                run.tok.pad_token_id, seed=cfg.seed * 100_003 + step)
             t_update = time.perf_counter() - t_update
-            n = rt.all_sum(len(rewards))
-            tokens = rt.all_sum(sum(len(c.tokens) for c in completions))
-            verified = rt.all_sum(sum(r is not None for r in results))
-            record = {"step": step + 1, "reward_mean": rt.all_sum(sum(rewards)) / n,
-                      "compiled_pct": 100 * rt.all_sum(sum(bool(r and r.compiled) for r in results)) / n,
-                      "correct_pct": 100 * rt.all_sum(sum(bool(r and r.correct) for r in results)) / n,
-                      "fast_1_pct": (100 * rt.all_sum(sum(bool(r and r.correct and (r.speedup or 0) > 1)
-                                                          for r in results)) / n) if cfg.reward == "speedup" else None,
-                      "mean_response_len": tokens / n, "kl": upd["kl"], "clip_fraction": upd["clip_fraction"],
-                      "loss": upd["loss"], "groups_kept_pct": 100 * upd["responses_trained"] / n,
-                      "tasks_drawn": sampled.drawn, "tasks_dropped": sampled.dropped,
-                      "rollout_rounds": sampled.rounds,
-                      "rollout_tokens_per_s": tokens / max(timing["generate_s"], 1e-9),
-                      "kernels_verified_per_s": verified / timing["verify_s"] if timing["verify_s"] > 0 else None,
-                      "generate_s": timing["generate_s"], "verify_s": timing["verify_s"], "update_s": t_update,
-                      "compile_s": upd["compile_s"], "step_time_s": time.perf_counter() - t0}
-            metrics.write(record)
-            shown = {"reward": record["reward_mean"], "correct%": record["correct_pct"], "kl": record["kl"],
-                     "len": round(record["mean_response_len"]), "tok/s": round(record["rollout_tokens_per_s"])}
-            if cfg.dynamic_sampling_rounds:
-                shown |= {"tasks drawn": sampled.drawn, "dropped": sampled.dropped}
-            log(progress_line(step, total, started, start, shown))
+            # log: one metrics.jsonl line, one progress line
+            record = rl_step_record(step + 1, sampled, upd, rt, cfg.reward, t_update, started=t0)
+            run.metrics.write(record)
+            log(progress_line(step, total, started, run.start,
+                              rl_progress_fields(record, bool(cfg.dynamic_sampling_rounds))))
+            # save: the model, the optimiser and where the task stream stands
             if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == total):
-                save_checkpoint(out, step + 1, model, optimizer, cfg.model, rt, cfg.keep_checkpoints,
-                                extra={"task_cursor": cursor})
-        if cfg.eval_every and eval_tasks:
+                save_checkpoint(run.out, step + 1, model, optimizer, cfg.model, rt, cfg.keep_checkpoints,
+                                extra={"task_cursor": run.cursor})
+        if cfg.eval_every and run.eval_tasks:
             evaluate(total, "eval after training")
-        save_final(model, optimizer, out, cfg.model, rt, log)
+        save_final(model, optimizer, run.out, cfg.model, rt, log)
         if rt.main:
-            log(plot_run(out))
+            log(plot_run(run.out))
     finally:
         if verifier is not None:
             verifier.close()
-    return out / "final"
-
-
+    return run.out / "final"

@@ -150,11 +150,33 @@ def bf16_copy(model) -> SDAR:
 
 
 def _sharded(model) -> bool:
-    try:
+    """Whether FSDP2 sharded `model` (its parameters are DTensors)."""
+    try:   # lazy: a second of start-up for sample.py / train.py, and absent from torch builds without distributed
         from torch.distributed.tensor import DTensor
     except ImportError:
         return False
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+class FullParameters:
+    """Generation calls layers directly (not the root forward), so under FSDP2 every module's
+    parameters are gathered for the whole rollout and resharded afterwards."""
+
+    def __init__(self, model):
+        from torch.distributed.fsdp import FSDPModule   # lazy: a second of start-up, and only torchrun runs need it
+        self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        with torch.no_grad():   # FSDP initialises lazily, from a forward of the root module
+            model(torch.zeros(1, model.config.block_size, dtype=torch.long, device=next(model.parameters()).device))
+
+    def __enter__(self):
+        for m in self.modules:
+            m.set_reshard_after_forward(False)
+            m.unshard()
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            m.reshard()
+            m.set_reshard_after_forward(True)
 
 
 def auto_rollout_batch(model, prompt_lens: Sequence[int], max_new_tokens: int) -> int:

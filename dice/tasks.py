@@ -11,7 +11,8 @@ Two on-disk layouts are read:
   Names are `<file stem>/<id>`.
 
 Filtering by level is the caller's business; every loaded source is checked (by its AST, without
-running it) for the three names the verifier needs.
+running it) for the three names the verifier needs. BiC-RL reads a file as a stream of tasks
+(`phase_tasks`, `curriculum`), each step the next run of it (`step_tasks`, DESIGN.md §7).
 """
 
 from __future__ import annotations
@@ -151,3 +152,49 @@ def _record_level(level, where: str, file_level: int | None) -> int | None:
     if type(level) is not int or level < 0:
         raise DataError(f"{where}: its level must be a whole number >= 0 (KernelBench's 1, 2, 3), not {level!r:.40}")
     return level
+
+
+# ---------------------------------------------------------------- BiC-RL's task stream (DESIGN.md §7)
+
+def phase_tasks(tasks: list[Task], data: str | None, infill: bool, order: str) -> list[Task]:
+    """An RL phase's task stream: the infill phase keeps the tasks with a prefix/middle/suffix split
+    (`data` names their file in the error), in `curriculum` order."""
+    if infill:
+        tasks = [t for t in tasks if t.prefix is not None]
+        if not tasks:
+            raise DataError(f"{data}: no task has the prefix/middle/suffix split the infill phase needs; pass "
+                            "a DICE JSON file whose records have prefix, middle and suffix, or use --phase e2e")
+    return curriculum(tasks, order)
+
+
+def curriculum(tasks: list[Task], order: str = "curriculum") -> list[Task]:
+    """The tasks in the order the RL steps take them (`step_tasks`; `--task-order`).
+
+    curriculum (DICE): ascending level, stable, unknown levels last; a run shorter than one pass
+    moves from level 1 to 3, so its reward curve mixes learning with difficulty. interleaved: the
+    i-th of a level's n tasks (in file order) gets the key (i + 1/2) / n and the tasks go in
+    ascending key (ties by level), so every run of consecutive tasks, and hence every step, holds
+    each level in its share of the data (each prefix within one task of it; tests/test_rl_tasks.py)."""
+    def level(t: Task):
+        return (t.level is None, t.level or 0)
+    if order == "curriculum":
+        return sorted(tasks, key=level)
+    rank, size = {}, {}
+    for t in tasks:
+        size[level(t)] = size.get(level(t), 0) + 1
+    keyed = []
+    for i, t in enumerate(tasks):
+        r = rank[level(t)] = rank.get(level(t), -1) + 1
+        keyed.append(((r + 0.5) / size[level(t)], level(t), i))
+    return [tasks[i] for *_, i in sorted(keyed)]
+
+
+def step_tasks(ordered: list[Task], step: int, count: int) -> list[Task]:
+    """Step `step`'s `count` tasks: the next run of `ordered`, wrapping (DICE's `sequential_select`,
+    `training/RL/sample/sdar_rl_rollout_kernel.py`, with `sequential_select: True` in its configs)."""
+    return tasks_at(ordered, step * count, count)
+
+
+def tasks_at(ordered: list[Task], first: int, count: int) -> list[Task]:
+    """`count` tasks of `ordered` from position `first` on, wrapping."""
+    return [ordered[(first + i) % len(ordered)] for i in range(count)]

@@ -11,12 +11,12 @@ import torch
 
 from dice import load_model
 import dice.rl
-from dice.packing import group_rounds, pack, packed_logprobs
-from dice.rl import (CompileClock, group_advantages, policy_loss, policy_update, row_weights, trace_rounds, train_rl,
-                     update_plan)
+from dice.packing import group_rounds, pack, packed_logprobs, update_plan
+from dice.rl import CompileClock, group_advantages, policy_loss, policy_update, train_rl
 from dice.runtime import Runtime
 from dice.rollout import Completion
 from dice.sampler import generate
+from dice.trace import row_weights, trace_rounds
 from dice.tasks import Task
 from dice.config import TrainConfig
 
@@ -550,7 +550,7 @@ def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():
 
 
 def test_each_torchrun_process_verifies_on_its_own_gpu_with_its_share_of_the_workers(monkeypatch):
-    from dice.rl import rank_verifier
+    from dice.rewards import rank_verifier
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert rank_verifier(14, torch.device("cuda", 2)) == {"workers": 3, "device": "cuda:2"}
     assert rank_verifier(2, torch.device("cuda", 3)) == {"workers": 1, "device": "cuda:3"}

@@ -7,10 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import dice.packing
 import dice.rl
 from dice import load_model
 from dice.config import RL_GRAD_CLIP, TrainConfig
-from dice.rl import minibatches, policy_update, restart_moments, train_rl
+from dice.packing import minibatches
+from dice.rl import policy_update, restart_moments, train_rl
 from dice.rollout import Completion
 from dice.runtime import Runtime
 
@@ -48,8 +50,8 @@ def test_policy_update_steps_on_whole_responses(monkeypatch):
     """Two responses of 3 round rows each and --rows-per-update 3: two optimiser steps, the first on
     response 0's three rounds, the second on response 1's."""
     seen = []
-    real = dice.rl.group_rounds
-    monkeypatch.setattr(dice.rl, "group_rounds", lambda items, *args: seen.append([k for k, _, _ in items])
+    real = dice.packing.group_rounds
+    monkeypatch.setattr(dice.packing, "group_rounds", lambda items, *args: seen.append([k for k, _, _ in items])
                         or real(items, *args))
     model = load_model(TINY)
     prompt = list(range(10, 17))

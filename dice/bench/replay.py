@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from ..model import SDAR_SHAPES
-from ..rl import Scores, curriculum
+from ..rewards import Scores, verifier_reward
+from ..tasks import curriculum
 
 CHARS_PER_TOKEN = 3.8   # the SDAR tokenizer on the 99 DICE infilling references: 71,964 chars, 18,862 tokens
 SDAR_TOKENIZER = ("shared/sdar-chat", "../shared/sdar-chat")   # where a checkout keeps it, from its root
@@ -119,7 +120,6 @@ def make_reward(kind: str, verifier, kinds: dict, timeout_s: float):
     """The step's reward on (owners, completions): the training reward with each completion's
     code replaced by the program its owner carries, or the Python stand-in (`kinds`: program ->
     its kind)."""
-    from ..rl import verifier_reward
     if kind == "python":
         return lambda owners, _: Scores([float(kinds[t.solution] == "ok") for t in owners])
     reward = verifier_reward(verifier, "e2e", "correct", timeout_s=timeout_s)
