@@ -21,7 +21,8 @@ for the budget is split into groups of fewer rounds, each with its own clean str
 FlexAttention path a micro-batch is one row of packed groups (samples never see each other; the
 mask skips the tiles between them) padded to a fixed length (`flex_length`: the budget, or for a
 group over it the smallest multiple of the budget), so that compiled FlexAttention, which compiles
-once per shape, compiles in a process's first update and not after; the dense path gives every
+once per shape, compiles in a process's first update and not after (`CompileClock` counts those
+seconds); the dense path gives every
 group its own row, unpadded, since a dense mask grows with the square of the row.
 
 An RL step's update (`update_plan`, called by `dice.rl.policy_update`) cuts its round rows into
@@ -30,6 +31,8 @@ the optimiser steps' `minibatches` and each step's rows into these micro-batches
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -250,6 +253,46 @@ def update_flops(config, batch: PackedBatch, backward: bool = True) -> float:
                + 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * batch.visible_pairs
                + 2 * c.hidden_size * c.vocab_size * int(batch.targets.numel()))
     return 3 * forward if backward else forward
+
+
+# the (pass, shape) pairs this process has run through compiled FlexAttention (`CompileClock`)
+FLEX_MET: set = set()
+
+
+class CompileClock:
+    """The seconds an update spent compiling (`compile_s`). Compiled FlexAttention and its block
+    masks (`dice.attention`) compile once per process for each shape and pass (a no-grad forward;
+    a forward and backward), and an update's micro-batches come in one shape (`update_plan`), so a
+    process's first update compiles and later ones do not. `run` times each micro-batch to its end
+    on the device; one whose (pass, shape) is new to `met` counts its time beyond the median time
+    per token of this update's other micro-batches of that pass, or with none to compare its whole
+    time (an upper bound). met None (nothing compiles: dense masks, or the CPU) counts nothing."""
+
+    def __init__(self, met: set | None, device: torch.device):
+        self.met, self.device, self.times = met, device, []
+
+    def run(self, kind: str, batch: PackedBatch, fn):
+        """fn(), the pass `kind` over `batch`, timed."""
+        if self.met is None:   # nothing compiles: no time to take, no synchronize on the step's path
+            return fn()
+        key = (kind, tuple(batch.ids.shape))
+        new = key not in self.met
+        start = time.perf_counter()
+        out = fn()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append((kind, new, batch.ids.numel(), time.perf_counter() - start))
+        self.met.add(key)
+        return out
+
+    def seconds(self) -> float:
+        """The compile seconds of the micro-batches run so far (class docstring)."""
+        extra = 0.0
+        for kind, new, n, t in self.times:
+            if new:
+                steady = [s / m for k, fresh, m, s in self.times if k == kind and not fresh]
+                extra += max(0.0, t - statistics.median(steady) * n) if steady else t
+        return extra
 
 
 # ---------------------------------------------------------------- an RL step's update plan (DESIGN.md §7)

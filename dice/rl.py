@@ -49,7 +49,7 @@ import torch
 from .checkpoint import load_model
 from .data import DataError
 from .metrics import rl_progress_fields, rl_step_record
-from .packing import PackedBatch, packed_logprobs, update_flops, update_plan
+from .packing import FLEX_MET, CompileClock, PackedBatch, packed_logprobs, update_flops, update_plan
 from .plot import plot_run
 from .prompts import PromptFormat
 from .rewards import RewardFn, Scores, rl_rewards, score
@@ -183,46 +183,6 @@ def sample_step(model, tok, ordered: list[Task], first: int, cfg, reward_fn: Rew
     return out
 
 
-# the (pass, shape) pairs this process has run through compiled FlexAttention (`CompileClock`)
-_FLEX_MET: set = set()
-
-
-class CompileClock:
-    """The seconds an update spent compiling (`compile_s`). Compiled FlexAttention and its block
-    masks (`dice.attention`) compile once per process for each shape and pass (a no-grad forward;
-    a forward and backward), and an update's micro-batches come in one shape (`update_plan`), so a
-    process's first update compiles and later ones do not. `run` times each micro-batch to its end
-    on the device; one whose (pass, shape) is new to `met` counts its time beyond the median time
-    per token of this update's other micro-batches of that pass, or with none to compare its whole
-    time (an upper bound). met None (nothing compiles: dense masks, or the CPU) counts nothing."""
-
-    def __init__(self, met: set | None, device: torch.device):
-        self.met, self.device, self.times = met, device, []
-
-    def run(self, kind: str, batch: PackedBatch, fn):
-        """fn(), the pass `kind` over `batch`, timed."""
-        if self.met is None:   # nothing compiles: no time to take, no synchronize on the step's path
-            return fn()
-        key = (kind, tuple(batch.ids.shape))
-        new = key not in self.met
-        start = time.perf_counter()
-        out = fn()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.times.append((kind, new, batch.ids.numel(), time.perf_counter() - start))
-        self.met.add(key)
-        return out
-
-    def seconds(self) -> float:
-        """The compile seconds of the micro-batches run so far (class docstring)."""
-        extra = 0.0
-        for kind, new, n, t in self.times:
-            if new:
-                steady = [s / m for k, fresh, m, s in self.times if k == kind and not fresh]
-                extra += max(0.0, t - statistics.median(steady) * n) if steady else t
-        return extra
-
-
 def _train_micro_batch(model, ref_model, batch: PackedBatch, logp_old: torch.Tensor | None, cfg, rt,
                        use_flex: bool) -> tuple[float, dict]:
     """One micro-batch's forward and backward, its gradient added to the parameters': (its loss,
@@ -258,7 +218,7 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     if not plan:   # every group had equal rewards: no signal, and Adam's momentum must not move us
         return {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "responses_trained": 0, "rounds": 0, "flops": 0.0,
                 "compile_s": 0.0}
-    clock = CompileClock(_FLEX_MET if use_flex and device.type == "cuda" else None, device)
+    clock = CompileClock(FLEX_MET if use_flex and device.type == "cuda" else None, device)
     U, total = len(plan), sum(map(len, plan))
     flops = sum(update_flops(config, b) for step in plan for b in step)
     old = None

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dice import load_model
-import dice.rl
-from dice.packing import group_rounds, pack, packed_logprobs, update_plan
-from dice.rl import CompileClock, group_advantages, policy_loss, policy_update, train_rl
+import dice.packing
+from dice.packing import CompileClock, group_rounds, pack, packed_logprobs, update_plan
+from dice.rl import group_advantages, policy_loss, policy_update, train_rl
 from dice.runtime import Runtime
 from dice.rollout import Completion
 from dice.sampler import generate
@@ -344,7 +344,7 @@ def test_flex_plan_gives_the_dense_plans_log_probs_in_the_same_order_fp64():
 
 
 class FakeTime:
-    """`time` for dice.rl whose clock moves only when a timed micro-batch says how long it took."""
+    """`time` for dice.packing whose clock moves only when a timed micro-batch says how long it took."""
     now = 0.0
 
     def perf_counter(self) -> float:
@@ -356,7 +356,7 @@ class FakeTime:
 
 def test_compile_clock_counts_a_new_shapes_micro_batches_beyond_the_steady_ones(monkeypatch):
     fake, met, cpu = FakeTime(), set(), torch.device("cpu")
-    monkeypatch.setattr(dice.rl, "time", fake)
+    monkeypatch.setattr(dice.packing, "time", fake)
     one, two = (SimpleNamespace(ids=torch.zeros(1, n)) for n in (8, 16))
     first = CompileClock(met, cpu)
     for kind, seconds in (("forward", 3.0), ("forward", 1.0), ("train", 9.0), ("train", 2.0), ("train", 2.5)):
