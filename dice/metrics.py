@@ -50,6 +50,8 @@ from typing import Iterable
 from .cli import ArgumentParser, at_least, fail_cleanly
 from .data import DataError, read_text
 from .errors import json_problem
+from .inputs import input_path, output_file
+from .tasks import load_tasks
 
 
 @dataclass
@@ -231,8 +233,6 @@ def learnable(outcomes: dict[tuple[str, int | None], list[bool]]) -> set[str]:
 
 def learnable_main(argv: list[str]) -> None:
     """`python -m dice.metrics learnable` (module docstring)."""
-    from .inputs import input_path, output_file
-    from .tasks import load_tasks
     p = ArgumentParser(prog="python -m dice.metrics learnable",
                        description="Keep the tasks of a DICE task file whose samples in an evaluate.py --samples k "
                                    "file disagree (the ones RL can learn from), as a new task file.")
@@ -302,7 +302,7 @@ def rl_progress_fields(record: dict, dynamic_sampling: bool) -> dict:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plot"]:   # `python -m dice.metrics plot RUN ...`: dice.plot's command
-        from .plot import main as plot
+        from .plot import main as plot   # here, not at the top: dice.plot imports this module (read_outcomes)
         return plot(argv[1:])
     if argv[:1] == ["learnable"]:
         return learnable_main(argv[1:])

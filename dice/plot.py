@@ -25,6 +25,7 @@ from pathlib import Path
 from .cli import ArgumentParser
 from .data import DataError, read_text
 from .errors import UserError, json_problem
+from .metrics import read_outcomes
 
 # (metrics.jsonl key, panel title, factor): the panels of an RL step record, in drawing order
 STEP_PANELS = (("reward_mean", "reward (rollout mean)", 1.0),
@@ -85,7 +86,6 @@ def read_run(path: str | Path) -> Run:
 
 def eval_point(file: str | Path) -> float:
     """Correct % of an `evaluate.py --out` file: the mean over its tasks of each task's correct rate."""
-    from .metrics import read_outcomes
     outcomes = read_outcomes(file)
     if not outcomes:
         raise DataError(f"{file} holds no verdict; give an `evaluate.py --out` file of at least one task")
@@ -110,7 +110,7 @@ def parse_eval_series(given: list[list[str]]) -> list[tuple[str, list[tuple[int,
 
 
 def _figure():
-    try:
+    try:   # matplotlib is optional (the [plot] extra)
         from matplotlib.figure import Figure
     except ImportError:
         raise UserError("python -m dice.metrics plot needs matplotlib, which is not installed; "

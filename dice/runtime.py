@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 
 from .checkpoint import CheckpointError, from_published, has_weights, load_model, read_config, save_model
 from .config import TrainConfig
@@ -126,7 +127,7 @@ def build_model(cfg: TrainConfig, rt: Runtime, log) -> SDAR:
 def shard(model: SDAR) -> SDAR:
     """FSDP2 over the process group: every decoder layer is one unit (its parameters are gathered
     just before it runs and freed after), the embedding, final norm and lm_head the root unit."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard   # lazy: ~1.5 s of start-up for train.py, sharded runs only
     for layer in model.model.layers:
         fully_shard(layer)
     return fully_shard(model)
@@ -171,7 +172,7 @@ def row_generator(seed: int, step: int, row: int) -> torch.Generator:
 def full_state_dicts(model, optimizer):
     """Full (unsharded, CPU) model and optimiser state dicts, keyed by parameter names, so that
     checkpoints load on any number of processes."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict   # lazy: ~2 s of start-up
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -359,8 +360,7 @@ def checkpoint_step(out: Path) -> int:
 
 def resume(out: Path, model, optimizer, log) -> tuple[int, dict]:
     """Load the newest checkpoint into model and optimiser; returns (steps done, trainer state)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict   # lazy: ~2 s of start-up
     path = latest_checkpoint(out)
     if path is None:
         raise RunFolderError(f"--resume: {out / 'checkpoints'} holds no checkpoint to continue from")

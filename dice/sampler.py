@@ -329,7 +329,7 @@ def _make_step(model, rows: Rows, use_cache: bool, cuda_graphs: bool, compile: b
     cache = model.new_cache(len(rows.index), rows.x.shape[1])
     graphs = cuda_graphs and rows.x.device.type == "cuda"
     if fused and len(rows.index) == 1:
-        from .fused import FusedForward      # the optional fast path: CuPy, a Hopper GPU
+        from .fused import FusedForward   # here, not at the top: dice.fused builds on this module's CachedForward
         step = FusedForward(model, cache, graphs, compile, greedy=temperature == 0)
     else:
         step = CachedForward(model, cache, graphs, compile)

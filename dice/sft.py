@@ -33,7 +33,7 @@ from .checkpoint import INDEX, SINGLE
 from .runtime import (TOKENIZER_FILES, MetricsLog, build_model, check_resume, check_run_folder, checkpoint_step, digest, lr_at,
                       make_logger, make_optimizer, progress_line, resume, row_generator, run_settings, save_checkpoint,
                       save_final, setup_runtime, start_run)
-from .tokenizer import load_tokenizer
+from .tokenizer import load_tokenizer, train_tokenizer
 
 # what a resumed SFT run must keep (besides data, model, row length and micro-batches per step)
 RESUME_FIELDS = ("phase", "seed", "batch_size", "loss_norm", "lr", "schedule", "warmup", "warmup_ratio",
@@ -161,7 +161,6 @@ def init_model_folder(cfg: TrainConfig) -> Path:
     model folder with it and a config.json (no weights: SFT then starts from scratch). Prompts
     carry no one-shot example (`dice_one_shot: null`), which keeps them short for small models.
     With --overwrite the INIT_ENTRIES of an earlier model folder are removed first."""
-    from .tokenizer import train_tokenizer
     out = Path(cfg.out)
     texts = ["".join(record_texts(r, f"{cfg.data}: record {i}", one_shot=None)[0])
              for i, r in enumerate(read_records(cfg.data))]

@@ -23,11 +23,13 @@ import torch
 
 from ..cli import ArgumentParser, at_least
 from ..model import SDAR_SHAPES
+from . import builds, check, decode, fused, rl, stability, train
 from .common import BenchRun, BudgetSpent, add_run_arguments
+from .train import train_shape
+from .verify import main as verify_main
 
 
 def main(argv=None) -> None:
-    from .train import train_shape
     parser = ArgumentParser(prog="python -m dice.bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     s = sub.add_parser("sample", help="decoding tokens/s vs autoregressive and the roofline")
@@ -60,7 +62,6 @@ def main(argv=None) -> None:
                    help="recompute each layer's forward in the backward pass (adds an HFU column)")
     m = sub.add_parser("model", help="bf16 vs fp32 logits, flex vs dense attention")
     m.add_argument("--shape", type=str.lower, choices=SDAR_SHAPES, default="1.7b", help="public SDAR shape")
-    from . import builds, check, rl, stability
     check.add_arguments(sub.add_parser("check", help="the GPU test suite and the headline benchmarks in one call "
                                                      "(from a checkout)"))
     builds.add_arguments(sub.add_parser("builds", help="load_inline fast-build CPU per program, generic vs torch's "
@@ -75,12 +76,10 @@ def main(argv=None) -> None:
     sub.choices["check"].set_defaults(budget_s=540.0)   # the whole check in one 10-minute call
     args, rest = parser.parse_known_args(argv)
     if args.what == "verify":
-        from .verify import main as verify_main
         verify_main(rest)
         return
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    from . import decode, fused, train
     benches = {"sample": decode.bench_sample, "profile": decode.bench_profile, "fused": fused.bench_fused,
                "train": train.bench_train, "model": train.bench_model, "stability": stability.bench_stability,
                "rl": rl.bench_rl, "builds": builds.bench_builds, "check": check.bench_check}

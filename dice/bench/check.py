@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .verify import INLINE_CANDIDATE, variants
+
 
 ROOT = Path(__file__).resolve().parents[2]      # the checkout: tests/ beside dice/
 SLICES = {"verify": 0.3, "builds": 0.3, "rl": 0.4}   # of what the tests leave
@@ -113,7 +115,6 @@ def _rows(out: Path) -> list[dict]:
 def _solutions(n: int) -> Path:
     """A DICE JSON file (in a new temporary folder) of n salted load_inline elementwise programs
     (bench verify's)."""
-    from .verify import INLINE_CANDIDATE, variants
     records = [{"id": i, "level": 1, "pytorch_code": task, "cuda_code": INLINE_CANDIDATE.format(**fields)}
                for i, (task, fields) in enumerate(variants(n, f"check{os.getpid()}"))]
     path = Path(tempfile.mkdtemp(prefix="dice-check-solutions-")) / "solutions.json"

@@ -6,10 +6,12 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from ..cli import ProgressLine, at_least
+from ..errors import UsageError
 
 HBM_BYTES_PER_S = 4.8e12   # H200 datasheet (~4.3 TB/s measured copy)
 BF16_FLOPS = 790e12        # bf16 dense matmul, measured on the H200
@@ -138,9 +140,6 @@ class BenchRun:
 def _bench_log(path: str) -> str:
     """`--out` as given, refused unless it is new or a log of benchmark rows already (appending to a
     user's other file, a `--solutions` JSON say, would change it)."""
-    from pathlib import Path
-
-    from ..errors import UsageError
     out = Path(path)
     if out.is_dir():
         raise UsageError(f"--out {path} is a folder; pass a file name for the benchmark's JSON lines")

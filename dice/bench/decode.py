@@ -2,19 +2,22 @@
 and `python -m dice.bench profile` (where a batch-1 decode forward spends its time)."""
 from __future__ import annotations
 
-import time
 import statistics
+import time
 
 import torch
+import torch.nn.functional as F
+from torch._inductor import config as inductor_config
 
+from ..attention import attend, folded_attention_bias
 from ..model import random_model
+from ..sampler import CachedForward, generate
 from .common import HBM_BYTES_PER_S, forward_weight_bytes, median_replay_ms, table
 
 
 def bench_sample(args, bench) -> None:
     """Block-diffusion decoding vs autoregressive decoding with the same cache code, vs the
     weight-bandwidth roofline (weights bytes / 4.8 TB/s per forward)."""
-    from ..sampler import generate
     torch.manual_seed(0)
     torch._dynamo.config.recompile_limit = 64     # one compilation per (batch, tokens, cache length)
     model = random_model(args.shape)
@@ -82,11 +85,9 @@ def bench_profile(args, bench) -> None:
     (4 new tokens against a cache of `--cache-len`, compiled layers unless --no-compile) timed
     with CUDA events, then profiled; kernels are grouped by `kernel_group`, and
     replay time minus kernel time is the gaps between the ~500 kernels of a forward."""
-    from ..sampler import CachedForward
     if args.max_autotune:
         # Inductor times its Triton matmul templates against cuBLAS for each product shape and
         # keeps the faster: a test of whether cuBLAS's 4-row products leave bandwidth unused
-        from torch._inductor import config as inductor_config
         inductor_config.max_autotune_gemm = True
         inductor_config.max_autotune_gemm_backends = "ATEN,TRITON"
     torch.manual_seed(0)
@@ -136,8 +137,6 @@ def bench_profile(args, bench) -> None:
 def decode_attention_rows(cfg, kv_len: int, T: int) -> list[dict]:
     """`attend` (explicit products for a decoding step) vs SDPA given the same folded bias, each
     compiled and replayed as one CUDA graph over every layer's own K/V (so L2 holds none of it)."""
-    import torch.nn.functional as F
-    from ..attention import attend, folded_attention_bias
     H, Hkv, D, L = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
     g = H // Hkv
     q = torch.randn(1, H, T, D, device="cuda", dtype=torch.bfloat16)
@@ -173,7 +172,6 @@ def decode_product_rows(model, T: int) -> list[dict]:
     far larger than L2, repeats its one weight). The sum is the forward's product time with no
     attention, norms or gaps; against the weight roofline it bounds what any schedule of these
     kernels can reach."""
-    import torch.nn.functional as F
     layers = model.model.layers
     shapes = {"qkv_proj": [l.self_attn.qkv_proj.weight for l in layers],
               "o_proj": [l.self_attn.o_proj.weight for l in layers],

@@ -6,7 +6,10 @@ import sys
 
 import torch
 
+from ..fused import FusedForward, decoder as fused_decode
+from ..fused.trace import phase_detail
 from ..model import random_model
+from ..sampler import CachedForward
 from .common import HBM_BYTES_PER_S, forward_weight_bytes, median_replay_ms, table
 
 
@@ -16,9 +19,6 @@ def bench_fused(args, bench) -> None:
     `--cache-len`), medians of `--repeats`, the relative error of its logits against the
     layer-by-layer step's, and where a forward's time goes (the kernel's own timestamps: for each
     phase kind, the mean time from one grid barrier's exit to the next, over layers 1-27)."""
-    from ..fused import FusedForward, decoder as fused_decode
-    from ..fused.trace import phase_detail
-    from ..sampler import CachedForward
     torch.manual_seed(0)
     model = random_model(args.shape)
     c = model.config

@@ -10,7 +10,13 @@ from pathlib import Path
 
 import torch
 
+from ..attention import block_diffusion_mask, flex_block_diffusion_mask
+from ..checkpoint import read_config
+from ..config import TrainConfig
+from ..diffusion import diffusion_loss
 from ..model import SDAR, SDAR_SHAPES, flops_per_token, random_model, sdar_shape
+from ..runtime import make_optimizer, setup_runtime, shard
+from ..sampler import generate
 from .common import BF16_FLOPS, table
 
 
@@ -24,7 +30,6 @@ def train_shape(text: str) -> str:
 
 def model_config(shape: str):
     """A public SDAR shape ("1.7b", "4b", "8b") or the config.json of a model folder."""
-    from ..checkpoint import read_config
     return read_config(shape) if Path(shape).is_dir() else sdar_shape(shape)
 
 
@@ -42,10 +47,6 @@ def bench_train(args, bench) -> None:
     is the slowest process's; tokens/s per process at N processes over that at 1 is the scaling
     efficiency.
     """
-    from ..attention import block_diffusion_mask
-    from ..diffusion import diffusion_loss
-    from ..config import TrainConfig
-    from ..runtime import make_optimizer, setup_runtime, shard
     rt = setup_runtime()
     cuda = rt.device.type == "cuda"
     torch.manual_seed(0)
@@ -110,7 +111,6 @@ def bench_train(args, bench) -> None:
 
 def bench_model(args, bench) -> None:
     """bf16 GPU logits vs the float32 CPU path, and FlexAttention vs dense training forward."""
-    from ..attention import block_diffusion_mask, flex_block_diffusion_mask
     bench.progress("bf16 vs fp32 logits, flex vs dense")
     gpu32 = random_model(args.shape, dtype=torch.float32)
     cpu32 = random_model(args.shape, dtype=torch.float32)
@@ -145,7 +145,6 @@ def cache_divergence(shape: str) -> list[dict]:
     """Where greedy cached decoding first departs from the no-cache brute force, per dtype and
     remasking: bf16 rounds differently in a 4-token step than in a full recompute, so near-ties
     can flip; float32 must agree exactly."""
-    from ..sampler import generate
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 150000, (n,), generator=gen).tolist() for n in (16, 21, 30)]
     rows = []

@@ -63,6 +63,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..model import rope_cos_sin
 
 NT = 8             # token rows per forward, at most (the mma's N)
 CW = 8             # consumer warps per block
@@ -103,7 +104,7 @@ class FusedDecoder:
         problem = _unsupported(c, w, cache, kc)
         if problem:
             raise FusedDecodingError(f"fused decoding: {problem}")
-        try:
+        try:   # CuPy is optional (the [gpu] extra)
             import cupy
         except ImportError:
             raise RuntimeError("fused decoding compiles its kernel with CuPy: pip install -e '.[gpu]'") from None
@@ -132,7 +133,6 @@ class FusedDecoder:
         self.att, self.act = torch.zeros(NT, H * D, **bf), torch.zeros(NT, inter, **bf)
         # RoPE tables for every slot: at batch 1 a token's position is its slot (rope_cos_sin is
         # elementwise, so a row equals what it gives for that position alone)
-        from ..model import rope_cos_sin
         cos, sin = rope_cos_sin(torch.arange(cache.max_len, device=dev)[None], D, c.rope_theta, torch.bfloat16)
         self.cos, self.sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()
         rmax = H // hkv * NT
@@ -305,5 +305,5 @@ def _unsupported(c, w, cache, kc: int) -> str | None:
 @functools.cache
 def _max_shared(device) -> int:
     """Opt-in shared memory per block (bytes); asked once (CuPy reads all the device's properties)."""
-    import cupy
+    import cupy   # optional (the [gpu] extra); FusedDecoder checked it is there
     return cupy.cuda.runtime.getDeviceProperties(device.index or 0)["sharedMemPerBlockOptin"]

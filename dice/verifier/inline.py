@@ -113,7 +113,7 @@ def main_cpp(cpp_sources: list[str], functions, with_pytorch_error_handling: boo
 def recorded_calls(program: str) -> list[dict]:
     """The keyword arguments of the load_inline calls a program makes at import, up to the first:
     runs the program's module-level code until then, so only for trusted programs (references)."""
-    import torch.utils.cpp_extension as cpp_extension
+    import torch.utils.cpp_extension as cpp_extension   # lazy: the one torch use of this otherwise text-only module
     calls = []
 
     def record(*args, **kwargs):

@@ -133,6 +133,7 @@ def main(argv: list[str]) -> None:
     worker = os.fork()
     if worker == 0:
         sys.path.insert(0, root)
+        # isolation: the keeper itself imports no torch; only its forked worker loads the worker's modules
         import json
         from multiprocessing.connection import Connection
         from dice.verifier.worker import serve

@@ -116,7 +116,7 @@ def _probes(device: torch.device) -> dict:
         probes["graph"] = graph.replay
     except Exception:
         pass
-    try:
+    try:   # CuPy is optional (the [gpu] extra): without it, no probe of its path
         import cupy
         stream = torch.cuda.current_stream(device).cuda_stream
         probes["set"] = lambda: cupy.cuda.runtime.memsetAsync(x.data_ptr(), 0, 16, stream)
@@ -282,7 +282,7 @@ def _read_only_sections(f) -> list[bytes]:
 def default_library_paths() -> list[str]:
     """torch's own shared libraries and those of the CUDA wheels beside it (nvidia/*/lib)."""
     roots = [Path(torch.__file__).parent / "lib"]
-    try:
+    try:   # the CUDA wheels (nvidia-*) are optional: a system CUDA has none
         import nvidia
         roots += [Path(p) / name / "lib" for p in nvidia.__path__ for name in os.listdir(p)]
     except (ImportError, OSError):
@@ -337,7 +337,7 @@ def _mapped_libraries() -> set[str]:
 
 def _hook_cupy(record) -> bool:
     """Wrap CuPy's compile and cache-load functions so that every cubin it loads is `record`ed."""
-    try:
+    try:   # CuPy is optional (the [gpu] extra): nothing to hook without it
         import cupy.cuda.compiler as compiler
     except ImportError:
         return False

@@ -133,7 +133,8 @@ class BuildPool:
 def serve(processes: int) -> None:
     """The build server: JSON request lines on stdin, one forked child each (at most `processes`
     at once), JSON report lines on stdout; ends its children and itself when stdin closes."""
-    import torch.utils.cpp_extension  # noqa: F401  imported once here, not in every child
+    # imported once here, not in every child, nor in the trainer that imports this module for BuildPool
+    import torch.utils.cpp_extension  # noqa: F401
     from . import build, harness  # noqa: F401
     set_child_subreaper()
     selector, queue, running, pending = selectors.DefaultSelector(), [], {}, b""
@@ -210,6 +211,7 @@ def _child(report_fd: int, candidate_src: str, root: str, capability, build: str
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
     os.dup2(null, 2)
+    # cache hits: the server loaded them before it forked (`serve`), not at the top, where the trainer would
     import torch.utils.cpp_extension
     from .build import BuildCache, BuildError
     from .harness import load_module
