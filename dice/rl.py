@@ -151,6 +151,13 @@ def step_tasks(ordered: list[Task], step: int, count: int) -> list[Task]:
     return tasks_at(ordered, step * count, count)
 
 
+def rank_slots(first: int, count: int, rt) -> list[int]:
+    """This process's share of the slots first .. first + count - 1 of a step's tasks: every
+    world-th from its rank on. A slot fixes its task and its samples' seeds (`rollout`), so the
+    split changes which process generates a group, never the group."""
+    return list(range(first, first + count))[rt.rank::rt.world]
+
+
 def tasks_at(ordered: list[Task], first: int, count: int) -> list[Task]:
     """`count` tasks of `ordered` from position `first` on, wrapping."""
     return [ordered[(first + i) % len(ordered)] for i in range(count)]
@@ -158,7 +165,7 @@ def tasks_at(ordered: list[Task], first: int, count: int) -> list[Task]:
 
 # ---------------------------------------------------------------- the loop
 
-class _FullParameters:
+class FullParameters:
     """Generation calls layers directly (not the root forward), so under FSDP2 every module's
     parameters are gathered for the whole rollout and resharded afterwards."""
 
@@ -241,7 +248,7 @@ def sample_step(model, tok, ordered: list[Task], first: int, cfg, reward_fn: Rew
     count = cfg.tasks_per_step
     while count and out.rounds <= cfg.dynamic_sampling_rounds:
         drawn = tasks_at(ordered, first + out.drawn, count)
-        slots = list(range(out.drawn, out.drawn + count))[rt.rank::rt.world]
+        slots = rank_slots(out.drawn, count, rt)
         completions, rewards, results, timing = rollout(model, tok, [drawn[k - out.drawn] for k in slots], slots,
                                                         cfg, reward_fn, seed=seed, infill=infill, fmt=fmt)
         advantages = group_advantages(rewards, cfg.group_size)
@@ -466,8 +473,11 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
     ref_model = load_model(cfg.model, device=rt.device).eval().requires_grad_(False) if cfg.reference_model else None
     optimizer = make_optimizer(model, cfg)
     tasks_sha = hashlib.sha256(json.dumps([dataclasses.astuple(t) for t in ordered]).encode()).hexdigest()
+    # a step's optimiser steps take each process's u-th run of rows (`update_plan`), so a resume on
+    # another process count would group the rows differently: refused, not continued inexactly
     settings = run_settings(cfg, RESUME_FIELDS, **{"the tasks' sha256": tasks_sha,
-                                                   "the model": str(Path(cfg.model).resolve())})
+                                                   "the model": str(Path(cfg.model).resolve()),
+                                                   "torchrun --nproc_per_node": rt.world})
     start = checkpoint_step(out) if cfg.resume else 0
     if cfg.resume:
         check_resume(out, settings, start, cfg.steps)
@@ -484,7 +494,7 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
                                     timeout_s=cfg.verify_timeout, rules=cfg.reward_rules)
         eval_reward = verifier_reward(verifier, "e2e", "correct", timing=True, timeout_s=cfg.verify_timeout)
     total = cfg.steps
-    gather = _FullParameters(model) if rt.world > 1 else None
+    gather = FullParameters(model) if rt.world > 1 else None
 
     def evaluate(at_step: int, label: str) -> None:
         model.eval()

@@ -1,4 +1,5 @@
 """BiC-RL pieces: trace replay, advantages, the clipped objective, and a tiny end-to-end run."""
+import importlib.util
 import json
 import random
 import subprocess
@@ -14,7 +15,7 @@ import dice.rl
 from dice.packing import group_rounds, pack, packed_logprobs
 from dice.rl import (CompileClock, group_advantages, policy_loss, policy_update, row_weights, trace_rounds, train_rl,
                      update_plan)
-from dice.runtime import Runtime
+from dice.runtime import Runtime, RunFolderError
 from dice.rollout import Completion
 from dice.sampler import generate
 from dice.tasks import Task
@@ -497,7 +498,8 @@ def run_bounded(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 def test_two_process_gloo_rl_matches_one_process(tmp_path):
     """Rollouts are seeded by task slot and eval task i by i, so 1 and 2 processes see the same
     first step and the same evaluations; under FSDP every process joins the evaluation (rank 0
-    alone deadlocked in the parameter all-gathers)."""
+    alone deadlocked in the parameter all-gathers). A resume on another process count is refused in
+    one line (a step's optimiser steps group each process's rows, `dice.rl.update_plan`)."""
     model = rl_model_folder(tmp_path / "model")
     script = str(Path(__file__).parent / "fixtures" / "rl_run.py")
     one = run_bounded([sys.executable, script, str(model), str(tmp_path / "one")], timeout=300)
@@ -519,6 +521,13 @@ def test_two_process_gloo_rl_matches_one_process(tmp_path):
         assert ea == pytest.approx(eb)
         assert eb["eval_compiled"] == 1.0   # every sample compiles: the 3 tasks of both processes are counted
     load_model(tmp_path / "two" / "final")
+    spec = importlib.util.spec_from_file_location("rl_run", script)
+    rl_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rl_run)
+    with pytest.raises(RunFolderError) as refused:   # one process resuming the two processes' run
+        rl_run.run(str(model), str(tmp_path / "two"), steps=3, resume=True)
+    assert "the run was started with torchrun --nproc_per_node 2, this one has 1; resume with the same setting" \
+        in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():
