@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .rewards import RewardFn, Scores, score, verifier_reward
 from .prompts import PromptFormat
@@ -373,7 +374,8 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     log-probs, taken before the first. progress(done, total) follows the micro-batches. kl and
     clip_fraction are means over every loss token of all processes; flops is the update's model
     FLOPs (`dice.packing.update_flops`), all processes'; compile_s the seconds it spent compiling
-    FlexAttention (`CompileClock`; the slowest process's): a process's first update, 0 after."""
+    FlexAttention (`CompileClock`; the slowest process's): a process's first update, 0 after;
+    grad_norm the whole gradient's norm before clipping, the mean over the optimiser steps."""
     config = model.config
     device = next(model.parameters()).device
     use_flex = {"flex": True, "dense": False}.get(cfg.attention, device.type == "cuda")
@@ -381,7 +383,7 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
                                             config.mask_token_id, pad_id, use_flex, seed)
     if not plan:   # every group had equal rewards: no signal, and Adam's momentum must not move us
         return {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "responses_trained": 0, "rounds": 0, "flops": 0.0,
-                "compile_s": 0.0}
+                "compile_s": 0.0, "grad_norm": 0.0}
     clock = CompileClock(_FLEX_MET if use_flex and device.type == "cuda" else None, device)
     U, total = len(plan), sum(map(len, plan))
     flops = sum(update_flops(config, b) for step in plan for b in step)
@@ -393,7 +395,7 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
         flops += sum(update_flops(config, b, backward=False) for step in plan for b in step)
     if ref_model is not None:
         flops += sum(update_flops(config, b, backward=False) for step in plan for b in step)
-    loss_sum, kl_sum, clipped, n_tokens, done = 0.0, 0.0, 0.0, 0, 0
+    loss_sum, kl_sum, clipped, n_tokens, done, norm_sum = 0.0, 0.0, 0.0, 0, 0, 0.0
     for u, step in enumerate(plan):
         for i, batch in enumerate(step):
             loss, s = clock.run("train", batch, functools.partial(
@@ -404,13 +406,15 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
             done += 1
             if progress is not None:
                 progress(done, total)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        norm_sum += float(norm.full_tensor() if isinstance(norm, DTensor) else norm)   # FSDP2: a DTensor
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     n_tokens = rt.all_sum(n_tokens)
     return {"loss": rt.all_sum(loss_sum), "kl": rt.all_sum(kl_sum) / max(n_tokens, 1),
             "clip_fraction": rt.all_sum(clipped) / max(n_tokens, 1), "responses_trained": n_responses,
-            "rounds": n_rows, "flops": rt.all_sum(flops), "compile_s": rt.all_max(clock.seconds())}
+            "rounds": n_rows, "flops": rt.all_sum(flops), "compile_s": rt.all_max(clock.seconds()),
+            "grad_norm": norm_sum / U}
 
 
 def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, infill: bool, rt,

@@ -2,7 +2,6 @@
 import importlib.util
 import json
 import random
-import subprocess
 import sys
 from types import SimpleNamespace
 from pathlib import Path
@@ -21,10 +20,9 @@ from dice.sampler import generate
 from dice.tasks import Task
 from dice.config import TrainConfig
 
-from conftest import make_tiny_model_folder
+from conftest import make_tiny_model_folder, run_bounded
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def as_lists(rounds):
@@ -474,24 +472,6 @@ def test_step_metrics_count_the_results_of_every_rollout_batch(tmp_path, monkeyp
     assert AllCorrect.calls == 2
     assert record["compiled_pct"] == record["correct_pct"] == record["fast_1_pct"] == 100
     assert record["reward_mean"] == pytest.approx(1.5)
-
-
-def run_bounded(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run `cmd`; past `timeout` fail the test instead of blocking it. A deadlocked torchrun is
-    stopped with SIGTERM, which it passes on to its workers (they run in sessions of their own,
-    so killing torchrun alone would leave them holding the output pipes open)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        try:
-            stderr = proc.communicate(timeout=60)[1][-3000:]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stderr = "(no output: it did not stop on SIGTERM either)"
-        pytest.fail(f"{' '.join(cmd)} still running after {timeout} s (deadlocked?):\n{stderr}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 @pytest.mark.slow

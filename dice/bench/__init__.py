@@ -17,6 +17,7 @@ their commands and hardware: `dice/PERFORMANCE.md`.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -91,7 +92,8 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available() and args.what == "train":
         print("note: dice.bench train is meant for a CUDA GPU; this machine has none, so it runs on the CPU "
               "(slow for the SDAR shapes)", file=sys.stderr)
-    bench = BenchRun(args.what, args.budget_s, args.out)
+    # under torchrun rank 0 alone reports (torchrun sets RANK)
+    bench = BenchRun(args.what, args.budget_s, args.out, shown=os.environ.get("RANK", "0") == "0")
     try:
         benches[args.what](args, bench)
     except BudgetSpent:
