@@ -12,7 +12,7 @@ their commands and hardware: `dice/PERFORMANCE.md`.
 | `verify` | `verify` (verifier throughput), `verify --check` (reference solutions) |
 | `builds` | `builds` (load_inline fast-build CPU per program, generic vs torch's binding; no GPU needed) |
 | `stability` | `stability` (honest candidates' speedups from fresh Verifiers: do they repeat?) |
-| `rl`, `replay` | `rl` (one BiC-RL step, DICE's 64 x 16 on request: generate / verify / update seconds, update TFLOP/s, the bound) |
+| `rl`, `replay` | `rl` (one BiC-RL step, DICE's 64 x 16 on request: generate / verify / update seconds, update TFLOP/s, the bound; torchrun: FSDP2 over N GPUs) |
 | `check` | `check` (the GPU test suite and the headline numbers above in one call, one table last) |
 """
 from __future__ import annotations

@@ -21,6 +21,12 @@ largest of generate, verify and update. `--baseline` runs the step as it ran bef
 response shared one clean stream (`--update-rows round`: one doubled row per round, in the same
 token-sized micro-batches); `--compare` runs the baseline and then the given settings in one
 process (fresh program salts, so both build cold).
+
+Under `torchrun --nproc_per_node N` the step runs as `train.py`'s RL runs it on N GPUs: the policy
+sharded with FSDP2, each process rolling out the groups of its task slots (`dice.rl.rank_slots`)
+and verifying them on its own GPU with its share of `--workers` (`dice.rl.rank_verifier`), the
+update over all processes. Rank 0 checks the references and prints; the time columns are the
+slowest process's, and each process's generate, verify and update seconds follow in rank order.
 """
 from __future__ import annotations
 
