@@ -380,5 +380,5 @@ def _describe(args, config, rt, chosen, replay, prompts, lengths, tok_dir, verdi
           f"block {config.block_size}, 4 steps a block, dynamic remasking at 0.9, T = 1; update micro-batches of "
           f"{args.update_tokens} tokens{', gradient checkpointing' if args.grad_ckpt else ''}; {args.workers} "
           f"verifier workers" + (" (python reward)" if args.reward == "python" else "") +
-          (f"; {rt.world} processes (FSDP2), each generating and verifying its share of the tasks"
-           if rt.world > 1 else ""), flush=True)
+          (f"; {rt.world} processes (FSDP2), each generating and verifying its share of the tasks with its "
+           "share of the workers" if rt.world > 1 else ""), flush=True)
