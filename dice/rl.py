@@ -59,7 +59,6 @@ from .runtime import (MetricsLog, build_model, check_resume, check_run_folder, c
                       make_optimizer, progress_line, resume, run_settings, save_checkpoint, save_final, setup_runtime,
                       start_run)
 from .tasks import Task, load_tasks, phase_tasks, tasks_at
-from .tasks import curriculum, step_tasks  # noqa: F401  dice.bench.rl takes the task stream's order from here
 from .tokenizer import load_tokenizer
 
 # what a resumed RL run must keep (besides the tasks and the model)
@@ -103,6 +102,13 @@ def restart_moments(optimizer, lifetime: str) -> None:
     them for the whole run."""
     if lifetime == "step":
         optimizer.state.clear()
+
+
+def rank_slots(first: int, count: int, rt) -> list[int]:
+    """This process's share of the slots first .. first + count - 1 of a step's tasks: every
+    world-th from its rank on. A slot fixes its task and its samples' seeds (`rollout`), so the
+    split changes which process generates a group, never the group."""
+    return list(range(first, first + count))[rt.rank::rt.world]
 
 
 # ---------------------------------------------------------------- the loop
@@ -169,7 +175,7 @@ def sample_step(model, tok, ordered: list[Task], first: int, cfg, reward_fn: Rew
     count = cfg.tasks_per_step
     while count and out.rounds <= cfg.dynamic_sampling_rounds:
         drawn = tasks_at(ordered, first + out.drawn, count)
-        slots = list(range(out.drawn, out.drawn + count))[rt.rank::rt.world]
+        slots = rank_slots(out.drawn, count, rt)
         completions, rewards, results, timing = rollout(model, tok, [drawn[k - out.drawn] for k in slots], slots,
                                                         cfg, reward_fn, seed=seed, infill=infill, fmt=fmt)
         advantages = group_advantages(rewards, cfg.group_size)
@@ -209,7 +215,8 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     log-probs, taken before the first. progress(done, total) follows the micro-batches. kl and
     clip_fraction are means over every loss token of all processes; flops is the update's model
     FLOPs (`dice.packing.update_flops`), all processes'; compile_s the seconds it spent compiling
-    FlexAttention (`CompileClock`; the slowest process's): a process's first update, 0 after."""
+    FlexAttention (`CompileClock`; the slowest process's): a process's first update, 0 after;
+    grad_norm the whole gradient's norm before clipping, the mean over the optimiser steps."""
     config = model.config
     device = next(model.parameters()).device
     use_flex = {"flex": True, "dense": False}.get(cfg.attention, device.type == "cuda")
@@ -217,7 +224,7 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
                                             config.mask_token_id, pad_id, use_flex, seed)
     if not plan:   # every group had equal rewards: no signal, and Adam's momentum must not move us
         return {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "responses_trained": 0, "rounds": 0, "flops": 0.0,
-                "compile_s": 0.0}
+                "compile_s": 0.0, "grad_norm": 0.0}
     clock = CompileClock(FLEX_MET if use_flex and device.type == "cuda" else None, device)
     U, total = len(plan), sum(map(len, plan))
     flops = sum(update_flops(config, b) for step in plan for b in step)
@@ -229,7 +236,7 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
         flops += sum(update_flops(config, b, backward=False) for step in plan for b in step)
     if ref_model is not None:
         flops += sum(update_flops(config, b, backward=False) for step in plan for b in step)
-    loss_sum, kl_sum, clipped, n_tokens, done = 0.0, 0.0, 0.0, 0, 0
+    loss_sum, kl_sum, clipped, n_tokens, done, norm_sum = 0.0, 0.0, 0.0, 0, 0, 0.0
     for u, step in enumerate(plan):
         for i, batch in enumerate(step):
             loss, s = clock.run("train", batch, functools.partial(
@@ -240,13 +247,15 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
             done += 1
             if progress is not None:
                 progress(done, total)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        norm_sum += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)   # FSDP2: a DTensor
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     n_tokens = rt.all_sum(n_tokens)
     return {"loss": rt.all_sum(loss_sum), "kl": rt.all_sum(kl_sum) / max(n_tokens, 1),
             "clip_fraction": rt.all_sum(clipped) / max(n_tokens, 1), "responses_trained": n_responses,
-            "rounds": n_rows, "flops": rt.all_sum(flops), "compile_s": rt.all_max(clock.seconds())}
+            "rounds": n_rows, "flops": rt.all_sum(flops), "compile_s": rt.all_max(clock.seconds()),
+            "grad_norm": norm_sum / U}
 
 
 def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, infill: bool, rt,
@@ -316,8 +325,11 @@ def open_run(cfg, rt, log, tasks: list[Task] | None, eval_tasks: list[Task] | No
     ref_model = load_model(cfg.model, device=rt.device).eval().requires_grad_(False) if cfg.reference_model else None
     optimizer = make_optimizer(model, cfg)
     tasks_sha = hashlib.sha256(json.dumps([dataclasses.astuple(t) for t in ordered]).encode()).hexdigest()
+    # a step's optimiser steps take each process's u-th run of rows (`update_plan`), so a resume on
+    # another process count would group the rows differently: refused, not continued inexactly
     settings = run_settings(cfg, RESUME_FIELDS, **{"the tasks' sha256": tasks_sha,
-                                                   "the model": str(Path(cfg.model).resolve())})
+                                                   "the model": str(Path(cfg.model).resolve()),
+                                                   "torchrun --nproc_per_node": rt.world})
     start = checkpoint_step(out) if cfg.resume else 0
     if cfg.resume:
         check_resume(out, settings, start, cfg.steps)

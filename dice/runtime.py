@@ -16,7 +16,9 @@ A run never overwrites another: an --out holding any of these is refused, untouc
 reads is checked first) or --overwrite (delete them, just before the first step) says what to do
 with it; the rule of every command's outputs (`dice.inputs`).
 Randomness is a function of (seed, step, global row), never of a running generator, so a run
-resumed from step k continues exactly as the unbroken run would, on any number of processes.
+resumed from step k continues exactly as the unbroken run would; where the process count shapes a
+step (SFT's micro-batches per step, RL's optimiser steps over each process's rows) run.json keeps
+it and a resume on another count is refused.
 """
 from __future__ import annotations
 

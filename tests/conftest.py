@@ -1,7 +1,9 @@
 import json
 import os
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,9 +124,6 @@ def verifier(gpu_cache):
 
 def make_tiny_model_folder(folder, texts, *, vocab_size=300, hidden=64, layers=2):
     """A from-scratch model folder: a tokenizer trained on `texts` and a config without weights."""
-    import json
-    from pathlib import Path
-
     from dice.tokenizer import train_tokenizer
 
     folder = Path(folder)
@@ -202,3 +201,22 @@ def fake_verifier(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(dice.verifier, "Verifier", FakeVerifier)
     return seen
+
+
+def run_bounded(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run `cmd`; past `timeout` fail the test instead of blocking it. A deadlocked torchrun is
+    stopped with SIGTERM, which it passes on to its workers (they run in sessions of their own,
+    so killing torchrun alone would leave them holding the output pipes open)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            stderr = proc.communicate(timeout=60)[1][-3000:]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stderr = "(no output: it did not stop on SIGTERM either)"
+        pytest.fail(f"{' '.join(cmd)} still running after {timeout} s (deadlocked?):\n{stderr}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

@@ -4,6 +4,8 @@ import ast
 import dataclasses
 import json
 import math
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ import pytest
 from dice.bench.replay import CHARS_PER_TOKEN, ReplayTokenizer, replay_programs, with_device_line
 from dice.bench.verify import CUPY_CANDIDATE, INLINE_CANDIDATE, TASK
 from dice.tasks import load_tasks
+
+from conftest import run_bounded
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
 
@@ -154,3 +158,35 @@ def test_one_step_with_the_verifier_on_the_gpu(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "references checked: correct 1" in out and "verdicts compile_error=1 correct=1" in out
     assert list(json.loads((tmp_path / "cache" / "bench-rl-references.json").read_text()).values()) == ["correct"]
+
+
+SUMMARY = re.compile(r"(\d+) rollouts, (\d+) tokens; verdicts \(python reward\); reward mean ([\d.]+); update: "
+                     r"(\d+) rounds of (\d+) kept responses, loss (\S+), grad norm (\S+), ")
+
+
+@pytest.mark.slow
+def test_two_processes_share_the_step_and_update_as_one(solutions, capsys):
+    """`torchrun --nproc_per_node 2 -m dice.bench rl` over gloo: 3 tasks x 2 samples split by task slot
+    as train.py splits them (rank 0 slots 0 and 2: 4 rollouts, rank 1 slot 1), every response cut at
+    --max-new-tokens 8 (the programs are far longer); rank 0 alone prints, each process's seconds in
+    the row; the update over both processes equals one process's (rollouts are seeded by slot)."""
+    from dice.bench import main
+    args = ["rl", "--shape", str(TINY), "--solutions", str(solutions), "--tasks-per-step", "3", "--group-size", "2",
+            "--max-new-tokens", "8", "--reward", "python", "--broken", "0.5"]
+    main(args)
+    one = SUMMARY.search(capsys.readouterr().out).groups()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    res = run_bounded([*torchrun, "-m", "dice.bench", *args], timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("rl bench:") == 1 and "2 processes (FSDP2)" in res.stdout
+    header, values = (re.split(r"\s{2,}", line.strip()) for line in res.stdout.strip().splitlines()[-2:])
+    row = dict(zip(header, values))
+    assert row["run"] == "stream overlap, batch 4, fp32 rollouts, dense update, response rows, 2 processes"
+    for stage in ("generate s", "verify s", "update s"):   # the step's time is the slowest process's
+        by_rank = [float(v) for v in row[f"{stage} by rank"].split()]
+        assert len(by_rank) == 2 and max(by_rank) == float(row[stage])
+    two = SUMMARY.search(res.stdout).groups()
+    assert two[:2] == one[:2] == ("6", "48")
+    assert two[2:5] == one[2:5]                              # reward mean, rounds, kept responses
+    assert float(two[5]) == pytest.approx(float(one[5]), abs=1e-6)
+    assert float(two[6]) == pytest.approx(float(one[6]), rel=1e-4) and float(one[6]) > 0

@@ -1,7 +1,7 @@
 """BiC-RL pieces: trace replay, advantages, the clipped objective, and a tiny end-to-end run."""
+import importlib.util
 import json
 import random
-import subprocess
 import sys
 from types import SimpleNamespace
 from pathlib import Path
@@ -13,17 +13,16 @@ from dice import load_model
 import dice.packing
 from dice.packing import CompileClock, group_rounds, pack, packed_logprobs, update_plan
 from dice.rl import group_advantages, policy_loss, policy_update, train_rl
-from dice.runtime import Runtime
+from dice.runtime import Runtime, RunFolderError
 from dice.rollout import Completion
 from dice.sampler import generate
 from dice.trace import row_weights, trace_rounds
 from dice.tasks import Task
 from dice.config import TrainConfig
 
-from conftest import make_tiny_model_folder
+from conftest import make_tiny_model_folder, run_bounded
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def as_lists(rounds):
@@ -475,29 +474,12 @@ def test_step_metrics_count_the_results_of_every_rollout_batch(tmp_path, monkeyp
     assert record["reward_mean"] == pytest.approx(1.5)
 
 
-def run_bounded(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run `cmd`; past `timeout` fail the test instead of blocking it. A deadlocked torchrun is
-    stopped with SIGTERM, which it passes on to its workers (they run in sessions of their own,
-    so killing torchrun alone would leave them holding the output pipes open)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        try:
-            stderr = proc.communicate(timeout=60)[1][-3000:]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stderr = "(no output: it did not stop on SIGTERM either)"
-        pytest.fail(f"{' '.join(cmd)} still running after {timeout} s (deadlocked?):\n{stderr}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-
-
 @pytest.mark.slow
 def test_two_process_gloo_rl_matches_one_process(tmp_path):
     """Rollouts are seeded by task slot and eval task i by i, so 1 and 2 processes see the same
     first step and the same evaluations; under FSDP every process joins the evaluation (rank 0
-    alone deadlocked in the parameter all-gathers)."""
+    alone deadlocked in the parameter all-gathers). A resume on another process count is refused in
+    one line (a step's optimiser steps group each process's rows, `dice.rl.update_plan`)."""
     model = rl_model_folder(tmp_path / "model")
     script = str(Path(__file__).parent / "fixtures" / "rl_run.py")
     one = run_bounded([sys.executable, script, str(model), str(tmp_path / "one")], timeout=300)
@@ -519,6 +501,13 @@ def test_two_process_gloo_rl_matches_one_process(tmp_path):
         assert ea == pytest.approx(eb)
         assert eb["eval_compiled"] == 1.0   # every sample compiles: the 3 tasks of both processes are counted
     load_model(tmp_path / "two" / "final")
+    spec = importlib.util.spec_from_file_location("rl_run", script)
+    rl_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rl_run)
+    with pytest.raises(RunFolderError) as refused:   # one process resuming the two processes' run
+        rl_run.run(str(model), str(tmp_path / "two"), steps=3, resume=True)
+    assert "the run was started with torchrun --nproc_per_node 2, this one has 1; resume with the same setting" \
+        in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():

@@ -12,11 +12,12 @@ their commands and hardware: `dice/PERFORMANCE.md`.
 | `verify` | `verify` (verifier throughput), `verify --check` (reference solutions) |
 | `builds` | `builds` (load_inline fast-build CPU per program, generic vs torch's binding; no GPU needed) |
 | `stability` | `stability` (honest candidates' speedups from fresh Verifiers: do they repeat?) |
-| `rl`, `replay` | `rl` (one BiC-RL step, DICE's 64 x 16 on request: generate / verify / update seconds, update TFLOP/s, the bound) |
+| `rl`, `replay` | `rl` (one BiC-RL step, DICE's 64 x 16 on request: generate / verify / update seconds, update TFLOP/s, the bound; torchrun: FSDP2 over N GPUs) |
 | `check` | `check` (the GPU test suite and the headline numbers above in one call, one table last) |
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -90,7 +91,8 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available() and args.what == "train":
         print("note: dice.bench train is meant for a CUDA GPU; this machine has none, so it runs on the CPU "
               "(slow for the SDAR shapes)", file=sys.stderr)
-    bench = BenchRun(args.what, args.budget_s, args.out)
+    # under torchrun rank 0 alone reports (torchrun sets RANK)
+    bench = BenchRun(args.what, args.budget_s, args.out, shown=os.environ.get("RANK", "0") == "0")
     try:
         benches[args.what](args, bench)
     except BudgetSpent:

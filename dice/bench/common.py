@@ -58,14 +58,15 @@ class BenchRun:
     passed, so a benchmark calls it where new work would start, never inside a measurement; row()
     prints a finished result at once and appends it to `out` as a JSON line, so a run cut short
     keeps what it finished; finish() prints the rows as one table, a row the budget cut short
-    marked partial, and what was not started."""
+    marked partial, and what was not started. shown False (a torchrun process but rank 0): nothing
+    is shown or written, and the rank-0 process reports for all."""
 
-    def __init__(self, name: str, budget_s: float | None = None, out: str | None = None):
-        self.name, self.budget_s, self.start = name, budget_s, time.perf_counter()
+    def __init__(self, name: str, budget_s: float | None = None, out: str | None = None, shown: bool = True):
+        self.name, self.budget_s, self.start, self.shown = name, budget_s, time.perf_counter(), shown
         self.rows: list[tuple[dict, bool]] = []
         self.cut: str | None = None
         self._line = ProgressLine(every_s=5.0)
-        self._out = open(_bench_log(out), "a") if out else None
+        self._out = open(_bench_log(out), "a") if out and shown else None
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -74,19 +75,26 @@ class BenchRun:
         """Seconds of the budget left (inf without one)."""
         return float("inf") if self.budget_s is None else self.budget_s - self.elapsed()
 
-    def check(self, doing: str) -> None:
-        """Raise BudgetSpent, naming `doing` as not started, once the budget is spent."""
-        if self.left() <= 0:
+    def check(self, doing: str, rt=None) -> None:
+        """Raise BudgetSpent, naming `doing` as not started, once the budget is spent. rt: a torchrun
+        `dice.runtime.Runtime`, whose processes all stop once one's budget is spent (one stopping
+        alone would leave the others waiting in a collective); every process must call it then."""
+        spent = self.left() <= 0
+        if spent if rt is None else rt.all_max(float(spent)):
             self.cut = self.cut or doing
             raise BudgetSpent(doing)
 
     def progress(self, phase: str, done: int | None = None, total: int | None = None) -> None:
+        if not self.shown:
+            return
         count = "" if done is None else f": {done}/{total}" if total else f": {done}"
         self._line.update(f"[{self.name} {self.elapsed():.0f} s] {phase}{count}")
 
     def row(self, row: dict, partial: bool = False) -> dict:
         self.rows.append((row, partial))
         self._line.close()
+        if not self.shown:
+            return row
         print(" | ".join(f"{k}={v}" for k, v in row.items()) + (" | partial" if partial else ""),
               file=sys.stderr, flush=True)
         if self._out:
@@ -123,6 +131,8 @@ class BenchRun:
 
     def finish(self, title: str = "") -> None:
         self._line.close()
+        if not self.shown:
+            return
         if self._out:
             self._out.close()
             self._out = None

@@ -15,34 +15,47 @@ The optimiser state exists before the step (as in every step after the first). T
 verify exposed (scoring left after the last token), update (the TraceRL update as a later step runs
 it: its time less compile s), with its model FLOPs (`dice.packing.update_flops`) per second against
 the H200's measured bf16 rate, and compile s (what the update's first micro-batches took beyond
-steady ones, `dice.rl.CompileClock`: FlexAttention compiles once per process for the update's one
+steady ones, `dice.packing.CompileClock`: FlexAttention compiles once per process for the update's one
 micro-batch shape, so a `--compare`'s second step compiles nothing and shows 0). The bound is the
 largest of generate, verify and update. `--baseline` runs the step as it ran before the rounds of a
 response shared one clean stream (`--update-rows round`: one doubled row per round, in the same
 token-sized micro-batches); `--compare` runs the baseline and then the given settings in one
 process (fresh program salts, so both build cold).
+
+Under `torchrun --nproc_per_node N` the step runs as `train.py`'s RL runs it on N GPUs: the policy
+sharded with FSDP2, each process rolling out the groups of its task slots (`dice.rl.rank_slots`)
+and verifying them on its own GPU with its share of `--workers` (`dice.rewards.rank_verifier`), the
+update over all processes. Rank 0 checks the references and prints; the time columns are the
+slowest process's, and each process's generate, verify and update seconds follow in rank order.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from ..cli import at_least, in_range
 from ..config import TrainConfig
-from ..memory import check_fits, kv_cache_bytes
+from ..memory import check_fits, kv_cache_bytes, parameter_bytes
 from ..model import SDAR
 from ..packing import UPDATE_ROWS
-from ..rl import curriculum, group_advantages, policy_update, rollout, step_tasks
-from ..rollout import OVERLAP
-from ..tasks import load_tasks
-from .common import BF16_FLOPS
+from ..rewards import rank_verifier
+from ..rl import group_advantages, policy_update, rank_slots, rollout
+from ..rollout import OVERLAP, FullParameters, prompt_format, task_prompt_ids
+from ..runtime import make_optimizer, setup_runtime, shard
+from ..tasks import curriculum, load_tasks, step_tasks
+from ..tokenizer import load_tokenizer
+from ..verifier import Verifier
+from .common import BF16_FLOPS, BudgetSpent
 from .replay import (CHARS_PER_TOKEN, SDAR_TOKENIZER, ReplayTokenizer, correct_references, make_reward,
                      replay_programs, tokenizer_folder)
+from .train import model_config, train_shape
 
 
 def rollout_batch(text: str) -> int | str:
@@ -55,7 +68,6 @@ def rollout_batch(text: str) -> int | str:
 
 
 def add_arguments(p) -> None:
-    from .train import train_shape
     p.add_argument("--shape", type=train_shape, default="1.7b",
                    help="1.7b, 4b, 8b, or a model folder (its config.json)")
     p.add_argument("--solutions", required=True, metavar="FILE.json",
@@ -126,26 +138,32 @@ def allocate_optimizer_state(model, optimizer) -> None:
 
 
 def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: TrainConfig, rt, optimizer, reward,
-             skip_update: bool, bench) -> tuple[dict, str]:
-    """One timed step with the levers `s`: (its table row, a line of verdicts and update counts)."""
+             skip_update: bool, bench, gather) -> tuple[dict, str]:
+    """One timed step with the levers `s`: (its table row, a line of verdicts and update counts).
+    Under torchrun each process rolls out the groups of its task slots (`dice.rl.rank_slots`, as
+    `train.py`), inside `gather` (`dice.rollout.FullParameters`), and the update runs over all of them."""
     cfg = dataclasses.replace(base, attention=s.attention, update_rows=s.update_rows,
                               rollout_batch=s.rollout_batch if isinstance(s.rollout_batch, int) else base.rollout_batch)
     cuda = rt.device.type == "cuda"
     name = "baseline" if s == BASELINE else "step"
+    group = cfg.group_size
+    mine = [k * group + j for k in rank_slots(0, len(owners) // group, rt) for j in range(group)]
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     model.eval()
-    with torch.no_grad():   # one-member groups: owner k carries rollout k's program; the seeds equal the grouped ones
+    # one-member groups: rollout k carries its own program; slot k's seed equals the grouped one's
+    with torch.no_grad(), gather or contextlib.nullcontext():
         completions, rewards, results, timing = rollout(
-            model, tok, owners, list(range(len(owners))), dataclasses.replace(cfg, group_size=1), reward,
+            model, tok, [owners[k] for k in mine], mine, dataclasses.replace(cfg, group_size=1), reward,
             seed=cfg.seed * 100_003 * 10_007, infill=cfg.phase == "infill", overlap=s.overlap,
-            low_precision=s.rollout_dtype == "bf16", auto_batch=s.rollout_batch == "auto", lengths=lengths,
+            low_precision=s.rollout_dtype == "bf16", auto_batch=s.rollout_batch == "auto",
+            lengths=[lengths[k] for k in mine],
             progress=lambda made, scored, n: bench.progress(f"{name}: rollouts generated {made}/{n}, verified",
                                                             scored, n))
     rollout_s = time.perf_counter() - start
-    advantages = group_advantages(rewards, cfg.group_size)
+    advantages = group_advantages(rewards, group)
     model.train()
     t0 = time.perf_counter()
     update = {} if skip_update else policy_update(
@@ -155,64 +173,101 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
         torch.cuda.synchronize()
     compile_s = update.get("compile_s", 0.0)
     update_s = time.perf_counter() - t0 - compile_s
-    step_s = rollout_s + update_s
-    parts = {"generate": timing["generate_s"], "verify": timing["verify_s"], "update": update_s}
-    bound = max(parts, key=parts.get)
     verified = [r for r in results if r is not None]
-    tokens = sum(len(c.tokens) for c in completions)
-    flops_s = update.get("flops", 0.0) / max(update_s, 1e-9)
-    dtype, masks = (s.rollout_dtype, "dense" if s.attention == "dense" else "flex") if cuda else ("fp32", "dense")
-    row = {"run": f"{s.overlap} overlap, batch {timing['rollout_batch']}, {dtype} rollouts, {masks} update, "
-                  f"{s.update_rows} rows",
-           "generate s": f"{timing['generate_s']:.1f}", "verify s": f"{timing['verify_s']:.1f}",
-           "verify exposed s": f"{timing['verify_wait_s']:.1f}", "update s": f"{update_s:.1f}",
-           "step s": f"{step_s:.1f}", "tokens/s": round(tokens / max(timing["generate_s"], 1e-9)),
-           "kernels/s": f"{len(verified) / timing['verify_s']:.2f}" if verified and timing["verify_s"] > 0 else "-",
+    ranks = _all_gather(rt, {"generate": timing["generate_s"], "verify": timing["verify_s"],
+                             "verify exposed": timing["verify_wait_s"], "update": update_s,
+                             "step": rollout_s + update_s, "rollouts": len(completions), "reward": sum(rewards),
+                             "tokens": sum(len(c.tokens) for c in completions), "verified": len(verified),
+                             "verdicts": collections.Counter(r.status for r in verified),
+                             "peak": torch.cuda.max_memory_allocated() if cuda else 0})
+    row = _row(s, rt, timing["rollout_batch"], ranks, update, compile_s)
+    return row, _summary(row["run"], ranks, update)
+
+
+def _row(s: Settings, rt, batch: int, ranks: list[dict], update: dict, compile_s: float) -> dict:
+    """The table row of a step from every process's times and counts (`ranks`, in rank order): the
+    times are the slowest process's (the step waits for it), the rates all processes' work over
+    them; under torchrun each process's generate / verify / update seconds follow."""
+    cuda = rt.device.type == "cuda"
+    top = {key: max(r[key] for r in ranks) for key in ("generate", "verify", "verify exposed", "update", "step")}
+    step_s = top["step"]
+    parts = {key: top[key] for key in ("generate", "verify", "update")}
+    bound = max(parts, key=parts.get)
+    verified, tokens = sum(r["verified"] for r in ranks), sum(r["tokens"] for r in ranks)
+    flops_s = update.get("flops", 0.0) / max(top["update"], 1e-9)
+    # a sharded policy samples from its float32 weights (`dice.rollout.generation_copy`)
+    dtype = s.rollout_dtype if cuda and rt.world == 1 else "fp32"
+    masks = "dense" if s.attention == "dense" or not cuda else "flex"
+    processes = f", {rt.world} processes" if rt.world > 1 else ""
+    row = {"run": f"{s.overlap} overlap, batch {batch}, {dtype} rollouts, {masks} update, {s.update_rows} rows"
+                  f"{processes}",
+           "generate s": f"{top['generate']:.1f}", "verify s": f"{top['verify']:.1f}",
+           "verify exposed s": f"{top['verify exposed']:.1f}", "update s": f"{top['update']:.1f}",
+           "step s": f"{step_s:.1f}", "tokens/s": round(tokens / max(top["generate"], 1e-9)),
+           "kernels/s": f"{verified / top['verify']:.2f}" if verified and top["verify"] > 0 else "-",
            "update TFLOP/s": f"{flops_s / 1e12:.3g} ({100 * flops_s / BF16_FLOPS:.0f}% of bf16)" if update else "-",
-           "peak GiB": f"{torch.cuda.max_memory_allocated() / 2**30:.1f}" if cuda else "-",
+           "peak GiB": f"{max(r['peak'] for r in ranks) / 2**30:.1f}" if cuda else "-",
            "bound": f"{bound} ({100 * parts[bound] / max(step_s, 1e-9):.0f}%)",
            "compile s": f"{compile_s:.1f}"}
-    verdicts = collections.Counter(r.status for r in verified)
-    line = (f"{row['run']}: {len(completions)} rollouts, {tokens} tokens; verdicts "
+    if rt.world > 1:
+        row |= {f"{key} s by rank": " ".join(f"{r[key]:.1f}" for r in ranks)
+                for key in ("generate", "verify", "update")}
+    return row
+
+
+def _summary(run: str, ranks: list[dict], update: dict) -> str:
+    """A line of the step's rollouts, verdicts, rewards and update, over all processes."""
+    rollouts, tokens = sum(r["rollouts"] for r in ranks), sum(r["tokens"] for r in ranks)
+    verdicts = sum((r["verdicts"] for r in ranks), collections.Counter())
+    return (f"{run}: {rollouts} rollouts, {tokens} tokens; verdicts "
             f"{' '.join(f'{k}={v}' for k, v in sorted(verdicts.items())) or '(python reward)'}; reward mean "
-            f"{sum(rewards) / len(rewards):.2f}; update: {update.get('rounds', 0)} rounds of "
-            f"{update.get('responses_trained', 0)} kept responses, {update.get('flops', 0.0) / 1e12:.3g} TFLOP")
-    return row, line
+            f"{sum(r['reward'] for r in ranks) / rollouts:.2f}; update: {update.get('rounds', 0)} rounds of "
+            f"{update.get('responses_trained', 0)} kept responses, loss {update.get('loss', 0.0):.6g}, grad norm "
+            f"{update.get('grad_norm', 0.0):.6g}, "
+            f"{update.get('flops', 0.0) / 1e12:.3g} TFLOP")
+
+
+def _refuse(rt, message: str) -> None:
+    """Exit with `message`, shown once: every process stops alike, rank 0 says why."""
+    sys.exit(message if rt.main else 1)
+
+
+def _all_gather(rt, value) -> list:
+    """Every process's `value` in rank order ([value] without torchrun)."""
+    if rt.world == 1:
+        return [value]
+    out = [None] * rt.world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _from_main(rt, value):
+    """Rank 0's `value`, on every process."""
+    if rt.world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def bench_rl(args, bench) -> None:
-    """`python -m dice.bench rl` (module docstring): build, replay, run the step(s), print the table."""
-    from ..runtime import Runtime, make_optimizer
-    from .train import model_config
-    rt = Runtime(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.reward == "verifier" and rt.device.type != "cuda":
-        sys.exit("error: python -m dice.bench rl --reward verifier needs a CUDA GPU; pass --reward python on this machine")
-    config = model_config(args.shape)
-    if rt.device.type == "cuda" and not args.skip_update:
-        need, have = 16 * config.num_parameters(), torch.cuda.get_device_properties(rt.device).total_memory
-        if need > 0.9 * have:
-            sys.exit(f"error: --shape {args.shape}: float32 weights, gradients and AdamW moments need {need / 2**30:.0f} GiB "
-                     f"of this GPU's {have / 2**30:.0f} GiB; pass --skip-update to time its rollouts alone")
-    tasks = [t for t in load_tasks(args.solutions) if t.solution and (args.phase == "e2e" or t.prefix is not None)]
-    if not tasks:
-        sys.exit(f"error: {args.solutions}: no record has a cuda_code program" + (" and a prefix/middle/suffix split"
-                 if args.phase == "infill" else "") + "; pass a DICE JSON file with reference solutions")
-    verifier = None
-    if args.reward == "verifier":
-        from ..verifier import Verifier
-        verifier = Verifier(workers=args.workers)
+    """`python -m dice.bench rl` (module docstring): build, replay, run the step(s), print the table.
+    Under `torchrun --nproc_per_node N` (one process per GPU, gloo on a CPU: `dice.runtime`) the
+    policy is sharded with FSDP2 and each process verifies on its own GPU (`dice.rewards.rank_verifier`),
+    as `train.py` runs RL; rank 0 checks the references and prints."""
+    rt = setup_runtime()
+    config, tasks = _checked_inputs(args, rt)
+    verifier = Verifier(**rank_verifier(args.workers, rt.device)) if args.reward == "verifier" else None
     lines = []
     try:
-        if verifier is not None:
-            correct, verdicts = correct_references(tasks, args.tasks_per_step, verifier, bench, args.verify_timeout)
-            if not correct:
-                sys.exit(f"error: {args.solutions}: the verifier calls no reference program correct ({dict(verdicts)}); "
-                         "pass a file whose cuda_code programs verify (python -m dice.bench verify --check FILE)")
-        else:
-            correct, verdicts = curriculum(tasks), None
+        correct, verdicts = _replayable(args, tasks, verifier, bench, rt)
         chosen = step_tasks(correct, 0, args.tasks_per_step)
         tok_dir, tok, model, prompts = _tokenizer_and_model(args, config, rt, chosen)
-        _check_rollout_memory(args, config, rt, len(chosen), prompts)
+        _check_rollout_memory(args, config, rt, len(rank_slots(0, len(chosen), rt)), prompts)
+        gather = None
+        if rt.world > 1:
+            shard(model)
+            gather = FullParameters(model)
         base = TrainConfig(phase=args.phase, tasks_per_step=args.tasks_per_step, group_size=args.group_size,
                            max_new_tokens=args.max_new_tokens, update_tokens=args.update_tokens,
                            gradient_checkpointing=args.grad_ckpt, verifier_workers=args.workers,
@@ -223,22 +278,69 @@ def bench_rl(args, bench) -> None:
         given = BASELINE if args.baseline else \
             Settings(args.overlap, args.rollout_batch, args.rollout_dtype, args.attention, args.update_rows)
         for i, settings in enumerate([BASELINE, given] if args.compare else [given]):
-            bench.check("the baseline step" if settings is BASELINE else "the step")
+            bench.check("the baseline step" if settings is BASELINE else "the step", rt)
             replay = replay_programs(chosen, args.group_size, args.broken, args.seed, run=i)
             owners = [t for t, _ in replay]
             lengths = [min(args.max_new_tokens, len(tok.encode(f"```python\n{t.solution}\n```")) + 1) for t in owners]
-            if i == 0:
+            if i == 0 and rt.main:
                 _describe(args, config, rt, chosen, replay, prompts, lengths, tok_dir, verdicts)
             reward = make_reward(args.reward, verifier, {t.solution: k for t, k in replay}, args.verify_timeout)
             row, line = run_step(settings, model, tok, owners, lengths, base, rt, optimizer, reward, args.skip_update,
-                                 bench)
-            bench.row(row)
-            lines.append(line)
-            print(line, file=sys.stderr, flush=True)
+                                 bench, gather)
+            if rt.main:
+                bench.row(row)
+                lines.append(line)
+                print(line, file=sys.stderr, flush=True)
     finally:
         if verifier is not None:
             verifier.close()
-        print("\n".join(lines))
+        if rt.main:
+            print("\n".join(lines))
+
+
+def _checked_inputs(args, rt) -> tuple:
+    """(the model config, the tasks with a reference program), after the checks that need no GPU work;
+    every process makes them alike, so all stop together."""
+    if args.reward == "verifier" and rt.device.type != "cuda":
+        _refuse(rt, "error: python -m dice.bench rl --reward verifier needs a CUDA GPU; pass --reward python on "
+                "this machine")
+    if args.tasks_per_step < rt.world:
+        _refuse(rt, f"error: --tasks-per-step {args.tasks_per_step} is below the {rt.world} processes; pass "
+                f"--tasks-per-step {rt.world} or more (every process needs a task)")
+    config = model_config(args.shape)
+    if rt.device.type == "cuda" and not args.skip_update:
+        need = parameter_bytes(config, 16, rt.world)   # sharded over the processes by FSDP2
+        have = torch.cuda.get_device_properties(rt.device).total_memory
+        if need > 0.9 * have:
+            _refuse(rt, f"error: --shape {args.shape}: float32 weights, gradients and AdamW moments need "
+                    f"{need / 2**30:.0f} GiB of this GPU's {have / 2**30:.0f} GiB; pass --skip-update to time its "
+                    "rollouts alone")
+    tasks = [t for t in load_tasks(args.solutions) if t.solution and (args.phase == "e2e" or t.prefix is not None)]
+    if not tasks:
+        _refuse(rt, f"error: {args.solutions}: no record has a cuda_code program" + (
+            " and a prefix/middle/suffix split" if args.phase == "infill" else "") +
+            "; pass a DICE JSON file with reference solutions")
+    return config, tasks
+
+
+def _replayable(args, tasks: list, verifier, bench, rt) -> tuple[list, collections.Counter | None]:
+    """(the tasks in curriculum order whose reference the rollouts may replay, the references' verdicts;
+    None: not checked, the python reward). Rank 0 checks them (`correct_references`, each reference
+    once) and sends the outcome to the others, which would otherwise check the same programs again."""
+    if verifier is None:
+        return curriculum(tasks), None
+    found = None
+    if rt.main:
+        with contextlib.suppress(BudgetSpent):   # the other processes must hear of it, not wait
+            found = correct_references(tasks, args.tasks_per_step, verifier, bench, args.verify_timeout)
+    found = _from_main(rt, found)
+    if found is None:
+        raise BudgetSpent("the step")
+    correct, verdicts = found
+    if not correct:
+        _refuse(rt, f"error: {args.solutions}: the verifier calls no reference program correct ({dict(verdicts)}); "
+                "pass a file whose cuda_code programs verify (python -m dice.bench verify --check FILE)")
+    return correct, verdicts
 
 
 def _check_rollout_memory(args, config, rt, tasks: int, prompts) -> None:
@@ -253,15 +355,13 @@ def _check_rollout_memory(args, config, rt, tasks: int, prompts) -> None:
 
 def _tokenizer_and_model(args, config, rt, chosen):
     """(tokenizer folder or None, the replay tokenizer, the policy, the chosen tasks' prompt ids)."""
-    from ..rollout import prompt_format, task_prompt_ids
-    from ..tokenizer import load_tokenizer
     tok_dir = tokenizer_folder(args.shape, args.tokenizer)
     tok = ReplayTokenizer(load_tokenizer(tok_dir) if tok_dir else None, config.vocab_size, config.mask_token_id)
     model = build_policy(config, rt.device, args.grad_ckpt, args.seed)
     prompts = [task_prompt_ids(tok, t, infill=args.phase == "infill", fmt=prompt_format(model)) for t in chosen]
     if max(max(p) for p in prompts) >= config.vocab_size:
-        sys.exit(f"error: --tokenizer {tok_dir} has ids beyond the model's vocabulary of {config.vocab_size}; pass the "
-                 "tokenizer of this shape (the SDAR tokenizer for 1.7b/4b/8b) or none")
+        _refuse(rt, f"error: --tokenizer {tok_dir} has ids beyond the model's vocabulary of {config.vocab_size}; "
+                "pass the tokenizer of this shape (the SDAR tokenizer for 1.7b/4b/8b) or none")
     return tok_dir, tok, model, prompts
 
 
@@ -279,4 +379,6 @@ def _describe(args, config, rt, chosen, replay, prompts, lengths, tok_dir, verdi
           f"{sum(lengths) / len(lengths):.0f} (max {max(lengths)}, cap {args.max_new_tokens}), counted by {counted}; "
           f"block {config.block_size}, 4 steps a block, dynamic remasking at 0.9, T = 1; update micro-batches of "
           f"{args.update_tokens} tokens{', gradient checkpointing' if args.grad_ckpt else ''}; {args.workers} "
-          f"verifier workers" + (" (python reward)" if args.reward == "python" else ""), flush=True)
+          f"verifier workers" + (" (python reward)" if args.reward == "python" else "") +
+          (f"; {rt.world} processes (FSDP2), each generating and verifying its share of the tasks with its "
+           "share of the workers" if rt.world > 1 else ""), flush=True)
