@@ -479,7 +479,7 @@ def test_two_process_gloo_rl_matches_one_process(tmp_path):
     """Rollouts are seeded by task slot and eval task i by i, so 1 and 2 processes see the same
     first step and the same evaluations; under FSDP every process joins the evaluation (rank 0
     alone deadlocked in the parameter all-gathers). A resume on another process count is refused in
-    one line (a step's optimiser steps group each process's rows, `dice.rl.update_plan`)."""
+    one line (a step's optimiser steps group each process's rows, `dice.packing.update_plan`)."""
     model = rl_model_folder(tmp_path / "model")
     script = str(Path(__file__).parent / "fixtures" / "rl_run.py")
     one = run_bounded([sys.executable, script, str(model), str(tmp_path / "one")], timeout=300)

@@ -11,7 +11,7 @@
   share, chosen at random, is broken: half of them with an undeclared identifier in the device
   code (compile_error), half with 1 added to ModelNew's output (the kernels run, the result is
   wrong: incorrect). The verifier sees these programs through the training reward
-  (`dice.rl.verifier_reward`); `--reward python` scores 1 for an unbroken program instead (no
+  (`dice.rewards.verifier_reward`); `--reward python` scores 1 for an unbroken program instead (no
   GPU needed; the references are then not checked);
 * lengths: a random model never samples an eos, so each rollout stops as if it had sampled one
   right after the program it stands for (`generate(lengths=...)`): the tokens of
