@@ -5,7 +5,7 @@ values (`validate`), HELP is the --help text, grouped by the phases that use a f
 a flag given to a phase that does not use it is an error, not silently ignored). Defaults that
 depend on the phase (learning rate, loss normalisation, gradient clip) are filled in
 `__post_init__`; those that depend on the machine (SFT batch, row length and micro-batches per
-step: 0 = auto) in `dice.sft`. The defaults are the originals' (DESIGN.md §4, §7): AdamW betas
+step: 0 = auto) in `dice.sft.train_sft`. The defaults are the originals' (DESIGN.md §4, §7): AdamW betas
 (0.9, 0.999) and SFT lr 1e-5 constant after warm-up (deadlykitten4/DICE
 `training/sft/llama_factory_sdar/examples/train_full_sdar/sdar_*_full.yaml`: `lr_scheduler_type:
 constant_with_warmup`), SDAR's per-micro-batch token mean for SFT, TraceRL's
@@ -28,9 +28,9 @@ from pathlib import Path
 
 from .cli import ArgumentParser
 from .errors import UsageError
-from .packing import UPDATE_ROWS
-from .sampler import REMASKING
-from .tokenizer import SPECIAL_TOKENS
+from .model.tokenizer import SPECIAL_TOKENS
+from .rl.packing import UPDATE_ROWS
+from .sampling.sampler import REMASKING
 
 # DICE's gradient is 1/32 of ours at the same loss (its 32 accumulation steps divide it twice: DESIGN.md §7),
 # so its clip of 1.0 (`max_grad_norm`, DeepSpeed's `gradient_clipping`) is 32 here
@@ -78,7 +78,7 @@ class TrainConfig:
     num_kv_heads: int = 2
     intermediate_size: int = 768
     block_size: int = 4
-    # BiC-RL (dice.rl)
+    # BiC-RL (dice.rl.train_rl)
     tasks_per_step: int = 64
     task_order: str = "curriculum"
     dynamic_sampling_rounds: int = 0

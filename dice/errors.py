@@ -1,10 +1,12 @@
-"""The base classes of errors a user can act on (DESIGN.md: one sentence naming the file or flag and the fix).
+"""The errors a user can act on (DESIGN.md: one sentence naming the file or flag and the fix), and
+`read_text`, the one reader of a user's text files, which raises them.
 
 The commands (`dice.cli.fail_cleanly`) print such an error as one line: a `UsageError` (the
 command line asks for something that cannot be done as asked: a flag's value, an output path)
 exits with status 2, any other `UserError` (a file's content, a missing input, the machine) with
 status 1; anything else is a bug and keeps its traceback.
 """
+from pathlib import Path
 
 
 class UserError(ValueError):
@@ -13,6 +15,20 @@ class UserError(ValueError):
 
 class UsageError(UserError):
     """A flag or an output path that cannot be used as given; the message names it and the fix."""
+
+
+class DataError(UserError):
+    """A data or task file, a record, or a flag that does not fit them, that cannot be used; the
+    message names the file, record or flag and the fix."""
+
+
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file; one that is not is a DataError naming it and the first bad byte."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); "
+                        "save it as UTF-8") from None
 
 
 def json_problem(error, line: int | None = None) -> str:

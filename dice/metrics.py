@@ -48,10 +48,10 @@ from pathlib import Path
 from typing import Iterable
 
 from .cli import ArgumentParser, at_least, fail_cleanly
-from .data import DataError, read_text
+from .errors import DataError, read_text
 from .errors import json_problem
 from .inputs import input_path, output_file
-from .tasks import load_tasks
+from .tasks.load import load_tasks
 
 
 @dataclass
@@ -269,7 +269,7 @@ def learnable_main(argv: list[str]) -> None:
 def rl_step_record(step: int, sampled, update: dict, rt, reward_kind: str, update_s: float, started: float) -> dict:
     """RL step `step`'s line of metrics.jsonl (`dice.rl.train_rl`; README lists the keys). The rates
     and means are over every rollout the step drew on all processes (`rt.all_sum`, the same order on
-    every rank); `sampled` is its `dice.rl.StepRollout`, `update` what `policy_update` returned.
+    every rank); `sampled` is its `dice.rl.train_rl.StepRollout`, `update` what `policy_update` returned.
     fast_1_pct (correct and speedup > 1) only under `--reward speedup`, the one reward that times;
     kernels_verified_per_s None when nothing was verified; step_time_s since `started`."""
     results, timing = sampled.results, sampled.timing

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cli import ArgumentParser
-from .data import DataError, read_text
+from .errors import DataError, read_text
 from .errors import UserError, json_problem
 from .metrics import read_outcomes
 

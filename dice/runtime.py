@@ -42,11 +42,11 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from .checkpoint import CheckpointError, from_published, has_weights, load_model, read_config, save_model
 from .config import TrainConfig
 from .errors import UsageError, UserError, json_problem
 from .inputs import output_folder, replaceable
-from .model import SDAR
+from .model.checkpoint import CheckpointError, from_published, has_weights, load_model, read_config, save_model
+from .model.sdar import SDAR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "added_tokens.json",
                    "special_tokens_map.json", "generation_config.json", "chat_template.jinja")

@@ -89,7 +89,7 @@ def prebuilt_programs(request):
     """On a GPU, from the session's start, the load_inline programs the selected GPU tests verify
     (`wanted_builds`, nothing else: a quick run builds nothing torch's way) are built on every core,
     both ways at once, a process each, while the GPU runs the tests before them (`SessionBuilds`);
-    a worker asking for a program still being built waits for that build (`build.BuildCache`'s
+    a worker asking for a program still being built waits for that build (`cache.BuildCache`'s
     per-name lock). The session Verifier's workers start now too, when a selected test uses it, so
     that no test waits for them."""
     builds = SessionBuilds()
@@ -97,7 +97,7 @@ def prebuilt_programs(request):
         builds.submit({})
         yield builds
         return
-    from dice.verifier.prebuild import BuildPool
+    from dice.verifier.build.pool import BuildPool
     selected = [item for item in request.session.items if "gpu" in item.keywords]
     wanted = wanted_builds(selected)
     builds.pools["fast"] = BuildPool(request.getfixturevalue("gpu_cache"), build="fast")
@@ -124,7 +124,7 @@ def verifier(gpu_cache):
 
 def make_tiny_model_folder(folder, texts, *, vocab_size=300, hidden=64, layers=2):
     """A from-scratch model folder: a tokenizer trained on `texts` and a config without weights."""
-    from dice.tokenizer import train_tokenizer
+    from dice.model.tokenizer import train_tokenizer
 
     folder = Path(folder)
     tok = train_tokenizer(texts, vocab_size, folder)

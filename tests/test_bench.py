@@ -95,7 +95,7 @@ def test_the_checks_test_summary_puts_wall_time_beside_test_time_and_names_the_s
     the worst phase decides (a failed teardown fails a passed call; an xfail is counted apart);
     the row has the wall time beside the tests' own time, then each file's time and the slowest
     tests, longest first, at most `top`."""
-    from dice.bench.check import suite_summary
+    from dice.bench.suite import suite_summary
 
     def line(test, when, outcome, seconds, slow=False):
         return {"test": f"tests/{test}", "when": when, "outcome": outcome, "seconds": seconds, "at": 0.0,

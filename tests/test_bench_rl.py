@@ -12,7 +12,7 @@ import pytest
 
 from dice.bench.replay import CHARS_PER_TOKEN, ReplayTokenizer, replay_programs, with_device_line
 from dice.bench.verify import CUPY_CANDIDATE, INLINE_CANDIDATE, TASK
-from dice.tasks import load_tasks
+from dice.tasks.load import load_tasks
 
 from conftest import run_bounded
 
@@ -115,7 +115,7 @@ class VerdictVerifier:
 def test_only_references_the_verifier_calls_correct_are_replayed_each_checked_once(tmp_path):
     from dice.bench.common import BenchRun
     from dice.bench.replay import correct_references
-    from dice.tasks import Task
+    from dice.tasks.load import Task
     verdicts = ["correct", "incorrect", "correct", "task_error", "compile_error", "correct", "correct"]
     tasks = [Task(f"t{i}", 1 + i // 4, f"class Model: pass  # {i}", solution=f"# {v}\nclass ModelNew: pass  # {i}")
              for i, v in enumerate(verdicts)]

@@ -80,7 +80,7 @@ def test_sharded_save_replaces_a_single_file_and_its_index_counts_every_byte(tmp
 
 
 def test_a_save_that_breaks_partway_leaves_the_old_weights(tmp_path, monkeypatch):
-    import dice.checkpoint
+    import dice.model.checkpoint
     model = load_model(TINY)
     save_model(model, tmp_path)
     before = (tmp_path / "model.safetensors").read_bytes()
@@ -88,7 +88,7 @@ def test_a_save_that_breaks_partway_leaves_the_old_weights(tmp_path, monkeypatch
     def half_then_crash(tensors, file, metadata=None):
         Path(file).write_bytes(before[:100])
         raise OSError("disk full")
-    monkeypatch.setattr(dice.checkpoint, "save_file", half_then_crash)
+    monkeypatch.setattr(dice.model.checkpoint, "save_file", half_then_crash)
     with pytest.raises(OSError, match="disk full"):
         save_model(model, tmp_path)
     assert (tmp_path / "model.safetensors").read_bytes() == before

@@ -50,7 +50,7 @@ def test_embedded_model_writes_the_generators_solution_for_the_held_out_example(
 
 
 def test_every_shipped_example_is_a_valid_task():
-    from dice.tasks import load_tasks
+    from dice.tasks.load import load_tasks
     assert len(EXAMPLES) == 3
     for p in EXAMPLES:
         assert load_tasks(p)[0].source == p.read_text()
@@ -112,7 +112,7 @@ def test_evaluate_reads_solution_files_and_reference_code(tmp_path):
 
     sys.path.insert(0, str(ROOT))
     from evaluate import read_solutions
-    from dice.tasks import Task
+    from dice.tasks.load import Task
 
     tasks = [Task("level1/19_ReLU", 1, "src", solution="ref"), Task("level1/20_Tanh", 1, "src"),
              Task("level2/3_Fused", 2, "src")]
@@ -158,8 +158,8 @@ def test_rl_bad_data_is_a_data_error(tmp_path, phase, data, message):
     on a machine without a GPU stops earlier, at its GPU check, so this runs the RL entry with a
     Python reward.)"""
     import json
-    from dice.data import DataError
-    from dice.rl import train_rl
+    from dice.errors import DataError
+    from dice.rl.train_rl import train_rl
     from dice.config import TrainConfig
     if not isinstance(data, Path):
         data, records = tmp_path / "data.json", data
@@ -192,11 +192,11 @@ def test_train_bad_data_is_a_one_line_error(tmp_path, phase, data, message):
 
 def test_rl_with_fewer_tasks_per_step_than_processes_is_a_data_error(tmp_path, monkeypatch):
     from dice.cli import USER_ERRORS
-    from dice.data import DataError
-    from dice.rl import train_rl
+    from dice.errors import DataError
+    from dice.rl.train_rl import train_rl
     from dice.config import TrainConfig
     from dice.runtime import Runtime
-    monkeypatch.setattr("dice.rl.setup_runtime", lambda: Runtime(torch.device("cpu"), rank=0, world=2))
+    monkeypatch.setattr("dice.rl.train_rl.setup_runtime", lambda: Runtime(torch.device("cpu"), rank=0, world=2))
     cfg = TrainConfig(phase="e2e", model="unused", data="unused", out=str(tmp_path / "o"), steps=1, tasks_per_step=1)
     with pytest.raises(DataError, match="pass --tasks-per-step 2 or more") as caught:
         train_rl(cfg)
@@ -275,7 +275,7 @@ def test_train_flag_errors_are_one_line(tmp_path, capsys, args, message):
 
 
 def test_train_config_rejects_unknown_reward_and_remasking():
-    """dice.rl only tests reward == "speedup": any other word silently meant "correct"."""
+    """dice.rl.train_rl only tests reward == "speedup": any other word silently meant "correct"."""
     from dice.config import TrainConfig
     with pytest.raises(ValueError, match="--reward must be one of correct, speedup"):
         TrainConfig(phase="e2e", reward="foo")
@@ -363,7 +363,7 @@ def test_evaluate_infill_judges_the_skeleton_before_running():
     """--infill: a program that drops or edits the given prefix/suffix is invalid and never runs;
     one that keeps it goes to the verifier; without --infill the skeleton is not checked."""
     from dice.taskgen import generate_split
-    from dice.tasks import Task
+    from dice.tasks.load import Task
     evaluate = command("evaluate")
     record = generate_split(1, 0, 0, seed=0)[0][0]
     task = Task("t", record["level"], record["pytorch_code"], record["prefix"], record["middle"], record["suffix"])
@@ -431,7 +431,7 @@ def test_saved_solutions_read_back_as_generated(tmp_path, samples):
     an answer without code reads back as one that verdict_without_running calls compile_error."""
     import argparse
 
-    from dice.tasks import Task
+    from dice.tasks.load import Task
     evaluate = command("evaluate")
     tasks = [Task("level1/19_ReLU", 1, "src"), Task("level2/3_Fused", 2, "src")]
     pairs = [(t, f"program {t.name} {k}" if (i, k) != (1, 0) else None)

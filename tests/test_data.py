@@ -4,8 +4,9 @@ import json
 import pytest
 import torch
 
-from dice.data import (DataError, Example, RowStream, pack_rows, read_records, record_to_text, tokenize_records,
-                       with_pad_targets)
+from dice.errors import DataError
+from dice.sft.data import (Example, RowStream, pack_rows, read_records, record_to_text, tokenize_records,
+                           with_pad_targets)
 
 
 def test_record_formats_become_chatml():

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dice.diffusion import EPS, add_noise, count_samples, diffusion_loss, token_weights
+from dice.sft.diffusion import EPS, add_noise, count_samples, diffusion_loss, token_weights
 
 
 def test_masking_rate_prompt_and_at_least_one():

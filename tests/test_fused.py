@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dice.attention import attend, folded_attention_bias, write_kv
-from dice.model import random_model
-from dice.model import SDAR, ModelConfig, apply_rope, rope_cos_sin
-from dice.sampler import generate, greedy_choice
+from dice.model.attention import attend, folded_attention_bias, write_kv
+from dice.model.sdar import random_model
+from dice.model.sdar import SDAR, ModelConfig, apply_rope, rope_cos_sin
+from dice.sampling.sampler import generate, greedy_choice
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                             reason="needs a Hopper GPU")
@@ -148,7 +148,7 @@ def test_bf16_fused_step_is_as_close_to_float32_as_the_layer_by_layer_step():
 @pytest.mark.parametrize("T,lf", [(4, 0), slow(8, 4)])
 def test_kernel_greedy_choice_is_the_samplers_on_its_logits(T, lf):
     """The kernel's greedy choice (each block's pass over its own logits, then the last block's combine)
-    against `dice.sampler.greedy_choice` on the logits it returns; then with every lm_head row
+    against `dice.sampling.sampler.greedy_choice` on the logits it returns; then with every lm_head row
     equal, so that all logits tie: the first row wins and the mask token is left out of the sum
     (exactly 1 / (V - 1))."""
     from dice.fused import FusedDecoder
@@ -265,7 +265,7 @@ def test_shared_memory_layout_keeps_a_ring_and_cuts_long_chunks_into_equal_piece
     ring stages, else equal pieces that cover it, and the ring then keeps at least 4 stages."""
     import types
     from dice.fused import decoder as fd
-    from dice.model import sdar_shape
+    from dice.model.sdar import sdar_shape
     limit = 232448
     monkeypatch.setattr(fd, "_max_shared", lambda device: limit)
     kernel = types.SimpleNamespace(max_dynamic_shared_size_bytes=0)
@@ -290,7 +290,7 @@ def test_shared_memory_layout_keeps_a_ring_and_cuts_long_chunks_into_equal_piece
 def test_phase_detail_tables_read_the_trace_build_slots():
     """`bench fused`'s inside-the-phases rows from hand-made slots: 2 layers, 4 blocks (2 chunks
     per KV head), every phase 10 us apart; block 3 has no tile in the O phase and is left out."""
-    from dice.fused.trace import phase_detail
+    from dice.fused.tables import phase_detail
     P = 11
     t = torch.zeros(4, P + 1, 2, dtype=torch.float64)
     d = torch.zeros(4, P + 1, 8, dtype=torch.float64)

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from dice import load_model
-from dice.attention import block_diffusion_mask, flex_block_diffusion_mask
-from dice.model import random_model
-from dice.sampler import generate
+from dice.model.attention import block_diffusion_mask, flex_block_diffusion_mask
+from dice.model.sdar import random_model
+from dice.sampling.sampler import generate
 
 pytestmark = pytest.mark.gpu
 TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
@@ -78,7 +78,7 @@ def test_compiled_steps_agree_with_graphs_on_the_tiny_model(remasking, threshold
 def test_graphs_crossing_kv_buckets_agree_with_brute_force(monkeypatch):
     """Graph replays attend over the cache's filled length rounded up to KV_BUCKET slots; with
     8-slot buckets a 41-token generation crosses several bucket boundaries (one graph each)."""
-    from dice.sampler import CachedForward
+    from dice.sampling.sampler import CachedForward
     monkeypatch.setattr(CachedForward, "KV_BUCKET", 8)
     model = peaked_tiny()
     kw = dict(max_new_tokens=41, remasking="low_confidence_dynamic", threshold=0.5)
@@ -127,9 +127,9 @@ def test_flex_packed_update_rows_equal_dense():
     need head_dim >= 64 in practice; forward only)."""
     import random
 
-    from dice.packing import flex_length, group_rounds, pack, pad_batch, packed_logprobs
-    from dice.rollout import Completion
-    from dice.trace import trace_rounds
+    from dice.rl.packing import flex_length, group_rounds, pack, pad_batch, packed_logprobs
+    from dice.rl.rollout import Completion
+    from dice.rl.trace import trace_rounds
     model = random_model("1.7b", dtype=torch.float32, num_hidden_layers=2)
     rng, comps = random.Random(0), []
     for prompt_len, n in ((37, 90), (64, 41), (5, 150)):

@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.utils.cpp_extension as cpp_extension
 
-from dice.prompts import EXAMPLE_LOAD_INLINE
-from dice.verifier import build as build_module
-from dice.verifier.build import BuildCache, BuildError
-from dice.verifier.cxx import normalise
-from dice.verifier.fastbuild import CompiledUnits, CompilerSlots, FastBuildFailed, Flags, SharedCompileError
-from dice.verifier.inline import Unsplittable, cuda_cu, main_cpp, recorded_calls, split_program
+from dice.tasks.prompts import EXAMPLE_LOAD_INLINE
+from dice.verifier.build import cache as build_module
+from dice.verifier.build.cache import BuildCache, BuildError
+from dice.verifier.build.cxx import normalise
+from dice.verifier.build.fast import CompiledUnits, CompilerSlots, FastBuildFailed, Flags, SharedCompileError
+from dice.verifier.build.inline import Unsplittable, cuda_cu, main_cpp, recorded_calls, split_program
 
 HAVE_NVCC = Path("/usr/local/cuda/bin/nvcc").exists() and shutil.which("c++") is not None
 HEADER = "#include <torch/extension.h>\n"
@@ -144,7 +144,7 @@ def test_dict_functions_and_prototype_kernels():
 def test_shared_errors_are_names_declared_nowhere():
     """Hand-made compiler lines: an undeclared name torch's headers and the program do not
     declare is torch's error too; one they declare, and our own shims' names, are not."""
-    from dice.verifier.fastbuild import shared_error
+    from dice.verifier.build.fast import shared_error
     names, declared = frozenset({"min", "Tensor"}), frozenset({"helper"})
     assert shared_error('cuda.cu(9): error: identifier "idx2" is undefined', names, declared)
     assert shared_error("main.cpp:2:1: error: \u2018Tensr\u2019 in namespace \u2018torch\u2019 does not name a type",
@@ -333,7 +333,7 @@ def test_a_unit_compiled_before_is_copied_not_compiled(tmp_path):
 
 
 def test_a_failed_toolchain_artifact_is_tried_again_later_not_for_ever(tmp_path, monkeypatch):
-    from dice.verifier import fastbuild
+    from dice.verifier.build import fast
     tries = []
 
     def make(folder: Path) -> bool:
@@ -341,20 +341,20 @@ def test_a_failed_toolchain_artifact_is_tried_again_later_not_for_ever(tmp_path,
         (folder / "made").write_text("x")
         return len(tries) > 1          # the first try fails
 
-    assert fastbuild._locked_artifact(tmp_path, "key", make) is None
-    assert fastbuild._locked_artifact(tmp_path, "key", make) is None and len(tries) == 1   # remembered
-    old = time.time() - fastbuild.RETRY_FAILED_S - 1
+    assert fast._locked_artifact(tmp_path, "key", make) is None
+    assert fast._locked_artifact(tmp_path, "key", make) is None and len(tries) == 1   # remembered
+    old = time.time() - fast.RETRY_FAILED_S - 1
     os.utime(tmp_path / "key", (old, old))                                                  # ... for a while
-    made = fastbuild._locked_artifact(tmp_path, "key", make)
+    made = fast._locked_artifact(tmp_path, "key", make)
     assert made == tmp_path / "key" and (made / "made").exists() and len(tries) == 2
-    assert fastbuild._locked_artifact(tmp_path, "key", make) == made and len(tries) == 2    # kept for good
+    assert fast._locked_artifact(tmp_path, "key", make) == made and len(tries) == 2    # kept for good
 
 
 def test_torch_macros_are_read_in_a_process_without_stdin(tmp_path, cuda_home):
     """The prebuild children ran with fd 0 closed, where nvcc fails ("Failed to preprocess host
     compiler properties") and every build then took torch's ~60 s way."""
     script = (f"import os, torch.utils.cpp_extension as ce\nce.CUDA_HOME = '/usr/local/cuda'\nos.close(0)\n"
-              f"from pathlib import Path\nfrom dice.verifier.fastbuild import Flags, torch_macros\n"
+              f"from pathlib import Path\nfrom dice.verifier.build.fast import Flags, torch_macros\n"
               f"flags = Flags(dict.fromkeys(['extra_cflags', 'extra_cuda_cflags', 'extra_ldflags', "
               f"'extra_include_paths']), 'ext', (9, 0))\nprint(len(torch_macros(Path({str(tmp_path)!r}), flags)))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -470,11 +470,11 @@ def shared_cache(tmp_path_factory):
 
 def _compile_only(tmp_path, call: dict, root: Path, binding: str = "pybind"):
     """The fast build of one call with `binding`, linked without the CUDA libraries the CPU wheel lacks."""
-    from dice.verifier import fastbuild
+    from dice.verifier.build import fast
     arguments = BuildCache(root, capability=(9, 0), build="fast").arguments(**call)
     flags = Flags(arguments, "ext", (9, 0))
     flags.ldflags = [f for f in flags.ldflags if f not in ("-lc10_cuda", "-ltorch_cuda")]
-    return fastbuild.fast_build(arguments, "ext", tmp_path, root, (9, 0), CompilerSlots(root), flags=flags,
+    return fast.fast_build(arguments, "ext", tmp_path, root, (9, 0), CompilerSlots(root), flags=flags,
                                 binding=binding)
 
 
@@ -513,7 +513,7 @@ def test_build_pool_prebuilds_into_the_cache(tmp_path):
     """A BuildPool child builds (here: a C++-only extension, which takes torch's path) into the
     cache the workers use, so a later BuildCache.load_inline imports it without building; a
     candidate that hangs is killed at the timeout."""
-    from dice.verifier.prebuild import BuildPool
+    from dice.verifier.build.pool import BuildPool
     program = ("from torch.utils.cpp_extension import load_inline\n"
                "ext = load_inline('plus', 'int plus(int a, int b) { return a + b; }', functions=['plus'])\n"
                "raise SystemExit('not reached')\n")
@@ -534,7 +534,7 @@ def test_build_pool_prebuilds_into_the_cache(tmp_path):
 
 
 GUARDLESS_OWNER = '''import sys
-from dice.verifier.prebuild import BuildPool
+from dice.verifier.build.pool import BuildPool
 open(sys.argv[2], "a").write("ran\\n")       # once per execution of this script
 program = ("import os, time\\nfrom torch.utils.cpp_extension import load_inline\\n"
            "if os.fork() == 0:\\n    os.setsid()\\n    if os.fork() == 0:\\n"
@@ -568,7 +568,7 @@ def test_build_pool_needs_no_main_guard_and_ends_what_a_candidate_started(tmp_pa
 
 
 HANGING_PREBUILD_OWNER = '''import sys, time
-from dice.verifier.prebuild import BuildPool
+from dice.verifier.build.pool import BuildPool
 pool = BuildPool(sys.argv[1], processes=1, timeout_s=600, capability=(9, 0))
 pool.submit("open(%r, 'w').write('x')\\nwhile True: pass  # load_inline" % sys.argv[2])
 time.sleep(600)
@@ -687,13 +687,13 @@ def test_generic_binding_converts_and_raises_as_torchs_binding(tmp_path, cuda_ho
 def test_build_cache_builds_and_reloads_the_generic_binding(tmp_path, cuda_home, shared_cache, monkeypatch):
     """BuildCache's fast build of a program with functions uses the generic binding; a fresh
     cache on the same folder loads the library from its `.dispatch.so` and pointer, building nothing."""
-    from dice.verifier import fastbuild
-    real_init = fastbuild.Flags.__init__
+    from dice.verifier.build import fast
+    real_init = fast.Flags.__init__
 
     def cpu_flags(self, *args):
         real_init(self, *args)
         self.ldflags = [f for f in self.ldflags if f not in ("-lc10_cuda", "-ltorch_cuda")]
-    monkeypatch.setattr(fastbuild.Flags, "__init__", cpu_flags)
+    monkeypatch.setattr(fast.Flags, "__init__", cpu_flags)
     call = dict(name="bound", cpp_sources=BOUND_DECLARATIONS, functions=BOUND_FUNCTIONS,
                 cuda_sources=HEADER + "__global__ void unused(float* y) {}\n" + BOUND)
     cache = BuildCache(shared_cache, capability=(9, 0), build="fast")

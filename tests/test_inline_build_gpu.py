@@ -97,7 +97,7 @@ FAST_WAY = [name for name in PROGRAMS if "torch's build" not in name]   # the re
 TEMPLATED = "templated kernel (torch's build)"
 # torch's own build decides these as the fast build did: a build that runs (torch's binding against the
 # generic one) and the two compile errors the fast build reports as torch's without running torch's build
-# (`fastbuild.SharedCompileError`: a name declared nowhere in cuda_sources, an error in torch's main.cpp)
+# (`fast.SharedCompileError`: a name declared nowhere in cuda_sources, an error in torch's main.cpp)
 TORCH_WAY = ["correct", "kernel does not compile", "cpp_sources do not compile"]
 PREBUILD = [program(PROGRAMS[name][0]) for name in FAST_WAY]   # built from the session's start (conftest)
 BUILDS_TORCH_WAY = True    # run after the other GPU tests (conftest), when the builds are done

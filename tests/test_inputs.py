@@ -36,8 +36,8 @@ def snapshot(folder: Path) -> dict[str, str]:
 def ws(tmp_path_factory):
     """A user's workspace: a trained model folder, SFT records, a DICE task file with solutions, a
     KernelBench folder, earlier solutions and results, and a run with a checkpoint."""
-    from dice.checkpoint import read_config, save_model
-    from dice.model import SDAR
+    from dice.model.checkpoint import read_config, save_model
+    from dice.model.sdar import SDAR
     from dice.taskgen import generate_split
     root = tmp_path_factory.mktemp("workspace")
     records = [{"prompt": f"add {a} and {a + 1}", "response": f"{2 * a + 1}"} for a in range(40)]

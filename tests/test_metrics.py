@@ -141,7 +141,7 @@ def test_learnable_keeps_the_records_whose_samples_disagree(tmp_path, capsys):
     import json
 
     from dice.metrics import main
-    from dice.tasks import load_tasks
+    from dice.tasks.load import load_tasks
     records, tasks, evaluation = learnable_case(tmp_path)
     out = tmp_path / "learnable.json"
     main(["learnable", evaluation, "--tasks", tasks, "--out", str(out)])

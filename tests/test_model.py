@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from dice import load_model
-from dice.attention import attend, block_causal_mask, block_diffusion_mask, folded_attention_bias
+from dice.model.attention import attend, block_causal_mask, block_diffusion_mask, folded_attention_bias
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
 

@@ -1,4 +1,4 @@
-"""The RL update's forwards (dice.packing): a response's trace rounds beside one clean stream give
+"""The RL update's forwards (dice.rl.packing): a response's trace rounds beside one clean stream give
 every loss token the log-prob and gradient of its own doubled round row (fp64, CPU)."""
 import itertools
 from pathlib import Path
@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from dice import load_model
-from dice.attention import streams_mask
-from dice.diffusion import doubled_logits
-from dice.packing import (flex_length, group_rounds, micro_batches, pack, pad_batch, packed_logprobs,
-                          update_flops)
-from dice.rollout import Completion
-from dice.trace import row_weights, trace_rounds
+from dice.model.attention import streams_mask
+from dice.rl.packing import flex_length, group_rounds, micro_batches, pack, pad_batch, packed_logprobs, update_flops
+from dice.rl.rollout import Completion
+from dice.rl.trace import row_weights, trace_rounds
+from dice.sft.diffusion import doubled_logits
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
 MASK = 319
@@ -180,7 +179,7 @@ def test_flex_length_is_the_budget_or_its_smallest_multiple_that_holds_the_batch
 def test_padded_flex_batch_gives_the_dense_log_probs():
     """FlexAttention (uncompiled on the CPU) on a micro-batch padded as the update pads it and the
     dense mask on the batch as packed give the same log-probs, in the same order (forward only)."""
-    from dice.sampler import generate
+    from dice.sampling.sampler import generate
     model = load_model(TINY)
     prompts = [list(range(5, 12)), list(range(3, 16)), [9]]
     out = generate(model, prompts, max_new_tokens=13, remasking="low_confidence_dynamic", threshold=0.5,

@@ -141,7 +141,7 @@ def test_a_run_that_train_rl_wrote_is_plotted(tmp_path):
     """The metrics.jsonl of a real (CPU, Python-reward) RL run: every step's reward, correct %
     (0: no verifier), groups kept % and KL are drawn as the run logged them."""
     from dice.config import TrainConfig
-    from dice.rl import train_rl
+    from dice.rl.train_rl import train_rl
     from test_rl import TASKS, rl_model_folder
 
     def length_reward(ts, completions):

@@ -1,4 +1,4 @@
-"""dice.prompts: the chat format (plain and DICE's think block), the kernel prompt, code extraction
+"""dice.tasks.prompts: the chat format (plain and DICE's think block), the kernel prompt, code extraction
 and the skeleton check."""
 import ast
 import json
@@ -7,12 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from dice.data import tokenize_records
-from dice.prompts import (
-    EXAMPLE_CUPY, EXAMPLE_LOAD_INLINE, EXAMPLE_MODEL, INFILL_GAP, REQUEST, chat_prompt, chat_response,
-    extract_code, keeps_skeleton, kernel_prompt, thinks,
-)
-from dice.tokenizer import load_tokenizer
+from dice.model.tokenizer import load_tokenizer
+from dice.sft.data import tokenize_records
+from dice.tasks.prompts import (EXAMPLE_CUPY, EXAMPLE_LOAD_INLINE, EXAMPLE_MODEL, INFILL_GAP, REQUEST, chat_prompt,
+                                chat_response, extract_code, keeps_skeleton, kernel_prompt, thinks)
 
 TASK = '''import torch
 import torch.nn as nn
@@ -205,8 +203,8 @@ def test_dice_chat_shape_is_dices_rollout_prompt():
 def test_sdar_and_dice_folders_are_asked_in_dices_shape_and_our_models_in_chatml():
     from types import SimpleNamespace
 
-    from dice.rollout import prompt_format, task_prompt_ids
-    from dice.tasks import Task
+    from dice.rl.rollout import prompt_format, task_prompt_ids
+    from dice.tasks.load import Task
     sdar, ours = (SimpleNamespace(config=SimpleNamespace(extra=extra)) for extra in ({}, {"dice_one_shot": None}))
     assert (prompt_format(sdar).chat, prompt_format(sdar).one_shot) == ("dice", "load_inline")
     assert (prompt_format(ours).chat, prompt_format(ours).one_shot) == ("chatml", None)
@@ -221,7 +219,7 @@ DICE_LIKE_INFILL = ("<|im_start|>user\nGiven:\n```\n{{pytorch_code}}\n``` \n\nPr
 
 
 def test_a_template_is_the_whole_prompt_with_the_task_filled_in_once():
-    from dice.prompts import PromptFormat, fill_template
+    from dice.tasks.prompts import PromptFormat, fill_template
     text = PromptFormat(template=DICE_LIKE_INFILL).text("class Model: {{prefix}}", "import a\n", "\nclass ModelNew")
     assert text == ("<|im_start|>user\nGiven:\n```\nclass Model: {{prefix}}\n``` \n\nPrefix:\n```\nimport a\n\n```\n"
                     "Suffix:\n```\n\nclass ModelNew\n``` \nComplete it! <|im_end|>\n<|im_start|>assistant\n")
@@ -236,7 +234,7 @@ def test_a_template_is_the_whole_prompt_with_the_task_filled_in_once():
     ("{{pytorch_code}} {{problem}}", False, "it has the placeholder {{problem}}; the placeholders are"),
 ])
 def test_template_problems(template, infill, problem):
-    from dice.prompts import template_problem
+    from dice.tasks.prompts import template_problem
     got = template_problem(template, infill)
     assert got == problem if problem is None else problem in got
 
@@ -244,8 +242,8 @@ def test_template_problems(template, infill, problem):
 def test_a_template_file_that_does_not_fit_is_one_line_naming_it(tmp_path):
     import sys
 
-    from dice.data import DataError
-    from dice.rollout import load_prompt_template
+    from dice.errors import DataError
+    from dice.rl.rollout import load_prompt_template
     good = tmp_path / "e2e.txt"
     good.write_text("<|im_start|>user\n{{pytorch_code}} <|im_end|>\n<|im_start|>assistant\n\n")
     assert load_prompt_template(str(good), infill=False) == good.read_text()
@@ -269,7 +267,7 @@ def test_a_template_file_that_does_not_fit_is_one_line_naming_it(tmp_path):
 
 @pytest.mark.slow
 def test_rl_rollouts_ask_with_the_template(tmp_path, monkeypatch):
-    import dice.rl
+    import dice.rl.train_rl
     from dice.config import TrainConfig
 
     from test_rl import TASKS, rl_model_folder
@@ -284,9 +282,9 @@ def test_rl_rollouts_ask_with_the_template(tmp_path, monkeypatch):
         asked.extend(tok.decode(p) for p in prompts)
         raise Stop
 
-    monkeypatch.setattr(dice.rl, "generate_and_score", capture)
+    monkeypatch.setattr(dice.rl.train_rl, "generate_and_score", capture)
     cfg = TrainConfig(phase="e2e", model=str(rl_model_folder(tmp_path / "model")), out=str(tmp_path / "out"),
                       steps=1, tasks_per_step=1, group_size=2, prompt_template=str(template))
     with pytest.raises(Stop):
-        dice.rl.train_rl(cfg, reward_fn=lambda tasks, completions: [0.0] * len(completions), tasks=TASKS[:1])
+        dice.rl.train_rl.train_rl(cfg, reward_fn=lambda tasks, completions: [0.0] * len(completions), tasks=TASKS[:1])
     assert asked == [f"<|im_start|>user\nSpeed up:\n{TASKS[0].source} <|im_end|>\n<|im_start|>assistant\n\n"] * 2

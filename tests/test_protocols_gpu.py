@@ -8,7 +8,7 @@ import torch
 
 from dice import load_model
 from dice.protocols import verify_options
-from dice.sampler import generate
+from dice.sampling.sampler import generate
 
 pytestmark = pytest.mark.gpu
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from dice import load_model
-import dice.packing
-from dice.packing import CompileClock, group_rounds, pack, packed_logprobs, update_plan
-from dice.rl import group_advantages, policy_loss, policy_update, train_rl
-from dice.runtime import Runtime, RunFolderError
-from dice.rollout import Completion
-from dice.sampler import generate
-from dice.trace import row_weights, trace_rounds
-from dice.tasks import Task
+import dice.rl.packing
 from dice.config import TrainConfig
+from dice.rl.packing import CompileClock, group_rounds, pack, packed_logprobs, update_plan
+from dice.rl.rollout import Completion
+from dice.rl.trace import row_weights, trace_rounds
+from dice.rl.train_rl import group_advantages, policy_loss, policy_update, train_rl
+from dice.runtime import Runtime, RunFolderError
+from dice.sampling.sampler import generate
+from dice.tasks.load import Task
 
 from conftest import make_tiny_model_folder, run_bounded
 
@@ -343,7 +343,7 @@ def test_flex_plan_gives_the_dense_plans_log_probs_in_the_same_order_fp64():
 
 
 class FakeTime:
-    """`time` for dice.packing whose clock moves only when a timed micro-batch says how long it took."""
+    """`time` for dice.rl.packing whose clock moves only when a timed micro-batch says how long it took."""
     now = 0.0
 
     def perf_counter(self) -> float:
@@ -355,7 +355,7 @@ class FakeTime:
 
 def test_compile_clock_counts_a_new_shapes_micro_batches_beyond_the_steady_ones(monkeypatch):
     fake, met, cpu = FakeTime(), set(), torch.device("cpu")
-    monkeypatch.setattr(dice.packing, "time", fake)
+    monkeypatch.setattr(dice.rl.packing, "time", fake)
     one, two = (SimpleNamespace(ids=torch.zeros(1, n)) for n in (8, 16))
     first = CompileClock(met, cpu)
     for kind, seconds in (("forward", 3.0), ("forward", 1.0), ("train", 9.0), ("train", 2.0), ("train", 2.5)):
@@ -399,7 +399,7 @@ TASKS = [Task(name=f"t{i}", level=1 + i % 2, source=f"class Model:\n    scale = 
 
 def rl_model_folder(folder):
     """A from-scratch model whose tokenizer knows the (one-shot-free) kernel prompts of TASKS."""
-    from dice.prompts import chat_prompt, kernel_prompt
+    from dice.tasks.prompts import chat_prompt, kernel_prompt
     texts = [chat_prompt(kernel_prompt(t.source, one_shot=None)) for t in TASKS] * 3
     make_tiny_model_folder(folder, texts, vocab_size=400)
     config = json.loads((folder / "config.json").read_text())
@@ -454,8 +454,8 @@ def test_step_metrics_count_the_results_of_every_rollout_batch(tmp_path, monkeyp
     correct and 2x faster, so each rate is 100% (counting only the last batch gave 50%)."""
     from types import SimpleNamespace
 
-    import dice.rollout
-    from dice.rewards import verifier_reward
+    import dice.rl.rollout
+    from dice.rl.rewards import verifier_reward
 
     class AllCorrect:
         calls = 0
@@ -464,7 +464,7 @@ def test_step_metrics_count_the_results_of_every_rollout_batch(tmp_path, monkeyp
             AllCorrect.calls += 1
             return [SimpleNamespace(compiled=True, correct=True, speedup=2.0) for _ in pairs]
 
-    monkeypatch.setattr(dice.rollout, "extract_code", lambda text: "code")   # any code block
+    monkeypatch.setattr(dice.rl.rollout, "extract_code", lambda text: "code")   # any code block
     cfg = TrainConfig(phase="e2e", model=str(rl_model_folder(tmp_path / "model")), out=str(tmp_path / "out"),
                       steps=1, tasks_per_step=2, group_size=4, rollout_batch=4, max_new_tokens=8, reward="speedup")
     train_rl(cfg, reward_fn=verifier_reward(AllCorrect(), "e2e", kind="speedup"), tasks=TASKS[:2])
@@ -479,7 +479,7 @@ def test_two_process_gloo_rl_matches_one_process(tmp_path):
     """Rollouts are seeded by task slot and eval task i by i, so 1 and 2 processes see the same
     first step and the same evaluations; under FSDP every process joins the evaluation (rank 0
     alone deadlocked in the parameter all-gathers). A resume on another process count is refused in
-    one line (a step's optimiser steps group each process's rows, `dice.packing.update_plan`)."""
+    one line (a step's optimiser steps group each process's rows, `dice.rl.packing.update_plan`)."""
     model = rl_model_folder(tmp_path / "model")
     script = str(Path(__file__).parent / "fixtures" / "rl_run.py")
     one = run_bounded([sys.executable, script, str(model), str(tmp_path / "one")], timeout=300)
@@ -513,7 +513,7 @@ def test_two_process_gloo_rl_matches_one_process(tmp_path):
 def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():
     from types import SimpleNamespace
 
-    from dice.rewards import verifier_reward
+    from dice.rl.rewards import verifier_reward
 
     class FakeVerifier:
         """map reports a task whose reference crashes as the real one does with on_broken_task."""
@@ -539,7 +539,7 @@ def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():
 
 
 def test_each_torchrun_process_verifies_on_its_own_gpu_with_its_share_of_the_workers(monkeypatch):
-    from dice.rewards import rank_verifier
+    from dice.rl.rewards import rank_verifier
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert rank_verifier(14, torch.device("cuda", 2)) == {"workers": 3, "device": "cuda:2"}
     assert rank_verifier(2, torch.device("cuda", 3)) == {"workers": 1, "device": "cuda:3"}

@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling in BiC-RL (`--dynamic-sampling-rounds`, dice.rl `sample_step`): hand-worked
+"""DAPO's dynamic sampling in BiC-RL (`--dynamic-sampling-rounds`, dice.rl.train_rl `sample_step`): hand-worked
 draws on a stubbed rollout (one process and two), then tiny CPU runs with a Python reward that is
 constant on some tasks: those groups are dropped and replaced, the update sees only the others,
 the counts reach metrics.jsonl, a resume continues the task stream, and the run ends with its plot."""
@@ -8,11 +8,11 @@ import threading
 import pytest
 import torch
 
-import dice.rl
+import dice.rl.train_rl
 from dice.config import TrainConfig, config_from_args
-from dice.rl import sample_step, train_rl
+from dice.rl.train_rl import sample_step, train_rl
 from dice.runtime import RunFolderError, Runtime
-from dice.tasks import Task
+from dice.tasks.load import Task
 from test_rl import TASKS, rl_model_folder
 
 ORDERED = [Task(name=f"t{i}", level=1, source="") for i in range(10)]
@@ -20,7 +20,7 @@ AGREE = {"t0", "t2", "t3", "t5", "t6"}     # the stub's groups of these tasks ar
 
 
 def stub_rollout(monkeypatch):
-    """`dice.rl.rollout` replaced: group rewards 1, 1, ... for AGREE, else 0, 1, 0, ...; returns the
+    """`dice.rl.train_rl.rollout` replaced: group rewards 1, 1, ... for AGREE, else 0, 1, 0, ...; returns the
     (slots, task names) of every call."""
     calls, lock = [], threading.Lock()
 
@@ -30,7 +30,7 @@ def stub_rollout(monkeypatch):
         rewards = [1.0 if t.name in AGREE else float(j % 2) for t in tasks for j in range(cfg.group_size)]
         return ([f"{t.name}/{j}" for t in tasks for j in range(cfg.group_size)], rewards, [None] * len(rewards),
                 {"generate_s": 1.0, "verify_s": 2.0, "verify_wait_s": 0.0, "rollout_batch": len(rewards)})
-    monkeypatch.setattr(dice.rl, "rollout", rollout)
+    monkeypatch.setattr(dice.rl.train_rl, "rollout", rollout)
     return calls
 
 
@@ -146,12 +146,12 @@ def test_agreeing_tasks_are_dropped_replaced_and_never_trained(tmp_path, monkeyp
     sees t1's and t3's groups alone (8 of the 16 responses); step 2 goes on with t4 .. t7. Without
     dynamic sampling (DICE) a step is t0, t1 then t2, t3. The run's last line names its plot."""
     seen, trained = [], []
-    update = dice.rl.policy_update
+    update = dice.rl.train_rl.policy_update
 
     def spy(model, ref, completions, advantages, *args, **kwargs):
         trained.append([id(c) for c, a in zip(completions, advantages) if a is not None])
         return update(model, ref, completions, advantages, *args, **kwargs)
-    monkeypatch.setattr(dice.rl, "policy_update", spy)
+    monkeypatch.setattr(dice.rl.train_rl, "policy_update", spy)
     out = tmp_path / "run"
     train_rl(tiny_config(rl_model_folder(tmp_path / "model"), out, steps=2, dynamic_sampling_rounds=rounds),
              reward_fn=even_constant(seen), tasks=TASKS)

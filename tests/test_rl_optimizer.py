@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import dice.packing
-import dice.rl
+import dice.rl.packing
+import dice.rl.train_rl
 from dice import load_model
 from dice.config import RL_GRAD_CLIP, TrainConfig
-from dice.packing import minibatches
-from dice.rl import policy_update, restart_moments, train_rl
-from dice.rollout import Completion
+from dice.rl.packing import minibatches
+from dice.rl.rollout import Completion
+from dice.rl.train_rl import policy_update, restart_moments, train_rl
 from dice.runtime import Runtime
 
 from test_rl import TASKS, rl_model_folder
@@ -50,8 +50,8 @@ def test_policy_update_steps_on_whole_responses(monkeypatch):
     """Two responses of 3 round rows each and --rows-per-update 3: two optimiser steps, the first on
     response 0's three rounds, the second on response 1's."""
     seen = []
-    real = dice.packing.group_rounds
-    monkeypatch.setattr(dice.packing, "group_rounds", lambda items, *args: seen.append([k for k, _, _ in items])
+    real = dice.rl.packing.group_rounds
+    monkeypatch.setattr(dice.rl.packing, "group_rounds", lambda items, *args: seen.append([k for k, _, _ in items])
                         or real(items, *args))
     model = load_model(TINY)
     prompt = list(range(10, 17))
@@ -126,13 +126,13 @@ def test_step_lifetime_makes_every_rl_steps_update_adams_first():
 @pytest.mark.parametrize("lifetime, states", [("step", [0, 0]), ("run", [0, "kept"])])
 def test_the_rl_loop_restarts_the_moments_before_each_steps_update(tmp_path, monkeypatch, lifetime, states):
     seen = []
-    real = dice.rl.policy_update
+    real = dice.rl.train_rl.policy_update
 
     def watched(model, ref, completions, advantages, cfg, rt, optimizer, *args, **kwargs):
         seen.append(len(optimizer.state))
         return real(model, ref, completions, advantages, cfg, rt, optimizer, *args, **kwargs)
 
-    monkeypatch.setattr(dice.rl, "policy_update", watched)
+    monkeypatch.setattr(dice.rl.train_rl, "policy_update", watched)
     cfg = TrainConfig(phase="e2e", model=str(rl_model_folder(tmp_path / "model")), out=str(tmp_path / "out"),
                       steps=2, tasks_per_step=1, group_size=4, rollout_batch=4, max_new_tokens=8,
                       optimizer_state=lifetime)

@@ -1,4 +1,4 @@
-"""Which tasks each RL step takes (dice.tasks `curriculum`, `step_tasks`, `--task-order`): hand-worked
+"""Which tasks each RL step takes (dice.tasks.load `curriculum`, `step_tasks`, `--task-order`): hand-worked
 orders, and the interleaved order's promise checked by brute force over every window."""
 
 import json
@@ -7,8 +7,8 @@ import random
 import pytest
 
 from dice.config import TrainConfig
-from dice.rl import train_rl
-from dice.tasks import Task, curriculum, step_tasks
+from dice.rl.train_rl import train_rl
+from dice.tasks.load import Task, curriculum, step_tasks
 from test_rl import TASKS, rl_model_folder
 
 

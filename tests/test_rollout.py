@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dice import load_model
-from dice.rollout import auto_rollout_batch, bf16_copy, generate_and_score, generation_copy
-from dice.sampler import generate
+from dice.rl.rollout import auto_rollout_batch, bf16_copy, generate_and_score, generation_copy
+from dice.sampling.sampler import generate
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3], [7] * 13, [42]]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dice import load_model
-from dice.sampler import choose_tokens, generate, select_positions, tokens_per_step
+from dice.sampling.sampler import choose_tokens, generate, select_positions, tokens_per_step
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
 # lengths 7, 8, 3, 13, 1: on and off the block grid (block 4), mixed in one batch
@@ -127,7 +127,7 @@ def test_greedy_confidence_leaves_out_the_mask_token_even_when_it_leads():
 def test_greedy_choice_is_softmax_max_with_the_first_of_tied_maxima(vocab):
     """The piecewise reductions against the softmax's maximum: the same token (the first of two
     tied maxima in different pieces), the probability to float32 accuracy (against float64)."""
-    from dice.sampler import greedy_choice
+    from dice.sampling.sampler import greedy_choice
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randn(2, 4, vocab, generator=g) * 4
     logits[0, 1, [vocab - 1, 5]] = 30.0
@@ -202,7 +202,7 @@ def reference_generate(model, prompt, max_new_tokens, steps, remasking, threshol
     """DESIGN.md §5 for one sequence in plain Python: no padding, no cache, the whole sequence
     recomputed every step, each rule written out per position. Independent of `generate` except
     for the noise hash (`uniform_noise`) and the 32-bit seed fold."""
-    from dice.choice import row_seeds as _row_seeds, uniform_noise
+    from dice.sampling.choice import row_seeds as _row_seeds, uniform_noise
     B, mask = model.config.block_size, model.config.mask_token_id
     schedule = [B // steps + (s < B % steps) for s in range(steps)]
     x, g0, step, unmasked_at = list(prompt), len(prompt), 0, {}

@@ -5,9 +5,9 @@ import itertools
 import pytest
 import torch
 
-from dice.prompts import keeps_skeleton
-from dice.tasks import check_task_source
 from dice.taskgen import ELEMENTWISE, ROW_OPS, generate_split, passed_by_a_constant
+from dice.tasks.load import check_task_source
+from dice.tasks.prompts import keeps_skeleton
 
 
 def pairs(ops):

@@ -1,4 +1,4 @@
-"""Task loading from KernelBench folders and DICE JSON files (dice/tasks.py); bad files raise
+"""Task loading from KernelBench folders and DICE JSON files (dice/tasks/load.py); bad files raise
 DataError, which the commands print as one line."""
 
 import json
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dice.data import DataError
-from dice.tasks import Task, check_task_source, load_tasks, missing_task_names
+from dice.errors import DataError
+from dice.tasks.load import Task, check_task_source, load_tasks, missing_task_names
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
 TASK = (FIXTURES / "relu_task.py").read_text()

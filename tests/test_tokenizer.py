@@ -1,4 +1,4 @@
-"""dice.tokenizer: both ways of loading a byte-level BPE folder agree, ids DICE needs, training.
+"""dice.model.tokenizer: both ways of loading a byte-level BPE folder agree, ids DICE needs, training.
 
 The default suite builds its own small Qwen2-style folder. The SDAR tokenizer is checked
 against golden encodings only on request:
@@ -15,10 +15,8 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers, trainers
 
-from dice.tokenizer import (
-    ENDOFTEXT, IM_END, IM_START, QWEN2_SPLIT_PATTERN, SPECIAL_TOKENS, TokenizerError,
-    load_tokenizer, train_tokenizer,
-)
+from dice.model.tokenizer import (ENDOFTEXT, IM_END, IM_START, QWEN2_SPLIT_PATTERN, SPECIAL_TOKENS, TokenizerError,
+                                  load_tokenizer, train_tokenizer)
 
 CORPUS = [
     "import torch\nimport torch.nn as nn\n\nclass Model(nn.Module):\n    def forward(self, x):\n        return torch.relu(x)\n",

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dice import load_model
-from dice.tokenizer import load_tokenizer
+from dice.model.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--phase", "sft", "--batch-size", "4", "--max-len", "64", "--lr", "3e-3", "--warmup", "3", "--seed", "1"]
@@ -170,7 +170,7 @@ def test_an_existing_step_folder_is_replaced_by_the_new_checkpoint(tmp_path):
 
 
 def test_resume_with_latest_naming_a_missing_checkpoint_is_an_error(tmp_path):
-    from dice.checkpoint import CheckpointError
+    from dice.model.checkpoint import CheckpointError
     from dice.runtime import resume
     out, model, optimizer, save = saver(tmp_path)
     save(4)
@@ -279,7 +279,7 @@ def test_embedded_default_runs_on_a_cpu_with_no_other_flag(tmp_path):
 
 def test_sft_sizes_fit_the_machine():
     from dice.config import TrainConfig
-    from dice.sft import sft_sizes
+    from dice.sft.train_sft import sft_sizes
     cpu, note = sft_sizes(TrainConfig(), torch.device("cpu"))
     assert (cpu.batch_size, cpu.max_len) == (1, 1024) and "no CUDA GPU: --batch-size 1 --max-len 1024" in note
     given, note = sft_sizes(TrainConfig(batch_size=3), torch.device("cpu"))

@@ -30,7 +30,7 @@ def test_kv_cache_estimate_is_the_samplers_allocation():
     4): 36 x 538 bytes, what `new_cache` and the sampler's Rows allocate."""
     from dice import load_model
     from dice.memory import kv_cache_bytes
-    from dice.sampler import Rows
+    from dice.sampling.sampler import Rows
     model = load_model(TINY)
     assert kv_cache_bytes(model.config, 3, 3 + 7, 4) == 36 * (2 * 2 * 2 * 16 * 4 + 26) == 19368
     rows = Rows([[5, 6, 7]] * 3, 4, 7, model.config.mask_token_id, [0, 1, 2], "cpu")
@@ -60,7 +60,7 @@ def test_progress_ends_at_the_length_limit_not_at_the_last_blocks_end():
     """Prompts of 5 and 6 tokens (block 4) and 6 new tokens: the last blocks reach positions 7 and 8 past
     the prompts, cut to 6 each; the count generate reports ends at 2 x 6 (it said 7 + 8 = 15 of 12)."""
     from dice import load_model
-    from dice.sampler import generate
+    from dice.sampling.sampler import generate
     reported = []
     generate(load_model(TINY), [[5] * 5, [6] * 6], max_new_tokens=6, progress=reported.append)
     assert reported[-1] == 12 and reported == sorted(reported)
@@ -81,7 +81,7 @@ def test_taskgen_overwrite_replaces_its_four_files_and_nothing_else(tmp_path, ca
 def test_init_overwrite_of_a_model_folder_leaves_no_weights_of_the_old_config(tmp_path, capsys):
     """--phase init --overwrite into a trained model folder: its config, tokenizer and weights are
     replaced (weights of another config would not load); the user's other files stay."""
-    from dice.checkpoint import has_weights, read_config
+    from dice.model.checkpoint import has_weights, read_config
     folder = tmp_path / "model"
     shutil.copytree(DICE_TINY, folder)
     data = tmp_path / "d.json"
@@ -96,7 +96,7 @@ def test_save_solutions_overwrite_replaces_a_tasks_samples_whole(tmp_path):
     """An earlier run's 3 samples of a task, overwritten by a run of 2: reading back gives the 2."""
     import argparse
 
-    from dice.tasks import Task
+    from dice.tasks.load import Task
     evaluate = command("evaluate")
     task = Task("level1/1_X", 1, "src")
     evaluate.write_solutions(tmp_path, [(task, f"old {k}") for k in range(3)], 3)
@@ -106,10 +106,10 @@ def test_save_solutions_overwrite_replaces_a_tasks_samples_whole(tmp_path):
 
 
 def test_sample_overwrite_replaces_the_out_file(tmp_path, monkeypatch, capsys):
-    import dice.rollout
+    import dice.rl.rollout
     sample = command("sample")
     monkeypatch.setattr(sample, "complete", lambda model, tok, prompts, **kw: [
-        dice.rollout.Completion(list(prompts[0]), [], [], "", "class ModelNew: pass")])
+        dice.rl.rollout.Completion(list(prompts[0]), [], [], "", "class ModelNew: pass")])
     out = tmp_path / "kernel.py"
     out.write_text("the user's kernel")
     sample.main(["--prompt", str(EXAMPLE), "--out", str(out), "--device", "cpu", "--overwrite"])
@@ -120,11 +120,11 @@ def test_sample_overwrite_replaces_the_out_file(tmp_path, monkeypatch, capsys):
 def test_evaluate_out_on_a_cpu_lists_the_generated_programs_as_unverified(tmp_path, monkeypatch, capsys):
     """--out was not written at all on a CPU; now it lists every program, unverified, and dice.metrics
     says so instead of comparing it."""
-    import dice.rollout
+    import dice.rl.rollout
     from dice.cli import fail_cleanly
     from dice.metrics import main as metrics
-    monkeypatch.setattr(dice.rollout, "complete", lambda model, tok, prompts, **kw: [
-        dice.rollout.Completion(list(p), [], [], "", "code") for p in prompts])
+    monkeypatch.setattr(dice.rl.rollout, "complete", lambda model, tok, prompts, **kw: [
+        dice.rl.rollout.Completion(list(p), [], [], "", "code") for p in prompts])
     tasks, out = tmp_path / "kb" / "level1", tmp_path / "results.json"
     tasks.mkdir(parents=True)
     for name in ("1_A", "2_B"):

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from dice.verifier import TaskError, Verifier, VerifyResult, verify
-from dice.verifier.results import static_check, trial_seeds
-from dice.verifier.build import BuildCache, BuildError, build_error_message, nvrtc_error_message
-from dice.verifier.checks import (aliased_outputs, compare_outputs, fallback_problem, fingerprint, kernel_names,
-                                  modified_inputs, replaced_functions)
+from dice.verifier.build.cache import BuildCache, BuildError, build_error_message, nvrtc_error_message
 from dice.verifier.process import GpuLock
+from dice.verifier.results import static_check, trial_seeds
+from dice.verifier.rules import (aliased_outputs, compare_outputs, fallback_problem, fingerprint, kernel_names,
+                                 modified_inputs, replaced_functions)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
 RELU_TASK = (FIXTURES / "relu_task.py").read_text()

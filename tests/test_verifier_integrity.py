@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from dice.verifier import VerifyOptions
-from dice.verifier.checks import compare_outputs, kernel_problem, relative_error
 from dice.verifier.harness import (HEAVY_KINDS, call_draws, make_inputs, load_task, stable_seed, structured,
                                    timed_inputs, trial_inputs, trial_kinds, with_heavy)
 from dice.verifier.kernels import qualified_name
 from dice.verifier.precision import DICE_TOLERANCE, own_error, reduction_terms, tolerances, unit
 from dice.verifier.records import HOST_MS, activity, call_windows, split_marker, unrecorded_launches
+from dice.verifier.rules import compare_outputs, kernel_problem, relative_error
 from dice.verifier.verdicts import timed_block_verdict, trial_activity
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
@@ -367,10 +367,10 @@ def test_the_dice_reward_rules_are_dices_own_check():
 
     from dice.config import TrainConfig, UsageError
     from dice.protocols import DICE_REWARD
-    from dice.rewards import verifier_reward
-    from dice.rl import RESUME_FIELDS
-    from dice.rollout import Completion
-    from dice.tasks import Task
+    from dice.rl.rewards import verifier_reward
+    from dice.rl.train_rl import RESUME_FIELDS
+    from dice.rl.rollout import Completion
+    from dice.tasks.load import Task
 
     seen = []
 

@@ -7,13 +7,13 @@ their commands and hardware: `dice/PERFORMANCE.md`.
 | module | command |
 | --- | --- |
 | `decode` | `sample` (tokens/s vs the weight roofline), `profile` (a batch-1 forward, kernel by kernel) |
-| `fused` | `fused` (the persistent kernel of `dice.fused` vs the compiled step) |
-| `train` | `train` (SFT step, MFU, FSDP2), `model` (numerics: bf16 vs fp32, flex vs dense, cache vs brute force) |
+| `fused_decode` | `fused` (the persistent kernel of `dice.fused` vs the compiled step) |
+| `training` | `train` (SFT step, MFU, FSDP2), `model` (numerics: bf16 vs fp32, flex vs dense, cache vs brute force) |
 | `verify` | `verify` (verifier throughput), `verify --check` (reference solutions) |
-| `builds` | `builds` (load_inline fast-build CPU per program, generic vs torch's binding; no GPU needed) |
+| `build_cost` | `builds` (load_inline fast-build CPU per program, generic vs torch's binding; no GPU needed) |
 | `stability` | `stability` (honest candidates' speedups from fresh Verifiers: do they repeat?) |
-| `rl`, `replay` | `rl` (one BiC-RL step, DICE's 64 x 16 on request: generate / verify / update seconds, update TFLOP/s, the bound; torchrun: FSDP2 over N GPUs) |
-| `check` | `check` (the GPU test suite and the headline numbers above in one call, one table last) |
+| `rl_step`, `replay` | `rl` (one BiC-RL step, DICE's 64 x 16 on request: generate / verify / update seconds, update TFLOP/s, the bound; torchrun: FSDP2 over N GPUs) |
+| `suite` | `check` (the GPU test suite and the headline numbers above in one call, one table last) |
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ import sys
 import torch
 
 from ..cli import ArgumentParser, at_least
-from ..model import SDAR_SHAPES
-from . import builds, check, decode, fused, rl, stability, train
+from ..model.sdar import SDAR_SHAPES
+from . import build_cost, decode, fused_decode, rl_step, stability, suite, training
 from .common import BenchRun, BudgetSpent, add_run_arguments
-from .train import train_shape
+from .training import train_shape
 from .verify import main as verify_main
 
 
@@ -63,12 +63,12 @@ def main(argv=None) -> None:
                    help="recompute each layer's forward in the backward pass (adds an HFU column)")
     m = sub.add_parser("model", help="bf16 vs fp32 logits, flex vs dense attention")
     m.add_argument("--shape", type=str.lower, choices=SDAR_SHAPES, default="1.7b", help="public SDAR shape")
-    check.add_arguments(sub.add_parser("check", help="the GPU test suite and the headline benchmarks in one call "
+    suite.add_arguments(sub.add_parser("check", help="the GPU test suite and the headline benchmarks in one call "
                                                      "(from a checkout)"))
-    builds.add_arguments(sub.add_parser("builds", help="load_inline fast-build CPU per program, generic vs torch's "
+    build_cost.add_arguments(sub.add_parser("builds", help="load_inline fast-build CPU per program, generic vs torch's "
                                                        "binding (no GPU needed)"))
     stability.add_arguments(sub.add_parser("stability", help="the same candidates' speedups from fresh Verifiers"))
-    rl.add_arguments(sub.add_parser("rl", help="one BiC-RL step: generate / verify / update time, the bound"))
+    rl_step.add_arguments(sub.add_parser("rl", help="one BiC-RL step: generate / verify / update time, the bound"))
     # verify's flags live in bench_verify, which parses (and lists with --help) everything after "verify"
     sub.add_parser("verify", add_help=False, help="kernels verified per minute (CuPy vs load_inline), or --check")
     for name, sub_parser in sub.choices.items():
@@ -81,9 +81,9 @@ def main(argv=None) -> None:
         return
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    benches = {"sample": decode.bench_sample, "profile": decode.bench_profile, "fused": fused.bench_fused,
-               "train": train.bench_train, "model": train.bench_model, "stability": stability.bench_stability,
-               "rl": rl.bench_rl, "builds": builds.bench_builds, "check": check.bench_check}
+    benches = {"sample": decode.bench_sample, "profile": decode.bench_profile, "fused": fused_decode.bench_fused,
+               "train": training.bench_train, "model": training.bench_model, "stability": stability.bench_stability,
+               "rl": rl_step.bench_rl, "builds": build_cost.bench_builds, "check": suite.bench_check}
     # rl (with --reward python) and builds (compiles only) run on a CPU too
     if not torch.cuda.is_available() and args.what not in ("train", "rl", "builds"):
         sys.exit(f"error: python -m dice.bench {args.what} needs a CUDA GPU, which this machine lacks; run it on a GPU "

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch._inductor import config as inductor_config
 
-from ..attention import attend, folded_attention_bias
-from ..model import random_model
-from ..sampler import CachedForward, generate
+from ..model.attention import attend, folded_attention_bias
+from ..model.sdar import random_model
+from ..sampling.sampler import CachedForward, generate
 from .common import HBM_BYTES_PER_S, forward_weight_bytes, median_replay_ms, table
 
 

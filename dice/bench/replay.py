@@ -11,7 +11,7 @@
   share, chosen at random, is broken: half of them with an undeclared identifier in the device
   code (compile_error), half with 1 added to ModelNew's output (the kernels run, the result is
   wrong: incorrect). The verifier sees these programs through the training reward
-  (`dice.rewards.verifier_reward`); `--reward python` scores 1 for an unbroken program instead (no
+  (`dice.rl.rewards.verifier_reward`); `--reward python` scores 1 for an unbroken program instead (no
   GPU needed; the references are then not checked);
 * lengths: a random model never samples an eos, so each rollout stops as if it had sampled one
   right after the program it stands for (`generate(lengths=...)`): the tokens of
@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from ..model import SDAR_SHAPES
-from ..rewards import Scores, verifier_reward
-from ..tasks import curriculum
+from ..model.sdar import SDAR_SHAPES
+from ..rl.rewards import Scores, verifier_reward
+from ..tasks.load import curriculum
 
 CHARS_PER_TOKEN = 3.8   # the SDAR tokenizer on the 99 DICE infilling references: 71,964 chars, 18,862 tokens
 SDAR_TOKENIZER = ("shared/sdar-chat", "../shared/sdar-chat")   # where a checkout keeps it, from its root

@@ -3,9 +3,9 @@
 `bench_verify(args)`: kernels verified per minute for the same elementwise tasks written as CuPy
 (NVRTC) and as load_inline (nvcc) candidates: CuPy with a cold pool (worker start-up and NVRTC
 compiles included) and a warm one, with and without timing; load_inline built each way
-(`--build`, default both: torch's load_inline, and the split build of `verifier.fastbuild`) with
+(`--build`, default both: torch's load_inline, and the split build of `verifier.build.fast`) with
 a warm pool and a cold then warm build cache (the fast build also with its precompiled header
-already made, and prebuilt by a `prebuild.BuildPool` before verifying); the warm no-timing CuPy
+already made, and prebuilt by a `pool.BuildPool` before verifying); the warm no-timing CuPy
 row again with one judge (the default is one per 4 workers); and load_inline evaluated KernelBench's way, one fresh Python process
 per kernel, one at a time. Every kernel is a new source (salted), so no cache helps unless the row
 says so. "judge busy" is the fraction of the row's time each judge spent answering: near 100%, the
@@ -36,10 +36,10 @@ from types import SimpleNamespace
 import torch
 
 from ..cli import ArgumentParser, at_least, fail_cleanly
-from ..data import DataError, read_text
-from ..tasks import load_tasks
+from ..errors import DataError, read_text
+from ..tasks.load import load_tasks
 from ..verifier import Verifier
-from ..verifier.prebuild import BuildPool
+from ..verifier.build.pool import BuildPool
 
 from .common import BenchRun, BudgetSpent, add_run_arguments
 
@@ -218,7 +218,7 @@ def bench_verify(args, run) -> None:
 
 @contextmanager
 def build_way(build: str | None):
-    """Workers started inside build their load_inline extensions this way (`build.BuildCache`
+    """Workers started inside build their load_inline extensions this way (`cache.BuildCache`
     reads DICE_INLINE_BUILD; the workers inherit the environment)."""
     before = os.environ.get("DICE_INLINE_BUILD")
     if build:

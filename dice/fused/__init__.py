@@ -1,12 +1,12 @@
 """The optional batch-1 fast path: each denoising step of one sequence as one persistent CUDA kernel
 (bf16, Hopper, CuPy). Design and measurements: `dice/fused/NOTES.md`.
 
-`dice.sampler.generate(..., fused=True)` takes its steps from `FusedForward`, the only place the
+`dice.sampling.sampler.generate(..., fused=True)` takes its steps from `FusedForward`, the only place the
 sampler touches this package; `FusedDecoder` (`decoder.py`, `fused_decode.cu`) is the kernel.
 """
 from __future__ import annotations
 
-from ..sampler import CachedForward, Sampling
+from ..sampling.sampler import CachedForward, Sampling
 from .decoder import FusedDecoder, FusedDecodingError
 
 __all__ = ["FusedDecoder", "FusedDecodingError", "FusedForward"]
@@ -15,7 +15,7 @@ __all__ = ["FusedDecoder", "FusedDecodingError", "FusedForward"]
 class FusedForward(CachedForward):
     """`CachedForward` whose step is the fused kernel (attention over the whole cache, so one CUDA
     graph per step shape). With `greedy` (temperature 0) the kernel also makes the greedy choice
-    (`dice.sampler.greedy_choice` on its logits), which the sampler then takes instead of its own."""
+    (`dice.sampling.sampler.greedy_choice` on its logits), which the sampler then takes instead of its own."""
 
     def __init__(self, model, cache, use_graphs: bool, compile: bool = False, *, greedy: bool = False):
         super().__init__(model, cache, use_graphs, compile)

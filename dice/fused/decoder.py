@@ -47,7 +47,7 @@ take a ticket combines the blocks'.
 Numerics follow the layer-by-layer bf16 model: activations are rounded to bf16 where it rounds
 them (norm outputs, products, residual sums, RoPE terms); attention keeps scores, softmax sums and
 value sums in float32, rounds the probabilities to bf16 for the value product (so does the
-layer-by-layer decode attention, `dice.attention`) and rounds its output. Accumulation order
+layer-by-layer decode attention, `dice.model.attention`) and rounds its output. Accumulation order
 differs, so logits differ from the layer-by-layer step's in the last bits.
 
 Scope: bf16 weights, one sequence (batch 1, no padding: a key slot's position is its index), up
@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from ..model import rope_cos_sin
+from ..model.sdar import rope_cos_sin
 
 NT = 8             # token rows per forward, at most (the mma's N)
 CW = 8             # consumer warps per block
@@ -264,7 +264,7 @@ class FusedDecoder:
 
     def greedy_choice(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last launch's greedy choice for its n logit rows (built with greedy=True): tokens
-        [1, n] and confidences [1, n], as `dice.sampler.greedy_choice` gives them for the returned
+        [1, n] and confidences [1, n], as `dice.sampling.sampler.greedy_choice` gives them for the returned
         logits with the mask token left out (up to float32 summation order in the confidence)."""
         if not self.greedy:
             raise ValueError("this FusedDecoder was built without greedy=True")

@@ -585,7 +585,7 @@ __device__ void attention(const u64* row, const bf16* qkv, bf16* att, float* par
     }
 }
 
-// The greedy choice of each logit row t >= lf (dice.sampler.greedy_choice): its largest logit's
+// The greedy choice of each logit row t >= lf (dice.sampling.sampler.greedy_choice): its largest logit's
 // first vocabulary row and that token's softmax probability 1 / sum_j exp(l_j - max). Each block
 // reads back the logits it wrote (its lm_head tiles, from `first`; every thread's rows in
 // increasing order), combines its threads' choices per token, publishes them, and the block that

@@ -7,7 +7,7 @@
 | `verifier` | `Verifier` (the pool and the stages); `verify` (below) uses a shared default one |
 | `results` | `VerifyResult`, `VerifyOptions`, the static checks, the trials' seeds |
 | `process` | one worker process: spawn, call with a deadline, kill, respawn; the GPU lock |
-| `protocol` | everything that crosses a pipe: request and reply schemas, strict decoding, tensor transport |
+| `wire` | everything that crosses a pipe: request and reply schemas, strict decoding, tensor transport |
 | `worker` | the workers' main loop and the candidate role |
 | `judge` | the trusted judge role: reference outputs, comparisons, the eager baseline |
 | `verdicts` | what a trial's and a timed block's replies mean (plain functions, in the trainer) |
@@ -19,10 +19,9 @@
 | `speedup` | the paired candidate / baseline rounds and their confidence interval |
 | `kernels` | what the profiler saw, and which kernels the candidate compiled (machine code) |
 | `epilogues` | which library GEMM kernels compute an activation, learnt from the task's own products (judge) |
-| `checks` | the rules as plain functions |
+| `rules` | the rules as plain functions |
 | `keeper` | the process above every worker: child subreaper, parent-death watch, tree kills |
-| `build`, `inline`, `cxx`, `fastbuild`, `prebuild` | load_inline: the build cache, the fast split build, the CPU prebuild pool (DESIGN.md §8.5) |
-| `dispatch.h`, `dispatch.cpp` | the fast build's generic binding: per-program entries, one Python dispatcher per torch build |
+| `build/` | load_inline: the build cache, the fast split build, the CPU prebuild pool (DESIGN.md §8.5; its own map in `build/__init__.py`) |
 """
 import atexit
 import threading

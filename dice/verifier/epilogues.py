@@ -8,7 +8,7 @@ is read from what launches it, not from its name: on operands of the shapes, dty
 every product the reference computes (`gemm_operands`), in each layout of its operands, the judge
 runs the plain product, the product with a bias, and the product with a bias and each activation,
 and records their kernels (`activation_kernels`). A GEMM kernel launched only with an activation
-computes it; `checks.kernel_problem` classes its launches "gemm+<activation>", which no reference
+computes it; `rules.kernel_problem` classes its launches "gemm+<activation>", which no reference
 GEMM without that activation covers, so it is library compute the reference does not run.
 
 On the H200 (cuBLASLt of CUDA 13) a ReLU epilogue runs in the very nvjet kernel the plain product
@@ -28,8 +28,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import records
-from .checks import kernel_class, trusted
 from .kernels import gpu_records
+from .rules import kernel_class, trusted
 
 aten = torch.ops.aten
 # the products and where their two matrix operands are among the arguments

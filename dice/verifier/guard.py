@@ -19,7 +19,7 @@ Python gives code several ways to run inside someone else's code; they are close
 - the profiler's switches: torch's profiler controls (`_toggle_collection_dynamic`, the session's
   prepare / enable / disable, kineto steps, the CUPTI monitor) are replaced by functions that
   refuse in every torch module that binds them (the harness calls the originals it captured,
-  `checks.trusted`), and the
+  `rules.trusted`), and the
   audit hook refuses importing a CUPTI binding (`cupti`, torch's `_cupti_monitor`) and opening
   libcupti or looking up its functions through ctypes, so candidate Python cannot change which
   kinds of activity CUPTI records while it is profiled (`records.unrecorded_launches` finds it
@@ -50,7 +50,7 @@ import torch
 import torch.utils._device
 from torch import nn
 
-from .checks import HarnessTampered, replaced_functions, trusted
+from .rules import HarnessTampered, replaced_functions, trusted
 
 REFUSED = frozenset({"sys.setprofile", "sys.settrace", "sys.addaudithook", "sys._current_frames",
                      "gc.get_objects", "gc.get_referrers", "gc.get_referents"})
@@ -180,7 +180,7 @@ class HarnessSnapshot:
             spaces.update({f"{module.__name__}.{name}": cls for name, cls in vars(module).items()
                            if isinstance(cls, type) and cls.__module__ == module.__name__})
         spaces.update({f"{cls.__module__}.{cls.__qualname__}": cls for cls in TORCH_CLASSES})
-        spaces["checks.trusted"] = trusted
+        spaces["rules.trusted"] = trusted
         torch_spaces = {"torch": torch, "torch.Tensor": torch.Tensor, "torch.nn.functional": torch.nn.functional,
                         "torch.nn.Module": nn.Module}
         self.spaces, self.torch_spaces = spaces, torch_spaces
@@ -203,5 +203,5 @@ class HarnessSnapshot:
                 changed.append(f"{label}.{name}")
         methods = vars(type(self.handler))
         changed += [f"the handler's {name}" for name in vars(self.handler) if name in methods]
-        changed += [name for name in replaced_functions() if name not in changed]   # checks.WATCHED
+        changed += [name for name in replaced_functions() if name not in changed]   # rules.WATCHED
         return changed + callbacks_changed(self.hooks)

@@ -54,7 +54,7 @@ import numpy
 import torch
 from torch import nn
 
-from .checks import trusted
+from .rules import trusted
 
 TASK_IMPORT_SEED = 0            # module-level randomness of a task is the same in every process
 TRIAL_KINDS = ("iid", "spiked", "hot", "scaled", "spiked")   # trials 1-5; later trials are "iid"

@@ -17,16 +17,16 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from .checks import aliased_outputs, compare_outputs, fingerprint, flatten, modified_inputs, trusted
-from .harness import (build_model, call_draws, cuda_context_broken, describe_exception, init_device, load_task,
-                      make_inputs, nbytes, timed_inputs, trial_inputs)
 from . import records
 from .epilogues import activation_kernels, gemm_operands
+from .harness import (build_model, call_draws, cuda_context_broken, describe_exception, init_device, load_task,
+                      make_inputs, nbytes, timed_inputs, trial_inputs)
 from .kernels import gpu_activity, marker_name
-from .precision import (EXACT, in_precision, is_exact_float, loosest, math_flags, model_in, own_error,
-                        reduction_terms, tolerances, unit)
-from .protocol import import_tensor
+from .precision import (EXACT, in_precision, is_exact_float, loosest, math_flags, model_in, own_error, reduction_terms,
+                        tolerances, unit)
+from .rules import aliased_outputs, compare_outputs, fingerprint, flatten, modified_inputs, trusted
 from .timing import Timer
+from .wire import import_tensor
 
 
 IDLE_MS = 0.5     # a lone marker kernel takes a few us on an idle GPU; a time slice of another context, ms

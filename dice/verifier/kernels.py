@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import records
-from .checks import HarnessTampered, is_library_name, trusted
+from .rules import HarnessTampered, is_library_name, trusted
 
 STO_CUDA_ENTRY = 0x10
 EM_CUDA = 190
@@ -40,7 +40,7 @@ def gpu_records(fn) -> tuple[object, list]:
     """(fn(), records): `[name, start_ns, end_ns, correlation_id, on_gpu]` of every kernel, copy and
     memset that `fn` ran (`on_gpu` True) and of every CUDA runtime and driver call it made (False),
     as CUPTI recorded them. The session is driven through the profiler's own entry points captured
-    before any candidate ran (`checks.trusted`; the candidate's worker refuses the public ones,
+    before any candidate ran (`rules.trusted`; the candidate's worker refuses the public ones,
     `guard`), with a fixed configuration: CUDA activity, nothing else. Built from captured functions
     and list appends only, with no arithmetic, so that the records reach the parent as the GPU
     wrote them; they are judged there (`records`). A session that can no longer be ended was ended

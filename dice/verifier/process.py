@@ -37,7 +37,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from .keeper import kill_tree
-from .protocol import plain_loads
+from .wire import plain_loads
 
 KEEPER = Path(__file__).with_name("keeper.py")
 PROJECT_ROOT = str(Path(__file__).resolve().parents[2])

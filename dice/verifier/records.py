@@ -54,7 +54,7 @@ def activity(records: list, exclude: frozenset = frozenset()) -> dict:
     """{"kernels": {name: launches}, "dtoh": copies, "htod": copies, "busy_ms": time} of records.
     `busy_ms` is the union of the kernels' intervals (kernels named in `exclude` left out): work
     spread over parallel streams counts once, so concurrent padding cannot pay the work check
-    (`checks.timed_work_problem`) with little time."""
+    (`rules.timed_work_problem`) with little time."""
     kernels, copies, spans = collections.Counter(), {"dtoh": 0, "htod": 0}, []
     for name, start, end in on_device(records):
         kind = next((k for k, prefix in COPY_PREFIXES.items() if name.startswith(prefix)), None)

@@ -7,9 +7,9 @@ import random
 import re
 from dataclasses import dataclass
 
-from .checks import fallback_problem, kernel_names
 from .precision import PRECISIONS
-from .protocol import STATUSES
+from .rules import fallback_problem, kernel_names
+from .wire import STATUSES
 
 RULES = ("strict", "kernelbench", "dice")   # "dice": DICE's RL check, no kernel rule (`dice.protocols.DICE_REWARD`)
 # compiled code's ways to a library GEMM whose epilogue computes an activation (torch's own entry

@@ -5,11 +5,10 @@ facts, so a candidate's behaviour is only ever judged against what its task's re
 """
 from __future__ import annotations
 
-from .checks import kernel_problem, timed_kernel_problem, timed_work_problem
 from .kernels import qualified_name
-from .records import (EMPTY_WINDOWS, activity, call_windows, canaries_missing, split_marker, unrecorded_launches,
-                      windows)
+from .records import EMPTY_WINDOWS, activity, call_windows, canaries_missing, split_marker, unrecorded_launches, windows
 from .results import VerifyOptions, VerifyResult
+from .rules import kernel_problem, timed_kernel_problem, timed_work_problem
 
 PROFILER_BROKEN = ("the CUDA profiler in the verifier's worker records no kernels (CUPTI unavailable?), or the CuPy "
                    "compile hooks are missing, so it cannot tell the candidate's own kernels; run where "
@@ -84,7 +83,7 @@ def trial_verdict(where: str, ran: dict, judged: dict, history: list, opts: Veri
 
 def kernel_verdict(forward: dict | None, own, reference_activity: dict | None, opts: VerifyOptions,
                    library: frozenset = frozenset()) -> str | None:
-    """`checks.kernel_problem` on a profiled forward (None on a CPU, where nothing is profiled).
+    """`rules.kernel_problem` on a profiled forward (None on a CPU, where nothing is profiled).
     A compiled name that a library holds too is not the candidate's own (a collision is refused:
     its launches may be the library's kernel)."""
     if forward is None or reference_activity is None or opts.rules == "dice":
@@ -108,7 +107,7 @@ def timed_block_verdict(reply: dict, marker: str, calls: int, trials: list[dict]
     reply: an eager GPU block is timed from its raw records (`records.call_windows`, bounded below
     by the block's empty window); every launch has its device record, every call its canary copy,
     and every call's window holds a kernel the candidate compiled and the trials' work
-    (`checks.timed_work_problem`, per call); under the strict rule no library compute beyond
+    (`rules.timed_work_problem`, per call); under the strict rule no library compute beyond
     `calls` forwards of the reference; a graph's or a CPU's times are the worker's."""
     if reply["records"] is None:
         return reply["times"], None

@@ -8,7 +8,7 @@
 A task is KernelBench source (`Model`, `get_inputs`, `get_init_inputs`); a candidate is source
 defining `ModelNew` with the same constructor, computing with its own CUDA kernels: CuPy
 (`cupy.RawModule`, NVRTC) or `torch.utils.cpp_extension.load_inline` (built once per distinct
-source, see `build.BuildCache`). Candidate code only ever runs in worker processes (`process`,
+source, see `cache.BuildCache`). Candidate code only ever runs in worker processes (`process`,
 `worker`); reference outputs live in a separate trusted judge process (`judge`). The rules are
 plain functions in `checks`; what crosses the pipes is in `protocol`.
 
@@ -21,7 +21,7 @@ Stages, first failure wins:
 3. `trials` correctness trials, each with its own seed and input structure (`harness`; a
    structure the task's own reference cannot take falls back, `_trial_kinds`), every one under
    the profiler (trial 1 calls forward twice), the inputs written into the previous call's
-   tensors. Invalid (`verdicts.trial_verdict`): the kernels break `checks.kernel_problem` under
+   tensors. Invalid (`verdicts.trial_verdict`): the kernels break `rules.kernel_problem` under
    `rules`, inputs modified or aliased, an output in an earlier call's memory or changed by a
    later call, work still running after forward returned, the profiler's recording switched
    (`records`: launches without their device records, a missing canary copy), threads or processes
@@ -60,18 +60,18 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..tasks import check_task_source
-from .checks import timed_work_problem
+from ..tasks.load import check_task_source
+from .build.pool import BuildPool
 from .harness import trial_kinds
 from .kernels import default_library_paths, library_kernel_names
-from .prebuild import BuildPool
 from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, close_all, describe_exit, log_summary
-from .protocol import malformed_reply
 from .records import activity
 from .results import TaskError, VerifyOptions, VerifyResult, static_check, trial_seeds
+from .rules import timed_work_problem
 from .speedup import BUDGET_S, CHECKS_PER_BLOCK, PLAUSIBLE, Timing, paired_rounds
 from .timing import calls_per_block
 from .verdicts import kernel_verdict, timed_block_verdict, trial_verdict, unrecorded_problem
+from .wire import malformed_reply
 
 WORKERS_PER_JUDGE = 4         # a new task costs its judge 5 references; a known one 5 comparisons a candidate
 MAX_TASKS_REMEMBERED = 4096   # tasks whose trial kinds are kept (an RL run sees far fewer at a time)
@@ -106,7 +106,7 @@ class Verifier:
     runs before its interval is stable (`speedup`). `build`: how load_inline programs are built
     ("fast": split, precompiled header, generic binding, DESIGN.md §8.5; "torch": torch's own;
     default $DICE_INLINE_BUILD or "fast"); `prebuild`: build them in a CPU pool
-    (`prebuild.BuildPool`) while GPU workers verify others."""
+    (`pool.BuildPool`) while GPU workers verify others."""
 
     def __init__(self, workers: int = 4, *, device: str = "cuda", cache_dir: str | Path | None = None,
                  recycle_after: int = 50, reference_cache_gb: float = 4.0, judges: int | None = None,

@@ -3,11 +3,11 @@
 A worker serves one role (see `process.WorkerProcess`): "candidate" runs untrusted code
 (`CandidateHandler`: build one candidate at a time, run its forward on seeded inputs, check the
 rules that need the live process, ship outputs to the judge, time itself when asked); "judge" is
-trusted and runs only task code (`judge.JudgeHandler`). What crosses the pipes is in `protocol`.
+trusted and runs only task code (`judge.JudgeHandler`). What crosses the pipes is in `wire`.
 
-Trust: the harness calls torch through `checks.trusted` (captured before any candidate code
+Trust: the harness calls torch through `rules.trusted` (captured before any candidate code
 runs). The candidate worker reports `invalid` (and is recycled) when a candidate replaced one of
-`checks.WATCHED` or any function of the harness itself, the interpreter's callbacks
+`rules.WATCHED` or any function of the harness itself, the interpreter's callbacks
 (`guard.HarnessSnapshot`; an audit hook refuses the interpreter's profile and trace hooks), or
 left threads or processes running; GPU records leave it raw (`records`). Each worker leads its own process group, so a kill also ends what a candidate started
 (compilers, subprocesses). Workers are a boundary against crashes, hangs and reward hacks, not an
@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import build, checks, guard, harness as harness_module, judge, kernels, protocol, records, timing
-from .build import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
-from .checks import HarnessTampered, aliased_outputs, flatten, modified_inputs, same_bits, trusted
+from . import guard, harness as harness_module, judge, kernels, records, rules, timing, wire
+from .build import cache
+from .build.cache import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
 from .epilogues import unfuse_activations
 from .harness import (build_model, call_draws, cuda_context_broken, describe_exception, init_device, load_module,
                       load_task, make_inputs, rewritten_in_place, trial_inputs)
@@ -38,8 +38,9 @@ from .judge import JudgeHandler
 from .keeper import kill_tree, reap, set_child_subreaper
 from .kernels import CompiledKernels, gpu_activity, gpu_records, marker_name, matched_families
 from .precision import math_flags
-from .protocol import export_tensor
+from .rules import HarnessTampered, aliased_outputs, flatten, modified_inputs, same_bits, trusted
 from .timing import Timer
+from .wire import export_tensor
 
 WORKER_FILE_BYTES = 2**30       # largest file a worker may write (its log, a build): stops output floods
 
@@ -59,8 +60,7 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
     # bound now: a candidate that later replaces HarnessSnapshot.changed does not reach this call
     harness_changed = list
     if role == "candidate":
-        modules = (sys.modules[__name__], build, checks, guard, harness_module, judge, kernels, protocol, records,
-                   timing)
+        modules = (sys.modules[__name__], cache, guard, harness_module, judge, kernels, records, rules, timing, wire)
         harness_changed = guard.HarnessSnapshot(handler, modules, guard.install()).changed
     send = multiprocessing.connection.Connection.send
     send(conn, {**handler.info, "pid": os.getpid()})
@@ -91,7 +91,7 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
 
 class CandidateHandler:
     """Loads, runs and times one candidate at a time (requests: load, warmup, run, time_prepare,
-    time_block, unload; `protocol` lists their fields)."""
+    time_block, unload; `wire` lists their fields)."""
 
     def __init__(self, config: dict):
         self.device = init_device(config["device"])

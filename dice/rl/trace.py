@@ -6,7 +6,7 @@ was unmasked. For each block (on the absolute grid, the prompt's tail included) 
 step values s_1 < s_2 < ... are its rounds; round r replays the state the sampler saw at that
 block's r-th step: tokens unmasked at step >= s_r are MASK, earlier ones clean, and the loss
 counts the tokens unmasked at s_r. Blocks never see each other's noisy copies, so round r of
-every block shares one round row: a response has max_b(#rounds) rows (`dice.packing` lays them
+every block shares one round row: a response has max_b(#rounds) rows (`dice.rl.packing` lays them
 out beside one clean stream). The sampler denoises whole blocks and then cuts the response, so
 the last block's positions after the cut (the completion's tail) were context at each of that
 block's steps: they join the replay in the same MASK-or-clean state, but never the loss, and a

@@ -7,9 +7,9 @@ import sys
 import torch
 
 from ..fused import FusedForward, decoder as fused_decode
-from ..fused.trace import phase_detail
-from ..model import random_model
-from ..sampler import CachedForward
+from ..fused.tables import phase_detail
+from ..model.sdar import random_model
+from ..sampling.sampler import CachedForward
 from .common import HBM_BYTES_PER_S, forward_weight_bytes, median_replay_ms, table
 
 

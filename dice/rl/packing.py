@@ -3,7 +3,7 @@ micro-batches sized by tokens (DESIGN.md §7).
 
 TraceRL trains every round r of a response on a row of its own, the sequence beside a noisy copy
 x_t^r (deadlykitten4/DICE `training/RL/train/rl_sdar.py`, `one_round_vectorized`: [x_0 ; x_t^r]),
-so R rounds cost R clean streams. Under the block-diffusion rule (`dice.attention`) the clean
+so R rounds cost R clean streams. Under the block-diffusion rule (`dice.model.attention`) the clean
 stream attends to itself alone and a noisy block to its own block and the clean past, so
 
     [x_t^1 ; ... ; x_t^R ; x_0]    (`update_rows="response"`)
@@ -13,7 +13,7 @@ needs only the blocks that hold its round's loss tokens (no other token of the c
 a response of n tokens whose block b trains in R_b rounds costs n + sum_b R_b |b| tokens, not
 2 n R. `update_rows="round"` builds the rows one per round, the whole sequence in x_t, as SFT's
 doubled row [x_t ; x_0] (and the update before the shared stream): the per-round path, for
-comparison. Each round row's loss tokens keep the weight `dice.trace.row_weights` gave that row.
+comparison. Each round row's loss tokens keep the weight `dice.rl.trace.row_weights` gave that row.
 
 Micro-batches hold at most `budget` tokens (every copy counted, padding not): groups are placed
 largest first into the first micro-batch with room (first-fit decreasing), and a group too large
@@ -25,7 +25,7 @@ once per shape, compiles in a process's first update and not after (`CompileCloc
 seconds); the dense path gives every
 group its own row, unpadded, since a dense mask grows with the square of the row.
 
-An RL step's update (`update_plan`, called by `dice.rl.policy_update`) cuts its round rows into
+An RL step's update (`update_plan`, called by `dice.rl.train_rl.policy_update`) cuts its round rows into
 the optimiser steps' `minibatches` and each step's rows into these micro-batches.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .attention import flex_streams_mask, streams_mask
+from ..model.attention import flex_streams_mask, streams_mask
 from .rollout import Completion
 from .trace import Round, row_weights, trace_rounds
 
@@ -207,7 +207,7 @@ def flex_length(tokens: int, budget: int) -> int:
     the budget, or the smallest multiple of it that holds a micro-batch over it (one group alone,
     when a response's clean stream and one copy pass the budget). So an update's micro-batches have
     the shape [1, budget], rarely [1, m x budget]: compiled FlexAttention and its block masks
-    compile once per shape and process (`dice.attention`), in the first update that meets it."""
+    compile once per shape and process (`dice.model.attention`), in the first update that meets it."""
     return budget * -(-tokens // budget)
 
 
@@ -261,7 +261,7 @@ FLEX_MET: set = set()
 
 class CompileClock:
     """The seconds an update spent compiling (`compile_s`). Compiled FlexAttention and its block
-    masks (`dice.attention`) compile once per process for each shape and pass (a no-grad forward;
+    masks (`dice.model.attention`) compile once per process for each shape and pass (a no-grad forward;
     a forward and backward), and an update's micro-batches come in one shape (`update_plan`), so a
     process's first update compiles and later ones do not. `run` times each micro-batch to its end
     on the device; one whose (pass, shape) is new to `met` counts its time beyond the median time
@@ -316,7 +316,7 @@ def minibatches(items: list, updates: int, order: str = "contiguous", seed: int 
 
 def update_plan(completions, advantages, cfg, rt, block_size: int, mask_id: int, pad_id: int, use_flex: bool,
                 seed: int = 0) -> tuple[list[list[PackedBatch]], int, int]:
-    """The update's micro-batches, per optimiser step (`dice.rl`'s docstring; this module's): the kept
+    """The update's micro-batches, per optimiser step (`dice.rl.train_rl`'s docstring; this module's): the kept
     responses' trace rounds as round rows, split into U optimiser steps (U = `updates_per_step`, or
     with 0 one per `rows_per_update` round rows of all processes, as in DICE; step u holds each
     process's u-th run of rows, `minibatches`, shuffled with seed + rank under `--minibatch-order
@@ -324,7 +324,7 @@ def update_plan(completions, advantages, cfg, rt, block_size: int, mask_id: int,
     `update_tokens` tokens. Returns (the micro-batches of every step, the responses and the round
     rows of all processes). Under FSDP every backward is a collective, so each rank runs as many
     micro-batches as the busiest rank, padding with empty ones. use_flex: each micro-batch is one
-    row padded to `dice.packing.flex_length`, so every micro-batch of every step has the shape
+    row padded to `dice.rl.packing.flex_length`, so every micro-batch of every step has the shape
     [1, update_tokens] but for a group over the budget ([1, m x update_tokens], m the fewest
     budgets that hold it); otherwise one unpadded row per group, as the dense mask wants."""
     kept = [k for k, a in enumerate(advantages) if a is not None and completions[k].tokens]

@@ -2,14 +2,14 @@
 the BiC-RL rollout machinery that overlaps generation with scoring.
 
 One path used by `sample.py`, `evaluate.py` and BiC-RL rollouts (DESIGN.md §5, §6): the prompt
-comes from `dice.prompts` in the model's `prompt_format` (the one-shot example style a model was
+comes from `dice.tasks.prompts` in the model's `prompt_format` (the one-shot example style a model was
 trained with is recorded in its config.json as `dice_one_shot`; DICE/SDAR folders lack the key and
 get KernelBench's load_inline example in DICE's RL chat shape), or from a user's template
 (`load_prompt_template`), the token ids and step maps come straight from the sampler and are kept, never
 re-tokenised, together with the sampler's last-block tail after the cut that the TraceRL replay
 needs (DESIGN.md §7).
 
-A rollout step (`generate_and_score`, called by `dice.rl.rollout`) keeps the GPU generating while
+A rollout step (`generate_and_score`, called by `dice.rl.train_rl.rollout`) keeps the GPU generating while
 the verifier works: every finished sequence goes to the reward at once, from a bf16 copy of the
 policy (`generation_copy`) in batches as large as the KV caches leave room for
 (`auto_rollout_batch`); `python -m dice.bench rl` measures it.
@@ -25,11 +25,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from .model import SDAR
-from .data import DataError, read_text
-from .prompts import PromptFormat, extract_code, template_problem
-from .sampler import CachedForward, Generated, generate
-from .tasks import Task
+from ..errors import DataError, read_text
+from ..model.sdar import SDAR
+from ..sampling.sampler import CachedForward, Generated, generate
+from ..tasks.load import Task
+from ..tasks.prompts import PromptFormat, extract_code, template_problem
 
 OVERLAP = ("stream", "batch", "none")
 # of the free GPU memory that `auto_rollout_batch` plans the sampler into; the rest is for the
@@ -50,7 +50,7 @@ def prompt_format(model, template: str | None = None, chat: str | None = None) -
 
 
 def load_prompt_template(path: str, infill: bool, flag: str = "--prompt-template") -> str:
-    """The text of a prompt template file (`dice.prompts.template_problem`): the model's whole input,
+    """The text of a prompt template file (`dice.tasks.prompts.template_problem`): the model's whole input,
     read as it is (a newline is a newline, not `\\n`); one that does not fit is a DataError naming
     the file and the fix."""
     if not Path(path).is_file():
@@ -244,7 +244,7 @@ def generate_and_score(model, tokenizer, prompts: Sequence[Sequence[int]], owner
                        lengths: Sequence[int] | None = None, progress: Callable[[int, int, int], None] | None = None,
                        **generate_kwargs):
     """Completions for `prompts` (generated `batch_size` at a time) scored by `score(owners,
-    completions)`, which returns a `dice.rl.Scores` for the owners (tasks) and completions it is given.
+    completions)`, which returns a `dice.rl.train_rl.Scores` for the owners (tasks) and completions it is given.
 
     overlap: "stream" scores every block's newly finished sequences as one call on a pool of
     `lanes` threads (the verifier's workers) while the batch goes on, so the verifier starts on

@@ -3,7 +3,7 @@
 DICE's RL configs: 64 tasks x 16 samples a step, up to 4,096 new tokens, block 4, 4 steps per block,
 dynamic remasking at 0.9, temperature 1, a binary compiled-and-correct reward; the defaults here are
 a smaller step (8 x 8) that finishes within the bench budget, `--tasks-per-step 64 --group-size 16`
-is DICE's. The step runs the training code itself (`dice.rl.rollout`, `group_advantages`,
+is DICE's. The step runs the training code itself (`dice.rl.train_rl.rollout`, `group_advantages`,
 `policy_update`) on a random-weight SDAR-shaped model (float32 master weights, bf16 autocast,
 AdamW, as `train.py`), with two stand-ins for what a random model cannot do (`dice.bench.replay`):
 each rollout replays a reference program the verifier calls correct (a `--broken` share broken)
@@ -13,9 +13,9 @@ DICE-shaped work.
 The optimiser state exists before the step (as in every step after the first). Times: generate
 (the generating thread), verify (time with a reward call running, mostly hidden behind generation),
 verify exposed (scoring left after the last token), update (the TraceRL update as a later step runs
-it: its time less compile s), with its model FLOPs (`dice.packing.update_flops`) per second against
+it: its time less compile s), with its model FLOPs (`dice.rl.packing.update_flops`) per second against
 the H200's measured bf16 rate, and compile s (what the update's first micro-batches took beyond
-steady ones, `dice.packing.CompileClock`: FlexAttention compiles once per process for the update's one
+steady ones, `dice.rl.packing.CompileClock`: FlexAttention compiles once per process for the update's one
 micro-batch shape, so a `--compare`'s second step compiles nothing and shows 0). The bound is the
 largest of generate, verify and update. `--baseline` runs the step as it ran before the rounds of a
 response shared one clean stream (`--update-rows round`: one doubled row per round, in the same
@@ -23,8 +23,8 @@ token-sized micro-batches); `--compare` runs the baseline and then the given set
 process (fresh program salts, so both build cold).
 
 Under `torchrun --nproc_per_node N` the step runs as `train.py`'s RL runs it on N GPUs: the policy
-sharded with FSDP2, each process rolling out the groups of its task slots (`dice.rl.rank_slots`)
-and verifying them on its own GPU with its share of `--workers` (`dice.rewards.rank_verifier`), the
+sharded with FSDP2, each process rolling out the groups of its task slots (`dice.rl.train_rl.rank_slots`)
+and verifying them on its own GPU with its share of `--workers` (`dice.rl.rewards.rank_verifier`), the
 update over all processes. Rank 0 checks the references and prints; the time columns are the
 slowest process's, and each process's generate, verify and update seconds follow in rank order.
 """
@@ -43,19 +43,19 @@ import torch.distributed as dist
 from ..cli import at_least, in_range
 from ..config import TrainConfig
 from ..memory import check_fits, kv_cache_bytes, parameter_bytes
-from ..model import SDAR
-from ..packing import UPDATE_ROWS
-from ..rewards import rank_verifier
-from ..rl import group_advantages, policy_update, rank_slots, rollout
-from ..rollout import OVERLAP, FullParameters, prompt_format, task_prompt_ids
+from ..model.sdar import SDAR
+from ..model.tokenizer import load_tokenizer
+from ..rl.packing import UPDATE_ROWS
+from ..rl.rewards import rank_verifier
+from ..rl.rollout import OVERLAP, FullParameters, prompt_format, task_prompt_ids
+from ..rl.train_rl import group_advantages, policy_update, rank_slots, rollout
 from ..runtime import make_optimizer, setup_runtime, shard
-from ..tasks import curriculum, load_tasks, step_tasks
-from ..tokenizer import load_tokenizer
+from ..tasks.load import curriculum, load_tasks, step_tasks
 from ..verifier import Verifier
 from .common import BF16_FLOPS, BudgetSpent
-from .replay import (CHARS_PER_TOKEN, SDAR_TOKENIZER, ReplayTokenizer, correct_references, make_reward,
-                     replay_programs, tokenizer_folder)
-from .train import model_config, train_shape
+from .replay import (CHARS_PER_TOKEN, SDAR_TOKENIZER, ReplayTokenizer, correct_references, make_reward, replay_programs,
+                     tokenizer_folder)
+from .training import model_config, train_shape
 
 
 def rollout_batch(text: str) -> int | str:
@@ -140,8 +140,8 @@ def allocate_optimizer_state(model, optimizer) -> None:
 def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: TrainConfig, rt, optimizer, reward,
              skip_update: bool, bench, gather) -> tuple[dict, str]:
     """One timed step with the levers `s`: (its table row, a line of verdicts and update counts).
-    Under torchrun each process rolls out the groups of its task slots (`dice.rl.rank_slots`, as
-    `train.py`), inside `gather` (`dice.rollout.FullParameters`), and the update runs over all of them."""
+    Under torchrun each process rolls out the groups of its task slots (`dice.rl.train_rl.rank_slots`, as
+    `train.py`), inside `gather` (`dice.rl.rollout.FullParameters`), and the update runs over all of them."""
     cfg = dataclasses.replace(base, attention=s.attention, update_rows=s.update_rows,
                               rollout_batch=s.rollout_batch if isinstance(s.rollout_batch, int) else base.rollout_batch)
     cuda = rt.device.type == "cuda"
@@ -195,7 +195,7 @@ def _row(s: Settings, rt, batch: int, ranks: list[dict], update: dict, compile_s
     bound = max(parts, key=parts.get)
     verified, tokens = sum(r["verified"] for r in ranks), sum(r["tokens"] for r in ranks)
     flops_s = update.get("flops", 0.0) / max(top["update"], 1e-9)
-    # a sharded policy samples from its float32 weights (`dice.rollout.generation_copy`)
+    # a sharded policy samples from its float32 weights (`dice.rl.rollout.generation_copy`)
     dtype = s.rollout_dtype if cuda and rt.world == 1 else "fp32"
     masks = "dense" if s.attention == "dense" or not cuda else "flex"
     processes = f", {rt.world} processes" if rt.world > 1 else ""
@@ -253,7 +253,7 @@ def _from_main(rt, value):
 def bench_rl(args, bench) -> None:
     """`python -m dice.bench rl` (module docstring): build, replay, run the step(s), print the table.
     Under `torchrun --nproc_per_node N` (one process per GPU, gloo on a CPU: `dice.runtime`) the
-    policy is sharded with FSDP2 and each process verifies on its own GPU (`dice.rewards.rank_verifier`),
+    policy is sharded with FSDP2 and each process verifies on its own GPU (`dice.rl.rewards.rank_verifier`),
     as `train.py` runs RL; rank 0 checks the references and prints."""
     rt = setup_runtime()
     config, tasks = _checked_inputs(args, rt)

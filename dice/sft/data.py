@@ -8,7 +8,7 @@ Accepted records (a JSON list or JSONL, one object per line):
   {"pytorch_code": ..., "cuda_code": ...}                     a kernel task and its solution,
                                                               through the DICE prompt builder
 Each becomes ChatML text `chat_prompt(user)` + `chat_response(answer, think)` (think: DICE's empty
-think block first, for SDAR/DICE models, `dice.prompts.thinks`); prompt and response are tokenised
+think block first, for SDAR/DICE models, `dice.tasks.prompts.thinks`); prompt and response are tokenised
 separately, as at inference, where the response starts right after the prompt.
 
 Packing: every example is padded to a multiple of the block size (padding belongs to no
@@ -26,22 +26,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError, json_problem
-from .prompts import chat_prompt, chat_response, kernel_prompt
-
-
-class DataError(UserError):
-    """A data or task file, a record, or a flag that does not fit them, that cannot be used; the
-    message names the file, record or flag and the fix."""
-
-
-def read_text(path: str | Path) -> str:
-    """A UTF-8 text file; one that is not is a DataError naming it and the first bad byte."""
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); "
-                        "save it as UTF-8") from None
+from ..errors import DataError, json_problem, read_text
+from ..tasks.prompts import chat_prompt, chat_response, kernel_prompt
 
 
 def read_records(path: str | Path) -> list[dict]:
@@ -92,7 +78,7 @@ def record_to_text(record: dict, *, one_shot: str | None = "load_inline", infill
                    think: bool = False) -> tuple[str, str]:
     """(ChatML prompt text, response text ending with <|im_end|>) of one record; `infill` uses the
     infilling prompt (the record's prefix and suffix around the gap) for a kernel record, `think`
-    DICE's response format (`dice.prompts.chat_response`)."""
+    DICE's response format (`dice.tasks.prompts.chat_response`)."""
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)

@@ -8,7 +8,7 @@
 Tensor names equal Hugging Face Qwen3's, except that q/k/v and gate/up are each one stacked
 matrix (`qkv_proj`, `gate_up_proj`): at decoding batch sizes a forward is one matrix-vector
 product per weight, and fewer, larger products read the weights closer to HBM speed.
-`dice.checkpoint` maps the stacked tensors to and from the published layout, so public SDAR/DICE
+`dice.model.checkpoint` maps the stacked tensors to and from the published layout, so public SDAR/DICE
 checkpoints load as published. The mask passed to `forward` decides the attention pattern; `None`
 means the block-causal inference mask on the absolute grid.
 """
@@ -49,7 +49,7 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         d = dict(d)
         if d.get("head_dim") is None and "hidden_size" in d and "num_attention_heads" in d:
-            # a wrong type or a zero head count is left to `dice.checkpoint.config_problem` to name
+            # a wrong type or a zero head count is left to `dice.model.checkpoint.config_problem` to name
             sizes = (d["hidden_size"], d["num_attention_heads"])
             d["head_dim"] = sizes[0] // sizes[1] if all(type(v) is int and v > 0 for v in sizes) else None
         if d.get("num_key_value_heads") is None and "num_attention_heads" in d:
@@ -256,7 +256,7 @@ class SDAR(nn.Module):
                     logits_from: int = 0, run_layer=None) -> torch.Tensor:
         """The body of `forward_cached` without the host-side commit: every shape is fixed by
         (B, T, kv_len) and the write position is the device tensor `slots`, so a CUDA graph can
-        capture it (`dice.sampler` does). run_layer(layer, h, cos, sin, mask, kv, slots, kv_len)
+        capture it (`dice.sampling.sampler` does). run_layer(layer, h, cos, sin, mask, kv, slots, kv_len)
         replaces `layer(...)`, e.g. by one `torch.compile`d function that serves every layer."""
         h = self.model.embed_tokens(input_ids)
         c = self.config

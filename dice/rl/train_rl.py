@@ -1,7 +1,7 @@
 """BiC-RL: TraceRL rollouts -> verifier rewards -> policy update, in two phases (DESIGN.md §7).
 
 Per RL step: take `tasks_per_step` tasks in curriculum order (ascending level, wrapping; or with
-`--task-order interleaved` every level in its share each step: `dice.tasks.curriculum`), sample
+`--task-order interleaved` every level in its share each step: `dice.tasks.load.curriculum`), sample
 `group_size` responses each with the block-diffusion sampler, reward each (1 if the kernel
 compiles and is correct; in the `infill` phase also only if the program keeps the given prefix
 and suffix), and form group z-score advantages A = (R - mean_g) / std_g, dropping groups whose
@@ -9,8 +9,8 @@ rewards are all equal. `--dynamic-sampling-rounds N` (DAPO's dynamic sampling, `
 draws the next tasks in place of the dropped groups, up to N more rounds a step, and a step
 starts where the one before stopped drawing.
 
-Trace -> training rounds: `dice.trace`; their forwards, a response's rounds beside one clean
-stream in micro-batches sized by tokens, per optimiser step: `dice.packing` (`update_plan`). A step
+Trace -> training rounds: `dice.rl.trace`; their forwards, a response's rounds beside one clean
+stream in micro-batches sized by tokens, per optimiser step: `dice.rl.packing` (`update_plan`). A step
 reads top to bottom in `train_rl`; its metrics.jsonl line is `dice.metrics.rl_step_record`.
 
 Objective per loss token (ids kept from generation, never re-tokenised):
@@ -27,7 +27,7 @@ DICE takes one optimiser step per 256 round rows (`total_batch_size_lm` = batch_
 x 32 accumulation steps, one epoch; `training/RL/configs/rl_sdar_kernel_*.yaml`), the ratio always
 against the rollout policy's log-probs from before the first: `--updates-per-step 0` (default)
 does the same with `--rows-per-update 256`, so after the first update clipping and KL act.
-Which rows form each optimiser step (`dice.packing.minibatches`, DESIGN.md §7): DICE's consecutive chunks of the
+Which rows form each optimiser step (`dice.rl.packing.minibatches`, DESIGN.md §7): DICE's consecutive chunks of the
 rows in rollout order (`--minibatch-order contiguous`), or the same cut after a seeded shuffle.
 The gradient is clipped to 32 by default, DICE's clip of 1.0 in these units (its gradient is 1/32
 of this one), and AdamW's moments restart every RL step as in DICE (`--optimizer-state step`).
@@ -46,20 +46,20 @@ from typing import Sequence
 
 import torch
 
-from .checkpoint import load_model
-from .data import DataError
-from .metrics import rl_progress_fields, rl_step_record
+from ..errors import DataError
+from ..metrics import rl_progress_fields, rl_step_record
+from ..model.checkpoint import load_model
+from ..model.tokenizer import load_tokenizer
+from ..plot import plot_run
+from ..runtime import (MetricsLog, build_model, check_resume, check_run_folder, checkpoint_step, make_logger,
+                       make_optimizer, progress_line, resume, run_settings, save_checkpoint, save_final, setup_runtime,
+                       start_run)
+from ..tasks.load import Task, load_tasks, phase_tasks, tasks_at
+from ..tasks.prompts import PromptFormat
 from .packing import FLEX_MET, CompileClock, PackedBatch, packed_logprobs, update_flops, update_plan
-from .plot import plot_run
-from .prompts import PromptFormat
 from .rewards import RewardFn, Scores, rl_rewards, score
 from .rollout import (FullParameters, auto_rollout_batch, complete, generate_and_score, generation_copy,
                       load_prompt_template, prompt_format, task_prompt_ids)
-from .runtime import (MetricsLog, build_model, check_resume, check_run_folder, checkpoint_step, make_logger,
-                      make_optimizer, progress_line, resume, run_settings, save_checkpoint, save_final, setup_runtime,
-                      start_run)
-from .tasks import Task, load_tasks, phase_tasks, tasks_at
-from .tokenizer import load_tokenizer
 
 # what a resumed RL run must keep (besides the tasks and the model)
 RESUME_FIELDS = ("phase", "seed", "tasks_per_step", "group_size", "max_new_tokens", "temperature", "remasking",
@@ -117,7 +117,7 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
             overlap: str = "stream", low_precision: bool = True, auto_batch: bool = False,
             lengths: Sequence[int] | None = None, fmt: PromptFormat | None = None, progress=None):
     """Generate `group_size` responses per task and reward them while generation goes on
-    (`dice.rollout.generate_and_score`; overlap "stream": each block's finished responses go to
+    (`dice.rl.rollout.generate_and_score`; overlap "stream": each block's finished responses go to
     the reward at once, up to `verifier_workers` calls at a time). Sample j of the task in slot k
     of the step uses seed seed + k * group_size + j, so rollouts do not depend on how tasks are
     spread over processes. Responses come from `generation_copy` (bf16 on CUDA under bf16
@@ -214,7 +214,7 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     already its share of the step; with several steps the ratio is to the rollout policy's
     log-probs, taken before the first. progress(done, total) follows the micro-batches. kl and
     clip_fraction are means over every loss token of all processes; flops is the update's model
-    FLOPs (`dice.packing.update_flops`), all processes'; compile_s the seconds it spent compiling
+    FLOPs (`dice.rl.packing.update_flops`), all processes'; compile_s the seconds it spent compiling
     FlexAttention (`CompileClock`; the slowest process's): a process's first update, 0 after;
     grad_norm the whole gradient's norm before clipping, the mean over the optimiser steps."""
     config = model.config
@@ -290,7 +290,7 @@ def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, inf
 class RLRun:
     """What `open_run` sets up before a run's first step."""
     out: Path
-    ordered: list[Task]                 # the task stream (`dice.tasks.phase_tasks`)
+    ordered: list[Task]                 # the task stream (`dice.tasks.load.phase_tasks`)
     eval_tasks: list[Task] | None
     tok: object
     model: torch.nn.Module

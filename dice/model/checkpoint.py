@@ -6,7 +6,7 @@ files. Loading builds the model on the meta device and fills it one tensor at a 
 into the requested dtype/device, so peak host memory is about one tensor, not a second full copy
 (an 8B bf16 model loads on a 24 GB machine). Saving writes the same layout, each file atomically.
 
-The model keeps q/k/v and gate/up each as one stacked matrix (`dice.model`); the published
+The model keeps q/k/v and gate/up each as one stacked matrix (`dice.model.sdar`); the published
 layout has them apart. `to_published` / `from_published` convert state dicts between the two;
 loading and saving go through them, so files on disk always carry the published names.
 """
@@ -21,8 +21,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .errors import UserError, json_problem
-from .model import SDAR, ModelConfig
+from ..errors import UserError, json_problem
+from .sdar import SDAR, ModelConfig
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"

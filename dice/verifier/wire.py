@@ -17,7 +17,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the CUDA IPC reductions on ForkingPickler
 
-from .checks import trusted
+from .rules import trusted
 
 STATUSES = ("correct", "incorrect", "compile_error", "runtime_error", "timeout", "invalid")
 

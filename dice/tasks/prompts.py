@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .tokenizer import IM_END, IM_START
+from ..model.tokenizer import IM_END, IM_START
 
 INSTRUCTION = (
     "You write custom CUDA kernels to replace the pytorch operators in the given architecture "

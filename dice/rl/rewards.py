@@ -16,10 +16,10 @@ from typing import Callable
 
 import torch
 
-from .prompts import keeps_skeleton
-from .protocols import DICE_REWARD
+from ..protocols import DICE_REWARD
+from ..tasks.load import Task
+from ..tasks.prompts import keeps_skeleton
 from .rollout import Completion
-from .tasks import Task
 
 
 @dataclass
@@ -90,7 +90,7 @@ def rl_rewards(cfg, rt, reward_fn: RewardFn | None) -> tuple[object | None, Rewa
         return None, reward_fn, reward_fn
     # read when a run starts: a run with its own reward skips dice.verifier's import (torch.utils.cpp_extension),
     # and the Verifier is the one dice.verifier holds then (tests' fake_verifier swaps it)
-    from .verifier import Verifier
+    from ..verifier import Verifier
     verifier = Verifier(**rank_verifier(cfg.verifier_workers, rt.device))
     reward = verifier_reward(verifier, cfg.phase, cfg.reward, timing=cfg.reward == "speedup",
                              timeout_s=cfg.verify_timeout, rules=cfg.reward_rules)

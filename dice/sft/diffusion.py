@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attention import block_diffusion_mask, flex_block_diffusion_mask
+from ..model.attention import block_diffusion_mask, flex_block_diffusion_mask
 
 EPS = 1e-3
 
@@ -82,7 +82,7 @@ def diffusion_loss(model, batch: dict, generators: list[torch.Generator], mask_t
     """The loss of one micro-batch (module docstring): `batch`, SDAR's mean over its response
     tokens; `sample`, the sum over its samples (divide by the step's number of samples).
 
-    batch: `input_ids`, `position_ids`, `sample_ids`, `loss_mask` [B, n] CPU tensors (dice.data);
+    batch: `input_ids`, `position_ids`, `sample_ids`, `loss_mask` [B, n] CPU tensors (dice.sft.data);
     row i is noised with generators[i], so a row's noise does not depend on how rows are split
     into micro-batches or processes.
     """

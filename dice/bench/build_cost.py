@@ -24,11 +24,11 @@ import torch
 import torch.utils.cpp_extension as cpp_extension
 
 from ..cli import at_least
-from ..tasks import load_tasks
-from ..verifier import fastbuild
-from ..verifier.build import BuildCache
-from ..verifier.fastbuild import CompilerSlots, FastBuildFailed, Flags, SharedCompileError
-from ..verifier.inline import Unsplittable, recorded_calls
+from ..tasks.load import load_tasks
+from ..verifier.build import fast
+from ..verifier.build.cache import BuildCache
+from ..verifier.build.fast import CompilerSlots, FastBuildFailed, Flags, SharedCompileError
+from ..verifier.build.inline import Unsplittable, recorded_calls
 
 CPU_ONLY_LIBRARIES = ("-lc10_cuda", "-ltorch_cuda")
 
@@ -45,7 +45,7 @@ def build_one(call: dict, binding: str, root: Path, folder: Path, capability: tu
     """Compile and link one load_inline call; {"built": bool, CPU seconds or "error"}."""
     arguments = BuildCache(root, capability=capability, build="fast").arguments(**call)
     try:
-        _, report = fastbuild.fast_build(arguments, "ext", folder, root, capability, slots,
+        _, report = fast.fast_build(arguments, "ext", folder, root, capability, slots,
                                          flags=_flags(arguments, capability), binding=binding)
     except (Unsplittable, FastBuildFailed, SharedCompileError) as exc:
         first = next((line for line in str(exc).splitlines() if "error" in line), str(exc).strip()[:200])
@@ -58,10 +58,10 @@ def _warm(root: Path, call: dict, binding: str, capability: tuple[int, int], slo
     """Build the cache's one-time artifacts (precompiled header, dispatcher) for `binding`; seconds."""
     start = time.perf_counter()
     flags = _flags(BuildCache(root, capability=capability, build="fast").arguments(**call), capability)
-    fastbuild.torch_macros(root, flags)
-    fastbuild.precompiled_header(root, flags, slots, binding)
+    fast.torch_macros(root, flags)
+    fast.precompiled_header(root, flags, slots, binding)
     if binding == "dispatch":
-        fastbuild.dispatcher(root, flags, slots)
+        fast.dispatcher(root, flags, slots)
     return time.perf_counter() - start
 
 

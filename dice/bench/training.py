@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 
-from ..attention import block_diffusion_mask, flex_block_diffusion_mask
-from ..checkpoint import read_config
 from ..config import TrainConfig
-from ..diffusion import diffusion_loss
-from ..model import SDAR, SDAR_SHAPES, flops_per_token, random_model, sdar_shape
+from ..model.attention import block_diffusion_mask, flex_block_diffusion_mask
+from ..model.checkpoint import read_config
+from ..model.sdar import SDAR, SDAR_SHAPES, flops_per_token, random_model, sdar_shape
 from ..runtime import make_optimizer, setup_runtime, shard
-from ..sampler import generate
+from ..sampling.sampler import generate
+from ..sft.diffusion import diffusion_loss
 from .common import BF16_FLOPS, table
 
 

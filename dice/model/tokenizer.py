@@ -12,7 +12,7 @@ A folder is read from `tokenizer.json` when it has one, else the same tokenizer 
 mask is `<MASK>` in added_tokens.json and `<|MASK|>` in tokenizer_config.json. The `tokenizers`
 library keeps one spelling per id, so the other is kept here as an alias that `encode` and
 `token_to_id` accept too. The folder's chat template (`chat_template.jinja`, or the
-`chat_template` of tokenizer_config.json) is kept as text: `dice.prompts.thinks` reads from it
+`chat_template` of tokenizer_config.json) is kept as text: `dice.tasks.prompts.thinks` reads from it
 whether the model answers after a think block (SDAR/DICE: Qwen3's template).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 
-from .errors import UserError, json_problem
+from ..errors import UserError, json_problem
 
 # Qwen2's split, the same string as in the `pre_tokenizer` of Qwen2 / SDAR tokenizer.json files.
 QWEN2_SPLIT_PATTERN = (

@@ -1,15 +1,15 @@
 """Compiling candidates: a load_inline build cache and compiler messages a person can act on (DESIGN.md §8).
 
-Runs inside candidate workers (and `prebuild.BuildPool`'s children). `BuildCache.install()`
+Runs inside candidate workers (and `pool.BuildPool`'s children). `BuildCache.install()`
 replaces `torch.utils.cpp_extension.load_inline` so that candidate code building an extension goes
 through the cache; CuPy (NVRTC) keeps its own kernel cache and only needs its errors worded here.
 
 Two ways to build (`build=`, default the environment's DICE_INLINE_BUILD, else "fast"): "torch"
-is torch's own load_inline; "fast" first tries `fastbuild.fast_build` (the program split into a
+is torch's own load_inline; "fast" first tries `fast.fast_build` (the program split into a
 device unit without torch's headers and one host unit on a precompiled header, with the generic
 binding of dispatch.h/dispatch.cpp where it applies; DESIGN.md §8.5) and falls back to torch's
 load_inline whenever the split is refused or its build fails, so the verdict is always the one
-torch's build gives (a compile error torch's build must hit as well, `fastbuild.shared_error`,
+torch's build gives (a compile error torch's build must hit as well, `fast.shared_error`,
 is reported without the fallback: an error in torch's main.cpp lines, a name declared nowhere).
 A generic-binding library is cached as `<name>.dispatch.so` beside a `.dispatcher` file naming
 the dice_dispatch module. A build that fails on a compiler error (an error line at a place in a
@@ -38,7 +38,7 @@ import torch
 import torch.utils.cpp_extension
 
 from .cxx import normalise
-from .fastbuild import CompilerSlots, FastBuildFailed, SharedCompileError, fast_build
+from .fast import CompilerSlots, FastBuildFailed, SharedCompileError, fast_build
 from .inline import Unsplittable
 
 BUILDS = ("fast", "torch")

@@ -9,12 +9,12 @@ extensions at once however many cores are idle. `BuildPool` compiles ahead of th
 submitted candidate is imported in a child process with `load_inline` replaced by the workers'
 own `BuildCache.load_inline` (same cache folder, same key), stopped by a private exception once
 its load_inline calls are built. The children are forked by a build server, `python -m
-dice.verifier.prebuild`, started with `subprocess` (so the caller's script is never imported
+dice.verifier.build.pool`, started with `subprocess` (so the caller's script is never imported
 again: no `__main__` guard is needed) with no GPU visible, which has imported torch once (a child
 costs no torch import). Each child leads its own session and is killed with everything it started
 when it finishes or overruns `timeout_s` (`keeper.kill_tree`); the server ends its children and
 itself when its input closes (the pool closed, or its owner died). Compilers over all children and
-workers are bounded by the core count (`fastbuild.CompilerSlots`). What a child reports is only
+workers are bounded by the core count (`fast.CompilerSlots`). What a child reports is only
 information: a failed or killed prebuild leaves the GPU worker to build and report the real
 compile_error itself.
 """
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from .keeper import POLL_S, kill_tree, set_child_subreaper
+from ..keeper import POLL_S, kill_tree, set_child_subreaper
 
 CHILD_FILE_BYTES = 2**30      # largest file a child may write (a build's objects)
 REPORT_BYTES = 2**20
@@ -50,7 +50,7 @@ class BuildPool:
     """Prebuild candidates' extensions into `cache_dir`/torch_extensions, `processes` at a time.
 
     capability: the GPU's compute capability (default: GPU 0's); build: "fast" or "torch", as
-    for `build.BuildCache`."""
+    for `cache.BuildCache`."""
 
     def __init__(self, cache_dir: str | Path, processes: int | None = None, timeout_s: float = 900.0, *,
                  capability: tuple[int, int] | None = None, build: str = "fast"):
@@ -107,7 +107,7 @@ class BuildPool:
     def _started(self) -> subprocess.Popen:
         if self._server is None:
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-            self._server = subprocess.Popen([sys.executable, "-m", "dice.verifier.prebuild", str(self.processes)],
+            self._server = subprocess.Popen([sys.executable, "-m", "dice.verifier.build.pool", str(self.processes)],
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
             threading.Thread(target=self._read, args=(self._server,), daemon=True,
                              name="dice-prebuild-reader").start()
@@ -135,7 +135,8 @@ def serve(processes: int) -> None:
     at once), JSON report lines on stdout; ends its children and itself when stdin closes."""
     # imported once here, not in every child, nor in the trainer that imports this module for BuildPool
     import torch.utils.cpp_extension  # noqa: F401
-    from . import build, harness  # noqa: F401
+    from . import cache  # noqa: F401
+    from .. import harness  # noqa: F401
     set_child_subreaper()
     selector, queue, running, pending = selectors.DefaultSelector(), [], {}, b""
     selector.register(0, selectors.EVENT_READ, "requests")
@@ -213,8 +214,8 @@ def _child(report_fd: int, candidate_src: str, root: str, capability, build: str
     os.dup2(null, 2)
     # cache hits: the server loaded them before it forked (`serve`), not at the top, where the trainer would
     import torch.utils.cpp_extension
-    from .build import BuildCache, BuildError
-    from .harness import load_module
+    from .cache import BuildCache, BuildError
+    from ..harness import load_module
 
     cache = BuildCache(Path(root), capability=tuple(capability) if capability else None, build=build)
     expected, calls = max(1, len(re.findall(r"\bload_inline\s*\(", candidate_src))), []

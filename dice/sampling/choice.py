@@ -1,5 +1,5 @@
 """What one denoising step chooses (DESIGN.md §5): tokens per step, sampling noise, the token and its
-confidence at every masked position, and which positions it unmasks. `dice.sampler` runs these
+confidence at every masked position, and which positions it unmasks. `dice.sampling.sampler` runs these
 over blocks; they are plain tensor functions.
 
     n_s = floor(B / S) + [s < B mod S]                       (tokens per step, from the block size)

@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .attention import block_causal_mask
+from ..model.attention import block_causal_mask
 from .choice import (CONFIDENCE, REMASKING, Sampling, choose_tokens, greedy_choice,  # noqa: F401 (re-exported)
                      row_seeds, select_positions, tokens_per_step, uniform_noise, unmask)
 
@@ -271,7 +271,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
     random-weight model, which never samples an eos, real response lengths. on_finish(i, generated):
     called as prompt i's sequence finishes and leaves the batch, e.g. to verify it while the others
     still generate (BiC-RL rollouts, DESIGN.md §7). confidence: "softmax" (DESIGN.md §5) or DICE's
-    "filtered" (`dice.choice`; `evaluate.py --protocol dice`).
+    "filtered" (`dice.sampling.choice`; `evaluate.py --protocol dice`).
     """
     _check_arguments(model, prompts, max_new_tokens, steps_per_block, remasking, temperature, top_k, top_p, threshold)
     if confidence not in CONFIDENCE or (confidence == "filtered" and temperature == 0):
@@ -329,7 +329,7 @@ def _make_step(model, rows: Rows, use_cache: bool, cuda_graphs: bool, compile: b
     cache = model.new_cache(len(rows.index), rows.x.shape[1])
     graphs = cuda_graphs and rows.x.device.type == "cuda"
     if fused and len(rows.index) == 1:
-        from .fused import FusedForward   # here, not at the top: dice.fused builds on this module's CachedForward
+        from ..fused import FusedForward   # here, not at the top: dice.fused builds on this module's CachedForward
         step = FusedForward(model, cache, graphs, compile, greedy=temperature == 0)
     else:
         step = CachedForward(model, cache, graphs, compile)

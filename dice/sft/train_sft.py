@@ -1,7 +1,7 @@
 """Masked block-diffusion SFT (DESIGN.md §4), and `--phase init`'s from-scratch model folder.
 
-The loop: rows of packed examples from a reproducible stream (`dice.data.RowStream`), each row
-noised with its own generator (seed, step, row), the doubled-sequence loss (`dice.diffusion`),
+The loop: rows of packed examples from a reproducible stream (`dice.sft.data.RowStream`), each row
+noised with its own generator (seed, step, row), the doubled-sequence loss (`dice.sft.diffusion`),
 AdamW with warm-up, checkpoints and metrics through `dice.runtime`.
 
 A step's loss, as LLaMA-Factory/HF Trainer run SDAR with gradient accumulation and DDP:
@@ -22,18 +22,18 @@ from pathlib import Path
 
 import torch
 
-from .config import TrainConfig
-from .data import (DataError, RowStream, collate, read_records, record_texts, tokenize_records,
-                   with_pad_targets)
+from ..config import TrainConfig
+from ..errors import DataError
+from ..model.checkpoint import INDEX, SINGLE
+from ..model.sdar import ModelConfig
+from ..model.tokenizer import load_tokenizer, train_tokenizer
+from ..rl.rollout import one_shot_style
+from ..runtime import (TOKENIZER_FILES, MetricsLog, build_model, check_resume, check_run_folder, checkpoint_step,
+                       digest, lr_at, make_logger, make_optimizer, progress_line, resume, row_generator, run_settings,
+                       save_checkpoint, save_final, setup_runtime, start_run)
+from ..tasks.prompts import thinks
+from .data import RowStream, collate, read_records, record_texts, tokenize_records, with_pad_targets
 from .diffusion import count_samples, diffusion_loss
-from .model import ModelConfig
-from .prompts import thinks
-from .rollout import one_shot_style
-from .checkpoint import INDEX, SINGLE
-from .runtime import (TOKENIZER_FILES, MetricsLog, build_model, check_resume, check_run_folder, checkpoint_step, digest, lr_at,
-                      make_logger, make_optimizer, progress_line, resume, row_generator, run_settings, save_checkpoint,
-                      save_final, setup_runtime, start_run)
-from .tokenizer import load_tokenizer, train_tokenizer
 
 # what a resumed SFT run must keep (besides data, model, row length and micro-batches per step)
 RESUME_FIELDS = ("phase", "seed", "batch_size", "loss_norm", "lr", "schedule", "warmup", "warmup_ratio",
@@ -63,8 +63,8 @@ def sft_sizes(cfg: TrainConfig, device: torch.device, world: int = 1) -> tuple[T
 
 def load_examples(cfg: TrainConfig, tok, row_len: int, one_shot: str | None, log, block_size: int = 1) -> list:
     """The tokenised examples of --data, in DICE's think-block format when the model's chat template
-    has one (`dice.prompts.thinks`), with DICE's trained pads under --sft-pad-targets
-    (`dice.data.with_pad_targets`); a file without records, or whose records are all too long, is
+    has one (`dice.tasks.prompts.thinks`), with DICE's trained pads under --sft-pad-targets
+    (`dice.sft.data.with_pad_targets`); a file without records, or whose records are all too long, is
     an error that says so."""
     records = read_records(cfg.data)
     if not records:

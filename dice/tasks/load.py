@@ -23,8 +23,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .data import DataError, read_text
-from .errors import json_problem
+from ..errors import DataError, read_text
+from ..errors import json_problem
 
 REQUIRED_NAMES = ("Model", "get_inputs", "get_init_inputs")
 

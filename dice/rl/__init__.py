@@ -1,0 +1,12 @@
+"""BiC-RL: DICE's two-phase TraceRL (DESIGN.md §7; arXiv 2602.11715, Gen-Verse/dLLM-RL).
+
+One step, in the order `train_rl` runs it:
+
+| module | |
+| --- | --- |
+| `rollout` | prompts -> completions with their step maps (which denoising round wrote each token) |
+| `rewards` | completions -> rewards: the verifier's verdicts (`rl_rewards`), or a function of your own |
+| `trace` | TraceRL's trace rounds of a response and their weights |
+| `packing` | a response's rounds beside one clean stream, token-sized micro-batches, their log-probabilities |
+| `train_rl` | `train_rl`: rollouts, rewards, group advantages, the PPO-clip + k3 update, the log, the checkpoint |
+"""

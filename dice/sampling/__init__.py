@@ -1,0 +1,7 @@
+"""Block-diffusion decoding (DESIGN.md §5; SDAR's and LLaDA's `generate`).
+
+| module | |
+| --- | --- |
+| `sampler` | `generate`: the absolute block grid, the KV cache, CUDA graphs, optional `torch.compile` |
+| `choice` | one denoising step's token choice: tokens per step from the block size, static or dynamic low-confidence remasking |
+"""

@@ -1,0 +1,9 @@
+"""Kernel tasks and the prompts that ask for them (DESIGN.md §6).
+
+| module | |
+| --- | --- |
+| `load` | KernelBench folders and DICE's JSON files -> `Task`s; the RL curriculum's order |
+| `prompts` | the one DICE prompt builder (ChatML, or DICE's RL chat shape; user templates), code extraction |
+
+The synthetic curriculum that makes such files is `dice.taskgen` (a command: `python -m dice.taskgen`).
+"""
