@@ -37,19 +37,17 @@ from pathlib import Path
 
 import torch
 
-from dice.checkpoint import read_config
 from dice.cli import ArgumentParser, ProgressLine, at_least, eta, fail_cleanly, in_range
-from dice.data import DataError, read_text
-from dice.errors import UsageError
+from dice.errors import DataError, UsageError, read_text
 from dice.inputs import input_path, output_file, output_folder
 from dice.memory import check_fits, kv_cache_bytes, parameter_bytes
 from dice.metrics import format_summary, summarize
-from dice.prompts import extract_code, keeps_skeleton
-from dice.rollout import load_prompt_template
-from dice.protocols import (DEFAULT_GENERATION, DICE_PROMPT_TOKENS, PROTOCOLS, VERIFY_FLAGS, decoding,
-                            verify_options)
-from dice.sampler import REMASKING
-from dice.tasks import load_tasks
+from dice.model.checkpoint import read_config
+from dice.protocols import DEFAULT_GENERATION, DICE_PROMPT_TOKENS, PROTOCOLS, VERIFY_FLAGS, decoding, verify_options
+from dice.rl.rollout import load_prompt_template
+from dice.sampling.sampler import REMASKING
+from dice.tasks.load import load_tasks
+from dice.tasks.prompts import extract_code, keeps_skeleton
 
 # DICE's models and evaluation decode blocks of this size
 DICE_BLOCK_SIZE = 4
@@ -202,7 +200,7 @@ def generate_solutions(args, tasks) -> list[tuple[object, str | None]]:
     """Generate --samples programs per task with --model (CUDA in bf16, float16 under --protocol
     dice, else the CPU in float32), in the protocol's decoding and the model's prompt format."""
     from dice import load_model, load_tokenizer
-    from dice.rollout import complete, load_prompt_template, prompt_format, task_prompt_ids
+    from dice.rl.rollout import complete, load_prompt_template, prompt_format, task_prompt_ids
     template = load_prompt_template(args.prompt_template, args.infill) if args.prompt_template else None
     cuda = torch.cuda.is_available()
     dtype = getattr(torch, args.decoding["cuda_dtype"]) if cuda else torch.float32

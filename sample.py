@@ -17,14 +17,14 @@ import torch
 
 import dice
 from dice import load_model, load_tokenizer
-from dice.checkpoint import read_config
 from dice.cli import ArgumentParser, ProgressLine, at_least, eta, fail_cleanly, in_range
 from dice.errors import UsageError
 from dice.inputs import input_path, output_file
 from dice.memory import check_fits, kv_cache_bytes, parameter_bytes
-from dice.rollout import complete, load_prompt_template, prompt_format, task_prompt_ids
-from dice.sampler import REMASKING
-from dice.tasks import load_tasks
+from dice.model.checkpoint import read_config
+from dice.rl.rollout import complete, load_prompt_template, prompt_format, task_prompt_ids
+from dice.sampling.sampler import REMASKING
+from dice.tasks.load import load_tasks
 
 EMBEDDED_MODEL = Path(dice.__file__).resolve().parent / "assets" / "dice-tiny"
 

@@ -21,15 +21,15 @@ from pathlib import Path
 
 import torch
 
-from dice.checkpoint import CheckpointError, read_config
 from dice.cli import fail_cleanly, usage_error
 from dice.config import EMBEDDED, EMBEDDED_SFT_TASKS, RL_PHASES, config_from_args, with_embedded_defaults
 from dice.errors import UsageError
 from dice.inputs import input_path, output_folder
 from dice.memory import check_fits, kv_cache_bytes, micro_batch_bytes, parameter_bytes
-from dice.rollout import load_prompt_template
+from dice.model.checkpoint import CheckpointError, read_config
+from dice.rl.rollout import load_prompt_template
 from dice.runtime import RUN_ENTRIES, check_run_folder, latest_checkpoint
-from dice.sft import INIT_ENTRIES, init_model_folder, sft_sizes, train_sft
+from dice.sft.train_sft import INIT_ENTRIES, init_model_folder, sft_sizes, train_sft
 
 MODEL_GIVE = "pass --model DIR (a downloaded SDAR/DICE checkpoint, or a folder written by train.py)"
 
@@ -190,7 +190,7 @@ def main(argv=None) -> None:
         elif cfg.phase == "sft":
             train_sft(cfg)
         else:
-            from dice.rl import train_rl
+            from dice.rl.train_rl import train_rl
             train_rl(cfg)
     except BaseException as e:
         # a run that failed before its first step leaves no folder behind (only rank 0 removes it)

@@ -48,8 +48,7 @@ from pathlib import Path
 from typing import Iterable
 
 from .cli import ArgumentParser, at_least, fail_cleanly
-from .errors import DataError, read_text
-from .errors import json_problem
+from .errors import DataError, json_problem, read_text
 from .inputs import input_path, output_file
 from .tasks.load import load_tasks
 

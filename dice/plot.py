@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cli import ArgumentParser
-from .errors import DataError, read_text
-from .errors import UserError, json_problem
+from .errors import DataError, UserError, json_problem, read_text
 from .metrics import read_outcomes
 
 # (metrics.jsonl key, panel title, factor): the panels of an RL step record, in drawing order

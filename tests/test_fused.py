@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from dice.model.attention import attend, folded_attention_bias, write_kv
-from dice.model.sdar import random_model
-from dice.model.sdar import SDAR, ModelConfig, apply_rope, rope_cos_sin
+from dice.model.sdar import SDAR, ModelConfig, apply_rope, random_model, rope_cos_sin
 from dice.sampling.sampler import generate, greedy_choice
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),

@@ -23,8 +23,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import DataError, read_text
-from ..errors import json_problem
+from ..errors import DataError, json_problem, read_text
 
 REQUIRED_NAMES = ("Model", "get_inputs", "get_init_inputs")
 
