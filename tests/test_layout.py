@@ -40,6 +40,12 @@ def test_no_two_modules_share_a_basename():
     assert {n: p for n, p in names.items() if len(p) > 1} == {}
 
 
+def test_every_folder_of_modules_is_a_package():
+    """A folder without __init__.py imports as a namespace package but is left out of an install."""
+    folders = {p.parent for p in DICE.rglob("*.py") if "__pycache__" not in p.parts}
+    assert {str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").exists()} == set()
+
+
 def test_no_import_cycle():
     known = modules()
     graph = {name: top_level_imports(name, path, known) for name, path in known.items()}
