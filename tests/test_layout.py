@@ -8,10 +8,15 @@ ROOT = Path(__file__).resolve().parents[1]
 DICE = ROOT / "dice"
 
 
+def sources() -> list[Path]:
+    """The package's Python modules (dice/assets holds example programs, data rather than modules)."""
+    return [p for p in DICE.rglob("*.py") if "assets" not in p.relative_to(DICE).parts]
+
+
 def modules() -> dict[str, Path]:
     """dotted name -> file, for every module of the package (a package is its __init__.py)."""
     found = {}
-    for path in DICE.rglob("*.py"):
+    for path in sources():
         parts = path.relative_to(ROOT).with_suffix("").parts
         found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
@@ -34,7 +39,7 @@ def top_level_imports(name: str, path: Path, known: dict[str, Path]) -> set[str]
 
 def test_no_two_modules_share_a_basename():
     names = {}
-    for path in DICE.rglob("*.py"):
+    for path in sources():
         if path.name not in ("__init__.py", "__main__.py"):
             names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     assert {n: p for n, p in names.items() if len(p) > 1} == {}
@@ -42,7 +47,7 @@ def test_no_two_modules_share_a_basename():
 
 def test_every_folder_of_modules_is_a_package():
     """A folder without __init__.py imports as a namespace package but is left out of an install."""
-    folders = {p.parent for p in DICE.rglob("*.py") if "__pycache__" not in p.parts}
+    folders = {p.parent for p in sources()}
     assert {str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").exists()} == set()
 
 
