@@ -30,7 +30,7 @@ from .cli import ArgumentParser
 from .errors import UsageError
 from .model.tokenizer import SPECIAL_TOKENS
 from .rl.packing import UPDATE_ROWS
-from .sampling.sampler import REMASKING
+from .sampling.choice import REMASKING, Sampling
 
 # DICE's gradient is 1/32 of ours at the same loss (its 32 accumulation steps divide it twice: DESIGN.md §7),
 # so its clip of 1.0 (`max_grad_norm`, DeepSpeed's `gradient_clipping`) is 32 here
@@ -118,6 +118,11 @@ class TrainConfig:
         if self.loss_norm not in norms:
             raise UsageError(f"--loss-norm for --phase {self.phase} must be one of {', '.join(norms)}, "
                              f"not {self.loss_norm!r}")
+
+    def sampling(self) -> Sampling:
+        """The RL rollouts' sampler settings (--steps-per-block, --remasking, --threshold, --temperature)."""
+        return Sampling(steps_per_block=self.steps_per_block, remasking=self.remasking, threshold=self.threshold,
+                        temperature=self.temperature)
 
     def validate(self) -> None:
         """Every value a run could not mean is a UsageError naming its flag: choices, RANGES, finite
