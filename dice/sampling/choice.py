@@ -124,7 +124,6 @@ def greedy_choice(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tok, total.reciprocal_()
 
 
-
 def choose_tokens(logits: torch.Tensor, mask_token_id: int, temperature: float, top_k: int, top_p: float,
                   uniforms: torch.Tensor | None, confidence: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
     """(token, confidence) per position of [B, T, V] logits; see the module docstring. confidence

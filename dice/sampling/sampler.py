@@ -254,12 +254,12 @@ class Rows:
 
 @dataclass(frozen=True)
 class Engine:
-    """How `generate` runs its steps; every choice gives the same tokens (exactly in float32, DESIGN.md §5).
-    use_cache=False: the brute-force reference, recomputing the whole sequence at every step.
-    cuda_graphs: replay block steps from CUDA graphs (CUDA with use_cache only). compile:
-    `torch.compile` the decoder layers and the token choice (use_cache only; each new shape compiles
-    first). fused: a single prompt's steps as one persistent CUDA kernel (`dice.fused`; a batch takes
-    the layer-by-layer path)."""
+    """How `generate` runs its steps. None changes the rules, so the tokens agree (exactly in float32;
+    bf16 paths round differently and may flip near-ties). use_cache=False: the brute-force reference,
+    recomputing the whole sequence at every step. cuda_graphs: replay block steps from CUDA graphs
+    (CUDA with use_cache only). compile: `torch.compile` the decoder layers and the token choice
+    (use_cache only; each new shape compiles first). fused: a single prompt's steps as one persistent
+    CUDA kernel (`dice.fused`; a batch takes the layer-by-layer path)."""
     use_cache: bool = True
     cuda_graphs: bool = True
     compile: bool = False
