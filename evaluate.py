@@ -45,7 +45,7 @@ from dice.metrics import format_summary, summarize
 from dice.model.checkpoint import read_config
 from dice.protocols import DEFAULT_GENERATION, DICE_PROMPT_TOKENS, PROTOCOLS, VERIFY_FLAGS, decoding, verify_options
 from dice.rl.rollout import load_prompt_template
-from dice.sampling.sampler import REMASKING
+from dice.sampling.sampler import REMASKING, Sampling
 from dice.tasks.load import load_tasks
 from dice.tasks.prompts import extract_code, keeps_skeleton
 
@@ -219,10 +219,11 @@ def generate_solutions(args, tasks) -> list[tuple[object, str | None]]:
         line.update(f"generating: {n}/{total} tokens at most | {rate:.0f} tokens/s | "
                     f"ETA at most {eta(total - n, rate)}")
 
-    completions = complete(model, tok, prompts, batch_size=args.batch_size, seed=args.seed, progress=show,
-                           max_new_tokens=args.max_new_tokens, steps_per_block=args.steps_per_block,
-                           remasking=args.remasking, temperature=args.temperature, top_k=args.decoding["top_k"],
-                           confidence=args.decoding["confidence"], stop_at_eos=not args.dice_scripts)
+    sampling = Sampling(steps_per_block=args.steps_per_block, remasking=args.remasking, temperature=args.temperature,
+                        top_k=args.decoding["top_k"], confidence=args.decoding["confidence"])
+    completions = complete(model, tok, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                           batch_size=args.batch_size, seed=args.seed, progress=show,
+                           stop_at_eos=not args.dice_scripts)
     line.close()
     del model
     if cuda:

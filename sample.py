@@ -23,7 +23,7 @@ from dice.inputs import input_path, output_file
 from dice.memory import check_fits, kv_cache_bytes, parameter_bytes
 from dice.model.checkpoint import read_config
 from dice.rl.rollout import complete, load_prompt_template, prompt_format, task_prompt_ids
-from dice.sampling.sampler import REMASKING
+from dice.sampling.sampler import REMASKING, Engine, Sampling
 from dice.tasks.load import load_tasks
 
 EMBEDDED_MODEL = Path(dice.__file__).resolve().parent / "assets" / "dice-tiny"
@@ -109,11 +109,10 @@ def main(argv=None) -> None:
         line.update(f"generating: {n}/{args.max_new_tokens} tokens at most | {rate:.0f} tokens/s | "
                     f"ETA at most {eta(args.max_new_tokens - n, rate)}")
 
-    completion = complete(model, tok, [prompt], max_new_tokens=args.max_new_tokens,
-                          steps_per_block=args.steps_per_block, remasking=args.remasking,
-                          threshold=args.threshold, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, compile=args.compile, fused=args.fused,
-                          progress=show)[0]
+    sampling = Sampling(steps_per_block=args.steps_per_block, remasking=args.remasking, threshold=args.threshold,
+                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    completion = complete(model, tok, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
+                          engine=Engine(compile=args.compile, fused=args.fused), seed=args.seed, progress=show)[0]
     line.close()
     if completion.code is None:
         print(completion.text)

@@ -2,9 +2,9 @@
 from .model.checkpoint import CheckpointError, load_model, save_model
 from .model.sdar import SDAR, ModelConfig
 from .model.tokenizer import Tokenizer, TokenizerError, load_tokenizer, train_tokenizer
-from .sampling.sampler import GenerationResult, generate
+from .sampling.sampler import Engine, GenerationResult, Sampling, generate
 from .tasks.prompts import chat_prompt, extract_code, kernel_prompt
 
-__all__ = ["SDAR", "ModelConfig", "CheckpointError", "load_model", "save_model", "generate", "GenerationResult",
-           "Tokenizer", "TokenizerError", "load_tokenizer", "train_tokenizer", "chat_prompt", "kernel_prompt",
+__all__ = ["SDAR", "ModelConfig", "CheckpointError", "load_model", "save_model", "generate", "Sampling", "Engine",
+           "GenerationResult", "Tokenizer", "TokenizerError", "load_tokenizer", "train_tokenizer", "chat_prompt", "kernel_prompt",
            "extract_code"]

@@ -12,6 +12,11 @@ constant_with_warmup`), SDAR's per-micro-batch token mean for SFT, TraceRL's
 per-step L1 normalisation, one optimiser step per 256 round rows, DICE's effective gradient clip
 and a fresh AdamW per step for RL (DICE's `training/RL/configs/rl_sdar_kernel_*.yaml`, DESIGN.md §7).
 
+The fields stay flat, one per flag, grouped by comments in --help's order: the parser, CHOICES,
+RANGES, HELP, EMBEDDED, RESUME_FIELDS and run.json all name a setting by its flag. What the RL code
+needs as one object is built from them: `sampling()` the rollouts' `Sampling`, and
+`dice.rl.rewards.rl_rewards` the reward with its verifier.
+
 EMBEDDED is what `python train.py --phase sft|infill|e2e` runs with neither --model nor --data:
 the shipped dice-tiny on tasks `dice.taskgen` generates with a fixed seed, short enough for a demo
 (minutes); every flag given still wins.
@@ -30,7 +35,7 @@ from .cli import ArgumentParser
 from .errors import UsageError
 from .model.tokenizer import SPECIAL_TOKENS
 from .rl.packing import UPDATE_ROWS
-from .sampling.sampler import REMASKING
+from .sampling.choice import REMASKING, Sampling
 
 # DICE's gradient is 1/32 of ours at the same loss (its 32 accumulation steps divide it twice: DESIGN.md §7),
 # so its clip of 1.0 (`max_grad_norm`, DeepSpeed's `gradient_clipping`) is 32 here
@@ -41,14 +46,17 @@ RL_GRAD_CLIP = 32.0
 class TrainConfig:
     """Flags of `python train.py`: every field is a `--flag`; CHOICES and RANGES below bound their
     values, HELP is their --help text (see also README)."""
+    # what runs, on what, into where
     phase: str = "sft"
     model: str = ""
     data: str = ""
     out: str = ""
+    # how long, in what batches (SFT; RL's batches are below)
     steps: int = 0
     epochs: float = 0.0
     batch_size: int = 0
     grad_accum: int = 0
+    # the optimiser and its schedule (dice.runtime: make_optimizer, lr_at)
     lr: float = 0.0
     schedule: str = "constant"
     min_lr_ratio: float = 0.1
@@ -58,13 +66,16 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     grad_clip: float = 0.0
+    # the loss, the row length, the precision
     loss_norm: str = ""
     max_len: int = 0
     dtype: str = "auto"
+    # the run folder (dice.runtime)
     save_every: int = 0
     keep_checkpoints: int = 2
     resume: bool = False
     overwrite: bool = False
+    # the seed, memory, SFT's records and masks
     seed: int = 0
     gradient_checkpointing: bool = False
     sft_infill: bool = False
@@ -78,17 +89,20 @@ class TrainConfig:
     num_kv_heads: int = 2
     intermediate_size: int = 768
     block_size: int = 4
-    # BiC-RL (dice.rl.train_rl)
+    # BiC-RL (dice.rl.train_rl); the groups below keep the order of --help
+    # the step's tasks and samples
     tasks_per_step: int = 64
     task_order: str = "curriculum"
     dynamic_sampling_rounds: int = 0
     group_size: int = 16
+    # rollouts: the sampler (`sampling()`), its response length and batch
     max_new_tokens: int = 4096
     temperature: float = 1.0
     remasking: str = "low_confidence_dynamic"
     threshold: float = 0.9
     steps_per_block: int = 4
     rollout_batch: int = 64
+    # the update (dice.rl.packing, policy_loss)
     update_tokens: int = 16384
     update_rows: str = "response"
     updates_per_step: int = 0
@@ -98,12 +112,16 @@ class TrainConfig:
     clip_eps: float = 0.2
     kl_beta: float = 0.01
     reference_model: bool = False
+    # the reward (dice.rl.rewards.rl_rewards)
     reward: str = "correct"
     reward_rules: str = "strict"
+    # the greedy evaluation
     eval_every: int = 0
     eval_data: str = ""
+    # the kernel verifier behind the reward and the evaluation
     verifier_workers: int = 8
     verify_timeout: float = 15.0
+    # the rollouts' prompt
     prompt_template: str = ""
 
     def __post_init__(self):
@@ -118,6 +136,11 @@ class TrainConfig:
         if self.loss_norm not in norms:
             raise UsageError(f"--loss-norm for --phase {self.phase} must be one of {', '.join(norms)}, "
                              f"not {self.loss_norm!r}")
+
+    def sampling(self) -> Sampling:
+        """The RL rollouts' sampler settings (--steps-per-block, --remasking, --threshold, --temperature)."""
+        return Sampling(steps_per_block=self.steps_per_block, remasking=self.remasking, threshold=self.threshold,
+                        temperature=self.temperature)
 
     def validate(self) -> None:
         """Every value a run could not mean is a UsageError naming its flag: choices, RANGES, finite

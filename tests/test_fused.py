@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from dice.model.attention import attend, folded_attention_bias, write_kv
 from dice.model.sdar import SDAR, ModelConfig, apply_rope, random_model, rope_cos_sin
-from dice.sampling.sampler import generate, greedy_choice
+from dice.sampling.sampler import Engine, Sampling, generate, greedy_choice
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                             reason="needs a Hopper GPU")
@@ -175,7 +175,7 @@ def test_kernel_greedy_choice_is_the_samplers_on_its_logits(T, lf):
 @pytest.mark.parametrize("remasking,temperature", [("low_confidence_static", 0.0), slow("low_confidence_dynamic", 0.0),
                                                    slow("low_confidence_static", 1.0)])
 def test_every_fused_step_of_generate_matches_the_layer_by_layer_step(remasking, temperature, monkeypatch):
-    """Inside `generate(fused=True)`: each step's logits against the layer-by-layer step run on a
+    """Inside `generate(engine=Engine(fused=True))`: each step's logits against the layer-by-layer step run on a
     copy of the same cache (bf16 greedy choices can differ between any two paths on near-ties, so
     the steps are compared, not the tokens), and at temperature 0 the kernel's greedy choice, which
     the sampler takes, against the sampler's own on those logits (sampling builds the kernel
@@ -184,6 +184,7 @@ def test_every_fused_step_of_generate_matches_the_layer_by_layer_step(remasking,
     from dice.fused import FusedDecoder
     model = small_model(peaked=3.0)
     fused_step, errors, choices = FusedDecoder.step_logits, [], []
+    sampling = Sampling(remasking=remasking, temperature=temperature)
 
     def checked(self, ids, pos, valid, cache, slots, kv_len, logits_from=0, run_layer=None, **kw):
         ref_cache = model.new_cache(1, cache.max_len)
@@ -204,13 +205,12 @@ def test_every_fused_step_of_generate_matches_the_layer_by_layer_step(remasking,
     prompts = ([5, 6, 7], [9] * 9, list(range(1, 13)))
     with monkeypatch.context() as m:
         m.setattr(FusedDecoder, "step_logits", checked)
-        eager = [generate(model, [p], max_new_tokens=30, remasking=remasking, temperature=temperature, seed=3,
-                          fused=True, cuda_graphs=False) for p in prompts]
+        eager = [generate(model, [p], max_new_tokens=30, sampling=sampling, seed=3,
+                          engine=Engine(fused=True, cuda_graphs=False)) for p in prompts]
     assert len(errors) >= 3 * 8 and max(errors) < 3e-2
     assert all(choices) and len(choices) == (len(errors) if temperature == 0 else 0)
     for p, e in zip(prompts, eager):
-        graphed = generate(model, [p], max_new_tokens=30, remasking=remasking, temperature=temperature, seed=3,
-                           fused=True)
+        graphed = generate(model, [p], max_new_tokens=30, sampling=sampling, seed=3, engine=Engine(fused=True))
         assert graphed.tokens == e.tokens and graphed.step_map == e.step_map
 
 

@@ -7,7 +7,7 @@ import torch
 from dice import load_model
 from dice.model.attention import block_diffusion_mask, flex_block_diffusion_mask
 from dice.model.sdar import random_model
-from dice.sampling.sampler import generate
+from dice.sampling.sampler import Engine, Sampling, generate
 
 pytestmark = pytest.mark.gpu
 TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
@@ -55,9 +55,10 @@ def test_flex_training_forward_equals_dense():
 @pytest.mark.parametrize("remasking,threshold", [("low_confidence_static", 0.9), ("low_confidence_dynamic", 0.5)])
 def test_graphs_cache_and_brute_force_agree_on_the_tiny_model(remasking, threshold):
     model = peaked_tiny()
-    kw = dict(max_new_tokens=21, remasking=remasking, threshold=threshold)
-    runs = [generate(model, PROMPTS, cuda_graphs=True, **kw), generate(model, PROMPTS, cuda_graphs=False, **kw),
-            generate(model, PROMPTS, use_cache=False, **kw)]
+    kw = dict(max_new_tokens=21, sampling=Sampling(remasking=remasking, threshold=threshold))
+    runs = [generate(model, PROMPTS, engine=Engine(cuda_graphs=True), **kw),
+            generate(model, PROMPTS, engine=Engine(cuda_graphs=False), **kw),
+            generate(model, PROMPTS, engine=Engine(use_cache=False), **kw)]
     assert runs[0].tokens == runs[1].tokens == runs[2].tokens
     assert runs[0].step_map == runs[1].step_map == runs[2].step_map
     for i, p in enumerate(PROMPTS):
@@ -69,8 +70,8 @@ def test_graphs_cache_and_brute_force_agree_on_the_tiny_model(remasking, thresho
 def test_compiled_steps_agree_with_graphs_on_the_tiny_model(remasking, threshold):
     """torch.compile'd steps (an Inductor compile per step shape: the slow part) decode as the graphs do."""
     model = peaked_tiny()
-    kw = dict(max_new_tokens=21, remasking=remasking, threshold=threshold)
-    graphs, compiled = generate(model, PROMPTS, **kw), generate(model, PROMPTS, compile=True, **kw)
+    kw = dict(max_new_tokens=21, sampling=Sampling(remasking=remasking, threshold=threshold))
+    graphs, compiled = generate(model, PROMPTS, **kw), generate(model, PROMPTS, engine=Engine(compile=True), **kw)
     assert graphs.tokens == compiled.tokens and graphs.step_map == compiled.step_map
 
 
@@ -81,8 +82,8 @@ def test_graphs_crossing_kv_buckets_agree_with_brute_force(monkeypatch):
     from dice.sampling.sampler import CachedForward
     monkeypatch.setattr(CachedForward, "KV_BUCKET", 8)
     model = peaked_tiny()
-    kw = dict(max_new_tokens=41, remasking="low_confidence_dynamic", threshold=0.5)
-    graphs, brute = generate(model, PROMPTS, **kw), generate(model, PROMPTS, use_cache=False, **kw)
+    kw = dict(max_new_tokens=41, sampling=Sampling(remasking="low_confidence_dynamic", threshold=0.5))
+    graphs, brute = generate(model, PROMPTS, **kw), generate(model, PROMPTS, engine=Engine(use_cache=False), **kw)
     assert graphs.tokens == brute.tokens and graphs.step_map == brute.step_map
 
 
@@ -92,8 +93,8 @@ def test_cached_equals_brute_force_on_a_random_1p7b_shape_in_fp32(remasking):
     """float32: exact agreement is expected (bf16 near-ties may differ; the bench reports bf16)."""
     model = random_model("1.7b", dtype=torch.float32, peaked=12.0, num_hidden_layers=6)
     prompts = [torch.randint(0, 150000, (n,)).tolist() for n in (16, 21, 30)]
-    kw = dict(max_new_tokens=24, remasking=remasking)
-    cached, brute = generate(model, prompts, **kw), generate(model, prompts, use_cache=False, **kw)
+    kw = dict(max_new_tokens=24, sampling=Sampling(remasking=remasking))
+    cached, brute = generate(model, prompts, **kw), generate(model, prompts, engine=Engine(use_cache=False), **kw)
     assert cached.tokens == brute.tokens and cached.step_map == brute.step_map
 
 
@@ -109,7 +110,8 @@ def test_static_decoding_does_not_wait_on_the_gpu_per_step():
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                generate(model, PROMPTS[:2], max_new_tokens=max_new_tokens, remasking="low_confidence_static")
+                generate(model, PROMPTS[:2], max_new_tokens=max_new_tokens,
+                         sampling=Sampling(remasking="low_confidence_static"))
         finally:
             torch.cuda.set_sync_debug_mode("default")
         return sum("synchroniz" in str(w.message) for w in caught)

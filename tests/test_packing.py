@@ -179,11 +179,11 @@ def test_flex_length_is_the_budget_or_its_smallest_multiple_that_holds_the_batch
 def test_padded_flex_batch_gives_the_dense_log_probs():
     """FlexAttention (uncompiled on the CPU) on a micro-batch padded as the update pads it and the
     dense mask on the batch as packed give the same log-probs, in the same order (forward only)."""
-    from dice.sampling.sampler import generate
+    from dice.sampling.sampler import Sampling, generate
     model = load_model(TINY)
     prompts = [list(range(5, 12)), list(range(3, 16)), [9]]
-    out = generate(model, prompts, max_new_tokens=13, remasking="low_confidence_dynamic", threshold=0.5,
-                   temperature=1.0, seed=3)
+    out = generate(model, prompts, max_new_tokens=13,
+                   sampling=Sampling(remasking="low_confidence_dynamic", threshold=0.5, temperature=1.0), seed=3)
     comps = [Completion(p, g.tokens, g.step_map, "", None, g.tail_tokens, g.tail_step_map)
              for p, g in zip(prompts, out.sequences)]
     items = round_items(comps)

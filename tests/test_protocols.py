@@ -1,5 +1,6 @@
 """evaluate.py --protocol dice | kernelbench against the originals (dice/protocols.py, DESIGN.md §8.6):
 DICE's decoding and its unmasking order, the verifier options, how broken tasks and fast_p count."""
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 from dice import load_model, load_tokenizer
 from dice.metrics import format_summary, summarize
 from dice.rl.rollout import Completion
-from dice.sampling.sampler import choose_tokens, generate, select_positions
+from dice.sampling.sampler import Sampling, choose_tokens, generate, select_positions
 from dice.verifier import VerifyResult
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,8 +67,8 @@ def test_generation_with_dices_confidence_fills_every_block_left_to_right():
         model.lm_head.weight *= 8
 
     def steps(**kw):
-        return generate(model, [list(range(3, 11))], max_new_tokens=32, steps_per_block=4,
-                        remasking="low_confidence_static", seed=0, **kw).sequences[0].step_map
+        sampling = Sampling(steps_per_block=4, remasking="low_confidence_static", **kw)
+        return generate(model, [list(range(3, 11))], max_new_tokens=32, sampling=sampling, seed=0).sequences[0].step_map
 
     dice = steps(temperature=1.0, top_k=1, confidence="filtered")
     assert dice == list(range(1, 33))
@@ -121,7 +122,7 @@ def test_protocol_dice_asks_in_chatml_and_decodes_as_dice(tmp_path, monkeypatch)
     seen = {}
 
     def fake_complete(model, tok, prompts, **kwargs):
-        seen.update(kwargs, text=tok.decode(prompts[0]))
+        seen.update(kwargs, **dataclasses.asdict(kwargs["sampling"]), text=tok.decode(prompts[0]))
         return [Completion(list(p), [], [], "", None) for p in prompts]
 
     monkeypatch.setattr(dice.rl.rollout, "complete", fake_complete)

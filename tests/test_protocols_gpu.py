@@ -8,7 +8,7 @@ import torch
 
 from dice import load_model
 from dice.protocols import verify_options
-from dice.sampling.sampler import generate
+from dice.sampling.sampler import Sampling, generate
 
 pytestmark = pytest.mark.gpu
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -28,8 +28,9 @@ def test_dices_decoding_through_cuda_graphs_fills_blocks_left_to_right_and_runs_
     logit there makes its position's confidence 1/2, so the order is not asserted): it runs."""
     def decode(dtype):
         model = load_model(FIXTURES / "tiny-sdar", device="cuda", dtype=dtype)
-        return generate(model, [list(range(3, 11))], max_new_tokens=32, steps_per_block=4,
-                        remasking="low_confidence_static", temperature=1.0, top_k=1, confidence="filtered",
+        sampling = Sampling(steps_per_block=4, remasking="low_confidence_static", temperature=1.0, top_k=1,
+                            confidence="filtered")
+        return generate(model, [list(range(3, 11))], max_new_tokens=32, sampling=sampling,
                         seed=0).sequences[0], model.config.mask_token_id
 
     (exact, _), (half, mask) = decode(torch.float32), decode(torch.float16)

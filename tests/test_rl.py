@@ -17,7 +17,7 @@ from dice.rl.rollout import Completion
 from dice.rl.trace import row_weights, trace_rounds
 from dice.rl.train_rl import group_advantages, policy_loss, policy_update, train_rl
 from dice.runtime import Runtime, RunFolderError
-from dice.sampling.sampler import generate
+from dice.sampling.sampler import Engine, Sampling, generate
 from dice.tasks.load import Task
 
 from conftest import make_tiny_model_folder, run_bounded
@@ -109,7 +109,8 @@ def test_rounds_replay_exactly_what_the_sampler_saw(remasking, threshold, prompt
     with torch.no_grad():
         model.lm_head.weight *= 8
     prompt = list(range(1, prompt_len + 1))
-    kw = dict(max_new_tokens=14, use_cache=False, remasking=remasking, threshold=threshold)
+    kw = dict(max_new_tokens=14, sampling=Sampling(remasking=remasking, threshold=threshold),
+              engine=Engine(use_cache=False))
     eos = ()
     if eos_cut:   # the first token whose first occurrence starts a block
         free = generate(model, [prompt], **kw).tokens[0]

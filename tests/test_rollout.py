@@ -8,7 +8,7 @@ import torch
 
 from dice import load_model
 from dice.rl.rollout import auto_rollout_batch, bf16_copy, generate_and_score, generation_copy
-from dice.sampling.sampler import generate
+from dice.sampling.sampler import Engine, Sampling, generate
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3], [7] * 13, [42]]
@@ -20,7 +20,8 @@ LENGTHS = [5, 9, 1, 21, 13]
 def test_a_forced_length_ends_a_sequence_as_max_new_tokens_would_alone(peaked, remasking, use_cache):
     """Row i with lengths[i] = L equals the same prompt generated alone with max_new_tokens = L:
     tokens, step map and the last block's tail, with the cache and in the brute force."""
-    kw = dict(remasking=remasking, threshold=0.5, temperature=1.0, use_cache=use_cache)
+    kw = dict(sampling=Sampling(remasking=remasking, threshold=0.5, temperature=1.0),
+              engine=Engine(use_cache=use_cache))
     seen = {}
     batch = generate(peaked, PROMPTS, max_new_tokens=21, lengths=LENGTHS, seed=list(range(5)),
                      on_finish=lambda i, g: seen.setdefault(i, g), **kw)
@@ -61,10 +62,10 @@ def test_every_overlap_scores_the_same_rollouts(peaked, overlap):
     prompts, owners, seen = PROMPTS * 2, list(range(10)), []
     out, rewards, results, timing = generate_and_score(
         peaked, TOKENIZER, prompts, owners, list(range(10)), score, batch_size=4, overlap=overlap, lanes=3,
-        lengths=LENGTHS * 2, progress=lambda *counts: seen.append(counts), max_new_tokens=21, temperature=1.0,
-        remasking="low_confidence_dynamic")
+        lengths=LENGTHS * 2, progress=lambda *counts: seen.append(counts), max_new_tokens=21,
+        sampling=Sampling(temperature=1.0, remasking="low_confidence_dynamic"))
     reference = generate(peaked, prompts, max_new_tokens=21, lengths=LENGTHS * 2, seed=list(range(10)),
-                         temperature=1.0, remasking="low_confidence_dynamic")
+                         sampling=Sampling(temperature=1.0, remasking="low_confidence_dynamic"))
     assert [c.tokens for c in out] == reference.tokens and [c.step_map for c in out] == reference.step_map
     assert rewards == [k + n / 100 for k, n in zip(owners, LENGTHS * 2)] and results == [None] * 10
     assert sorted(o for call in calls for o in call) == owners

@@ -5,11 +5,12 @@ import pytest
 import torch
 
 from dice import load_model
-from dice.sampling.sampler import choose_tokens, generate, select_positions, tokens_per_step
+from dice.sampling.sampler import Engine, Sampling, choose_tokens, generate, select_positions, tokens_per_step
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
 # lengths 7, 8, 3, 13, 1: on and off the block grid (block 4), mixed in one batch
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3], [7] * 13, [42]]
+BRUTE = Engine(use_cache=False)
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +28,8 @@ def run(model, prompts=PROMPTS, **kw):
                                                  ("low_confidence_dynamic", 0.5)])
 def test_cached_equals_brute_force_and_batch_invariant(peaked, remasking, threshold):
     model = peaked
-    kw = dict(remasking=remasking, threshold=threshold)
-    cached, brute = run(model, **kw), run(model, use_cache=False, **kw)
+    kw = dict(sampling=Sampling(remasking=remasking, threshold=threshold))
+    cached, brute = run(model, **kw), run(model, engine=BRUTE, **kw)
     assert cached.tokens == brute.tokens and cached.step_map == brute.step_map
     assert cached.tail_tokens == brute.tail_tokens and cached.tail_step_map == brute.tail_step_map
     for i, p in enumerate(PROMPTS):
@@ -37,8 +38,8 @@ def test_cached_equals_brute_force_and_batch_invariant(peaked, remasking, thresh
 
 
 def test_sampling_is_seeded_batch_invariant_and_matches_brute_force(model):
-    kw = dict(temperature=1.0, top_k=50, top_p=0.9, seed=11)
-    a, b, brute = run(model, **kw), run(model, **kw), run(model, use_cache=False, **kw)
+    kw = dict(sampling=Sampling(temperature=1.0, top_k=50, top_p=0.9), seed=11)
+    a, b, brute = run(model, **kw), run(model, **kw), run(model, engine=BRUTE, **kw)
     assert a.tokens == b.tokens == brute.tokens and a.step_map == brute.step_map
     assert run(model, [PROMPTS[2]], **{**kw, "seed": 13}).tokens[0] == a.tokens[2]  # row i uses seed + i
     assert run(model, **{**kw, "seed": 12}).tokens != a.tokens
@@ -67,7 +68,7 @@ def test_dynamic_never_takes_more_steps_than_static(peaked):
     static = run(peaked, max_new_tokens=40)
     saved = []
     for threshold in (0.99, 0.9, 0.5):
-        dyn = run(peaked, max_new_tokens=40, remasking="low_confidence_dynamic", threshold=threshold)
+        dyn = run(peaked, max_new_tokens=40, sampling=Sampling(remasking="low_confidence_dynamic", threshold=threshold))
         assert all(d <= s for d, s in zip(dyn.denoising_steps, static.denoising_steps))
         saved.append(sum(static.denoising_steps) - sum(dyn.denoising_steps))
     assert saved[-1] > 0 and dyn.forwards < static.forwards   # a peaked model does save forwards
@@ -91,7 +92,7 @@ def test_mask_token_is_never_sampled(model):
     boosted = load_model(TINY)
     with torch.no_grad():
         boosted.lm_head.weight[boosted.config.mask_token_id] *= 50
-    for kw in (dict(), dict(temperature=1.0, seed=0)):
+    for kw in (dict(), dict(sampling=Sampling(temperature=1.0), seed=0)):
         out = run(boosted, **kw)
         assert all(boosted.config.mask_token_id not in t for t in out.tokens)
 
@@ -150,7 +151,7 @@ def test_bad_sampling_arguments_are_one_line_errors(model):
     for kw, text in ((dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
                      (dict(top_k=-1), "top_k"), (dict(threshold=1.5), "threshold")):
         with pytest.raises(ValueError, match=text):
-            run(model, **kw)
+            run(model, sampling=Sampling(**kw))
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         run(model, [[1, model.config.vocab_size]])
 
@@ -262,10 +263,10 @@ def test_generate_equals_a_plain_per_sequence_reference(peaked, block_size):
                       remasking=pick(["low_confidence_static", "low_confidence_dynamic"]),
                       threshold=pick([0.5, 0.9]), temperature=pick([0.0, 0.0, 0.7, 1.0]), top_k=pick([0, 0, 5]),
                       top_p=pick([1.0, 1.0, 0.8]), eos=pick([(), (7, 11)]), seed=case)
-            got = generate(peaked, PROMPTS, steps_per_block=kw["steps"], eos_token_ids=kw["eos"],
-                           seed=[kw["seed"]] * len(PROMPTS),
-                           **{k: kw[k] for k in ("max_new_tokens", "remasking", "threshold", "temperature",
-                                                 "top_k", "top_p")})
+            sampling = Sampling(steps_per_block=kw["steps"],
+                                **{k: kw[k] for k in ("remasking", "threshold", "temperature", "top_k", "top_p")})
+            got = generate(peaked, PROMPTS, max_new_tokens=kw["max_new_tokens"], sampling=sampling,
+                           eos_token_ids=kw["eos"], seed=[kw["seed"]] * len(PROMPTS))
             for i, prompt in enumerate(PROMPTS):
                 tokens, step_map, steps = reference_generate(peaked, prompt, **kw)
                 assert (got.tokens[i], got.step_map[i], got.denoising_steps[i]) == (tokens, step_map, steps), (kw, i)

@@ -11,7 +11,7 @@ from torch._inductor import config as inductor_config
 
 from ..model.attention import attend, folded_attention_bias
 from ..model.sdar import random_model
-from ..sampling.sampler import CachedForward, generate
+from ..sampling.sampler import CachedForward, Engine, Sampling, generate
 from .common import HBM_BYTES_PER_S, forward_weight_bytes, median_replay_ms, table
 
 
@@ -32,8 +32,8 @@ def bench_sample(args, bench) -> None:
         saved = m.config.block_size
         m.config.block_size = block_size
         try:
-            kw = dict(max_new_tokens=gen, steps_per_block=steps, remasking=remasking, cuda_graphs=graphs,
-                      compile=compile, fused=fused)
+            kw = dict(max_new_tokens=gen, sampling=Sampling(steps_per_block=steps, remasking=remasking),
+                      engine=Engine(cuda_graphs=graphs, compile=compile, fused=fused))
             # warm-up: graph capture; compiled steps depend on the cache length, so warm up at full length
             generate(m, [prompt] * batch, **{**kw, "max_new_tokens": gen if compile else 64})
             times, res = [], None

@@ -15,7 +15,7 @@ from ..model.attention import block_diffusion_mask, flex_block_diffusion_mask
 from ..model.checkpoint import read_config
 from ..model.sdar import SDAR, SDAR_SHAPES, flops_per_token, random_model, sdar_shape
 from ..runtime import make_optimizer, setup_runtime, shard
-from ..sampling.sampler import generate
+from ..sampling.sampler import Engine, Sampling, generate
 from ..sft.diffusion import diffusion_loss
 from .common import BF16_FLOPS, table
 
@@ -151,8 +151,9 @@ def cache_divergence(shape: str) -> list[dict]:
     for dtype in (torch.bfloat16, torch.float32):
         model = random_model(shape, dtype=dtype, peaked=12.0)
         for remasking in ("low_confidence_static", "low_confidence_dynamic"):
-            kw = dict(max_new_tokens=48, remasking=remasking)
-            cached, brute = generate(model, prompts, **kw), generate(model, prompts, use_cache=False, **kw)
+            kw = dict(max_new_tokens=48, sampling=Sampling(remasking=remasking))
+            cached = generate(model, prompts, **kw)
+            brute = generate(model, prompts, engine=Engine(use_cache=False), **kw)
             first = [next((i for i, (a, b) in enumerate(zip(c, r)) if a != b), None)
                      for c, r in zip(cached.tokens, brute.tokens)]
             same = sum(a == b for c, r in zip(cached.tokens, brute.tokens) for a, b in zip(c, r))

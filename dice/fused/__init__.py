@@ -1,8 +1,8 @@
 """The optional batch-1 fast path: each denoising step of one sequence as one persistent CUDA kernel
 (bf16, Hopper, CuPy). Design and measurements: `dice/fused/NOTES.md`.
 
-`dice.sampling.sampler.generate(..., fused=True)` takes its steps from `FusedForward`, the only place the
-sampler touches this package; `FusedDecoder` (`decoder.py`, `fused_decode.cu`) is the kernel.
+`dice.sampling.sampler.generate(..., engine=Engine(fused=True))` takes its steps from `FusedForward`, the
+only place the sampler touches this package; `FusedDecoder` (`decoder.py`, `fused_decode.cu`) is the kernel.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ import torch
 
 from ..errors import DataError, read_text
 from ..model.sdar import SDAR
-from ..sampling.sampler import CachedForward, Generated, generate
+from ..sampling.sampler import CachedForward, Engine, Generated, Sampling, generate
 from ..tasks.load import Task
 from ..tasks.prompts import PromptFormat, extract_code, template_problem
 
@@ -89,16 +89,18 @@ def _completion(tokenizer, prompt: Sequence[int], g: Generated) -> Completion:
     return Completion(list(prompt), g.tokens, g.step_map, text, extract_code(text), g.tail_tokens, g.tail_step_map)
 
 
-def complete(model, tokenizer, prompts: Sequence[Sequence[int]], *, batch_size: int = 64,
+def complete(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             sampling: Sampling = Sampling(), engine: Engine = Engine(), batch_size: int = 64,
              seed: int | Sequence[int] = 0, progress: Callable[[int], None] | None = None,
              lengths: Sequence[int] | None = None, on_done: Callable[[int, Completion], None] | None = None,
-             stop_at_eos: bool = True, **generate_kwargs) -> list[Completion]:
+             stop_at_eos: bool = True) -> list[Completion]:
     """Generate for every prompt in batches of `batch_size` (prompts sorted by length for tighter
     batches; the sampler is batch-invariant and prompt i always uses its own seed, seed + i or
-    seed[i], so the grouping does not change any result). lengths: per prompt, the sampler's
-    forced response length (`generate`). on_done(i, completion): called as prompt i finishes,
-    before that block's `progress` call. stop_at_eos=False: every prompt runs to max_new_tokens
-    (DICE's evaluation scripts, `evaluate.py --dice-scripts`)."""
+    seed[i], so the grouping does not change any result). max_new_tokens, sampling, engine,
+    progress: `generate`'s. lengths: per prompt, the sampler's forced response length (`generate`).
+    on_done(i, completion): called as prompt i finishes, before that block's `progress` call.
+    stop_at_eos=False: every prompt runs to max_new_tokens (DICE's evaluation scripts,
+    `evaluate.py --dice-scripts`)."""
     seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed + i for i in range(len(prompts))]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[Completion | None] = [None] * len(prompts)
@@ -113,9 +115,10 @@ def complete(model, tokenizer, prompts: Sequence[Sequence[int]], *, batch_size: 
                 on_done(chunk[row], out[chunk[row]])
 
         eos = tokenizer.eos_token_ids if stop_at_eos else ()
-        result = generate(model, [prompts[i] for i in chunk], eos_token_ids=eos,
-                          seed=[seeds[i] for i in chunk], progress=report, on_finish=finished,
-                          lengths=None if lengths is None else [lengths[i] for i in chunk], **generate_kwargs)
+        result = generate(model, [prompts[i] for i in chunk], max_new_tokens=max_new_tokens, sampling=sampling,
+                          eos_token_ids=eos, seed=[seeds[i] for i in chunk], engine=engine,
+                          lengths=None if lengths is None else [lengths[i] for i in chunk], progress=report,
+                          on_finish=finished)
         done += result.num_tokens
     return out
 
@@ -240,11 +243,12 @@ class _Scorer:
 
 
 def generate_and_score(model, tokenizer, prompts: Sequence[Sequence[int]], owners: Sequence, seeds: Sequence[int],
-                       score: Callable, *, batch_size: int, overlap: str = "stream", lanes: int = 1,
-                       lengths: Sequence[int] | None = None, progress: Callable[[int, int, int], None] | None = None,
-                       **generate_kwargs):
-    """Completions for `prompts` (generated `batch_size` at a time) scored by `score(owners,
-    completions)`, which returns a `dice.rl.train_rl.Scores` for the owners (tasks) and completions it is given.
+                       score: Callable, *, batch_size: int, max_new_tokens: int, sampling: Sampling = Sampling(),
+                       overlap: str = "stream", lanes: int = 1, lengths: Sequence[int] | None = None,
+                       progress: Callable[[int, int, int], None] | None = None):
+    """Completions for `prompts` (generated `batch_size` at a time, `max_new_tokens` and `sampling`
+    as in `generate`) scored by `score(owners, completions)`, which returns a `dice.rl.rewards.Scores`
+    for the owners (tasks) and completions it is given.
 
     overlap: "stream" scores every block's newly finished sequences as one call on a pool of
     `lanes` threads (the verifier's workers) while the batch goes on, so the verifier starts on
@@ -284,9 +288,10 @@ def generate_and_score(model, tokenizer, prompts: Sequence[Sequence[int]], owner
                     pending.clear()
 
             t0 = time.perf_counter()
-            complete(model, tokenizer, [prompts[i] for i in batch], batch_size=len(batch),
-                     seed=[seeds[i] for i in batch], lengths=None if lengths is None else [lengths[i] for i in batch],
-                     on_done=finished, progress=flush if overlap == "stream" else None, **generate_kwargs)
+            complete(model, tokenizer, [prompts[i] for i in batch], max_new_tokens=max_new_tokens, sampling=sampling,
+                     batch_size=len(batch), seed=[seeds[i] for i in batch],
+                     progress=flush if overlap == "stream" else None,
+                     lengths=None if lengths is None else [lengths[i] for i in batch], on_done=finished)
             generate_s += time.perf_counter() - t0
             if overlap == "batch":
                 scorer.submit(batch, owners, completions)

@@ -140,10 +140,8 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
         else cfg.rollout_batch
     completions, rewards, results, timings = generate_and_score(
         policy, tok, prompts, owners, seeds, lambda ts, cs: score(reward_fn, ts, cs), batch_size=size,
-        overlap=overlap, lanes=cfg.verifier_workers, lengths=lengths, progress=progress,
-        max_new_tokens=cfg.max_new_tokens,
-        steps_per_block=cfg.steps_per_block, remasking=cfg.remasking, threshold=cfg.threshold,
-        temperature=cfg.temperature)
+        max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling(), overlap=overlap, lanes=cfg.verifier_workers,
+        lengths=lengths, progress=progress)
     return completions, rewards, results, {**timings, "rollout_batch": size}
 
 
@@ -269,10 +267,9 @@ def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, inf
     prompt format (None: the model's)."""
     mine = list(range(rt.rank, len(tasks), rt.world))
     fmt = fmt or prompt_format(model)
+    greedy = dataclasses.replace(cfg.sampling(), temperature=0.0)
     completions = complete(model, tok, [task_prompt_ids(tok, tasks[i], infill=infill, fmt=fmt) for i in mine],
-                           batch_size=cfg.rollout_batch, seed=mine, max_new_tokens=cfg.max_new_tokens,
-                           steps_per_block=cfg.steps_per_block, remasking=cfg.remasking, threshold=cfg.threshold,
-                           temperature=0.0)
+                           max_new_tokens=cfg.max_new_tokens, sampling=greedy, batch_size=cfg.rollout_batch, seed=mine)
     scores = score(reward_fn, [tasks[i] for i in mine], completions) if mine else Scores([])
     out = {"eval_reward": rt.all_sum(sum(scores.rewards)) / len(tasks)}
     # a process without eval tasks cannot tell a verifier's reward from a plain one: ask all of them

@@ -2,6 +2,6 @@
 
 | module | |
 | --- | --- |
-| `sampler` | `generate`: the absolute block grid, the KV cache, CUDA graphs, optional `torch.compile` |
-| `choice` | one denoising step's token choice: tokens per step from the block size, static or dynamic low-confidence remasking |
+| `sampler` | `generate`: the absolute block grid, the KV cache, CUDA graphs, optional `torch.compile` (`Engine`) |
+| `choice` | one denoising step's token choice (`Sampling`): tokens per step from the block size, static or dynamic low-confidence remasking |
 """

@@ -21,18 +21,36 @@ from typing import Sequence
 import torch
 
 REMASKING = ("low_confidence_static", "low_confidence_dynamic")
+CONFIDENCE = ("softmax", "filtered")
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """How a step chooses tokens (`choose_tokens`) and which it unmasks (`unmask`)."""
-    mask_token_id: int
+    """How the sampler decodes a block (the rules: the module docstring). steps_per_block: S, the
+    denoising steps of a block; remasking: which masked positions a step unmasks, "low_confidence_static"
+    or "low_confidence_dynamic" (with its confidence `threshold`); temperature: 0 is greedy; top_k:
+    sample among the k likeliest tokens (0: all); top_p: nucleus sampling, in (0, 1]; confidence:
+    "softmax" (DESIGN.md §5) or DICE's "filtered" (needs temperature > 0; `evaluate.py --protocol
+    dice`). A value no step could use is a ValueError here."""
+    steps_per_block: int = 4
+    remasking: str = "low_confidence_static"
+    threshold: float = 0.9
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    remasking: str = "low_confidence_static"
-    threshold: float = 0.9
     confidence: str = "softmax"
+
+    def __post_init__(self):
+        if self.remasking not in REMASKING:
+            raise ValueError(f"remasking must be one of {REMASKING}, got {self.remasking!r}")
+        if self.steps_per_block < 1:
+            raise ValueError(f"steps_per_block must be >= 1, got {self.steps_per_block}")
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or not 0 <= self.threshold <= 1:
+            raise ValueError(f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1 and 0 <= threshold <= 1; got "
+                             f"{self.temperature}, {self.top_k}, {self.top_p}, {self.threshold}")
+        if self.confidence not in CONFIDENCE or (self.confidence == "filtered" and self.temperature == 0):
+            raise ValueError(f"confidence must be one of {CONFIDENCE} (filtered: with temperature > 0), "
+                             f"got {self.confidence!r}")
 
 
 def tokens_per_step(block_size: int, steps: int) -> list[int]:
@@ -104,9 +122,6 @@ def greedy_choice(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tok = piece * (V // pieces) + piece_arg.gather(-1, piece.unsqueeze(-1)).squeeze(-1)
     total = (x - m[..., None, None]).exp_().sum(-1).sum(-1)
     return tok, total.reciprocal_()
-
-
-CONFIDENCE = ("softmax", "filtered")
 
 
 def choose_tokens(logits: torch.Tensor, mask_token_id: int, temperature: float, top_k: int, top_p: float,

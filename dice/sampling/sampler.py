@@ -29,10 +29,12 @@ ids start at 0 at each sequence's first real token, and sampling noise is a hash
 step, position), so a batch does not change a sequence's result: exactly in float32; in bf16 a
 different batch shape rounds differently and may flip near-ties. An int seed gives row i the seed
 seed + i; pass one seed per prompt for results independent of the row.
-Decoding paths: `use_cache=False` recomputes the whole sequence at every step (the brute-force
-reference); the cached step (`CachedForward`) runs a block against the KV cache, replayed from CUDA
-graphs on CUDA and optionally `torch.compile`d; `fused=True` hands a single prompt's steps to the
-optional persistent kernel (`dice.fused.FusedForward`, the one hook into the fast path).
+Decoding paths (`Engine`): `use_cache=False` recomputes the whole sequence at every step (the
+brute-force reference); the cached step (`CachedForward`) runs a block against the KV cache, replayed
+from CUDA graphs on CUDA and optionally `torch.compile`d; `fused=True` hands a single prompt's steps
+to the optional persistent kernel (`dice.fused.FusedForward`, the one hook into the fast path).
+`generate` takes what a step chooses as one `Sampling` (`dice.sampling.choice`) and how the steps
+run as one `Engine`.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..model.attention import block_causal_mask
-from .choice import (CONFIDENCE, REMASKING, Sampling, choose_tokens, greedy_choice,  # noqa: F401 (re-exported)
+from .choice import (REMASKING, Sampling, choose_tokens, greedy_choice,  # noqa: F401 (re-exported)
                      row_seeds, select_positions, tokens_per_step, uniform_noise, unmask)
 
 
@@ -99,7 +101,8 @@ class BruteForce:
         return self.model(x, pos, block_causal_mask(pos, self.model.config.block_size) & keys_ok)[:, b0:b1]
 
     def choose(self, logits: torch.Tensor, uniforms, s: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.choose_tokens(logits, s.mask_token_id, s.temperature, s.top_k, s.top_p, uniforms, s.confidence)
+        return self.choose_tokens(logits, self.model.config.mask_token_id, s.temperature, s.top_k, s.top_p, uniforms,
+                                  s.confidence)
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         pass
@@ -249,41 +252,45 @@ class Rows:
         return keep
 
 
+@dataclass(frozen=True)
+class Engine:
+    """How `generate` runs its steps. None changes the rules, so the tokens agree (exactly in float32;
+    bf16 paths round differently and may flip near-ties). use_cache=False: the brute-force reference,
+    recomputing the whole sequence at every step. cuda_graphs: replay block steps from CUDA graphs
+    (CUDA with use_cache only). compile: `torch.compile` the decoder layers and the token choice
+    (use_cache only; each new shape compiles first). fused: a single prompt's steps as one persistent
+    CUDA kernel (`dice.fused`; a batch takes the layer-by-layer path)."""
+    use_cache: bool = True
+    cuda_graphs: bool = True
+    compile: bool = False
+    fused: bool = False
+
+
 @torch.inference_mode()
-def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, steps_per_block: int = 4,
-             remasking: str = "low_confidence_static", threshold: float = 0.9, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, eos_token_ids: Sequence[int] = (), use_cache: bool = True,
-             seed: int | Sequence[int] | None = None, cuda_graphs: bool = True, compile: bool = False,
-             fused: bool = False, progress: Callable[[int], None] | None = None,
-             lengths: Sequence[int] | None = None,
-             on_finish: Callable[[int, Generated], None] | None = None,
-             confidence: str = "softmax") -> GenerationResult:
+def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
+             eos_token_ids: Sequence[int] = (), seed: int | Sequence[int] | None = None, engine: Engine = Engine(),
+             lengths: Sequence[int] | None = None, progress: Callable[[int], None] | None = None,
+             on_finish: Callable[[int, Generated], None] | None = None) -> GenerationResult:
     """Generate a response for every prompt (lists of token ids); see the module docstring.
 
-    use_cache=False: the brute-force reference. seed: an int (row i uses seed + i) or one seed per
-    prompt; None draws one from torch's RNG. cuda_graphs: replay block steps from CUDA graphs (CUDA
-    with use_cache only; same results). compile: `torch.compile` the decoder layers and the token
-    choice (use_cache only; each new shape compiles first). fused: a single prompt's steps as one
-    persistent CUDA kernel (`dice.fused`; a batch takes the layer-by-layer path). progress: called
-    after every block with the number of positions generated so far. lengths: per prompt, the
-    response length at which its sequence ends as if it had sampled an eos there (capped at
-    max_new_tokens; the KV cache is sized by max_new_tokens as without it): benchmarks give a
-    random-weight model, which never samples an eos, real response lengths. on_finish(i, generated):
-    called as prompt i's sequence finishes and leaves the batch, e.g. to verify it while the others
-    still generate (BiC-RL rollouts, DESIGN.md §7). confidence: "softmax" (DESIGN.md §5) or DICE's
-    "filtered" (`dice.sampling.choice`; `evaluate.py --protocol dice`).
+    max_new_tokens: the most positions generated per prompt. sampling: the steps per block, the
+    remasking rule and the token choice (`Sampling`; default: greedy, 4 steps, static remasking).
+    eos_token_ids: a sequence ends after the block holding one of them. seed: an int (row i uses
+    seed + i) or one seed per prompt; None draws one from torch's RNG. engine: how the steps run
+    (`Engine`: KV cache, CUDA graphs, torch.compile, the fused kernel; same results). lengths: per
+    prompt, the response length at which its sequence ends as if it had sampled an eos there (capped
+    at max_new_tokens; the KV cache is sized by max_new_tokens as without it): benchmarks give a
+    random-weight model, which never samples an eos, real response lengths. progress: called after
+    every block with the number of positions generated so far. on_finish(i, generated): called as
+    prompt i's sequence finishes and leaves the batch, e.g. to verify it while the others still
+    generate (BiC-RL rollouts, DESIGN.md §7).
     """
-    _check_arguments(model, prompts, max_new_tokens, steps_per_block, remasking, temperature, top_k, top_p, threshold)
-    if confidence not in CONFIDENCE or (confidence == "filtered" and temperature == 0):
-        raise ValueError(f"confidence must be one of {CONFIDENCE} (filtered: with temperature > 0), got {confidence!r}")
-    if lengths is not None and (len(lengths) != len(prompts) or min(lengths) < 1):
-        raise ValueError(f"lengths needs one length >= 1 per prompt; got {len(lengths)} for {len(prompts)} prompts")
+    _check_arguments(model, prompts, max_new_tokens, lengths)
     cfg, device, started = model.config, next(model.parameters()).device, time.perf_counter()
-    bs, schedule = cfg.block_size, tokens_per_step(cfg.block_size, steps_per_block)
-    s = Sampling(cfg.mask_token_id, temperature, top_k, top_p, remasking, threshold, confidence)
+    bs, schedule = cfg.block_size, tokens_per_step(cfg.block_size, sampling.steps_per_block)
     rows = Rows(prompts, bs, max_new_tokens, cfg.mask_token_id, row_seeds(seed, len(prompts)), device, lengths)
-    step, forwards = _make_step(model, rows, use_cache, cuda_graphs, compile, fused, temperature)
-    commit = _compiled("unmask", unmask) if compile else unmask
+    step, forwards = _make_step(model, rows, engine, greedy=sampling.temperature == 0)
+    commit = _compiled("unmask", unmask) if engine.compile else unmask
     eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device) if eos_token_ids else None
     out: dict[int, Generated] = {}
     positions_done = 0
@@ -294,17 +301,17 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
         for k, n_k in enumerate(schedule):
             # static: a row with m masks is complete once the schedule has unmasked m; dynamic
             # unmasks a data-dependent number, so it asks the GPU (one sync a step)
-            if (sum(schedule[:k]) >= max(masks)) if remasking == "low_confidence_static" else not masked.any():
+            if (sum(schedule[:k]) >= max(masks)) if sampling.remasking == "low_confidence_static" else not masked.any():
                 break
             left = masked.sum(-1)
             logits = step.block_logits(rows, b0, b1, commit_previous=j > 0 and k == 0)
             forwards += 1
             rows.steps += (left > 0).long()
-            u = uniform_noise(rows.seeds, rows.steps, rows.pos[:, b0:b1]) if temperature > 0 else None
-            tok, conf = step.choose(logits, u, s)
+            u = uniform_noise(rows.seeds, rows.steps, rows.pos[:, b0:b1]) if sampling.temperature > 0 else None
+            tok, conf = step.choose(logits, u, sampling)
             rows.x[:, b0:b1], rows.step_map[:, b0:b1], masked = commit(
                 tok, conf, rows.x[:, b0:b1], rows.step_map[:, b0:b1], masked, left.clamp(max=n_k), rows.steps,
-                remasking, threshold)
+                sampling.remasking, sampling.threshold)
         finished = rows.finished(b0, b1, eos)
         for r in finished:
             out[rows.index[r]] = rows.result(r, b1, eos_token_ids)
@@ -320,36 +327,32 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, st
     return GenerationResult([out[i] for i in range(len(prompts))], forwards, time.perf_counter() - started)
 
 
-def _make_step(model, rows: Rows, use_cache: bool, cuda_graphs: bool, compile: bool, fused: bool,
-               temperature: float) -> tuple[BruteForce, int]:
+def _make_step(model, rows: Rows, engine: Engine, greedy: bool) -> tuple[BruteForce, int]:
     """The step runner for `generate` and the forwards it ran already (the prompts' full blocks,
-    prefilled into a new KV cache)."""
-    if not use_cache:
-        return BruteForce(model, compile), 0
+    prefilled into a new KV cache). greedy: temperature 0, which the fused kernel chooses itself."""
+    if not engine.use_cache:
+        return BruteForce(model, engine.compile), 0
     cache = model.new_cache(len(rows.index), rows.x.shape[1])
-    graphs = cuda_graphs and rows.x.device.type == "cuda"
-    if fused and len(rows.index) == 1:
+    graphs = engine.cuda_graphs and rows.x.device.type == "cuda"
+    if engine.fused and len(rows.index) == 1:
         from ..fused import FusedForward   # here, not at the top: dice.fused builds on this module's CachedForward
-        step = FusedForward(model, cache, graphs, compile, greedy=temperature == 0)
+        step = FusedForward(model, cache, graphs, engine.compile, greedy=greedy)
     else:
-        step = CachedForward(model, cache, graphs, compile)
+        step = CachedForward(model, cache, graphs, engine.compile)
     n = rows.F * model.config.block_size
     if n:
         model.forward_cached(rows.x[:, :n], rows.pos[:, :n], cache, commit=n, valid=rows.valid[:, :n], logits_from=n)
     return step, int(n > 0)
 
 
-def _check_arguments(model, prompts, max_new_tokens, steps_per_block, remasking, temperature, top_k, top_p,
-                     threshold) -> None:
-    if remasking not in REMASKING:
-        raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
+def _check_arguments(model, prompts, max_new_tokens: int, lengths: Sequence[int] | None) -> None:
+    """`generate`'s arguments besides `Sampling` (which checks its own): a ValueError naming the fault."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    if max_new_tokens < 1 or steps_per_block < 1:
-        raise ValueError("max_new_tokens and steps_per_block must be >= 1")
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or not 0 <= threshold <= 1:
-        raise ValueError(f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1 and 0 <= threshold <= 1; got "
-                         f"{temperature}, {top_k}, {top_p}, {threshold}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if lengths is not None and (len(lengths) != len(prompts) or min(lengths) < 1):
+        raise ValueError(f"lengths needs one length >= 1 per prompt; got {len(lengths)} for {len(prompts)} prompts")
     bad = [t for p in prompts for t in p if not 0 <= t < model.config.vocab_size]
     if bad:
         raise ValueError(f"prompt token id {bad[0]} is outside the model's vocabulary [0, {model.config.vocab_size})")
