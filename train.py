@@ -150,16 +150,20 @@ def interrupted(out: Path, argv) -> str:
 
 def write_embedded_data(phase: str, out: Path) -> Path:
     """out/tasks.json: the embedded default's tasks, the same file for the same phase (fixed seed);
-    written through a per-process temporary file, so processes under torchrun do not collide. RL
-    tasks are drawn after dice-tiny's SFT split (EMBEDDED_SFT_TASKS), so that, as in rl.json, none
-    is one of the tasks it was trained on."""
+    written through a per-process temporary file, so processes under torchrun do not collide. The
+    RL phases' tasks are a shipped file (`dice.config.EMBEDDED_RL_TASKS`); drawn ones come after
+    dice-tiny's SFT split (EMBEDDED_SFT_TASKS), so that, as in rl.json, none is one it was trained on."""
     from dice.taskgen import generate_split
-    split, n = EMBEDDED[phase][1]
-    train, _, _, rl = generate_split(n if split == "train" else EMBEDDED_SFT_TASKS, 0, 0, seed=0,
-                                     n_rl=n if split == "rl" else 0)
+    if isinstance(EMBEDDED[phase][1], Path):      # a shipped task file (the RL phases': dice.config)
+        tasks = json.loads(EMBEDDED[phase][1].read_text())
+    else:
+        split, n = EMBEDDED[phase][1]
+        train, _, _, rl = generate_split(n if split == "train" else EMBEDDED_SFT_TASKS, 0, 0, seed=0,
+                                         n_rl=n if split == "rl" else 0)
+        tasks = train if split == "train" else rl
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".tasks.json.{os.getpid()}"
-    tmp.write_text(json.dumps(train if split == "train" else rl, indent=1))
+    tmp.write_text(json.dumps(tasks, indent=1))
     os.replace(tmp, out / "tasks.json")
     return out / "tasks.json"
 

@@ -79,23 +79,3 @@ def test_train_rl_takes_the_tasks_in_the_order_asked(tmp_path, order, first_step
 def test_an_unknown_task_order_is_refused():
     with pytest.raises(ValueError, match="--task-order must be one of curriculum, interleaved"):
         TrainConfig(phase="e2e", task_order="random")
-
-
-@pytest.mark.slow
-def test_the_embedded_rl_tasks_are_none_of_dice_tinys_sft_tasks(tmp_path, monkeypatch):
-    """Issue 37: drawn without the train split first, the embedded default's 174 RL tasks held 97
-    of dice-tiny's own SFT tasks (all 57 of level 1): recalled kernels, whose all-correct groups
-    teach nothing. dice-tiny's SFT data is taskgen's default train.json (--train 4000, seed 0)."""
-    import sys
-    from pathlib import Path
-
-    from dice.config import EMBEDDED
-    from dice.taskgen import generate_split
-    flags, (split, _) = EMBEDDED["e2e"]
-    monkeypatch.setitem(EMBEDDED, "e2e", (flags, (split, 30)))    # 30 tasks drawn keep the test short
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
-    sys.modules.pop("train", None)
-    import train
-    tasks = json.loads(train.write_embedded_data("e2e", tmp_path).read_text())
-    sft = {t["pytorch_code"] for t in generate_split(4000, 0, 0, seed=0)[0]}
-    assert len(tasks) > 5 and not [t["id"] for t in tasks if t["pytorch_code"] in sft]
