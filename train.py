@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dice.cli import fail_cleanly, usage_error
-from dice.config import EMBEDDED, EMBEDDED_SFT_TASKS, RL_PHASES, config_from_args, with_embedded_defaults
+from dice.config import EMBEDDED, RL_PHASES, config_from_args, with_embedded_defaults
 from dice.errors import UsageError
 from dice.inputs import input_path, output_folder
 from dice.memory import check_fits, kv_cache_bytes, micro_batch_bytes, parameter_bytes
@@ -149,18 +149,16 @@ def interrupted(out: Path, argv) -> str:
 
 
 def write_embedded_data(phase: str, out: Path) -> Path:
-    """out/tasks.json: the embedded default's tasks, the same file for the same phase (fixed seed);
-    written through a per-process temporary file, so processes under torchrun do not collide. The
-    RL phases' tasks are a shipped file (`dice.config.EMBEDDED_RL_TASKS`); drawn ones come after
-    dice-tiny's SFT split (EMBEDDED_SFT_TASKS), so that, as in rl.json, none is one it was trained on."""
+    """out/tasks.json: the embedded default's tasks, the same file for the same phase; written through
+    a per-process temporary file, so processes under torchrun do not collide. The RL phases' tasks
+    are a shipped file (`dice.config.EMBEDDED_RL_TASKS`), SFT's taskgen's train split (fixed seed)."""
     from dice.taskgen import generate_split
-    if isinstance(EMBEDDED[phase][1], Path):      # a shipped task file (the RL phases': dice.config)
-        tasks = json.loads(EMBEDDED[phase][1].read_text())
+    source = EMBEDDED[phase][1]
+    if isinstance(source, Path):
+        tasks = json.loads(source.read_text())
     else:
-        split, n = EMBEDDED[phase][1]
-        train, _, _, rl = generate_split(n if split == "train" else EMBEDDED_SFT_TASKS, 0, 0, seed=0,
-                                         n_rl=n if split == "rl" else 0)
-        tasks = train if split == "train" else rl
+        _, n = source                  # ("train", n): the SFT phase's draw
+        tasks = generate_split(n, 0, 0, seed=0)[0]
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".tasks.json.{os.getpid()}"
     tmp.write_text(json.dumps(tasks, indent=1))

@@ -306,16 +306,13 @@ EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "dice-tiny"
 _RL_DEMO = {"steps": 6, "tasks_per_step": 32, "group_size": 8, "max_new_tokens": 704, "lr": 1e-4,
             "rows_per_update": 64, "rollout_batch": 256, "update_tokens": 65536, "verify_timeout": 5.0, "save_every": 2,
             "verifier_workers": max(1, min(14, (os.cpu_count() or 4) - 2)), "task_order": "interleaved"}
-# dice-tiny's SFT data: `python -m dice.taskgen`'s train.json (its default --train, seed 0), which the
-# embedded RL tasks must not repeat
-EMBEDDED_SFT_TASKS = 4000
 # The RL phases' tasks, shipped: 32 tasks (13 level 1, 19 level 3) of the rl split of dice-tiny's
 # BiC-RL experiment (its card: `python -m dice.taskgen --valid 300 --heldout 440 --seed 0`, rl.json),
 # ids as there, each step all 32 (tasks_per_step): a reward shows learning where the tasks recur and
 # their groups disagree. Chosen from rl-split tasks only, on dice-tiny's greedy kernels against the
 # references (CPU, float32, 704 tokens, 2026-12-04): 32 of the 141 whose kernel differs from the
 # reference only in its numbers (a miscopied constant, which lies in the infill middle too), never
-# from held-out or valid results; none is an SFT task (tests/test_rl_tasks.py)
+# from held-out or valid results; none is an SFT task (tests/test_embedded_rl_tasks.py)
 EMBEDDED_RL_TASKS = EMBEDDED_MODEL / "rl-tasks.json"
 # per phase: the flags' values, then (taskgen split, tasks drawn) or a task file; dice-tiny's card has its recipe
 EMBEDDED = {"sft": ({"steps": 30, "save_every": 10}, ("train", 200)),

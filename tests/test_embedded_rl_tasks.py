@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dice.config import EMBEDDED, EMBEDDED_RL_TASKS, config_from_args, with_embedded_defaults
-from dice.tasks import load_tasks, phase_tasks, step_tasks
+from dice.tasks.load import load_tasks, phase_tasks, step_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,7 +103,7 @@ def test_train_rl_on_the_embedded_recipe_rolls_out_every_task_each_step(tmp_path
     4 tokens, with a reward that records the tasks it scores."""
     import dataclasses
 
-    from dice.rl import train_rl
+    from dice.rl.train_rl import train_rl
     seen = []
 
     def record(ts, completions):
