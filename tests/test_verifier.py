@@ -19,10 +19,10 @@ import torch
 
 from dice.verifier import TaskError, Verifier, VerifyResult, verify
 from dice.verifier.build.cache import BuildCache, BuildError, build_error_message, nvrtc_error_message
+from dice.verifier.outputs import aliased_outputs, compare_outputs, fingerprint, modified_inputs
 from dice.verifier.process import GpuLock
 from dice.verifier.results import static_check, trial_seeds
-from dice.verifier.rules import (aliased_outputs, compare_outputs, fallback_problem, fingerprint, kernel_names,
-                                 modified_inputs, replaced_functions)
+from dice.verifier.rules import fallback_problem, kernel_names, replaced_functions
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
 RELU_TASK = (FIXTURES / "relu_task.py").read_text()

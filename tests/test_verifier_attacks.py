@@ -72,7 +72,7 @@ def test_a_reply_that_would_run_code_in_the_trainer_is_refused(cpu_verifier, tmp
     marker = tmp_path / "ran-in-trainer"
     source = GOOD + (f"\nclass RunsCode:\n    def __reduce__(self):\n"
                      f"        return (open, ({str(marker)!r}, 'w'))\n"
-                     "import dice.verifier.rules as c\n"
+                     "import dice.verifier.outputs as c\n"
                      "c.RunsCode = RunsCode\n"
                      "def evil(originals, inputs):\n    return [RunsCode()]\n"
                      # a new code object in the same function object: the harness snapshot cannot see it

@@ -15,9 +15,10 @@ from dice.verifier import VerifyOptions
 from dice.verifier.harness import (HEAVY_KINDS, call_draws, make_inputs, load_task, stable_seed, structured,
                                    timed_inputs, trial_inputs, trial_kinds, with_heavy)
 from dice.verifier.kernels import qualified_name
+from dice.verifier.outputs import compare_outputs, relative_error
 from dice.verifier.precision import DICE_TOLERANCE, own_error, reduction_terms, tolerances, unit
 from dice.verifier.records import HOST_MS, activity, call_windows, split_marker, unrecorded_launches
-from dice.verifier.rules import compare_outputs, kernel_problem, relative_error
+from dice.verifier.rules import kernel_problem
 from dice.verifier.verdicts import timed_block_verdict, trial_activity
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"

@@ -11,10 +11,10 @@ import torch
 from dice.verifier import VerifyOptions
 from dice.verifier.harness import HOT_FADE, JITTER, SPIKE, SPIKE_EVERY, structured, timed_inputs, trial_kinds
 from dice.verifier.kernels import entry_symbols, library_kernel_names, qualified_from_mangled, qualified_name
+from dice.verifier.outputs import compare_outputs, relative_error
 from dice.verifier.precision import own_error, tolerances
 from dice.verifier.records import MIN_MS, activity, busy_ns, call_windows, split_marker
-from dice.verifier.rules import (compare_outputs, kernel_problem, relative_error, timed_kernel_problem,
-                                 timed_work_problem)
+from dice.verifier.rules import kernel_problem, timed_kernel_problem, timed_work_problem
 from dice.verifier.speedup import estimate, stable
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"

@@ -19,7 +19,8 @@
 | `speedup` | the paired candidate / baseline rounds and their confidence interval |
 | `kernels` | what the profiler saw, and which kernels the candidate compiled (machine code) |
 | `epilogues` | which library GEMM kernels compute an activation, learnt from the task's own products (judge) |
-| `rules` | the rules as plain functions |
+| `rules` | the source and kernel rules as plain functions; `trusted`, the torch functions captured before any candidate |
+| `outputs` | the tensor rules: exact bits, inputs modified, aliasing, fingerprints, the comparison with the reference |
 | `keeper` | the process above every worker: child subreaper, parent-death watch, tree kills |
 | `build/` | load_inline: the build cache, the fast split build, the CPU prebuild pool (DESIGN.md §8.5; its own map in `build/__init__.py`) |
 """

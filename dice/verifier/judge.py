@@ -22,9 +22,10 @@ from .epilogues import activation_kernels, gemm_operands
 from .harness import (build_model, call_draws, cuda_context_broken, describe_exception, init_device, load_task,
                       make_inputs, nbytes, timed_inputs, trial_inputs)
 from .kernels import gpu_activity, marker_name
+from .outputs import aliased_outputs, compare_outputs, fingerprint, flatten, modified_inputs
 from .precision import (EXACT, in_precision, is_exact_float, loosest, math_flags, model_in, own_error, reduction_terms,
                         tolerances, unit)
-from .rules import aliased_outputs, compare_outputs, fingerprint, flatten, modified_inputs, trusted
+from .rules import trusted
 from .timing import Timer
 from .wire import import_tensor
 

@@ -34,8 +34,9 @@ from torch import nn
 
 from .harness import rewritten_in_place, timed_inputs
 from .kernels import gpu_records
+from .outputs import fingerprint, flatten, relative_error
 from .records import EMPTY_WINDOWS
-from .rules import HarnessTampered, fingerprint, flatten, relative_error, replaced_functions, trusted, trusted_intact
+from .rules import HarnessTampered, replaced_functions, trusted, trusted_intact
 
 L2_FLUSH_BYTES = 256 * 2**20    # > L2 of any current GPU (H100 50 MB, H200 60 MB, B200 126 MB)
 FAITHFUL = 1e-3                 # a graph replay within this relative error of the eager outputs

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import guard, harness as harness_module, judge, kernels, records, rules, timing, wire
+from . import guard, harness as harness_module, judge, kernels, outputs, records, rules, timing, wire
 from .build import cache
 from .build.cache import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
 from .epilogues import unfuse_activations
@@ -37,8 +37,9 @@ from .harness import (build_model, call_draws, cuda_context_broken, describe_exc
 from .judge import JudgeHandler
 from .keeper import kill_tree, reap, set_child_subreaper
 from .kernels import CompiledKernels, gpu_activity, gpu_records, marker_name, matched_families
+from .outputs import aliased_outputs, flatten, modified_inputs, same_bits
 from .precision import math_flags
-from .rules import HarnessTampered, aliased_outputs, flatten, modified_inputs, same_bits, trusted
+from .rules import HarnessTampered, trusted
 from .timing import Timer
 from .wire import export_tensor
 
@@ -60,7 +61,8 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
     # bound now: a candidate that later replaces HarnessSnapshot.changed does not reach this call
     harness_changed = list
     if role == "candidate":
-        modules = (sys.modules[__name__], cache, guard, harness_module, judge, kernels, records, rules, timing, wire)
+        modules = (sys.modules[__name__], cache, guard, harness_module, judge, kernels, outputs, records, rules, timing,
+                   wire)
         harness_changed = guard.HarnessSnapshot(handler, modules, guard.install()).changed
     send = multiprocessing.connection.Connection.send
     send(conn, {**handler.info, "pid": os.getpid()})
