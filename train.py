@@ -8,7 +8,7 @@ run folder defaults to a new `runs/<phase>-<time>/`. Under `torchrun --nproc_per
 
 Before any work or write, the validation layer checks the flags (`TrainConfig.validate`, then
 `check_usage`: exit status 2), the machine (`check_machine`), every input and output path
-(`check_paths`: the rules of `dice.inputs` and of run folders, `dice.runtime.check_run_folder`)
+(`check_paths`: the rules of `dice.inputs` and of run folders, `dice.runs.check_run_folder`)
 and whether the sizes can fit in memory (`check_memory`, `dice.memory`).
 """
 import json
@@ -28,7 +28,7 @@ from dice.inputs import input_path, output_folder
 from dice.memory import check_fits, kv_cache_bytes, micro_batch_bytes, parameter_bytes
 from dice.model.checkpoint import CheckpointError, read_config
 from dice.rl.rollout import load_prompt_template
-from dice.runtime import RUN_ENTRIES, check_run_folder, latest_checkpoint
+from dice.runs import RUN_ENTRIES, check_run_folder, latest_checkpoint
 from dice.sft.train_sft import INIT_ENTRIES, init_model_folder, sft_sizes, train_sft
 
 MODEL_GIVE = "pass --model DIR (a downloaded SDAR/DICE checkpoint, or a folder written by train.py)"

@@ -70,7 +70,7 @@ class TrainConfig:
     loss_norm: str = ""
     max_len: int = 0
     dtype: str = "auto"
-    # the run folder (dice.runtime)
+    # the run folder (dice.runs)
     save_every: int = 0
     keep_checkpoints: int = 2
     resume: bool = False

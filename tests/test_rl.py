@@ -16,7 +16,8 @@ from dice.rl.packing import CompileClock, group_rounds, pack, packed_logprobs, u
 from dice.rl.rollout import Completion
 from dice.rl.trace import row_weights, trace_rounds
 from dice.rl.train_rl import group_advantages, policy_loss, policy_update, train_rl
-from dice.runtime import Runtime, RunFolderError
+from dice.runs import RunFolderError
+from dice.runtime import Runtime
 from dice.sampling.sampler import Engine, Sampling, generate
 from dice.tasks.load import Task
 

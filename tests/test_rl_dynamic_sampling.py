@@ -11,7 +11,8 @@ import torch
 import dice.rl.train_rl
 from dice.config import TrainConfig, config_from_args
 from dice.rl.train_rl import sample_step, train_rl
-from dice.runtime import RunFolderError, Runtime
+from dice.runs import RunFolderError
+from dice.runtime import Runtime
 from dice.tasks.load import Task
 from test_rl import TASKS, rl_model_folder
 

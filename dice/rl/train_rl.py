@@ -51,9 +51,9 @@ from ..metrics import rl_progress_fields, rl_step_record
 from ..model.checkpoint import load_model
 from ..model.tokenizer import load_tokenizer
 from ..plot import plot_run
-from ..runtime import (MetricsLog, build_model, check_resume, check_run_folder, checkpoint_step, make_logger,
-                       make_optimizer, progress_line, resume, run_settings, save_checkpoint, save_final, setup_runtime,
-                       start_run)
+from ..runs import (MetricsLog, check_resume, check_run_folder, checkpoint_step, make_logger, progress_line, resume,
+                    run_settings, save_checkpoint, save_final, start_run)
+from ..runtime import build_model, make_optimizer, setup_runtime
 from ..tasks.load import Task, load_tasks, phase_tasks, tasks_at
 from ..tasks.prompts import PromptFormat
 from .packing import FLEX_MET, CompileClock, PackedBatch, packed_logprobs, update_flops, update_plan
