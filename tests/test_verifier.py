@@ -521,7 +521,7 @@ def test_reference_check_reports_a_broken_task_and_goes_on(tmp_path, capsys):
     """`python -m dice.bench verify --check`: a task whose own reference fails is one `task_error`
     line, and every other solution is still verified."""
     from dice.bench.common import BenchRun
-    from dice.bench.verify import check_reference_solutions
+    from dice.bench.references import check_reference_solutions
     broken = RELU_TASK.replace("return [torch.randn(256, 1024)]", "raise RuntimeError('broken task')")
     records = [{"pytorch_code": RELU_TASK, "cuda_code": GOOD, "level": 1},
                {"pytorch_code": broken, "cuda_code": GOOD, "level": 1},

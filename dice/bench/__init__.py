@@ -9,7 +9,7 @@ their commands and hardware: `dice/PERFORMANCE.md`.
 | `decode` | `sample` (tokens/s vs the weight roofline), `profile` (a batch-1 forward, kernel by kernel) |
 | `fused_decode` | `fused` (the persistent kernel of `dice.fused` vs the compiled step) |
 | `training` | `train` (SFT step, MFU, FSDP2), `model` (numerics: bf16 vs fp32, flex vs dense, cache vs brute force) |
-| `verify` | `verify` (verifier throughput), `verify --check` (reference solutions) |
+| `verify`, `references` | `verify` (verifier throughput), `verify --check` (reference solutions through the verifier) |
 | `build_cost` | `builds` (load_inline fast-build CPU per program, generic vs torch's binding; no GPU needed) |
 | `stability` | `stability` (honest candidates' speedups from fresh Verifiers: do they repeat?) |
 | `rl_step`, `replay` | `rl` (one BiC-RL step, DICE's 64 x 16 on request: generate / verify / update seconds, update TFLOP/s, the bound; torchrun: FSDP2 over N GPUs) |

@@ -3,9 +3,11 @@ timing, plain-text tables, and `BenchRun` (progress, a time budget, results kept
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -176,3 +178,18 @@ def add_run_arguments(parser) -> None:
                         help="seconds after which no new work starts (what runs finishes); the table of what "
                         "finished is printed, rows cut short marked partial")
     parser.add_argument("--out", metavar="JSONL", help="append each result here as it arrives")
+
+
+@contextmanager
+def build_way(build: str | None):
+    """Workers started inside build their load_inline extensions this way (`cache.BuildCache`
+    reads DICE_INLINE_BUILD; the workers inherit the environment)."""
+    before = os.environ.get("DICE_INLINE_BUILD")
+    if build:
+        os.environ["DICE_INLINE_BUILD"] = build
+    try:
+        yield
+    finally:
+        os.environ.pop("DICE_INLINE_BUILD", None)
+        if before is not None:
+            os.environ["DICE_INLINE_BUILD"] = before
