@@ -267,6 +267,7 @@ def test_a_template_file_that_does_not_fit_is_one_line_naming_it(tmp_path):
 
 @pytest.mark.slow
 def test_rl_rollouts_ask_with_the_template(tmp_path, monkeypatch):
+    import dice.rl.groups
     import dice.rl.train_rl
     from dice.config import TrainConfig
 
@@ -282,7 +283,7 @@ def test_rl_rollouts_ask_with_the_template(tmp_path, monkeypatch):
         asked.extend(tok.decode(p) for p in prompts)
         raise Stop
 
-    monkeypatch.setattr(dice.rl.train_rl, "generate_and_score", capture)
+    monkeypatch.setattr(dice.rl.groups, "generate_and_score", capture)
     cfg = TrainConfig(phase="e2e", model=str(rl_model_folder(tmp_path / "model")), out=str(tmp_path / "out"),
                       steps=1, tasks_per_step=1, group_size=2, prompt_template=str(template))
     with pytest.raises(Stop):

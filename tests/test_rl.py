@@ -15,7 +15,8 @@ from dice.config import TrainConfig
 from dice.rl.packing import CompileClock, group_rounds, pack, packed_logprobs, update_plan
 from dice.rl.rollout import Completion
 from dice.rl.trace import row_weights, trace_rounds
-from dice.rl.train_rl import group_advantages, policy_loss, policy_update, train_rl
+from dice.rl.groups import group_advantages
+from dice.rl.train_rl import policy_loss, policy_update, train_rl
 from dice.runs import RunFolderError
 from dice.runtime import Runtime
 from dice.sampling.sampler import Engine, Sampling, generate

@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling in BiC-RL (`--dynamic-sampling-rounds`, dice.rl.train_rl `sample_step`): hand-worked
+"""DAPO's dynamic sampling in BiC-RL (`--dynamic-sampling-rounds`, dice.rl.groups `sample_step`): hand-worked
 draws on a stubbed rollout (one process and two), then tiny CPU runs with a Python reward that is
 constant on some tasks: those groups are dropped and replaced, the update sees only the others,
 the counts reach metrics.jsonl, a resume continues the task stream, and the run ends with its plot."""
@@ -8,9 +8,11 @@ import threading
 import pytest
 import torch
 
+import dice.rl.groups
 import dice.rl.train_rl
 from dice.config import TrainConfig, config_from_args
-from dice.rl.train_rl import sample_step, train_rl
+from dice.rl.groups import sample_step
+from dice.rl.train_rl import train_rl
 from dice.runs import RunFolderError
 from dice.runtime import Runtime
 from dice.tasks.load import Task
@@ -21,7 +23,7 @@ AGREE = {"t0", "t2", "t3", "t5", "t6"}     # the stub's groups of these tasks ar
 
 
 def stub_rollout(monkeypatch):
-    """`dice.rl.train_rl.rollout` replaced: group rewards 1, 1, ... for AGREE, else 0, 1, 0, ...; returns the
+    """`dice.rl.groups.rollout` replaced: group rewards 1, 1, ... for AGREE, else 0, 1, 0, ...; returns the
     (slots, task names) of every call."""
     calls, lock = [], threading.Lock()
 
@@ -31,7 +33,7 @@ def stub_rollout(monkeypatch):
         rewards = [1.0 if t.name in AGREE else float(j % 2) for t in tasks for j in range(cfg.group_size)]
         return ([f"{t.name}/{j}" for t in tasks for j in range(cfg.group_size)], rewards, [None] * len(rewards),
                 {"generate_s": 1.0, "verify_s": 2.0, "verify_wait_s": 0.0, "rollout_batch": len(rewards)})
-    monkeypatch.setattr(dice.rl.train_rl, "rollout", rollout)
+    monkeypatch.setattr(dice.rl.groups, "rollout", rollout)
     return calls
 
 

@@ -3,7 +3,7 @@
 DICE's RL configs: 64 tasks x 16 samples a step, up to 4,096 new tokens, block 4, 4 steps per block,
 dynamic remasking at 0.9, temperature 1, a binary compiled-and-correct reward; the defaults here are
 a smaller step (8 x 8) that finishes within the bench budget, `--tasks-per-step 64 --group-size 16`
-is DICE's. The step runs the training code itself (`dice.rl.train_rl.rollout`, `group_advantages`,
+is DICE's. The step runs the training code itself (`dice.rl.groups.rollout`, `group_advantages`,
 `policy_update`) on a random-weight SDAR-shaped model (float32 master weights, bf16 autocast,
 AdamW, as `train.py`), with two stand-ins for what a random model cannot do (`dice.bench.replay`):
 each rollout replays a reference program the verifier calls correct (a `--broken` share broken)
@@ -23,7 +23,7 @@ token-sized micro-batches); `--compare` runs the baseline and then the given set
 process (fresh program salts, so both build cold).
 
 Under `torchrun --nproc_per_node N` the step runs as `train.py`'s RL runs it on N GPUs: the policy
-sharded with FSDP2, each process rolling out the groups of its task slots (`dice.rl.train_rl.rank_slots`)
+sharded with FSDP2, each process rolling out the groups of its task slots (`dice.rl.groups.rank_slots`)
 and verifying them on its own GPU with its share of `--workers` (`dice.rl.rewards.rank_verifier`), the
 update over all processes. Rank 0 checks the references and prints; the time columns are the
 slowest process's, and each process's generate, verify and update seconds follow in rank order.
@@ -45,10 +45,11 @@ from ..config import TrainConfig
 from ..memory import check_fits, kv_cache_bytes, parameter_bytes
 from ..model.sdar import SDAR
 from ..model.tokenizer import load_tokenizer
+from ..rl.groups import group_advantages, rank_slots, rollout
 from ..rl.packing import UPDATE_ROWS
 from ..rl.rewards import rank_verifier
 from ..rl.rollout import OVERLAP, FullParameters, prompt_format, task_prompt_ids
-from ..rl.train_rl import group_advantages, policy_update, rank_slots, rollout
+from ..rl.train_rl import policy_update
 from ..runtime import make_optimizer, setup_runtime, shard
 from ..tasks.load import curriculum, load_tasks, step_tasks
 from ..verifier import Verifier
@@ -140,7 +141,7 @@ def allocate_optimizer_state(model, optimizer) -> None:
 def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: TrainConfig, rt, optimizer, reward,
              skip_update: bool, bench, gather) -> tuple[dict, str]:
     """One timed step with the levers `s`: (its table row, a line of verdicts and update counts).
-    Under torchrun each process rolls out the groups of its task slots (`dice.rl.train_rl.rank_slots`, as
+    Under torchrun each process rolls out the groups of its task slots (`dice.rl.groups.rank_slots`, as
     `train.py`), inside `gather` (`dice.rl.rollout.FullParameters`), and the update runs over all of them."""
     cfg = dataclasses.replace(base, attention=s.attention, update_rows=s.update_rows,
                               rollout_batch=s.rollout_batch if isinstance(s.rollout_batch, int) else base.rollout_batch)

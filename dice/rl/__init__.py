@@ -6,7 +6,8 @@ One step, in the order `train_rl` runs it:
 | --- | --- |
 | `rollout` | prompts -> completions with their step maps (which denoising round wrote each token) |
 | `rewards` | completions -> rewards: the verifier's verdicts (`rl_rewards`), or a function of your own |
+| `groups` | a step's groups: each task's rollouts, their rewards and group advantages, DAPO's dynamic sampling |
 | `trace` | TraceRL's trace rounds of a response and their weights |
 | `packing` | a response's rounds beside one clean stream, token-sized micro-batches, their log-probabilities |
-| `train_rl` | `train_rl`: rollouts, rewards, group advantages, the PPO-clip + k3 update, the log, the checkpoint |
+| `train_rl` | `train_rl`: a step's groups, the PPO-clip + k3 update, the log, the checkpoint |
 """

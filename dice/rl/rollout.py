@@ -9,7 +9,7 @@ get KernelBench's load_inline example in DICE's RL chat shape), or from a user's
 re-tokenised, together with the sampler's last-block tail after the cut that the TraceRL replay
 needs (DESIGN.md §7).
 
-A rollout step (`generate_and_score`, called by `dice.rl.train_rl.rollout`) keeps the GPU generating while
+A rollout step (`generate_and_score`, called by `dice.rl.groups.rollout`) keeps the GPU generating while
 the verifier works: every finished sequence goes to the reward at once, from a bf16 copy of the
 policy (`generation_copy`) in batches as large as the KV caches leave room for
 (`auto_rollout_batch`); `python -m dice.bench rl` measures it.

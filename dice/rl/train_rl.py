@@ -5,9 +5,9 @@ Per RL step: take `tasks_per_step` tasks in curriculum order (ascending level, w
 `group_size` responses each with the block-diffusion sampler, reward each (1 if the kernel
 compiles and is correct; in the `infill` phase also only if the program keeps the given prefix
 and suffix), and form group z-score advantages A = (R - mean_g) / std_g, dropping groups whose
-rewards are all equal. `--dynamic-sampling-rounds N` (DAPO's dynamic sampling, `sample_step`)
+rewards are all equal. `--dynamic-sampling-rounds N` (DAPO's dynamic sampling, `dice.rl.groups.sample_step`)
 draws the next tasks in place of the dropped groups, up to N more rounds a step, and a step
-starts where the one before stopped drawing.
+starts where the one before stopped drawing. A step's groups: `dice.rl.groups`.
 
 Trace -> training rounds: `dice.rl.trace`; their forwards, a response's rounds beside one clean
 stream in micro-batches sized by tokens, per optimiser step: `dice.rl.packing` (`update_plan`). A step
@@ -39,10 +39,8 @@ import dataclasses
 import functools
 import hashlib
 import json
-import statistics
 import time
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -54,12 +52,12 @@ from ..plot import plot_run
 from ..runs import (MetricsLog, check_resume, check_run_folder, checkpoint_step, make_logger, progress_line, resume,
                     run_settings, save_checkpoint, save_final, start_run)
 from ..runtime import build_model, make_optimizer, setup_runtime
-from ..tasks.load import Task, load_tasks, phase_tasks, tasks_at
+from ..tasks.load import Task, load_tasks, phase_tasks
 from ..tasks.prompts import PromptFormat
 from .packing import FLEX_MET, CompileClock, PackedBatch, packed_logprobs, update_flops, update_plan
+from .groups import sample_step
 from .rewards import RewardFn, Scores, rl_rewards, score
-from .rollout import (FullParameters, auto_rollout_batch, complete, generate_and_score, generation_copy,
-                      load_prompt_template, prompt_format, task_prompt_ids)
+from .rollout import FullParameters, complete, load_prompt_template, prompt_format, task_prompt_ids
 
 # what a resumed RL run must keep (besides the tasks and the model)
 RESUME_FIELDS = ("phase", "seed", "tasks_per_step", "group_size", "max_new_tokens", "temperature", "remasking",
@@ -67,17 +65,6 @@ RESUME_FIELDS = ("phase", "seed", "tasks_per_step", "group_size", "max_new_token
                  "kl_beta", "reference_model", "reward", "reward_rules", "lr", "weight_decay", "adam_beta1",
                  "adam_beta2", "grad_clip", "minibatch_order", "optimizer_state", "prompt_template", "task_order",
                  "dynamic_sampling_rounds")
-
-
-def group_advantages(rewards: Sequence[float], group_size: int) -> list[float | None]:
-    """(R - mean_g) / std_g per group of `group_size` consecutive rewards (population std);
-    None for every member of a group whose rewards are all equal (the group is dropped)."""
-    out: list[float | None] = []
-    for g in range(0, len(rewards), group_size):
-        group = rewards[g:g + group_size]
-        mean, std = statistics.fmean(group), statistics.pstdev(group)
-        out += [None] * len(group) if std == 0 else [(r - mean) / std for r in group]
-    return out
 
 
 def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantage: torch.Tensor, *, clip_eps: float,
@@ -104,88 +91,7 @@ def restart_moments(optimizer, lifetime: str) -> None:
         optimizer.state.clear()
 
 
-def rank_slots(first: int, count: int, rt) -> list[int]:
-    """This process's share of the slots first .. first + count - 1 of a step's tasks: every
-    world-th from its rank on. A slot fixes its task and its samples' seeds (`rollout`), so the
-    split changes which process generates a group, never the group."""
-    return list(range(first, first + count))[rt.rank::rt.world]
-
-
-# ---------------------------------------------------------------- the loop
-
-def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: RewardFn, seed: int, infill: bool, *,
-            overlap: str = "stream", low_precision: bool = True, auto_batch: bool = False,
-            lengths: Sequence[int] | None = None, fmt: PromptFormat | None = None, progress=None):
-    """Generate `group_size` responses per task and reward them while generation goes on
-    (`dice.rl.rollout.generate_and_score`; overlap "stream": each block's finished responses go to
-    the reward at once, up to `verifier_workers` calls at a time). Sample j of the task in slot k
-    of the step uses seed seed + k * group_size + j, so rollouts do not depend on how tasks are
-    spread over processes. Responses come from `generation_copy` (bf16 on CUDA under bf16
-    autocast; low_precision=False: the model itself) in batches of `rollout_batch`, or with
-    auto_batch as many as fit in memory (`auto_rollout_batch`). lengths: one forced response
-    length per response, in that order (`python -m dice.bench rl`); progress(generated, scored,
-    total) follows them (`generate_and_score`). Returns (completions,
-    rewards, results, timings): `results` are the verifier results of every completion, in order
-    (None where the reward has none, see `Scores`); timings also name the rollout batch used.
-    fmt: the prompt format (None: the model's, `prompt_format`)."""
-    prompts, owners, seeds = [], [], []
-    fmt = fmt or prompt_format(model)
-    for t, k in zip(tasks, slots):
-        ids = task_prompt_ids(tok, t, infill=infill, fmt=fmt)
-        prompts += [ids] * cfg.group_size
-        owners += [t] * cfg.group_size
-        seeds += [seed + k * cfg.group_size + j for j in range(cfg.group_size)]
-    policy = generation_copy(model, cfg.dtype) if low_precision else model
-    size = auto_rollout_batch(policy, [len(p) for p in prompts], cfg.max_new_tokens) if auto_batch \
-        else cfg.rollout_batch
-    completions, rewards, results, timings = generate_and_score(
-        policy, tok, prompts, owners, seeds, lambda ts, cs: score(reward_fn, ts, cs), batch_size=size,
-        max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling(), overlap=overlap, lanes=cfg.verifier_workers,
-        lengths=lengths, progress=progress)
-    return completions, rewards, results, {**timings, "rollout_batch": size}
-
-
-@dataclasses.dataclass
-class StepRollout:
-    """One RL step's rollouts (`sample_step`): this process's completions, rewards, verifier results
-    and advantages in draw order; the counts are all processes'."""
-    completions: list
-    rewards: list[float]
-    results: list
-    advantages: list[float | None]
-    timing: dict        # generate_s and verify_s, summed over the rounds
-    drawn: int = 0      # tasks rolled out
-    dropped: int = 0    # of them, groups whose rewards all agreed (no advantage: they train nothing)
-    rounds: int = 0     # rollout rounds run
-
-
-def sample_step(model, tok, ordered: list[Task], first: int, cfg, reward_fn: RewardFn, rt, seed: int, infill: bool,
-                fmt: PromptFormat | None = None) -> StepRollout:
-    """A step's rollouts: `tasks_per_step` tasks of `ordered` from position `first` on (`rollout`),
-    then, with `--dynamic-sampling-rounds N`, up to N more rounds, each drawing the next tasks, one
-    for every group of the round before whose rewards all agreed, until no group of a round agrees
-    (DAPO's dynamic sampling, arXiv 2503.14476 §3.2: keep sampling until the batch holds only groups
-    with an advantage; DAPO over-samples a fixed batch and cuts the surplus, here a round draws
-    exactly the groups missing, so no group that teaches is thrown away). The d-th task the step
-    draws fills slot d (its samples' seeds, `rollout`), the slots of a round spread over the
-    processes as in the first, so the draws and seeds depend on (seed, step, slot) alone."""
-    out = StepRollout([], [], [], [], {"generate_s": 0.0, "verify_s": 0.0})
-    count = cfg.tasks_per_step
-    while count and out.rounds <= cfg.dynamic_sampling_rounds:
-        drawn = tasks_at(ordered, first + out.drawn, count)
-        slots = rank_slots(out.drawn, count, rt)
-        completions, rewards, results, timing = rollout(model, tok, [drawn[k - out.drawn] for k in slots], slots,
-                                                        cfg, reward_fn, seed=seed, infill=infill, fmt=fmt)
-        advantages = group_advantages(rewards, cfg.group_size)
-        count = int(rt.all_sum(advantages[::cfg.group_size].count(None)))
-        out.completions += completions
-        out.rewards += rewards
-        out.results += results
-        out.advantages += advantages
-        out.timing = {key: out.timing[key] + timing[key] for key in out.timing}
-        out.drawn, out.dropped, out.rounds = out.drawn + len(drawn), out.dropped + count, out.rounds + 1
-    return out
-
+# ---------------------------------------------------------------- the update
 
 def _train_micro_batch(model, ref_model, batch: PackedBatch, logp_old: torch.Tensor | None, cfg, rt,
                        use_flex: bool) -> tuple[float, dict]:
@@ -346,6 +252,8 @@ def _evaluate(run: RLRun, cfg, rt, log, reward_fn: RewardFn, gather, at_step: in
     run.metrics.write({"step": at_step, **ev})
     log(f"{label}: " + json.dumps(ev))
 
+
+# ---------------------------------------------------------------- the loop
 
 def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = None,
              eval_tasks: list[Task] | None = None) -> Path:
