@@ -18,7 +18,8 @@ from dice.tasks.prompts import EXAMPLE_LOAD_INLINE
 from dice.verifier.build import cache as build_module
 from dice.verifier.build.cache import BuildCache, BuildError
 from dice.verifier.build.cxx import normalise
-from dice.verifier.build.fast import CompiledUnits, CompilerSlots, FastBuildFailed, Flags, SharedCompileError
+from dice.verifier.build.fast import CompiledUnits, FastBuildFailed, SharedCompileError
+from dice.verifier.build.toolchain import CompilerSlots, Flags
 from dice.verifier.build.inline import Unsplittable, cuda_cu, main_cpp, recorded_calls, split_program
 
 HAVE_NVCC = Path("/usr/local/cuda/bin/nvcc").exists() and shutil.which("c++") is not None
@@ -333,7 +334,7 @@ def test_a_unit_compiled_before_is_copied_not_compiled(tmp_path):
 
 
 def test_a_failed_toolchain_artifact_is_tried_again_later_not_for_ever(tmp_path, monkeypatch):
-    from dice.verifier.build import fast
+    from dice.verifier.build import toolchain
     tries = []
 
     def make(folder: Path) -> bool:
@@ -341,20 +342,20 @@ def test_a_failed_toolchain_artifact_is_tried_again_later_not_for_ever(tmp_path,
         (folder / "made").write_text("x")
         return len(tries) > 1          # the first try fails
 
-    assert fast._locked_artifact(tmp_path, "key", make) is None
-    assert fast._locked_artifact(tmp_path, "key", make) is None and len(tries) == 1   # remembered
-    old = time.time() - fast.RETRY_FAILED_S - 1
+    assert toolchain._locked_artifact(tmp_path, "key", make) is None
+    assert toolchain._locked_artifact(tmp_path, "key", make) is None and len(tries) == 1   # remembered
+    old = time.time() - toolchain.RETRY_FAILED_S - 1
     os.utime(tmp_path / "key", (old, old))                                                  # ... for a while
-    made = fast._locked_artifact(tmp_path, "key", make)
+    made = toolchain._locked_artifact(tmp_path, "key", make)
     assert made == tmp_path / "key" and (made / "made").exists() and len(tries) == 2
-    assert fast._locked_artifact(tmp_path, "key", make) == made and len(tries) == 2    # kept for good
+    assert toolchain._locked_artifact(tmp_path, "key", make) == made and len(tries) == 2    # kept for good
 
 
 def test_torch_macros_are_read_in_a_process_without_stdin(tmp_path, cuda_home):
     """The prebuild children ran with fd 0 closed, where nvcc fails ("Failed to preprocess host
     compiler properties") and every build then took torch's ~60 s way."""
     script = (f"import os, torch.utils.cpp_extension as ce\nce.CUDA_HOME = '/usr/local/cuda'\nos.close(0)\n"
-              f"from pathlib import Path\nfrom dice.verifier.build.fast import Flags, torch_macros\n"
+              f"from pathlib import Path\nfrom dice.verifier.build.toolchain import Flags, torch_macros\n"
               f"flags = Flags(dict.fromkeys(['extra_cflags', 'extra_cuda_cflags', 'extra_ldflags', "
               f"'extra_include_paths']), 'ext', (9, 0))\nprint(len(torch_macros(Path({str(tmp_path)!r}), flags)))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -687,13 +688,12 @@ def test_generic_binding_converts_and_raises_as_torchs_binding(tmp_path, cuda_ho
 def test_build_cache_builds_and_reloads_the_generic_binding(tmp_path, cuda_home, shared_cache, monkeypatch):
     """BuildCache's fast build of a program with functions uses the generic binding; a fresh
     cache on the same folder loads the library from its `.dispatch.so` and pointer, building nothing."""
-    from dice.verifier.build import fast
-    real_init = fast.Flags.__init__
+    real_init = Flags.__init__
 
     def cpu_flags(self, *args):
         real_init(self, *args)
         self.ldflags = [f for f in self.ldflags if f not in ("-lc10_cuda", "-ltorch_cuda")]
-    monkeypatch.setattr(fast.Flags, "__init__", cpu_flags)
+    monkeypatch.setattr(Flags, "__init__", cpu_flags)
     call = dict(name="bound", cpp_sources=BOUND_DECLARATIONS, functions=BOUND_FUNCTIONS,
                 cuda_sources=HEADER + "__global__ void unused(float* y) {}\n" + BOUND)
     cache = BuildCache(shared_cache, capability=(9, 0), build="fast")

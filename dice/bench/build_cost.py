@@ -25,10 +25,11 @@ import torch.utils.cpp_extension as cpp_extension
 
 from ..cli import at_least
 from ..tasks.load import load_tasks
-from ..verifier.build import fast
+from ..verifier.build import fast, toolchain
 from ..verifier.build.cache import BuildCache
-from ..verifier.build.fast import CompilerSlots, FastBuildFailed, Flags, SharedCompileError
+from ..verifier.build.fast import FastBuildFailed, SharedCompileError
 from ..verifier.build.inline import Unsplittable, recorded_calls
+from ..verifier.build.toolchain import CompilerSlots, Flags
 
 CPU_ONLY_LIBRARIES = ("-lc10_cuda", "-ltorch_cuda")
 
@@ -58,10 +59,10 @@ def _warm(root: Path, call: dict, binding: str, capability: tuple[int, int], slo
     """Build the cache's one-time artifacts (precompiled header, dispatcher) for `binding`; seconds."""
     start = time.perf_counter()
     flags = _flags(BuildCache(root, capability=capability, build="fast").arguments(**call), capability)
-    fast.torch_macros(root, flags)
-    fast.precompiled_header(root, flags, slots, binding)
+    toolchain.torch_macros(root, flags)
+    toolchain.precompiled_header(root, flags, slots, binding)
     if binding == "dispatch":
-        fast.dispatcher(root, flags, slots)
+        toolchain.dispatcher(root, flags, slots)
     return time.perf_counter() - start
 
 

@@ -5,7 +5,8 @@
 | `cache` | `BuildCache`: load_inline through a cache keyed by the program; compiler messages a person can act on |
 | `inline` | load_inline programs as text: torch's generated files, the device/host split, cache-key normalisation |
 | `cxx` | a small C++ tokenizer and file-scope splitter, enough to cut load_inline sources |
-| `fast` | the fast build: torch's flags, a precompiled header, two compiles, one link |
+| `toolchain` | torch's flags for a call, the compilers under shared slots, what is built once per toolchain (precompiled headers, the dispatcher, torch's names) |
+| `fast` | the fast build: two compiles on a precompiled header, one link, the failures that are torch's own |
 | `pool` | `BuildPool`: prebuilding candidates on the CPU, apart from the GPU workers |
 | `dispatch.h`, `dispatch.cpp` | the fast build's generic binding: per-program entries, one Python dispatcher per torch build |
 """

@@ -14,7 +14,7 @@ again: no `__main__` guard is needed) with no GPU visible, which has imported to
 costs no torch import). Each child leads its own session and is killed with everything it started
 when it finishes or overruns `timeout_s` (`keeper.kill_tree`); the server ends its children and
 itself when its input closes (the pool closed, or its owner died). Compilers over all children and
-workers are bounded by the core count (`fast.CompilerSlots`). What a child reports is only
+workers are bounded by the core count (`toolchain.CompilerSlots`). What a child reports is only
 information: a failed or killed prebuild leaves the GPU worker to build and report the real
 compile_error itself.
 """
