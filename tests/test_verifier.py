@@ -583,7 +583,7 @@ def test_on_broken_task_reports_the_task_and_verifies_the_rest(cpu_verifier):
 
 @pytest.mark.slow
 def test_a_verifier_closed_at_interpreter_exit_stops_its_workers_cleanly(tmp_path):
-    """`dice.verify` closes its shared Verifier from atexit, after Python has stopped thread
+    """`dice.verifier.verify` closes its shared Verifier from atexit, after Python has stopped thread
     pools taking work: closing must neither raise there nor leave worker processes behind."""
     script = ("import atexit\nfrom dice.verifier import Verifier\n"
               f"v = Verifier(workers=2, judges=1, device='cpu', cache_dir={str(tmp_path)!r})\n"

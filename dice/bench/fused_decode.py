@@ -14,7 +14,7 @@ from .common import HBM_BYTES_PER_S, forward_weight_bytes, median_replay_ms, tab
 
 
 def bench_fused(args, bench) -> None:
-    """The persistent fused decoding kernel (`dice.fused_decode`) against the compiled
+    """The persistent fused decoding kernel (`dice.fused`) against the compiled
     layer-by-layer step: CUDA-graph replays of one block step (T new tokens against a cache of
     `--cache-len`), medians of `--repeats`, the relative error of its logits against the
     layer-by-layer step's, and where a forward's time goes (the kernel's own timestamps: for each

@@ -10,7 +10,7 @@ defining `ModelNew` with the same constructor, computing with its own CUDA kerne
 (`cupy.RawModule`, NVRTC) or `torch.utils.cpp_extension.load_inline` (built once per distinct
 source, see `cache.BuildCache`). Candidate code only ever runs in worker processes (`process`,
 `worker`); reference outputs live in a separate trusted judge process (`judge`). The rules are
-plain functions in `checks`; what crosses the pipes is in `protocol`.
+plain functions in `rules` and `outputs`; what crosses the pipes is in `wire`.
 
 Stages, first failure wins:
 1. static, in the parent: the source parses (else compile_error); it defines ModelNew, contains
@@ -26,7 +26,7 @@ Stages, first failure wins:
    later call, work still running after forward returned, the profiler's recording switched
    (`records`: launches without their device records, a missing canary copy), threads or processes
    left running, an output equal to an earlier trial's while the references differ, the harness
-   changed or a refused hook (`guard`). Incorrect: `checks.compare_outputs` fails at the `precision`
+   changed or a refused hook (`guard`). Incorrect: `outputs.compare_outputs` fails at the `precision`
    rule's tolerances on any trial or repeated call, or an input the reference modifies in place
    does not end as the reference leaves it;
 4. timing (if `timing`), the GPU lock held exclusively: `timing.Timer` in the worker and in the
