@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from dice import load_model, load_tokenizer
 from dice.cli import ArgumentParser, ProgressLine, at_least, eta, fail_cleanly, in_range
 from dice.errors import DataError, UsageError, read_text
 from dice.inputs import input_path, output_file, output_folder
@@ -44,7 +45,7 @@ from dice.memory import check_fits, kv_cache_bytes, parameter_bytes
 from dice.metrics import format_summary, summarize
 from dice.model.checkpoint import read_config
 from dice.protocols import DEFAULT_GENERATION, DICE_PROMPT_TOKENS, PROTOCOLS, VERIFY_FLAGS, decoding, verify_options
-from dice.rl.rollout import load_prompt_template
+from dice.rl.rollout import complete, load_prompt_template, prompt_format, task_prompt_ids
 from dice.sampling.sampler import REMASKING, Sampling
 from dice.tasks.load import load_tasks
 from dice.tasks.prompts import extract_code, keeps_skeleton
@@ -199,8 +200,6 @@ def write_solutions(root: Path, pairs: list[tuple[object, str | None]], samples:
 def generate_solutions(args, tasks) -> list[tuple[object, str | None]]:
     """Generate --samples programs per task with --model (CUDA in bf16, float16 under --protocol
     dice, else the CPU in float32), in the protocol's decoding and the model's prompt format."""
-    from dice import load_model, load_tokenizer
-    from dice.rl.rollout import complete, load_prompt_template, prompt_format, task_prompt_ids
     template = load_prompt_template(args.prompt_template, args.infill) if args.prompt_template else None
     cuda = torch.cuda.is_available()
     dtype = getattr(torch, args.decoding["cuda_dtype"]) if cuda else torch.float32
@@ -277,7 +276,7 @@ def write_unverified(args, pairs) -> None:
 def verdict_without_running(task, code: str | None, infill: bool):
     """The verdict of a solution that is not run: no code, or (infill) a program that does not keep
     the task's prefix and suffix; None when the solution goes to the verifier."""
-    from dice.verifier import VerifyResult
+    from dice.verifier import VerifyResult   # lazy: dice.verifier costs ~3 s of start-up (torch's cpp_extension)
     if not code:
         return VerifyResult(status="compile_error", message="no code block in the answer / no solution file")
     if infill and not keeps_skeleton(code, task.prefix, task.suffix):
@@ -302,7 +301,7 @@ def score_broken_tasks(pairs: list, results: list, broken: dict, how: str) -> tu
     fails): "left out" drops such tasks (no candidate could pass them); "failed" counts each of
     their samples as a failed result, as KernelBench's and DICE's benchmark_eval_analysis.py count a
     problem without an eval result."""
-    from dice.verifier import VerifyResult
+    from dice.verifier import VerifyResult   # lazy: dice.verifier costs ~3 s of start-up (torch's cpp_extension)
     named = {t.name: t for t, _ in pairs if t.source in broken}
     for t in named.values():
         fate = "left out of the rates" if how == "left out" else "counted as failed"
@@ -341,7 +340,7 @@ def main(argv=None) -> None:
         if args.out:
             write_unverified(args, pairs)
         return
-    from dice.verifier import Verifier
+    from dice.verifier import Verifier   # lazy: ~3 s of start-up, not paid by --help or a refused flag
     early = [verdict_without_running(t, code, args.infill) for t, code in pairs]
     runnable = [(t.source, code) for (t, code), v in zip(pairs, early) if v is None]
     started, done, line = time.perf_counter(), [0], ProgressLine()

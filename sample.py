@@ -126,7 +126,7 @@ def main(argv=None) -> None:
             print("verification needs a CUDA GPU (and cupy); this machine has none, so the kernel was not run",
                   file=sys.stderr)
             return
-        from dice.verifier import verify
+        from dice.verifier import verify   # lazy: ~3 s of start-up, paid only with --verify on a GPU
         result = verify(task.source, completion.code)
         speed = f", speedup {result.speedup:.2f}x" if result.speedup else ""
         print(f"verdict: {result.status}{speed}\n{result.message}".rstrip())

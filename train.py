@@ -27,6 +27,7 @@ from dice.errors import UsageError
 from dice.inputs import input_path, output_folder
 from dice.memory import check_fits, kv_cache_bytes, micro_batch_bytes, parameter_bytes
 from dice.model.checkpoint import CheckpointError, read_config
+from dice.rl.train_rl import train_rl
 from dice.rl.rollout import load_prompt_template
 from dice.runs import RUN_ENTRIES, check_run_folder, latest_checkpoint
 from dice.sft.train_sft import INIT_ENTRIES, init_model_folder, sft_sizes, train_sft
@@ -152,7 +153,7 @@ def write_embedded_data(phase: str, out: Path) -> Path:
     """out/tasks.json: the embedded default's tasks, the same file for the same phase; written through
     a per-process temporary file, so processes under torchrun do not collide. The RL phases' tasks
     are a shipped file (`dice.config.EMBEDDED_RL_TASKS`), SFT's taskgen's train split (fixed seed)."""
-    from dice.taskgen import generate_split
+    from dice.taskgen import generate_split   # lazy: ~3 s (it reads dice.verifier), only the embedded SFT draws
     source = EMBEDDED[phase][1]
     if isinstance(source, Path):
         tasks = json.loads(source.read_text())
@@ -192,7 +193,6 @@ def main(argv=None) -> None:
         elif cfg.phase == "sft":
             train_sft(cfg)
         else:
-            from dice.rl.train_rl import train_rl
             train_rl(cfg)
     except BaseException as e:
         # a run that failed before its first step leaves no folder behind (only rank 0 removes it)

@@ -116,8 +116,6 @@ def test_a_flag_that_contradicts_the_protocol_is_a_usage_error(tmp_path, capsys,
 def test_protocol_dice_asks_in_chatml_and_decodes_as_dice(tmp_path, monkeypatch):
     """An SDAR/DICE folder (no dice_one_shot) is asked in DICE's RL chat shape by default; --protocol
     dice asks it as DICE's evaluation did (the chat template's ChatML), with DICE's decoding."""
-    import dice
-    import dice.rl.rollout
     evaluate = evaluate_module()
     seen = {}
 
@@ -125,9 +123,9 @@ def test_protocol_dice_asks_in_chatml_and_decodes_as_dice(tmp_path, monkeypatch)
         seen.update(kwargs, **dataclasses.asdict(kwargs["sampling"]), text=tok.decode(prompts[0]))
         return [Completion(list(p), [], [], "", None) for p in prompts]
 
-    monkeypatch.setattr(dice.rl.rollout, "complete", fake_complete)
-    monkeypatch.setattr(dice, "load_model", lambda *a, **k: load_model(TINY))     # config without dice_one_shot
-    monkeypatch.setattr(dice, "load_tokenizer", lambda *a, **k: load_tokenizer(DICE_TINY))
+    monkeypatch.setattr(evaluate, "complete", fake_complete)
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: load_model(TINY))     # config without dice_one_shot
+    monkeypatch.setattr(evaluate, "load_tokenizer", lambda *a, **k: load_tokenizer(DICE_TINY))
     task = tmp_path / "relu.py"
     task.write_text(TASK)
     for protocol, ending in (("default", "testing code! <|im_end|>\n<|im_start|>assistant\n\n"),
@@ -141,7 +139,6 @@ def test_protocol_dice_asks_in_chatml_and_decodes_as_dice(tmp_path, monkeypatch)
 def test_dice_scripts_run_every_token_and_read_the_code_past_the_end(tmp_path, monkeypatch):
     """--dice-scripts: no stop at the end token, a prompt cut at 4096 tokens, and the code read from
     everything generated with special tokens dropped (here it follows an early <|im_end|>)."""
-    import dice.rl.rollout
     evaluate = evaluate_module()
     tok = load_tokenizer(DICE_TINY)
     seen = {}
@@ -151,7 +148,7 @@ def test_dice_scripts_run_every_token_and_read_the_code_past_the_end(tmp_path, m
         seen.update(kwargs, lengths=[len(p) for p in prompts])
         return [Completion(list(p), answer, [1] * len(answer), "", None) for p in prompts]
 
-    monkeypatch.setattr(dice.rl.rollout, "complete", fake_complete)
+    monkeypatch.setattr(evaluate, "complete", fake_complete)
     task = tmp_path / "long.py"
     task.write_text(TASK + "".join(f"# {i} {'z' * 40}\n" for i in range(400)))
     args = evaluate.parse_args(["--tasks", str(task), "--model", str(DICE_TINY), "--protocol", "dice",

@@ -123,7 +123,7 @@ def test_evaluate_out_on_a_cpu_lists_the_generated_programs_as_unverified(tmp_pa
     import dice.rl.rollout
     from dice.cli import fail_cleanly
     from dice.metrics import main as metrics
-    monkeypatch.setattr(dice.rl.rollout, "complete", lambda model, tok, prompts, **kw: [
+    monkeypatch.setattr(command("evaluate"), "complete", lambda model, tok, prompts, **kw: [
         dice.rl.rollout.Completion(list(p), [], [], "", "code") for p in prompts])
     tasks, out = tmp_path / "kb" / "level1", tmp_path / "results.json"
     tasks.mkdir(parents=True)
