@@ -373,7 +373,11 @@ ATTACKS = {
     "replays the sum of integers drawn at import, an own kernel every call": (INT_SUM_TASK, candidate(
         "noop(x)\nif self.out is None:\n    t = torch.zeros(1, device=x.device)\n"
         "    launch('sum_int', x.numel(), x.data_ptr(), t.data_ptr(), cp.int64(x.numel()))\n"
-        "    self.out = t.reshape(())\nreturn self.out.clone()", init="self.out = None"), "incorrect"),
+        "    self.out = t.reshape(())\nreturn self.out.clone()", init="self.out = None"),
+        # fresh integers each trial: the replayed sum misses trial 1's reference (incorrect) or, where trial 1
+        # passes within the sum's tolerance, a later trial repeats trial 1's output while the references differ
+        # (invalid); the draw decides which (H200, 2026-12-05: invalid)
+        ("incorrect", "invalid")),
     # timing attacks: skip work when timed
     "skips work under a timing function on the stack or in a capture": (RELU_TASK, candidate(
         "import sys\nf, timed = sys._getframe(1), torch.cuda.is_current_stream_capturing()\n"
@@ -483,7 +487,7 @@ def test_every_attack_class_is_not_correct(timed, name):
     result = timed[f"attack: {name}"]
     assert not result.correct, (name, result)
     if status:
-        assert result.status == status, (name, result)
+        assert result.status in ((status,) if isinstance(status, str) else status), (name, result)
 
 
 INLINE_MSE = r'''import torch
