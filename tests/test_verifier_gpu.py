@@ -108,7 +108,8 @@ UNTIMED = {   # name: (task, candidate), verified together by `untimed`
 def untimed(verifier):
     """{name: result} of UNTIMED and CHEATS, all verified in one `map` (timing off)."""
     cases = {**UNTIMED, **{f"cheat: {k}": v[:2] for k, v in CHEATS.items()}}
-    return dict(zip(cases, verifier.map(list(cases.values()), timing=False, seed=1000)))
+    # every case ends in seconds: a wrong verdict of `timeout` costs 30 s, not the default 120
+    return dict(zip(cases, verifier.map(list(cases.values()), timing=False, seed=1000, timeout_s=30)))
 
 
 def test_correct_cupy_kernel_passes_with_a_speedup(verifier):
@@ -253,8 +254,8 @@ CHEATS = {
 def test_reward_hacks_are_invalid(untimed, name):
     reason = CHEATS[name][2]
     result = untimed[f"cheat: {name}"]
-    assert result.status == "invalid", (name, result)
-    assert reason in result.message, (name, result.message)
+    assert result.status == "invalid", f"{name}: {result.status}: {result.message}"   # a string: shown whole
+    assert reason in result.message, f"{name}: {result.message}"
 
 
 def test_32_concurrent_candidates_with_a_poisoned_worker_all_get_their_verdict(verifier):

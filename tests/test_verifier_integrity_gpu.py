@@ -485,9 +485,10 @@ def timed(request, verifier):
 def test_every_attack_class_is_not_correct(timed, name):
     status = ATTACKS[name][2]
     result = timed[f"attack: {name}"]
-    assert not result.correct, (name, result)
+    assert not result.correct, f"{name}: {result.status}: {result.message}"   # a string: shown whole
     if status:
-        assert result.status in ((status,) if isinstance(status, str) else status), (name, result)
+        assert result.status in ((status,) if isinstance(status, str) else status), \
+            f"{name}: {result.status}: {result.message}"
 
 
 INLINE_MSE = r'''import torch
