@@ -28,8 +28,9 @@ from ..tasks.load import load_tasks
 from ..verifier.build import fast, toolchain
 from ..verifier.build.cache import BuildCache
 from ..verifier.build.fast import FastBuildFailed, SharedCompileError
-from ..verifier.build.inline import Unsplittable, recorded_calls
+from ..verifier.build.inline import Unsplittable
 from ..verifier.build.toolchain import CompilerSlots, Flags
+from ..verifier.build.torch_inline import recorded_calls
 
 CPU_ONLY_LIBRARIES = ("-lc10_cuda", "-ltorch_cuda")
 

@@ -34,8 +34,8 @@ Stages, first failure wins:
    records, shipped raw: `records`), paired blocks until the speedup is stable (`speedup`), the
    candidate's worker stopped while its baseline runs; the timed kernels obey the same rule and a
    secret sample of the timed calls is compared with the reference.
-Crashes and CUDA faults give runtime_error, hangs timeout; only that worker is replaced (the judge
-too, when a task's own reference faults: its task gets a TaskError, later tasks a sound judge).
+Crashes and CUDA faults give runtime_error, hangs timeout (`calls`); only that worker is replaced (the
+judge too, when a task's own reference faults: its task gets a TaskError, later tasks a sound judge).
 
 Seeds: `seed=None` draws the base seed once per Verifier (unknown to candidates, shared by all
 candidates of one Verifier so reference outputs are computed once per task and seed), except the
@@ -52,7 +52,6 @@ import queue
 import secrets
 import shutil
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import replace
 from pathlib import Path
@@ -62,36 +61,27 @@ import torch
 
 from ..tasks.load import check_task_source
 from .build.pool import BuildPool
+from .calls import Clock, ask, failed, judge_call
 from .harness import trial_kinds
 from .kernels import default_library_paths, library_kernel_names
-from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, close_all, describe_exit, log_summary
+from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, close_all
 from .records import activity
 from .results import TaskError, VerifyOptions, VerifyResult, static_check, trial_seeds
 from .rules import timed_work_problem
 from .speedup import BUDGET_S, CHECKS_PER_BLOCK, PLAUSIBLE, Timing, paired_rounds
 from .timing import calls_per_block
 from .verdicts import kernel_verdict, timed_block_verdict, trial_verdict, unrecorded_problem
-from .wire import malformed_reply
 
 WORKERS_PER_JUDGE = 4         # a new task costs its judge 5 references; a known one 5 comparisons a candidate
 MAX_TASKS_REMEMBERED = 4096   # tasks whose trial kinds are kept (an RL run sees far fewer at a time)
 
 NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is False); run on a GPU "
           "machine, or use Verifier(device='cpu') to exercise the pool with pure-PyTorch candidates")
-JUDGE_TIMEOUT_S = 900.0       # reference forward + comparison of the largest KernelBench tasks
 UNLOAD_TIMEOUT_S = 60.0
-MESSAGE_CHARS = 4000          # of a worker's message kept in a verdict (a candidate controls its text)
 
 
 # ---------------------------------------------------------------------------------------------
 # The pool.
-
-class _Clock:
-    """Seconds left for the candidate; only time spent waiting on its own worker counts."""
-
-    def __init__(self, seconds: float):
-        self.left = seconds
-
 
 class Verifier:
     """A pool of warm candidate workers plus judges; verifies candidates concurrently.
@@ -216,16 +206,16 @@ class Verifier:
         with self._gpu.shared():  # a broken task fails here, blamed on the task, before any compiling
             kinds = self._trial_kinds(task, init_seed, seeds, plain=opts.rules == "dice")
         # DICE's check: one deadline for the build and the run (its subprocess's timeout)
-        clock = _Clock(opts.timeout_s) if opts.rules == "dice" else None
+        clock = Clock(opts.timeout_s) if opts.rules == "dice" else None
         load = {"op": "load", **task, "candidate_src": candidate_src, "init_seed": init_seed}
-        reply = self._ask(worker, load, clock or _Clock(opts.compile_timeout_s), "loading the candidate module")
+        reply = ask(worker, load, clock or Clock(opts.compile_timeout_s), "loading the candidate module")
         if reply["status"] != "ok":  # the module imported if the failure came after that
-            return self._failed(reply, compiled=reply["status"] in ("invalid", "runtime_error"))
-        clock, history = clock or _Clock(opts.timeout_s), []
+            return failed(reply, compiled=reply["status"] in ("invalid", "runtime_error"))
+        clock, history = clock or Clock(opts.timeout_s), []
         with self._gpu.shared():
-            reply = self._ask(worker, {"op": "warmup", "seed": warmup_seed, "kind": kinds[0]}, clock, "running forward")
+            reply = ask(worker, {"op": "warmup", "seed": warmup_seed, "kind": kinds[0]}, clock, "running forward")
         if reply["status"] != "ok":
-            return self._failed(reply, compiled=True, where="the first forward")
+            return failed(reply, compiled=True, where="the first forward")
         for i, (seed, kind) in enumerate(zip(seeds, kinds)):
             where = f"trial {i + 1} of {len(seeds)} ({kind} inputs, seed {seed})"
             verdict = self._trial(worker, task, init_seed, seed, kind, where, clock, history, opts, repeat=i == 0)
@@ -239,10 +229,10 @@ class Verifier:
         timed = self._timing(worker, task, init_seed, timing_seed, clock, opts, trials, inputs)
         if isinstance(timed, Timing) and timed.speedup > PLAUSIBLE:   # measured again by a fresh process
             worker.restart()
-            reply = self._ask(worker, load, _Clock(opts.compile_timeout_s), "loading the candidate again")
+            reply = ask(worker, load, Clock(opts.compile_timeout_s), "loading the candidate again")
             again = (self._timing(worker, task, init_seed, timing_seed, clock, opts, trials, inputs)
                      if reply["status"] == "ok" else
-                     self._failed(reply, compiled=True, where="re-measuring a speedup above 10x"))
+                     failed(reply, compiled=True, where="re-measuring a speedup above 10x"))
             timed = again if not isinstance(again, Timing) or again.speedup < timed.speedup else timed
         if isinstance(timed, VerifyResult):
             return timed
@@ -280,22 +270,22 @@ class Verifier:
         return list(self._kinds[key])
 
     def _trial(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, kind: str, where: str,
-               clock: _Clock, history: list, opts: VerifyOptions, repeat: bool) -> VerifyResult | None:
+               clock: Clock, history: list, opts: VerifyOptions, repeat: bool) -> VerifyResult | None:
         """One correctness trial (forward in the worker, comparison in the judge): its verdict
         when it fails, else None."""
         with self._gpu.shared():
-            ran = self._ask(worker, {"op": "run", "seed": seed, "kind": kind, "repeat": repeat}, clock, "running forward")
+            ran = ask(worker, {"op": "run", "seed": seed, "kind": kind, "repeat": repeat}, clock, "running forward")
             if ran["status"] != "ok":
-                return self._failed(ran, compiled=True, where=where)
+                return failed(ran, compiled=True, where=where)
             judged = self._judge_call({"op": "compare", **task, "init_seed": init_seed, "seed": seed, "kind": kind,
                                        "outputs": ran["outputs"], "second": ran["second"], "inputs": ran["inputs"],
                                        **opts.tolerance()}, candidate_outputs=True)
         if judged["status"] != "ok":
-            return self._failed(judged, compiled=True, where=where)
+            return failed(judged, compiled=True, where=where)
         return trial_verdict(where, ran, judged, history, opts, worker.info.get("marker", ""), self._library_names(),
                              worker.info.get("matched", []))
 
-    def _timing(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, clock: _Clock,
+    def _timing(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, clock: Clock,
                 opts: VerifyOptions, trials: list[dict], inputs: str) -> Timing | VerifyResult:
         """The paired timing (`speedup`) under the exclusive GPU lock; a verdict if it fails.
         `trials`: the correctness trials' GPU activity, which the timed calls' must match;
@@ -304,10 +294,10 @@ class Verifier:
         with self._gpu.exclusive():
             prep, base = None, None
             for method in ("graph", "eager"):
-                prep = self._ask(worker, {"op": "time_prepare", "seed": seed, "method": method, "inputs": inputs},
-                                 clock, "timing forward")
+                prep = ask(worker, {"op": "time_prepare", "seed": seed, "method": method, "inputs": inputs},
+                           clock, "timing forward")
                 if prep["status"] != "ok":
-                    return self._failed(prep, compiled=True, where="timing")
+                    return failed(prep, compiled=True, where="timing")
                 base = self._judge_call({"op": "baseline_prepare", **base_request, "method": method})
                 if prep["method"] == base["method"] == method:
                     break
@@ -332,10 +322,10 @@ class Verifier:
                 return reply["times"]
 
             def candidate_block(first, n):
-                reply = self._ask(worker, {"op": "time_block", "first": first, "calls": n,
-                                           "check": min(1.0, CHECKS_PER_BLOCK / n)}, clock, "timing forward")
+                reply = ask(worker, {"op": "time_block", "first": first, "calls": n,
+                                     "check": min(1.0, CHECKS_PER_BLOCK / n)}, clock, "timing forward")
                 if reply["status"] != "ok":
-                    return self._failed(reply, compiled=True, where="timing")
+                    return failed(reply, compiled=True, where="timing")
                 times, problem = timed_block_verdict(reply, worker.info.get("marker", ""), n, trials,
                                                      base["activity"], prep["own"], opts, self._library_names(),
                                                      worker.info.get("matched", []))
@@ -356,7 +346,7 @@ class Verifier:
                                        "fingerprints": prints, **opts.tolerance()},
                                       candidate_outputs=True)
             if judged["status"] != "ok":
-                return self._failed(judged, compiled=True, where=f"timed call {call}")
+                return failed(judged, compiled=True, where=f"timed call {call}")
             if judged["mismatch"]:
                 return VerifyResult("incorrect", compiled=True, message=(
                     f"timed call {call} (new inputs, compared after the call): {judged['mismatch']}; forward must do "
@@ -365,51 +355,9 @@ class Verifier:
 
     # -- talking to workers -------------------------------------------------------------------
 
-    def _ask(self, worker: WorkerProcess, request: dict, clock: _Clock, doing: str) -> dict:
-        """A candidate-worker request; a hang or crash becomes a reply with status timeout/runtime_error,
-        a reply that breaks its op's schema (`malformed_reply`) an `invalid` one (the worker is replaced)."""
-        start, limit = time.monotonic(), max(clock.left, 0.0)
-        try:
-            reply = worker.call(request, timeout=limit)
-            problem = malformed_reply(request["op"], reply)
-            if problem:
-                worker.restart()
-                return {"status": "invalid", "message": f"the worker's reply to {request['op']!r} {problem}: "
-                        "the candidate tampered with the verifier"}
-            reply["message"] = reply.get("message", "")[:MESSAGE_CHARS]
-        except WorkerTimeout:
-            return {"status": "timeout", "message": f"the candidate did not finish {doing} in the {limit:.0f} s "
-                    "left of its time limit (hang, deadlock or very slow kernel); its worker was killed"}
-        except WorkerDied as exc:
-            tail = f"; last output:\n{log_summary(exc.log_tail)}" if exc.log_tail else ""
-            return {"status": "runtime_error", "message": f"the worker process {describe_exit(exc.exitcode)} "
-                    f"while {doing} (segfault, os._exit or abort in the candidate){tail}"}
-        finally:
-            clock.left -= time.monotonic() - start
-        return reply
-
-    @staticmethod
-    def _failed(reply: dict, compiled: bool, where: str = "") -> VerifyResult:
-        status = reply["status"]
-        message = reply["message"] if not where or status == "compile_error" else f"{where}: {reply['message']}"
-        return VerifyResult(status, compiled=compiled and status != "compile_error", message=message)
-
     def _judge_call(self, request: dict, candidate_outputs: bool = False) -> dict:
-        """A judge request. Failures are the task's (raised) unless they came from handling a
-        candidate's outputs (`candidate_outputs`: returned as a runtime_error reply)."""
-        try:
-            reply = self._judge_of(request["task_key"]).call(request, timeout=JUDGE_TIMEOUT_S)
-        except (WorkerTimeout, WorkerDied) as exc:
-            if candidate_outputs:
-                return {"status": "runtime_error", "message": f"the judge failed while comparing the outputs ({exc})"}
-            raise TaskError(f"task {request['task_key'][:12]}: the reference (judge) worker failed ({exc}); the "
-                            "task's Model, get_inputs or get_init_inputs crashes or hangs; fix the task source") from None
-        if reply["status"] == "task_error":
-            raise TaskError(f"task {request['task_key'][:12]}: the reference failed: {reply['message']}; "
-                            "fix the task source")
-        if reply["status"] != "ok" and not candidate_outputs:
-            raise RuntimeError(reply["message"])
-        return reply
+        """A request to the task's judge (`calls.judge_call`)."""
+        return judge_call(self._judge_of(request["task_key"]), request, candidate_outputs)
 
     def _library_names(self) -> frozenset:
         return self._library.result() if self._library is not None else frozenset()

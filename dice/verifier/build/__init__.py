@@ -3,7 +3,8 @@
 | module | |
 | --- | --- |
 | `cache` | `BuildCache`: load_inline through a cache keyed by the program; compiler messages a person can act on |
-| `inline` | load_inline programs as text: torch's generated files, the device/host split, cache-key normalisation |
+| `inline` | load_inline programs as text: the device/host split, cache-key normalisation |
+| `torch_inline` | torch's own load_inline as text: the two files it writes, the calls a program makes |
 | `cxx` | a small C++ tokenizer and file-scope splitter, enough to cut load_inline sources |
 | `toolchain` | torch's flags for a call, the compilers under shared slots, what is built once per toolchain (precompiled headers, the dispatcher, torch's names) |
 | `fast` | the fast build: two compiles on a precompiled header, one link, the failures that are torch's own |

@@ -1,9 +1,7 @@
-"""load_inline programs as text: torch's generated files, the device/host split, cache-key normalisation.
+"""load_inline programs as text: the device/host split, cache-key normalisation.
 
-`torch.utils.cpp_extension.load_inline` writes two files (torch 2.x, `load_inline`): main.cpp =
-`#include <torch/extension.h>`, the cpp_sources and a PYBIND11_MODULE binding `functions`, built
-by g++; cuda.cu = `#include <torch/types.h>`, `<cuda.h>`, `<cuda_runtime.h>` and the
-cuda_sources, built by nvcc. Both parse torch's headers, which is nearly all of a ~60 s build.
+torch's `load_inline` writes main.cpp for g++ and cuda.cu for nvcc (`torch_inline`); both parse
+torch's headers, which is nearly all of a ~60 s build.
 
 `split_program` cuts cuda.cu in two. The device unit (kernels, `__device__` functions and
 variables, and the macros, types and constants both sides may use) is compiled by nvcc without
@@ -27,10 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .cxx import CxxError, Item, Token, directive, items, normalise, tokenize
+# cuda_cu and recorded_calls are only re-exported (`__all__`): callers import them from here
+from .torch_inline import TORCH_PREFIX, cuda_cu, main_cpp, recorded_calls
 
 DEVICE_PRELUDE = ("cassert", "cstdint", "cstddef", "climits", "cfloat", "cmath", "cstdlib", "cstdio",
                   "cstring", "type_traits", "limits", "utility", "algorithm", "cuda_fp16.h", "cuda_bf16.h")
-TORCH_PREFIX = ("#include <torch/types.h>", "#include <cuda.h>", "#include <cuda_runtime.h>")
 TORCH_IDS = {"torch", "at", "c10", "caffe2", "pybind11", "py", "PyObject"}
 TORCH_MACRO = re.compile(r"(C10|TORCH|AT|CAFFE2?|PYBIND11|THC|Py|PY)_\w*")
 DEVICE_QUALIFIERS = {"__global__", "__device__", "__shared__", "__constant__", "__managed__"}
@@ -90,49 +89,6 @@ class Split:
     kernels: list[str] = field(default_factory=list)
     binding: str = "pybind"   # "pybind": torch's PYBIND11_MODULE; "dispatch": dispatch.h's entries
     declared: frozenset[str] = frozenset()   # every name the program's items declare, either side
-
-
-def main_cpp(cpp_sources: list[str], functions, with_pytorch_error_handling: bool = True) -> str:
-    """main.cpp exactly as torch.utils.cpp_extension.load_inline writes it (bindings included)."""
-    sources = ["#include <torch/extension.h>", *cpp_sources]
-    if functions is not None:
-        if isinstance(functions, str):
-            functions = [functions]
-        if isinstance(functions, list):
-            functions = {f: f for f in functions}
-        elif not isinstance(functions, dict):
-            raise ValueError(f"Expected 'functions' to be a list or dict, but was {type(functions)}")
-        sources.append("PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {")
-        for name, doc in functions.items():
-            bound = f"torch::wrap_pybind_function({name})" if with_pytorch_error_handling else name
-            sources.append(f'm.def("{name}", {bound}, "{doc}");')
-        sources.append("}")
-    return "\n".join(sources)
-
-
-def recorded_calls(program: str) -> list[dict]:
-    """The keyword arguments of the load_inline calls a program makes at import, up to the first:
-    runs the program's module-level code until then, so only for trusted programs (references)."""
-    import torch.utils.cpp_extension as cpp_extension   # lazy: the one torch use of this otherwise text-only module
-    calls = []
-
-    def record(*args, **kwargs):
-        calls.append({**dict(zip(("name", "cpp_sources", "cuda_sources", "functions"), args)), **kwargs})
-        raise StopIteration
-
-    original, cpp_extension.load_inline = cpp_extension.load_inline, record
-    try:
-        exec(compile(program, "<program>", "exec"), {"__name__": "dice_program"})
-    except StopIteration:
-        pass
-    finally:
-        cpp_extension.load_inline = original
-    return calls
-
-
-def cuda_cu(cuda_sources: list[str]) -> str:
-    """cuda.cu exactly as load_inline writes it."""
-    return "\n".join([*TORCH_PREFIX, *cuda_sources])
 
 
 def split_program(cpp_sources: list[str], cuda_sources: list[str], functions, with_pytorch_error_handling: bool,

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch.utils.cpp_extension as cpp_extension
 
-from .inline import DEVICE_PRELUDE, DISPATCH_HEADER, TORCH_PREFIX, Unsplittable
+from .inline import DEVICE_PRELUDE, DISPATCH_HEADER, Unsplittable
+from .torch_inline import TORCH_PREFIX
 
 DISPATCH_SOURCE = DISPATCH_HEADER.with_name("dispatch.cpp")
 
