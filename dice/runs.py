@@ -51,12 +51,16 @@ def full_state_dicts(model, optimizer):
 
 
 def save_checkpoint(out: Path, step: int, model, optimizer, tokenizer_dir: str, rt: Runtime,
-                    keep: int, extra: dict | None = None) -> None:
+                    keep: int, extra: dict | None = None, moments: bool = True) -> None:
     """checkpoints/step_N written as a temporary folder, then renamed; then `latest` updated and
     all but the `keep` newest checkpoints (by step number, never step_N itself) deleted. An
     existing step_N (left by a run killed before `latest` named it) is moved aside, not deleted,
-    until the new one is in place."""
+    until the new one is in place. Without `moments` the optimiser's per-parameter state is left
+    out (RL's `--optimizer-state step` forgets it before every update, as DICE saves only the model):
+    the checkpoint is then a third of the size."""
     model_state, optim_state = full_state_dicts(model, optimizer)
+    if not moments:
+        optim_state = {**optim_state, "state": {}}
     if rt.main:
         ckpts = out / "checkpoints"
         final, tmp, aside = (ckpts / name for name in (f"step_{step:06d}", f".step_{step:06d}.tmp",

@@ -180,6 +180,8 @@ def test_a_resumed_run_draws_the_tasks_the_unbroken_run_drew(tmp_path):
     train_rl(tiny_config(folder, whole, steps=2, dynamic_sampling_rounds=2), reward_fn=even_constant([]), tasks=TASKS)
     train_rl(tiny_config(folder, cut, steps=1, dynamic_sampling_rounds=2, save_every=1),
              reward_fn=even_constant([]), tasks=TASKS)
+    # --optimizer-state step (the default) forgets AdamW's moments before every update: none are saved
+    assert torch.load(cut / "checkpoints" / "step_000001" / "trainer_state.pt")["optimizer"]["state"] == {}
     with pytest.raises(RunFolderError, match="started with --dynamic-sampling-rounds 2, this one has 1"):
         train_rl(tiny_config(folder, cut, steps=2, dynamic_sampling_rounds=1, resume=True),
                  reward_fn=even_constant([]), tasks=TASKS)
@@ -189,3 +191,14 @@ def test_a_resumed_run_draws_the_tasks_the_unbroken_run_drew(tmp_path):
     timed = ("rollout_tokens_per_s", "kernels_verified_per_s", "generate_s", "verify_s", "update_s", "step_time_s")
     unbroken, resumed = ([{k: v for k, v in r.items() if k not in timed} for r in records(out)] for out in (whole, cut))
     assert resumed == pytest.approx(unbroken)
+
+
+def test_a_run_long_optimiser_state_is_checkpointed(tmp_path):
+    """With --optimizer-state run the moments live across RL steps, so the checkpoint keeps them
+    (AdamW's exp_avg and exp_avg_sq)."""
+    folder = rl_model_folder(tmp_path / "model")
+    out = tmp_path / "run"
+    train_rl(tiny_config(folder, out, steps=1, save_every=1, optimizer_state="run"), reward_fn=even_constant([]),
+             tasks=TASKS)
+    state = torch.load(out / "checkpoints" / "step_000001" / "trainer_state.pt")["optimizer"]["state"]
+    assert state and all({"exp_avg", "exp_avg_sq"} <= set(v) for v in state.values())

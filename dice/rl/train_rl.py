@@ -301,7 +301,7 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
             # save: the model, the optimiser and where the task stream stands
             if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == total):
                 save_checkpoint(run.out, step + 1, model, optimizer, cfg.model, rt, cfg.keep_checkpoints,
-                                extra={"task_cursor": run.cursor})
+                                extra={"task_cursor": run.cursor}, moments=cfg.optimizer_state == "run")
         if cfg.eval_every and run.eval_tasks:
             evaluate(total, "eval after training")
         save_final(model, optimizer, run.out, cfg.model, rt, log)
