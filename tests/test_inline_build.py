@@ -20,7 +20,8 @@ from dice.verifier.build.cache import BuildCache, BuildError
 from dice.verifier.build.cxx import normalise
 from dice.verifier.build.fast import CompiledUnits, FastBuildFailed, SharedCompileError
 from dice.verifier.build.toolchain import CompilerSlots, Flags
-from dice.verifier.build.inline import Unsplittable, cuda_cu, main_cpp, recorded_calls, split_program
+from dice.verifier.build.inline import Unsplittable, split_program
+from dice.verifier.build.torch_inline import cuda_cu, main_cpp, recorded_calls
 
 HAVE_NVCC = Path("/usr/local/cuda/bin/nvcc").exists() and shutil.which("c++") is not None
 HEADER = "#include <torch/extension.h>\n"

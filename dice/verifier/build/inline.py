@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .cxx import CxxError, Item, Token, directive, items, normalise, tokenize
-# cuda_cu and recorded_calls are only re-exported (`__all__`): callers import them from here
-from .torch_inline import TORCH_PREFIX, cuda_cu, main_cpp, recorded_calls
+from .torch_inline import TORCH_PREFIX, main_cpp
 
 DEVICE_PRELUDE = ("cassert", "cstdint", "cstddef", "climits", "cfloat", "cmath", "cstdlib", "cstdio",
                   "cstring", "type_traits", "limits", "utility", "algorithm", "cuda_fp16.h", "cuda_bf16.h")
@@ -361,5 +360,4 @@ def _rewrite_launches(source: str, item: Item, kernels: dict[str, Kernel]) -> st
     return "".join(out)
 
 
-__all__ = ["DEVICE_PRELUDE", "Split", "Unsplittable", "cuda_cu", "main_cpp", "normalise", "recorded_calls",
-           "split_program"]
+__all__ = ["DEVICE_PRELUDE", "Split", "Unsplittable", "normalise", "split_program"]
