@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,16 @@ def test_shared_errors_are_names_declared_nowhere():
         assert shared_error(line, names, declared) is None, line
 
 
+def test_names_in_an_initializer_are_used_not_declared():
+    """`= name` only uses name: a program whose initializer names an undeclared identifier has a
+    compile error torch's build shares (a verdict, not a torch rebuild)."""
+    from dice.verifier.build.cxx import items, tokenize
+    source = ("__device__ int flag = undeclared_name;\n__device__ float table[2] = {0.f, other};\n"
+              "constexpr int N = 4, M = N + K;\nint plain;\nusing Alias = float;\n")
+    declared = set().union(*(item.declared for item in items(tokenize(source))))
+    assert declared == {"flag", "table", "N", "M", "plain", "Alias"}
+
+
 def test_generic_binding_unit():
     """The dispatch host unit: cpp_sources on dispatch.h, no torch/extension.h anywhere, one entry
     per function with torch's error handling as asked; a function cpp_sources does not declare
@@ -288,6 +299,9 @@ source, target = sys.argv[sys.argv.index("-c") + 1], sys.argv[sys.argv.index("-o
 text = open(source).read()
 with open(sys.argv[0] + ".runs", "a") as runs:
     runs.write(source + "\\n")
+if "slow" in text:
+    import time
+    time.sleep(0.5)
 if "error" in text:
     print(source + ":1: error: bad unit")
     sys.exit(1)
@@ -332,6 +346,27 @@ def test_a_unit_compiled_before_is_copied_not_compiled(tmp_path):
     assert compile_in("h", '#line 4 "FOLDER/cuda.cu"\nhost')[0] == 0 and runs() == 7
     status, folder = compile_in("i", '#line 4 "FOLDER/cuda.cu"\nhost')
     assert status == 0 and runs() == 7 and str(folder / "cuda.cu") in (folder / "device.log").read_text()
+
+
+def test_a_unit_built_by_several_programs_at_once_is_compiled_once(tmp_path):
+    """An RL group's programs build together: the first compiles the shared unit, the rest copy it."""
+    cc = tmp_path / "fakecc"
+    cc.write_text(FAKE_COMPILER)
+    cc.chmod(0o755)
+    slots = CompilerSlots(tmp_path / "cache", 8)
+
+    def compile_in(build: str) -> tuple[int, str]:
+        folder = tmp_path / build
+        folder.mkdir()
+        (folder / "main.cpp").write_text("slow host unit")
+        argv = [str(cc), "-c", str(folder / "main.cpp"), "-o", str(folder / "main.o")]
+        status, _ = CompiledUnits(tmp_path / "cache", folder).compile(argv, [str(cc)], folder / "host.log", slots)
+        return status, (folder / "main.o").read_text()
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(compile_in, [f"program-{i}" for i in range(6)]))
+    assert results == [(0, "object of slow host unit")] * 6
+    assert len((tmp_path / "fakecc.runs").read_text().splitlines()) == 1
 
 
 def test_a_failed_toolchain_artifact_is_tried_again_later_not_for_ever(tmp_path, monkeypatch):

@@ -205,16 +205,19 @@ class Item:
         """Names this item declares (approximately: functions, variables, types, aliases)."""
         if self.name is not None:
             return {self.name}
-        toks, names, depth = self.tokens, set(), 0
+        # initializer: from a top-level `=` to the next `,` or `;`, where names are used, not declared
+        toks, names, depth, initializer = self.tokens, set(), 0, False
         for i, t in enumerate(toks):
             if t.kind == "punct" and t.text in ("(", "[", "{"):
-                if depth == 0 and i and toks[i - 1].kind == "id" and t.text != "(":
+                if depth == 0 and i and toks[i - 1].kind == "id" and t.text != "(" and not initializer:
                     names.add(toks[i - 1].text)
                 depth += 1
             elif t.kind == "punct" and t.text in (")", "]", "}"):
                 depth -= 1
-            elif depth == 0 and t.text in (",", "=", ";") and i and toks[i - 1].kind == "id":
-                names.add(toks[i - 1].text)
+            elif depth == 0 and t.text in (",", "=", ";"):
+                if i and toks[i - 1].kind == "id" and not initializer:
+                    names.add(toks[i - 1].text)
+                initializer = t.text == "="
         if self.words[:1] in (["struct"], ["class"], ["union"], ["enum"]) and len(self.words) > 1:
             names.add(self.words[2] if self.words[1] == "class" and len(self.words) > 2 else self.words[1])
         if self.words[:1] == ["using"] and len(self.words) > 1:

@@ -24,6 +24,7 @@ any other failure raises `FastBuildFailed` and the caller builds with torch's lo
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -80,19 +81,24 @@ class CompiledUnits:
                    if not a.startswith("-DTORCH_EXTENSION_NAME=") or "TORCH_EXTENSION_NAME" in text]
         key = hashlib.sha256(json.dumps([command, compiler_version(tuple(compiler)), text]).encode()).hexdigest()
         kept = self.folder / key[:2] / f"{key}.o"
-        if kept.is_file() and kept.with_suffix(".log").is_file():
-            log.write_text(kept.with_suffix(".log").read_text(errors="replace").replace(BUILD_FOLDER, folder))
-            shutil.copyfile(kept, target)
-            return 0, 0.0
-        status, cpu_s = run_compiler(argv, log, slots)
-        if status == 0:
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            output = log.read_text(errors="replace").replace(folder, BUILD_FOLDER)
-            for write, name in ((lambda tmp: tmp.write_text(output), kept.with_suffix(".log")),
-                                (lambda tmp: shutil.copyfile(target, tmp), kept)):   # the object last: it marks both
-                tmp = name.with_name(f"{name.name}.{os.getpid()}.{random.getrandbits(32):08x}.tmp")
-                write(tmp)
-                os.replace(tmp, name)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        # an RL group's 16 programs build at once: one compiles a shared unit, the others wait for its
+        # object (holding no compiler slot) instead of compiling it 16 times; a killed holder's lock
+        # goes with it
+        with open(kept.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if kept.is_file() and kept.with_suffix(".log").is_file():
+                log.write_text(kept.with_suffix(".log").read_text(errors="replace").replace(BUILD_FOLDER, folder))
+                shutil.copyfile(kept, target)
+                return 0, 0.0
+            status, cpu_s = run_compiler(argv, log, slots)
+            if status == 0:
+                output = log.read_text(errors="replace").replace(folder, BUILD_FOLDER)
+                for write, name in ((lambda tmp: tmp.write_text(output), kept.with_suffix(".log")),
+                                    (lambda tmp: shutil.copyfile(target, tmp), kept)):   # the object last: it marks both
+                    tmp = name.with_name(f"{name.name}.{os.getpid()}.{random.getrandbits(32):08x}.tmp")
+                    write(tmp)
+                    os.replace(tmp, name)
         return status, cpu_s
 
 
