@@ -10,6 +10,12 @@ with torch's load_inline). Nothing is loaded, so it runs without a GPU: with a C
 CUDA libraries torch would link are left out (the programs' own -l flags stay) and nvcc is taken
 from /usr/local/cuda. The solutions' module-level code runs up to their load_inline call:
 trusted reference files only.
+
+`--group N` builds what the RL reward builds: each reference as an RL group of N programs, salted
+and 30% broken as `bench rl` replays them (`replay.replay_programs`), every program submitted at
+once, `--jobs` at a time (default 16, the verifier's prebuild children on one H200's host) with
+compilers bounded by this machine's cores (`toolchain.CompilerSlots`). A group's programs share
+their host unit: the row counts the host units compiled.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import torch.utils.cpp_extension as cpp_extension
 
 from ..cli import at_least
 from ..tasks.load import load_tasks
+from .replay import replay_programs
 from ..verifier.build import fast, toolchain
 from ..verifier.build.cache import BuildCache
 from ..verifier.build.fast import FastBuildFailed, SharedCompileError
@@ -71,19 +78,22 @@ def bench_builds(args, bench) -> None:
     if cpp_extension.CUDA_HOME is None and Path("/usr/local/cuda/bin/nvcc").exists():
         cpp_extension.CUDA_HOME = "/usr/local/cuda"
     capability = tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else tuple(args.arch)
-    jobs = args.jobs or os.cpu_count() or 1
+    jobs = args.jobs or (16 if args.group else os.cpu_count() or 1)
     tasks = [t for t in load_tasks(args.solutions) if t.solution][:args.limit]
+    if args.group:
+        tasks = [owner for owner, _ in replay_programs(tasks, args.group, 0.3, seed=0, run=0)]
     calls = [(t.name, (recorded_calls(t.solution) or [None])[0]) for t in tasks]
     calls = [(name, call) for name, call in calls if call is not None]
     if not calls:
         raise SystemExit(f"error: {args.solutions}: no reference solution calls load_inline; pass a DICE JSON file "
                          "whose cuda_code programs build with torch.utils.cpp_extension.load_inline")
     print(f"{len(calls)} programs, sm_{capability[0]}{capability[1]}, {jobs} at a time"
+          + (f", groups of {args.group}, compilers bounded by {os.cpu_count()} cores" if args.group else "")
           + ("; CPU-only torch: linked without " + " ".join(CPU_ONLY_LIBRARIES) if torch.version.cuda is None else ""))
     for binding in args.binding:
         bench.check(f"the {binding} binding")
         with tempfile.TemporaryDirectory(prefix=f"dice-builds-{binding}-") as cache:
-            root, slots = Path(cache), CompilerSlots(Path(cache), jobs)
+            root, slots = Path(cache), CompilerSlots(Path(cache), None if args.group else jobs)
             bench.progress(f"{binding}: precompiled header and dispatcher")
             once = _warm(root, calls[0][1], binding, capability, slots)
             start, results = time.perf_counter(), [None] * len(calls)
@@ -105,7 +115,8 @@ def bench_builds(args, bench) -> None:
                    "seconds": f"{wall:.0f}", "programs/min": f"{60 * len(done) / wall:.1f}",
                    "header+dispatcher s": f"{once:.0f}", "CPU s host": f"{medians['host']:.2f}",
                    "device": f"{medians['device']:.2f}", "link": f"{medians['link']:.2f}",
-                   "per program": f"{cpu:.2f}"}, partial=len(done) < len(calls))
+                   "per program": f"{cpu:.2f}", "host units compiled": sum(r["host"] > 0 for r in built)},
+                  partial=len(done) < len(calls))
         for (name, _), r in zip(calls, results):
             if r is not None and not r["built"]:
                 print(f"  - {name}: {r['error']}")
@@ -117,7 +128,10 @@ def add_arguments(b) -> None:
     b.add_argument("--solutions", required=True, metavar="JSON", help="a DICE JSON file with cuda_code references")
     b.add_argument("--binding", nargs="+", choices=("dispatch", "pybind"), default=["dispatch", "pybind"],
                    help="bindings to build with, in this order")
-    b.add_argument("--jobs", type=at_least(1), default=None, help="programs built at once (default: the CPU count)")
+    b.add_argument("--jobs", type=at_least(1), default=None,
+                   help="programs built at once (default: the CPU count; 16 with --group)")
+    b.add_argument("--group", type=at_least(2), default=None, metavar="N",
+                   help="each reference as an RL group of N salted programs, 30%% broken, submitted at once")
     b.add_argument("--limit", type=at_least(1), help="only the first N solutions")
     b.add_argument("--arch", type=at_least(0), nargs=2, default=(9, 0), metavar=("MAJOR", "MINOR"),
                    help="the architecture to build for without a GPU (default: 9 0, Hopper)")
