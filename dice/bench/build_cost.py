@@ -31,13 +31,13 @@ import torch.utils.cpp_extension as cpp_extension
 
 from ..cli import at_least
 from ..tasks.load import load_tasks
-from .replay import replay_programs
 from ..verifier.build import fast, toolchain
 from ..verifier.build.cache import BuildCache
 from ..verifier.build.fast import FastBuildFailed, SharedCompileError
 from ..verifier.build.inline import Unsplittable
 from ..verifier.build.toolchain import CompilerSlots, Flags
 from ..verifier.build.torch_inline import recorded_calls
+from .replay import BROKEN, replay_programs
 
 CPU_ONLY_LIBRARIES = ("-lc10_cuda", "-ltorch_cuda")
 
@@ -81,7 +81,7 @@ def bench_builds(args, bench) -> None:
     jobs = args.jobs or (16 if args.group else os.cpu_count() or 1)
     tasks = [t for t in load_tasks(args.solutions) if t.solution][:args.limit]
     if args.group:
-        tasks = [owner for owner, _ in replay_programs(tasks, args.group, 0.3, seed=0, run=0)]
+        tasks = [owner for owner, _ in replay_programs(tasks, args.group, BROKEN, seed=0, run=0)]
     calls = [(t.name, (recorded_calls(t.solution) or [None])[0]) for t in tasks]
     calls = [(name, call) for name, call in calls if call is not None]
     if not calls:

@@ -42,6 +42,7 @@ from ..tasks.load import curriculum
 CHARS_PER_TOKEN = 3.8   # the SDAR tokenizer on the 99 DICE infilling references: 71,964 chars, 18,862 tokens
 SDAR_TOKENIZER = ("shared/sdar-chat", "../shared/sdar-chat")   # where a checkout keeps it, from its root
 REFERENCE_VERDICTS = "bench-rl-references.json"
+BROKEN = 0.3   # the share of replayed programs broken (`bench rl --broken`, `bench builds --group`)
 SALT = "__device__ int dice_bench_salt_{tag};"
 UNDECLARED = "__device__ int dice_bench_broken_{tag} = dice_bench_undeclared_{tag};"
 OFF_BY_ONE = '''

@@ -54,8 +54,8 @@ from ..runtime import make_optimizer, setup_runtime, shard
 from ..tasks.load import curriculum, load_tasks, step_tasks
 from ..verifier import Verifier
 from .common import BF16_FLOPS, BudgetSpent
-from .replay import (CHARS_PER_TOKEN, SDAR_TOKENIZER, ReplayTokenizer, correct_references, make_reward, replay_programs,
-                     tokenizer_folder)
+from .replay import (BROKEN, CHARS_PER_TOKEN, SDAR_TOKENIZER, ReplayTokenizer, correct_references, make_reward,
+                     replay_programs, tokenizer_folder)
 from .training import model_config, train_shape
 
 
@@ -85,7 +85,7 @@ def add_arguments(p) -> None:
                    help="response: a response's rounds share one clean stream; round: one doubled row per round")
     p.add_argument("--grad-ckpt", action="store_true", help="recompute each layer in the backward pass (4b: needed)")
     p.add_argument("--workers", type=at_least(1), default=8, help="verifier worker processes (and concurrent reward calls)")
-    p.add_argument("--broken", type=in_range(0, 1), default=0.3, help="share of rollouts whose program is broken")
+    p.add_argument("--broken", type=in_range(0, 1), default=BROKEN, help="share of rollouts whose program is broken")
     p.add_argument("--reward", choices=("verifier", "python"), default="verifier",
                    help="verifier: the kernel verifier; python: 1 for an unbroken program (no GPU)")
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer that counts tokens (default: the --shape folder's; "

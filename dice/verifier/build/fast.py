@@ -83,8 +83,8 @@ class CompiledUnits:
         kept = self.folder / key[:2] / f"{key}.o"
         kept.parent.mkdir(parents=True, exist_ok=True)
         # an RL group's 16 programs build at once: one compiles a shared unit, the others wait for its
-        # object (holding no compiler slot) instead of compiling it 16 times; a killed holder's lock
-        # goes with it
+        # object (holding no compiler slot) instead of compiling it 16 times; a failed unit, never kept,
+        # is then compiled by each in turn; a killed holder's lock goes with it
         with open(kept.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if kept.is_file() and kept.with_suffix(".log").is_file():
