@@ -184,7 +184,16 @@ def passed_by_a_constant(task: dict) -> bool:
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(0)
         y = ns["Model"](*ns["get_init_inputs"]())(*ns["get_inputs"]()).float()
-    slack = DICE_TOLERANCE + DICE_TOLERANCE * y.abs()
+    return one_value_matches(y)
+
+
+def one_value_matches(y: torch.Tensor, tol: float = DICE_TOLERANCE) -> bool:
+    """max(y - s) <= min(y + s), s = tol + tol |y|. Most outputs fail it already at their extremes
+    (max(y - s) >= hi - s(hi), min(y + s) <= lo + s(lo)), which one pass over y finds."""
+    lo, hi = torch.aminmax(y)
+    if hi - tol * (1 + hi.abs()) > lo + tol * (1 + lo.abs()):
+        return False
+    slack = tol + tol * y.abs()
     return bool((y - slack).max() <= (y + slack).min())
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dice import taskgen
 from dice.config import EMBEDDED, EMBEDDED_RL_TASKS, config_from_args, with_embedded_defaults
 from dice.tasks.load import load_tasks, phase_tasks, step_tasks
 
@@ -75,24 +76,33 @@ def test_no_listed_task_is_one_of_dice_tinys_sft_tasks():
     """dice-tiny's SFT data is taskgen's default train.json (--train 4000, seed 0), by PyTorch source.
     (A level-1 reference kernel does not depend on the shape, so those of the 13 level-1 tasks are SFT
     kernels byte for byte: the model was trained on them and still miscopies their constants.)"""
-    from dice.taskgen import generate_split
-    sft = generate_split(4000, 0, 0, seed=0)[0]
+    sft = taskgen.generate_split(4000, 0, 0, seed=0)[0]
     assert len(sft) == 2862           # the card's count
     sources = {t["pytorch_code"] for t in sft}
     assert not [t["id"] for t in shipped() if t["pytorch_code"] in sources]
 
 
 @pytest.mark.slow
-def test_the_listed_tasks_are_the_card_experiments_rl_tasks_and_in_no_evaluation_split():
-    """The shipped records are those taskgen draws as rl.json of the card's experiment (about 1.5
-    minutes of drawing on one CPU core), and none of them is a valid or held-out task there or in
-    the default split that dice-tiny's recipe drew (--valid 90 --heldout 60)."""
-    from dice.taskgen import generate_split
-    _, valid, heldout, rl = generate_split(4000, 300, 440, seed=0, n_rl=600)
-    assert (len(valid), len(heldout), len(rl)) == (152, 317, 325)       # the card's counts
+def test_the_listed_tasks_are_the_card_experiments_rl_tasks_and_in_no_evaluation_split(monkeypatch):
+    """The shipped records are those taskgen draws as rl.json of the card's experiment, and none of
+    them is a valid or held-out task there or in the default split that dice-tiny's recipe drew
+    (--valid 90 --heldout 60). Only the rl draws run the constant-output filter (it runs each task,
+    ~0.1 s): the rl split does not depend on it elsewhere (a task it drops from valid is dropped
+    again if drawn for rl; it draws nothing from the generator), and unfiltered evaluation splits
+    are supersets of the filtered ones, so a stronger check."""
+    real_filter, draws = taskgen.passed_by_a_constant, [0]
+    monkeypatch.setattr(taskgen, "passed_by_a_constant", lambda task: False)
+
+    def drawn():   # called before each draw: the 4741st is the first of rl
+        draws[0] += 1
+        if draws[0] == 4000 + 300 + 440 + 1:
+            monkeypatch.setattr(taskgen, "passed_by_a_constant", real_filter)
+    _, valid, heldout, rl = taskgen.generate_split(4000, 300, 440, seed=0, n_rl=600, drawn=drawn)
+    assert len(rl) == 325       # the card's count
     by_id = {t["id"]: t for t in rl}
     assert [by_id.get(t["id"]) for t in shipped()] == shipped()
-    _, valid90, heldout60, _ = generate_split(4000, 90, 60, seed=0)
+    monkeypatch.setattr(taskgen, "passed_by_a_constant", lambda task: False)
+    _, valid90, heldout60, _ = taskgen.generate_split(4000, 90, 60, seed=0)
     evaluation = {t["pytorch_code"] for t in valid + heldout + valid90 + heldout60}
     assert not [t["id"] for t in shipped() if t["pytorch_code"] in evaluation]
 

@@ -20,7 +20,7 @@ from dice.verifier.build import cache as build_module
 from dice.verifier.build.cache import BuildCache, BuildError
 from dice.verifier.build.cxx import normalise
 from dice.verifier.build.fast import CompiledUnits, FastBuildFailed, SharedCompileError
-from dice.verifier.build.toolchain import CompilerSlots, Flags
+from dice.verifier.build.toolchain import CompilerSlots, Flags, dispatcher, precompiled_header
 from dice.verifier.build.inline import Unsplittable, split_program
 from dice.verifier.build.torch_inline import cuda_cu, main_cpp, recorded_calls
 
@@ -499,18 +499,38 @@ def test_the_gpu_session_prebuilds_what_its_selected_tests_verify():
     assert wanted_builds(items[:2]) == {"fast": ["relu", "broken"], "torch": []}
 
 
+def _cpu_flags(root: Path, call: dict) -> tuple[dict, Flags]:
+    """The arguments of one call and torch's flags for them, linked without the CUDA libraries the
+    CPU wheel lacks."""
+    arguments = BuildCache(root, capability=(9, 0), build="fast").arguments(**call)
+    flags = Flags(arguments, "ext", (9, 0))
+    flags.ldflags = [f for f in flags.ldflags if f not in ("-lc10_cuda", "-ltorch_cuda")]
+    return arguments, flags
+
+
 @pytest.fixture(scope="module")
 def shared_cache(tmp_path_factory):
-    """One cache folder (so one precompiled header) for the compiling tests."""
-    return tmp_path_factory.mktemp("inline-cache")
+    """One cache folder for the compiling tests, its toolchain artefacts (both bindings' precompiled
+    headers, the generic binding's dispatcher; about 2.5 CPU-minutes here) built at once, as a
+    verifier's first builds would."""
+    root = tmp_path_factory.mktemp("inline-cache")
+    if HAVE_NVCC:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")
+            _, flags = _cpu_flags(root, dict(name="many", cpp_sources=CPP, cuda_sources=MANY, functions=["run"]))
+            slots = CompilerSlots(root)
+            with ThreadPoolExecutor(3) as pool:
+                for done in [pool.submit(precompiled_header, root, flags, slots, "pybind"),
+                             pool.submit(precompiled_header, root, flags, slots, "dispatch"),
+                             pool.submit(dispatcher, root, flags, slots)]:
+                    done.result()
+    return root
 
 
 def _compile_only(tmp_path, call: dict, root: Path, binding: str = "pybind"):
     """The fast build of one call with `binding`, linked without the CUDA libraries the CPU wheel lacks."""
     from dice.verifier.build import fast
-    arguments = BuildCache(root, capability=(9, 0), build="fast").arguments(**call)
-    flags = Flags(arguments, "ext", (9, 0))
-    flags.ldflags = [f for f in flags.ldflags if f not in ("-lc10_cuda", "-ltorch_cuda")]
+    arguments, flags = _cpu_flags(root, call)
     return fast.fast_build(arguments, "ext", tmp_path, root, (9, 0), CompilerSlots(root), flags=flags,
                                 binding=binding)
 
@@ -520,17 +540,19 @@ def test_split_units_compile(tmp_path, cuda_home, shared_cache):
     """EXAMPLE_LOAD_INLINE and MANY compile the split way on a precompiled header; an error in
     cpp_sources is torch's own (SharedCompileError), one in a kernel only fails the fast build."""
     library, report = _compile_only(tmp_path, recorded_calls(EXAMPLE_LOAD_INLINE)[0], shared_cache)
-    assert library.exists() and report["pch"] and report["host_cpu_s"] + report["device_cpu_s"] < 30
+    assert library.exists() and report["pch"] and report["binding"] == "pybind"
+    # the rest with the generic binding, whose host unit compiles in a third of pybind's time
     many = dict(name="many", cpp_sources=CPP, cuda_sources=MANY, functions=["run"])
     (tmp_path / "m").mkdir()
-    assert _compile_only(tmp_path / "m", many, shared_cache)[1]["kernels"] == ["affine", "total"]
+    assert _compile_only(tmp_path / "m", many, shared_cache, "dispatch")[1]["kernels"] == ["affine", "total"]
     (tmp_path / "e").mkdir()
     with pytest.raises(SharedCompileError, match="main.cpp:2"):
         _compile_only(tmp_path / "e", {**many, "cpp_sources": "torch::Tensr run(torch::Tensor x, double a, double b);"},
-                      shared_cache)
+                      shared_cache, "dispatch")
     (tmp_path / "k").mkdir()
     with pytest.raises(FastBuildFailed, match="cuda.cu"):
-        _compile_only(tmp_path / "k", {**many, "cuda_sources": MANY.replace("y[i] = s.a", "y[i] = s.c")}, shared_cache)
+        _compile_only(tmp_path / "k", {**many, "cuda_sources": MANY.replace("y[i] = s.a", "y[i] = s.c")}, shared_cache,
+                      "dispatch")
     # a name declared nowhere fails torch's build too: the verdict; `min` unqualified in host code
     # is declared by the CUDA headers torch's nvcc pass sees, so only torch's build can decide
     for binding in ("pybind", "dispatch"):
@@ -545,18 +567,26 @@ def test_split_units_compile(tmp_path, cuda_home, shared_cache):
                       shared_cache, "dispatch")
 
 
+@pytest.fixture(scope="module")
+def pool_cache(tmp_path_factory):
+    """One build cache for the BuildPool tests: torch's build of PLUS (~40 s on 2 cores) is made once."""
+    return tmp_path_factory.mktemp("pool-cache")
+
+
+PLUS = "ext = load_inline('plus', 'int plus(int a, int b) { return a + b; }', functions=['plus'])"
+
+
 @pytest.mark.slow
-def test_build_pool_prebuilds_into_the_cache(tmp_path):
+def test_build_pool_prebuilds_into_the_cache(pool_cache):
     """A BuildPool child builds (here: a C++-only extension, which takes torch's path) into the
     cache the workers use, so a later BuildCache.load_inline imports it without building; a
     candidate that hangs is killed at the timeout."""
     from dice.verifier.build.pool import BuildPool
-    program = ("from torch.utils.cpp_extension import load_inline\n"
-               "ext = load_inline('plus', 'int plus(int a, int b) { return a + b; }', functions=['plus'])\n"
-               "raise SystemExit('not reached')\n")
-    with BuildPool(tmp_path, processes=2, timeout_s=600, capability=(9, 0)) as pool:
+    program = f"from torch.utils.cpp_extension import load_inline\n{PLUS}\nraise SystemExit('not reached')\n"
+    with BuildPool(pool_cache, processes=2, timeout_s=600, capability=(9, 0)) as pool:
         report = pool.submit(program).result()
-        assert report["status"] == "built" and report["builds"][0]["how"] == "torch", report
+        assert report["status"] in ("built", "cached"), report
+        assert report["status"] == "cached" or report["builds"][0]["how"] == "torch", report
         assert pool.submit("import os\nos._exit(3)  # load_inline").result()["status"] == "error"
         assert pool.submit("x = 1").result()["status"] == "no build"
         # a child's stdin is /dev/null, never closed (nvcc cannot preprocess without one)
@@ -564,7 +594,7 @@ def test_build_pool_prebuilds_into_the_cache(tmp_path):
         assert stdin["status"] == "error" and stdin["message"] == "RuntimeError: /dev/null", stdin
         pool.timeout_s = 2
         assert pool.submit("while True: pass  # load_inline").result()["status"] == "timeout"
-    cache = BuildCache(tmp_path / "torch_extensions", capability=(9, 0))
+    cache = BuildCache(pool_cache / "torch_extensions", capability=(9, 0))
     cache.real_load_inline = _FakeTorchBuild()
     ext = cache.load_inline("plus", "int plus(int a, int b) { return a + b; }", functions=["plus"])
     assert ext.plus(2, 3) == 5 and cache.history == []
@@ -575,26 +605,29 @@ from dice.verifier.build.pool import BuildPool
 open(sys.argv[2], "a").write("ran\\n")       # once per execution of this script
 program = ("import os, time\\nfrom torch.utils.cpp_extension import load_inline\\n"
            "if os.fork() == 0:\\n    os.setsid()\\n    if os.fork() == 0:\\n"
-           "        open(%r, 'w').write(str(os.getpid()))\\n        time.sleep(300)\\n    os._exit(0)\\n"
-           "ext = load_inline('plus2', 'int plus(int a, int b) { return a + b; }', functions=['plus'])\\n" % sys.argv[3])
+           "        open(%r + '.tmp', 'w').write(str(os.getpid()))\\n        os.rename(%r + '.tmp', %r)\\n"
+           "        time.sleep(300)\\n    os._exit(0)\\n"
+           "while not os.path.exists(%r):   # the daemon lives before the build starts\\n    time.sleep(0.01)\\n"
+           "%s\\n" % (*[sys.argv[3]] * 4, sys.argv[4]))
 with BuildPool(sys.argv[1], processes=1, timeout_s=600, capability=(9, 0)) as pool:
     print(pool.submit(program).result()["status"])
 '''
 
 
 @pytest.mark.slow
-def test_build_pool_needs_no_main_guard_and_ends_what_a_candidate_started(tmp_path):
+def test_build_pool_needs_no_main_guard_and_ends_what_a_candidate_started(tmp_path, pool_cache):
     """A script without `if __name__ == "__main__":` prebuilds a candidate that leaves a detached
     daemon (setsid + double fork): the script runs once (the build server is a subprocess, the
-    script is never imported again), the build succeeds, and the daemon is dead once reported."""
+    script is never imported again), the build succeeds (or is found in the shared cache), and the
+    daemon is dead once reported."""
     import subprocess
     import sys
     (tmp_path / "owner.py").write_text(GUARDLESS_OWNER)
     runs, daemon = tmp_path / "runs.txt", tmp_path / "daemon.pid"
-    done = subprocess.run([sys.executable, str(tmp_path / "owner.py"), str(tmp_path / "cache"), str(runs),
-                           str(daemon)], capture_output=True, text=True, timeout=600,
+    done = subprocess.run([sys.executable, str(tmp_path / "owner.py"), str(pool_cache), str(runs),
+                           str(daemon), PLUS], capture_output=True, text=True, timeout=600,
                           cwd=Path(__file__).resolve().parents[1])
-    assert done.stdout.strip() == "built", (done.stdout, done.stderr[-2000:])
+    assert done.stdout.strip() in ("built", "cached"), (done.stdout, done.stderr[-2000:])
     assert runs.read_text() == "ran\n"
     pid = int(daemon.read_text())
     try:
@@ -713,7 +746,7 @@ def test_generic_binding_converts_and_raises_as_torchs_binding(tmp_path, cuda_ho
     call = dict(name="bound", cpp_sources=BOUND_DECLARATIONS, functions=BOUND_FUNCTIONS,
                 cuda_sources=HEADER + "__global__ void unused(float* y) {}\n" + BOUND)
     library, report = _compile_only(tmp_path / "fast", call, shared_cache, "dispatch")
-    assert report["host_cpu_s"] < 8   # on this 2-core VM; torch's binding unit alone takes ~7 s
+    assert report["binding"] == "dispatch" and "PYBIND11_MODULE" not in (tmp_path / "fast" / "main.cpp").read_text()
     generic = build_module.load_dispatched("bound", library, report["dispatcher"])
     for name, args in _bound_calls():
         assert _outcome(generic, name, args) == _outcome(reference, name, args), (name, args)

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from dice.taskgen import ELEMENTWISE, ROW_OPS, generate_split, passed_by_a_constant
+from dice.taskgen import ELEMENTWISE, ROW_OPS, generate_split, one_value_matches, passed_by_a_constant
 from dice.tasks.load import check_task_source
 from dice.tasks.prompts import keeps_skeleton
 
@@ -80,3 +80,16 @@ def test_a_task_that_a_constant_output_passes_is_flagged():
     # a row statistic close to one value in every row: logsumexp of 4096 normals ~ 8.8 +- 0.02
     assert passed_by_a_constant(task("x = torch.logsumexp(x, dim=-1)"))
     assert not passed_by_a_constant(task("x = torch.tanh(x)"))
+
+
+def test_one_value_matches_as_a_brute_force_search_for_the_value():
+    """Independent truth: a value c with |c - y_i| <= tol + tol |y_i| for every i exists iff c lies
+    in every interval [y_i - s_i, y_i + s_i]; each interval's ends are the candidates to try."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        y = (torch.randn(int(torch.randint(1, 6, (1,), generator=gen)), generator=gen)
+             * [0.001, 0.01, 0.05, 1.0][trial % 4] + [0.0, 3.0, -2.0][trial % 3])
+        s = 0.01 + 0.01 * y.abs()
+        ends = torch.cat([y - s, y + s])
+        brute = any(bool(((c - y).abs() <= s + 1e-6).all()) for c in ends)
+        assert one_value_matches(y) == brute, y

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from dice.verifier import VerifyOptions
-from dice.verifier.harness import (HEAVY_KINDS, call_draws, make_inputs, load_task, stable_seed, structured,
+from dice.verifier.harness import (HEAVY_KINDS, call_draws, make_inputs, load_task, structured,
                                    timed_inputs, trial_inputs, trial_kinds, with_heavy)
 from dice.verifier.kernels import qualified_name
-from dice.verifier.outputs import compare_outputs, relative_error
+from dice.verifier.outputs import compare_outputs
 from dice.verifier.precision import DICE_TOLERANCE, own_error, reduction_terms, tolerances, unit
 from dice.verifier.records import HOST_MS, activity, call_windows, split_marker, unrecorded_launches
 from dice.verifier.rules import kernel_problem
