@@ -24,6 +24,11 @@ def train(model, data, out, *extra, launcher=(sys.executable,)):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
+def refused(refusal, model, data, out, *extra):
+    """`train` of a command that stops before its first step, run in this interpreter (`refusal`)."""
+    return refusal("train.py", "--model", str(model), "--data", str(data), "--out", str(out), *ARGS, *extra)
+
+
 def losses(out):
     return [json.loads(l)["loss"] for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
@@ -96,17 +101,15 @@ def test_two_process_gloo_matches_one_process(addition_task, tmp_path):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.slow
-def test_missing_model_folder_is_one_line(tmp_path):
-    res = train(tmp_path / "nope", tmp_path / "data.jsonl", tmp_path / "out", "--steps", "1")
+def test_missing_model_folder_is_one_line(tmp_path, refusal):
+    res = refused(refusal, tmp_path / "nope", tmp_path / "data.jsonl", tmp_path / "out", "--steps", "1")
     assert res.returncode != 0
     assert res.stderr.strip().count("\n") == 0 and "nope does not exist" in res.stderr, res.stderr
 
 
-@pytest.mark.slow
-def test_unknown_attention_is_one_line(addition_task, tmp_path):
+def test_unknown_attention_is_one_line(addition_task, tmp_path, refusal):
     model, data = addition_task
-    res = train(model, data, tmp_path / "out", "--steps", "1", "--attention", "sparse")
+    res = refused(refusal, model, data, tmp_path / "out", "--steps", "1", "--attention", "sparse")
     assert res.returncode != 0
     assert res.stderr.strip().count("\n") == 0 and "--attention" in res.stderr, res.stderr
 
@@ -180,12 +183,11 @@ def test_resume_with_latest_naming_a_missing_checkpoint_is_an_error(tmp_path):
         resume(out, model, optimizer, print)
 
 
-@pytest.mark.slow
-def test_a_new_run_in_an_out_with_checkpoints_is_a_one_line_error(addition_task, tmp_path):
+def test_a_new_run_in_an_out_with_checkpoints_is_a_one_line_error(addition_task, tmp_path, refusal):
     model, data = addition_task
     out = tmp_path / "out"
     (out / "checkpoints" / "step_000004").mkdir(parents=True)
-    res = train(model, data, out, "--steps", "1")
+    res = refused(refusal, model, data, out, "--steps", "1")
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr   # an output path: usage
     assert f"{out} holds an earlier run (checkpoints); pass --resume to continue it, --overwrite" in res.stderr
     assert not (out / "metrics.jsonl").exists()
@@ -205,7 +207,7 @@ def one_line(res, code=1):
 
 
 @pytest.mark.slow
-def test_a_finished_run_is_never_overwritten_without_overwrite(addition_task, tmp_path):
+def test_a_finished_run_is_never_overwritten_without_overwrite(addition_task, tmp_path, refusal):
     """Issue 29: a second run into a finished run's folder (no checkpoints: --save-every 0) exited 0,
     replaced final/ and truncated metrics.jsonl. Now it is refused and the folder is byte for byte
     as it was; --overwrite replaces the run; --resume of a run without checkpoints is refused."""
@@ -216,17 +218,17 @@ def test_a_finished_run_is_never_overwritten_without_overwrite(addition_task, tm
     assert {"metrics.jsonl", "run.json", "final/model.safetensors"} <= before.keys()
     other = tmp_path / "other.jsonl"
     other.write_text(data.read_text().splitlines()[0] + "\n")
-    err = one_line(train(model, other, out, "--steps", "1"), code=2)
+    err = one_line(refused(refusal, model, other, out, "--steps", "1"), code=2)
     assert f"{out} holds an earlier run (final, metrics.jsonl, run.json); pass --resume to continue it, " \
            "--overwrite to replace it, or choose another --out" in err
-    assert "has nothing to continue from" in one_line(train(model, data, out, "--steps", "4", "--resume"))
+    assert "has nothing to continue from" in one_line(refused(refusal, model, data, out, "--steps", "4", "--resume"))
     assert snapshot(out) == before
     assert train(model, other, out, "--steps", "1", "--overwrite").returncode == 0
     assert len(losses(out)) == 1 and snapshot(out)["final/model.safetensors"] != before["final/model.safetensors"]
 
 
 @pytest.mark.slow
-def test_resume_refuses_changed_settings_and_leaves_the_run_as_it_was(addition_task, tmp_path):
+def test_resume_refuses_changed_settings_and_leaves_the_run_as_it_was(addition_task, tmp_path, refusal):
     """Issue 29: --resume with another --batch-size or --data continued silently; a --steps below the
     checkpoint's printed `steps 20..10` and rewrote final/. Each is now one line naming the setting,
     and the run folder is byte for byte unchanged."""
@@ -242,23 +244,23 @@ def test_resume_refuses_changed_settings_and_leaves_the_run_as_it_was(addition_t
              (("--grad-accum", "2"), "the run was started with micro-batches per step (--grad-accum x processes) 1"),
              (("--max-len", "32"), "the run was started with the row length 64, this one has 32")]
     for extra, message in cases:
-        err = one_line(train(model, data, out, "--steps", "6", "--resume", *extra))
+        err = one_line(refused(refusal, model, data, out, "--steps", "6", "--resume", *extra))
         assert f"{out / 'run.json'}: {message}" in err, err
-    assert "the run was started with the data's sha256" in one_line(train(model, other, out, "--steps", "6", "--resume"))
-    err = one_line(train(model, data, out, "--steps", "3", "--resume"))
+    assert "the run was started with the data's sha256" in one_line(refused(refusal, model, other, out, "--steps", "6", "--resume"))
+    err = one_line(refused(refusal, model, data, out, "--steps", "3", "--resume"))
     assert "--steps 3 is below step 4, where the newest checkpoint in" in err and "pass --steps 4 or more" in err
     assert snapshot(out) == before
 
 
 @pytest.mark.slow
-def test_a_run_that_fails_before_its_first_step_leaves_no_folder(addition_task, tmp_path):
+def test_a_run_that_fails_before_its_first_step_leaves_no_folder(addition_task, tmp_path, refusal):
     model, data = addition_task
-    err = one_line(train(model, data, tmp_path / "new", "--steps", "1", "--max-len", "8"))
+    err = one_line(refused(refusal, model, data, tmp_path / "new", "--steps", "1", "--max-len", "8"))
     assert f"all 200 examples of {data} are longer than --max-len 8 tokens" in err and "larger --max-len" in err
     assert not (tmp_path / "new").exists()
     empty = tmp_path / "empty.json"
     empty.write_text("[]")
-    assert f"{empty} holds no records" in one_line(train(model, empty, tmp_path / "new", "--steps", "1"))
+    assert f"{empty} holds no records" in one_line(refused(refusal, model, empty, tmp_path / "new", "--steps", "1"))
     assert not (tmp_path / "new").exists()
 
 
