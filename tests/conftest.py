@@ -131,25 +131,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def refusal(monkeypatch):
-    """`refusal(*argv, cwd=ROOT)` runs `python *argv` (a script of the repository, or `-m module`) in this
-    interpreter and reports it as `subprocess.run(capture_output=True, text=True)` would: exit
+    """`refusal(script, *args, cwd=ROOT)` runs `python script *args` (a script of the repository) in
+    this interpreter and reports it as `subprocess.run(capture_output=True, text=True)` would: exit
     status, stdout, stderr (a `sys.exit("message")` prints the message, status 1). For commands
     that stop before their work: a fresh interpreter would spend ~3 s importing torch to refuse."""
-    def run(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    def run(script: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
         monkeypatch.chdir(cwd)
-        monkeypatch.setattr(sys, "argv", list(argv[1:]) if argv[0] == "-m" else [str(ROOT / argv[0]), *argv[1:]])
+        monkeypatch.setattr(sys, "argv", [str(ROOT / script), *args])
         out, err, status = io.StringIO(), io.StringIO(), 0
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                if argv[0] == "-m":
-                    runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-                else:
-                    runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
+                runpy.run_path(str(ROOT / script), run_name="__main__")
             except SystemExit as stop:
                 if isinstance(stop.code, str):
                     print(stop.code, file=sys.stderr)
                 status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        return subprocess.CompletedProcess(list(argv), status, out.getvalue(), err.getvalue())
+        return subprocess.CompletedProcess([script, *args], status, out.getvalue(), err.getvalue())
     return run
 
 

@@ -628,3 +628,17 @@ def test_train_help_marks_the_required_flags(capsys, monkeypatch):
     for flag, rule in (("--model", "required with --data"), ("--data", "required with --model and for --phase init"),
                        ("--out", "required for --phase init"), ("--steps", "required with --data")):
         assert rule in helps[flag], (flag, helps[flag])
+
+
+@pytest.mark.slow
+def test_a_refusal_reads_the_same_in_this_interpreter_as_in_a_fresh_one(tmp_path, refusal):
+    """The `refusal` fixture (tests/conftest.py) against a fresh interpreter: the same exit status
+    and output, for a usage error (status 2) and an unreadable input (status 1)."""
+    statuses = []
+    for args in (["--phase", "sft", "--steps", "-1"], ["--phase", "init", "--data", "nope.json", "--out", "o"]):
+        fresh = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
+                               cwd=tmp_path, timeout=300)
+        here = refusal("train.py", *args, cwd=tmp_path)
+        assert (here.returncode, here.stdout, here.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+        statuses.append(here.returncode)
+    assert statuses == [2, 1] and not list(tmp_path.iterdir())
