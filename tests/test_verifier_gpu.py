@@ -125,10 +125,10 @@ def test_correct_cupy_kernel_passes_with_a_speedup(verifier):
 def test_correct_load_inline_kernel_passes_and_its_build_is_cached(verifier):
     first = verifier.verify(RELU_TASK, INLINE_RELU, timing=False)
     assert first.status == "correct", first.message
-    built = {p: p.stat().st_mtime_ns for p in (verifier.cache_dir / "torch_extensions").rglob("*.so")}
+    built = {p: p.stat().st_mtime_ns for p in (verifier.cache_dir / "torch_extensions").glob("dice_ext_*.so")}
     again = verifier.verify(RELU_TASK, INLINE_RELU, timing=False)
-    assert again.correct and built   # and no second nvcc build: no library written or rewritten
-    assert {p: p.stat().st_mtime_ns for p in (verifier.cache_dir / "torch_extensions").rglob("*.so")} == built
+    # and no second build: no library rewritten (the session's prebuilds may add others meanwhile)
+    assert again.correct and built and all(p.stat().st_mtime_ns == t for p, t in built.items())
 
 
 def test_broken_load_inline_build_is_a_compile_error_with_compiler_lines(untimed):
