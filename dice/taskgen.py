@@ -191,7 +191,8 @@ def one_value_matches(y: torch.Tensor, tol: float = DICE_TOLERANCE) -> bool:
     """max(y - s) <= min(y + s), s = tol + tol |y|. Most outputs fail it already at their extremes
     (max(y - s) >= hi - s(hi), min(y + s) <= lo + s(lo)), which one pass over y finds."""
     lo, hi = torch.aminmax(y)
-    if hi - tol * (1 + hi.abs()) > lo + tol * (1 + lo.abs()):
+    # the same float operations as below on two of its entries: a reject here is one there too
+    if hi - (tol + tol * hi.abs()) > lo + (tol + tol * lo.abs()):
         return False
     slack = tol + tol * y.abs()
     return bool((y - slack).max() <= (y + slack).min())
