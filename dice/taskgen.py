@@ -203,7 +203,7 @@ def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str], 
     """Tasks at `levels` whose composition is (heldout) or is not (not heldout) a held-out one;
     a task whose PyTorch source is already in `seen`, or an evaluation task whose output one value
     matches (`passed_by_a_constant`), is dropped, so the count can fall short. `drawn()` is called
-    after each draw."""
+    as each draw starts."""
     tasks = []
     for level in levels:
         drawn()
@@ -224,7 +224,7 @@ def generate_split(n_train: int, n_valid: int, n_heldout: int, seed: int = 0, *,
     rl mix levels 30/30/40 (before de-duplication) over compositions free of held-out pairs, heldout
     is level 3 with one; no valid, heldout or rl task has an output one value matches (module
     docstring). rl is drawn last, so it changes none of the other three splits. `drawn()` is
-    called after each of the n_train + n_valid + n_heldout + n_rl draws (progress)."""
+    called as each of the n_train + n_valid + n_heldout + n_rl draws starts (progress)."""
     rng = random.Random(seed)
     seen: set[str] = set()
     train = _draw(rng, _level_mix(n_train), False, seen, evaluation=False, drawn=drawn)

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.utils.cpp_extension as cpp_extension
 
+from dice.bench.build_cost import CPU_ONLY_LIBRARIES
 from dice.tasks.prompts import EXAMPLE_LOAD_INLINE
 from dice.verifier.build import cache as build_module
 from dice.verifier.build.cache import BuildCache, BuildError
@@ -504,7 +505,7 @@ def _cpu_flags(root: Path, call: dict) -> tuple[dict, Flags]:
     CPU wheel lacks."""
     arguments = BuildCache(root, capability=(9, 0), build="fast").arguments(**call)
     flags = Flags(arguments, "ext", (9, 0))
-    flags.ldflags = [f for f in flags.ldflags if f not in ("-lc10_cuda", "-ltorch_cuda")]
+    flags.ldflags = [f for f in flags.ldflags if f not in CPU_ONLY_LIBRARIES]
     return arguments, flags
 
 
