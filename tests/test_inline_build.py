@@ -601,6 +601,16 @@ def test_build_pool_prebuilds_into_the_cache(pool_cache):
     assert ext.plus(2, 3) == 5 and cache.history == []
 
 
+def test_build_pool_builds_at_a_lower_cpu_priority(tmp_path):
+    """Compilers yield the CPU to the threads that keep the GPU busy: a build child (and so every
+    compiler it starts) runs at niceness BUILD_NICE, or its owner's where that is higher."""
+    from dice.verifier.build.pool import BUILD_NICE, BuildPool
+    with BuildPool(tmp_path, processes=1, timeout_s=60, capability=(9, 0)) as pool:
+        report = pool.submit("import os  # load_inline\nraise RuntimeError(os.nice(0))").result()
+    assert report["status"] == "error", report
+    assert report["message"] == f"RuntimeError: {max(BUILD_NICE, os.nice(0))}", report
+
+
 GUARDLESS_OWNER = '''import sys
 from dice.verifier.build.pool import BuildPool
 open(sys.argv[2], "a").write("ran\\n")       # once per execution of this script

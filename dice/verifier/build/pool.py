@@ -11,10 +11,11 @@ own `BuildCache.load_inline` (same cache folder, same key), stopped by a private
 its load_inline calls are built. The children are forked by a build server, `python -m
 dice.verifier.build.pool`, started with `subprocess` (so the caller's script is never imported
 again: no `__main__` guard is needed) with no GPU visible, which has imported torch once (a child
-costs no torch import). Each child leads its own session and is killed with everything it started
-when it finishes or overruns `timeout_s` (`keeper.kill_tree`); the server ends its children and
-itself when its input closes (the pool closed, or its owner died). Compilers over all children and
-workers are bounded by the core count (`toolchain.CompilerSlots`). What a child reports is only
+costs no torch import) and runs at a lower CPU priority (`BUILD_NICE`: compilers take idle cores,
+not those of the threads that keep the GPU busy). Each child leads its own session and is killed
+with everything it started when it finishes or overruns `timeout_s` (`keeper.kill_tree`); the
+server ends its children and itself when its input closes (the pool closed, or its owner died).
+Compilers over all children and workers are bounded by the core count (`toolchain.CompilerSlots`). What a child reports is only
 information: a failed or killed prebuild leaves the GPU worker to build and report the real
 compile_error itself.
 """
@@ -39,6 +40,10 @@ import torch
 from ..keeper import POLL_S, kill_tree, set_child_subreaper
 
 CHILD_FILE_BYTES = 2**30      # largest file a child may write (a build's objects)
+# the build server's CPU priority, inherited by its children and their compilers: builds fill idle
+# cores but yield them to what keeps the GPU busy (the trainer's generating thread, the GPU workers,
+# the judges), which run at the default 0; under Linux's CFS a nice-10 process weighs ~1/10 of one at 0
+BUILD_NICE = 10
 REPORT_BYTES = 2**20
 
 
@@ -132,7 +137,9 @@ class BuildPool:
 
 def serve(processes: int) -> None:
     """The build server: JSON request lines on stdin, one forked child each (at most `processes`
-    at once), JSON report lines on stdout; ends its children and itself when stdin closes."""
+    at once), JSON report lines on stdout; ends its children and itself when stdin closes. It runs
+    at BUILD_NICE."""
+    os.nice(max(0, BUILD_NICE - os.nice(0)))
     # imported once here, not in every child, nor in the trainer that imports this module for BuildPool
     import torch.utils.cpp_extension  # noqa: F401
     from . import cache  # noqa: F401
