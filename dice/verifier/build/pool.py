@@ -15,9 +15,9 @@ costs no torch import) and runs at a lower CPU priority (`BUILD_NICE`: compilers
 not those of the threads that keep the GPU busy). Each child leads its own session and is killed
 with everything it started when it finishes or overruns `timeout_s` (`keeper.kill_tree`); the
 server ends its children and itself when its input closes (the pool closed, or its owner died).
-Compilers over all children and workers are bounded by the core count (`toolchain.CompilerSlots`). What a child reports is only
-information: a failed or killed prebuild leaves the GPU worker to build and report the real
-compile_error itself.
+Compilers over all children and workers are bounded by the core count (`toolchain.CompilerSlots`).
+What a child reports is only information: a failed or killed prebuild leaves the GPU worker to
+build and report the real compile_error itself.
 """
 
 from __future__ import annotations
