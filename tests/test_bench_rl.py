@@ -119,9 +119,13 @@ def test_only_references_the_verifier_calls_correct_are_replayed_each_checked_on
     verdicts = ["correct", "incorrect", "correct", "task_error", "compile_error", "correct", "correct"]
     tasks = [Task(f"t{i}", 1 + i // 4, f"class Model: pass  # {i}", solution=f"# {v}\nclass ModelNew: pass  # {i}")
              for i, v in enumerate(verdicts)]
+    (tmp_path / "one").mkdir()
+    one = VerdictVerifier(tmp_path / "one")     # rounds ask a quarter more than still needed, rounded up
+    assert [t.name for t in correct_references(tasks, 1, one, BenchRun("rl"), timeout_s=1.0)[0]] == ["t0"]
+    assert one.seen == [tasks[0].solution, tasks[1].solution]
     verifier = VerdictVerifier(tmp_path)
     chosen, seen = correct_references(tasks, 3, verifier, BenchRun("rl"), timeout_s=1.0)
-    # curriculum order; t1 and t3 fail, so t4 (compile_error) and t5 are checked next
+    # curriculum order; 3 + 1 checked first, of which t1 and t3 fail, so t4 (compile_error) and t5 next
     assert [t.name for t in chosen] == ["t0", "t2", "t5"]
     assert dict(seen) == {"correct": 3, "incorrect": 1, "task_error": 1, "compile_error": 1}
     assert len(verifier.seen) == 6
