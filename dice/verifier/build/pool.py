@@ -22,6 +22,7 @@ build and report the real compile_error itself.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -139,7 +140,8 @@ def serve(processes: int) -> None:
     """The build server: JSON request lines on stdin, one forked child each (at most `processes`
     at once), JSON report lines on stdout; ends its children and itself when stdin closes. It runs
     at BUILD_NICE."""
-    os.nice(max(0, BUILD_NICE - os.nice(0)))
+    with contextlib.suppress(OSError):   # a sandbox that refuses it builds at the owner's priority
+        os.nice(max(0, BUILD_NICE - os.nice(0)))
     # imported once here, not in every child, nor in the trainer that imports this module for BuildPool
     import torch.utils.cpp_extension  # noqa: F401
     from . import cache  # noqa: F401
