@@ -11,8 +11,8 @@ own `BuildCache.load_inline` (same cache folder, same key), stopped by a private
 its load_inline calls are built. The children are forked by a build server, `python -m
 dice.verifier.build.pool`, started with `subprocess` (so the caller's script is never imported
 again: no `__main__` guard is needed) with no GPU visible, which has imported torch once (a child
-costs no torch import) and runs at a lower CPU priority (`BUILD_NICE`: compilers take idle cores,
-not those of the threads that keep the GPU busy). Each child leads its own session and is killed
+costs no torch import) and runs at a lower CPU priority (`BUILD_NICE`: compilers take idle cores and
+yield contended ones to the threads that keep the GPU busy). Each child leads its own session and is killed
 with everything it started when it finishes or overruns `timeout_s` (`keeper.kill_tree`); the
 server ends its children and itself when its input closes (the pool closed, or its owner died).
 Compilers over all children and workers are bounded by the core count (`toolchain.CompilerSlots`).
