@@ -135,7 +135,9 @@ def choose_tokens(logits: torch.Tensor, mask_token_id: int, temperature: float, 
         return greedy_choice(logits)
     scaled = logits / temperature
     probs = scaled.softmax(-1)
-    kept = filter_logits(scaled, top_k, top_p).softmax(-1)
+    filtered = filter_logits(scaled, top_k, top_p)
+    # without top-k / top-p (DICE's RL rollouts) the kept distribution is probs itself: one softmax over V
+    kept = probs if filtered is scaled else filtered.softmax(-1)
     cdf = kept.cumsum(-1)
     total = cdf[..., -1:]
     # strictly below the total: a target rounded up to it would select past the last kept token
