@@ -124,19 +124,33 @@ def test_step_lifetime_makes_every_rl_steps_update_adams_first():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lifetime, states", [("step", [0, 0]), ("run", [0, "kept"])])
-def test_the_rl_loop_restarts_the_moments_before_each_steps_update(tmp_path, monkeypatch, lifetime, states):
-    seen = []
-    real = dice.rl.train_rl.policy_update
+def test_the_rl_loop_restarts_the_moments_for_each_steps_update(tmp_path, monkeypatch, lifetime, states):
+    """Each update starts from fresh moments under `step` (kept under `run`), and `step` frees them
+    before the next rollouts: no moments exist while the second step generates."""
+    made, at_update, at_rollout = [], [], []
+    real_update, real_sample, real_make = (dice.rl.train_rl.policy_update, dice.rl.train_rl.sample_step,
+                                           dice.rl.train_rl.make_optimizer)
 
-    def watched(model, ref, completions, advantages, cfg, rt, optimizer, *args, **kwargs):
-        seen.append(len(optimizer.state))
-        return real(model, ref, completions, advantages, cfg, rt, optimizer, *args, **kwargs)
+    def make(*args, **kwargs):
+        made.append(real_make(*args, **kwargs))
+        return made[-1]
 
-    monkeypatch.setattr(dice.rl.train_rl, "policy_update", watched)
+    def update(model, ref, completions, advantages, cfg, rt, optimizer, *args, **kwargs):
+        at_update.append(len(optimizer.state))
+        return real_update(model, ref, completions, advantages, cfg, rt, optimizer, *args, **kwargs)
+
+    def sample(*args, **kwargs):
+        at_rollout.append(len(made[0].state))
+        return real_sample(*args, **kwargs)
+
+    monkeypatch.setattr(dice.rl.train_rl, "make_optimizer", make)
+    monkeypatch.setattr(dice.rl.train_rl, "policy_update", update)
+    monkeypatch.setattr(dice.rl.train_rl, "sample_step", sample)
     cfg = TrainConfig(phase="e2e", model=str(rl_model_folder(tmp_path / "model")), out=str(tmp_path / "out"),
                       steps=2, tasks_per_step=1, group_size=4, rollout_batch=4, max_new_tokens=8,
                       optimizer_state=lifetime)
     train_rl(cfg, reward_fn=lambda tasks, completions: [float(i % 2) for i in range(len(completions))],
              tasks=TASKS[:1])
-    assert [("kept" if n else 0) for n in seen] == states
+    assert [("kept" if n else 0) for n in at_update] == states
+    assert [("kept" if n else 0) for n in at_rollout] == states
     assert json.loads((tmp_path / "out" / "run.json").read_text())["--optimizer-state"] == lifetime

@@ -10,8 +10,9 @@ each rollout replays a reference program the verifier calls correct (a `--broken
 and stops at that program's length in tokens, so generation, verification and the update meet
 DICE-shaped work.
 
-The optimiser state exists before the step (as in every step after the first). Times: generate
-(the generating thread), verify (time with a reward call running, mostly hidden behind generation),
+AdamW's moments do not exist during the rollouts: under DICE's `--optimizer-state step` they live
+for one update (`dice.rl.train_rl.restart_moments`), which makes them, as in every `train.py` step.
+Times: generate (the generating thread), verify (time with a reward call running, mostly hidden behind generation),
 verify exposed (scoring left after the last token), update (the TraceRL update as a later step runs
 it: its time less compile s), with its model FLOPs (`dice.rl.packing.update_flops`) per second against
 the H200's measured bf16 rate, and compile s (what the update's first micro-batches took beyond
@@ -49,7 +50,7 @@ from ..rl.groups import group_advantages, rank_slots, rollout
 from ..rl.packing import UPDATE_ROWS
 from ..rl.rewards import rank_verifier
 from ..rl.rollout import OVERLAP, FullParameters, prompt_format, task_prompt_ids
-from ..rl.train_rl import policy_update
+from ..rl.train_rl import policy_update, restart_moments
 from ..runtime import make_optimizer, setup_runtime, shard
 from ..tasks.load import curriculum, load_tasks, step_tasks
 from ..verifier import Verifier
@@ -129,15 +130,6 @@ def build_policy(config, device, grad_ckpt: bool, seed: int) -> SDAR:
     return model.train()
 
 
-def allocate_optimizer_state(model, optimizer) -> None:
-    """AdamW's moments, made by one step on zero gradients (which moves no weight; weight decay
-    would shrink them by lr x decay)."""
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
 def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: TrainConfig, rt, optimizer, reward,
              skip_update: bool, bench, gather) -> tuple[dict, str]:
     """One timed step with the levers `s`: (its table row, a line of verdicts and update counts).
@@ -170,6 +162,7 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
     update = {} if skip_update else policy_update(
         model, None, completions, advantages, cfg, rt, optimizer, tok.pad_token_id,
         progress=lambda done, total: bench.progress(f"{name}: update micro-batches", done, total))
+    restart_moments(optimizer, cfg.optimizer_state)
     if cuda:
         torch.cuda.synchronize()
     compile_s = update.get("compile_s", 0.0)
@@ -274,8 +267,6 @@ def bench_rl(args, bench) -> None:
                            gradient_checkpointing=args.grad_ckpt, verifier_workers=args.workers,
                            verify_timeout=args.verify_timeout, seed=args.seed)
         optimizer = make_optimizer(model, base)
-        if not args.skip_update:
-            allocate_optimizer_state(model, optimizer)
         given = BASELINE if args.baseline else \
             Settings(args.overlap, args.rollout_batch, args.rollout_dtype, args.attention, args.update_rows)
         for i, settings in enumerate([BASELINE, given] if args.compare else [given]):

@@ -82,11 +82,12 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantage: torch
 
 
 def restart_moments(optimizer, lifetime: str) -> None:
-    """`--optimizer-state step` (DICE): forget AdamW's moments and step counts before an RL step's
-    update, so its first optimiser step is Adam's first again. DICE runs every RL step's update
-    as a new process (`training/RL/rl.py`: `accelerate launch train/rl_sdar.py` per step) that
-    builds a new AdamW (`rl_sdar.py` line 206) and saves only the model (line 831). `run` keeps
-    them for the whole run."""
+    """`--optimizer-state step` (DICE): forget AdamW's moments and step counts after each RL step's
+    update, so the next update's first optimiser step is Adam's first again and the rollouts in
+    between have the moments' memory (twice the float32 weights) for a larger batch. DICE runs
+    every RL step's update as a new process (`training/RL/rl.py`: `accelerate launch
+    train/rl_sdar.py` per step) that builds a new AdamW (`rl_sdar.py` line 206) and saves only the
+    model (line 831). `run` keeps them for the whole run."""
     if lifetime == "step":
         optimizer.state.clear()
 
@@ -289,9 +290,10 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
             # update: the optimiser steps over the kept responses' trace rounds
             model.train()
             t_update = time.perf_counter()
-            restart_moments(optimizer, cfg.optimizer_state)
             upd = policy_update(model, run.ref_model, sampled.completions, sampled.advantages, cfg, rt, optimizer,
                                 run.tok.pad_token_id, seed=cfg.seed * 100_003 + step)
+            # dropped now, not before the next update: the next step's rollouts get their memory
+            restart_moments(optimizer, cfg.optimizer_state)
             t_update = time.perf_counter() - t_update
             # log: one metrics.jsonl line, one progress line
             record = rl_step_record(step + 1, sampled, upd, rt, cfg.reward, t_update, started=t0)
