@@ -2,6 +2,8 @@
 budget (no new work past it, partial rows marked), results appended as they arrive, and an
 `--out` that is never a user's other file."""
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -126,3 +128,26 @@ def test_the_checks_test_summary_puts_wall_time_beside_test_time_and_names_the_s
     assert cut["result"] == "1 passed, 0 failed, 0 skipped (stopped at 420 s)"
     nothing, said = suite_summary([], wall_s=12.0)
     assert nothing["result"].startswith("0 passed") and "no test" in said[0]
+
+
+STALL = """
+import time
+from dice.bench.common import BenchRun
+run = BenchRun("demo", stall_s=0.5)
+for _ in range({calls}):
+    run.progress("working")
+    time.sleep({pause})
+run.finish()
+time.sleep(1.0)
+"""
+
+
+@pytest.mark.parametrize("calls, pause, dumped", [(1, 1.5, True), (10, 0.1, False)])
+def test_progress_that_stands_still_dumps_every_threads_stack(calls, pause, dumped):
+    """No progress for stall_s seconds: the stacks on stderr (where a hung run waits); progress
+    that keeps moving, and a finished run, print none."""
+    out = subprocess.run([sys.executable, "-c", STALL.format(calls=calls, pause=pause)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0
+    assert ("most recent call first" in out.stderr) == dumped
+    assert ("time.sleep" in out.stderr or "line 7" in out.stderr) == dumped

@@ -2,6 +2,7 @@
 timing, plain-text tables, and `BenchRun` (progress, a time budget, results kept as they arrive)."""
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import statistics
@@ -61,10 +62,16 @@ class BenchRun:
     prints a finished result at once and appends it to `out` as a JSON line, so a run cut short
     keeps what it finished; finish() prints the rows as one table, a row the budget cut short
     marked partial, and what was not started. shown False (a torchrun process but rank 0): nothing
-    is shown or written, and the rank-0 process reports for all."""
+    is shown or written, and the rank-0 process reports for all. A run whose progress stands still
+    for `stall_s` seconds (a verifier or build that hangs) gets every thread's stack on stderr, once
+    per stall: where it waits, in the log of a run that a timeout later kills."""
 
-    def __init__(self, name: str, budget_s: float | None = None, out: str | None = None, shown: bool = True):
+    STALL_S = 180.0
+
+    def __init__(self, name: str, budget_s: float | None = None, out: str | None = None, shown: bool = True,
+                 stall_s: float = STALL_S):
         self.name, self.budget_s, self.start, self.shown = name, budget_s, time.perf_counter(), shown
+        self.stall_s = stall_s
         self.rows: list[tuple[dict, bool]] = []
         self.cut: str | None = None
         self._line = ProgressLine(every_s=5.0)
@@ -89,6 +96,8 @@ class BenchRun:
     def progress(self, phase: str, done: int | None = None, total: int | None = None) -> None:
         if not self.shown:
             return
+        # re-armed by every progress call: it fires only once progress has stood still for stall_s
+        faulthandler.dump_traceback_later(self.stall_s, exit=False)
         count = "" if done is None else f": {done}/{total}" if total else f": {done}"
         self._line.update(f"[{self.name} {self.elapsed():.0f} s] {phase}{count}")
 
@@ -132,6 +141,7 @@ class BenchRun:
         return results, time.perf_counter() - start, len(finished) == len(pairs)
 
     def finish(self, title: str = "") -> None:
+        faulthandler.cancel_dump_traceback_later()
         self._line.close()
         if not self.shown:
             return
