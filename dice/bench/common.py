@@ -8,7 +8,7 @@ import os
 import statistics
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -96,8 +96,10 @@ class BenchRun:
     def progress(self, phase: str, done: int | None = None, total: int | None = None) -> None:
         if not self.shown:
             return
-        # re-armed by every progress call: it fires only once progress has stood still for stall_s
-        faulthandler.dump_traceback_later(self.stall_s, exit=False)
+        # re-armed by every progress call: it fires only once progress has stood still for stall_s.
+        # The process's own stderr: a replaced sys.stderr (a test's capture) may have no file descriptor
+        with suppress(AttributeError, ValueError, OSError):
+            faulthandler.dump_traceback_later(self.stall_s, exit=False, file=sys.__stderr__)
         count = "" if done is None else f": {done}/{total}" if total else f": {done}"
         self._line.update(f"[{self.name} {self.elapsed():.0f} s] {phase}{count}")
 
