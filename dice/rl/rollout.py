@@ -16,7 +16,6 @@ policy (`generation_copy`) in batches as large as the KV caches leave room for
 """
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,10 +35,6 @@ OVERLAP = ("stream", "batch", "none")
 # of the free GPU memory that `auto_rollout_batch` plans the sampler into; the rest is for the
 # verifier's GPU work meanwhile (its judges cache reference outputs, up to 4 GiB each)
 MEMORY_SHARE = 0.7
-# seconds a scoring thread may hold the GIL while the generating thread waits for it (Python's default:
-# 0.005). The generating thread gives the GIL up at every GPU sync (a step's unmask check, a block's
-# finished rows); at 5 ms each reacquisition behind a busy scoring thread costs about a forward's time
-GIL_SWITCH_S = 0.0005
 
 
 def one_shot_style(model) -> str | None:
@@ -263,9 +258,7 @@ def generate_and_score(model, tokenizer, prompts: Sequence[Sequence[int]], owner
     progress(generated, scored, total) is called as sequences finish and as scoring calls return
     (from the scoring threads too). Returns (completions, rewards, results, timings), in prompt
     order; timings: generate_s (the generating thread), verify_s (time with a scoring call
-    running) and verify_wait_s (scoring left after the last batch: the part generation did not hide).
-    While it runs, Python's GIL switch interval is GIL_SWITCH_S, so scoring threads hand the GIL back
-    to the generating thread soon after each GPU sync; the previous interval comes back after."""
+    running) and verify_wait_s (scoring left after the last batch: the part generation did not hide)."""
     if overlap not in OVERLAP:
         raise ValueError(f"overlap must be one of {OVERLAP}, got {overlap!r}")
     n = len(prompts)
@@ -279,8 +272,7 @@ def generate_and_score(model, tokenizer, prompts: Sequence[Sequence[int]], owner
                 progress(counts[0], counts[1], n)
 
     scorer = _Scorer(score, lanes if overlap == "stream" else 1, on_scored=lambda k: count(1, k))
-    generate_s, switch = 0.0, sys.getswitchinterval()
-    sys.setswitchinterval(min(switch, GIL_SWITCH_S))
+    generate_s = 0.0
     try:
         for start in range(0, n, batch_size):
             batch, pending = list(range(start, min(n, start + batch_size))), []
@@ -310,6 +302,5 @@ def generate_and_score(model, tokenizer, prompts: Sequence[Sequence[int]], owner
         wait_s = time.perf_counter() - t0
     finally:
         scorer.close()
-        sys.setswitchinterval(switch)
     return completions, rewards, results, {"generate_s": generate_s, "verify_s": scorer.busy_s,
                                            "verify_wait_s": wait_s}
