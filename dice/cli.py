@@ -98,18 +98,19 @@ def in_range(low, high, kind=float, *, above: bool = False):
 
 class ProgressLine:
     """A status line on stderr: redrawn in place on a terminal; in a log (stderr not a TTY) written as
-    a new line at most every `every_s` seconds and once more at `close`, so a log keeps a few lines
-    instead of one carriage-return-joined line per update."""
+    a new line at most every `every_s` seconds (and at an update with `force`: a milestone whose time a
+    log must keep) and once more at `close`, so a log keeps a few lines instead of one
+    carriage-return-joined line per update."""
 
     def __init__(self, every_s: float = 10.0):
         self.live = sys.stderr.isatty()
         self.every_s, self.last, self.text, self.written = every_s, -math.inf, "", ""
 
-    def update(self, text: str) -> None:
+    def update(self, text: str, force: bool = False) -> None:
         self.text = text
         if self.live:
             print(f"\r\033[K{text}", end="", file=sys.stderr, flush=True)
-        elif time.monotonic() - self.last >= self.every_s:
+        elif force or time.monotonic() - self.last >= self.every_s:
             self.last, self.written = time.monotonic(), text
             print(text, file=sys.stderr, flush=True)
 

@@ -73,7 +73,10 @@ def test_one_step_on_a_tiny_model_with_the_python_reward(solutions, capsys):
     from dice.bench import main
     main(["rl", "--shape", str(TINY), "--solutions", str(solutions), "--tasks-per-step", "2", "--group-size", "2",
           "--max-new-tokens", "8", "--reward", "python", "--broken", "0.5", "--compare"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # the log keeps the moment each step's last rollout was generated, not only the 5 s ticks
+    assert all(any(f"] {run}: rollouts generated 4/4, verified" in line for line in err.splitlines())
+               for run in ("baseline", "step"))
     assert "2 tasks x 2 = 4 rollouts" in out and "an estimate of 3.8 chars a token" in out
     lines = out.splitlines()
     table = lines[lines.index(next(line for line in lines if line.strip().startswith("run"))):][:3]

@@ -421,6 +421,11 @@ def test_progress_line_in_a_log_keeps_a_few_whole_lines(capsys):
         line.update(f"step {i}")
     line.close()
     assert capsys.readouterr().err.splitlines() == ["step 0", "step 99"]
+    line = ProgressLine(every_s=3600)
+    for i in range(100):
+        line.update(f"step {i}", force=i == 42)
+    line.close()
+    assert capsys.readouterr().err.splitlines() == ["step 0", "step 42", "step 99"]
 
 
 @pytest.mark.parametrize("samples", [1, 12])

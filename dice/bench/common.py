@@ -93,7 +93,8 @@ class BenchRun:
             self.cut = self.cut or doing
             raise BudgetSpent(doing)
 
-    def progress(self, phase: str, done: int | None = None, total: int | None = None) -> None:
+    def progress(self, phase: str, done: int | None = None, total: int | None = None, force: bool = False) -> None:
+        """The progress line (`force`: written to a log at once, a milestone; `ProgressLine`)."""
         if not self.shown:
             return
         # re-armed by every progress call: it fires only once progress has stood still for stall_s.
@@ -101,7 +102,7 @@ class BenchRun:
         with suppress(AttributeError, ValueError, OSError):
             faulthandler.dump_traceback_later(self.stall_s, exit=False, file=sys.__stderr__)
         count = "" if done is None else f": {done}/{total}" if total else f": {done}"
-        self._line.update(f"[{self.name} {self.elapsed():.0f} s] {phase}{count}")
+        self._line.update(f"[{self.name} {self.elapsed():.0f} s] {phase}{count}", force)
 
     def row(self, row: dict, partial: bool = False) -> dict:
         self.rows.append((row, partial))

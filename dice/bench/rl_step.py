@@ -146,6 +146,13 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     model.eval()
+    generated = []   # the log keeps the moment the last rollout is generated as a line of its own
+
+    def show(made: int, scored: int, n: int) -> None:
+        last = made == n and not generated
+        generated.extend([n] * last)
+        bench.progress(f"{name}: rollouts generated {made}/{n}, verified", scored, n, force=last)
+
     # one-member groups: rollout k carries its own program; slot k's seed equals the grouped one's
     with torch.no_grad(), gather or contextlib.nullcontext():
         completions, rewards, results, timing = rollout(
@@ -153,8 +160,7 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
             seed=cfg.seed * 100_003 * 10_007, infill=cfg.phase == "infill", overlap=s.overlap,
             low_precision=s.rollout_dtype == "bf16", auto_batch=s.rollout_batch == "auto",
             lengths=[lengths[k] for k in mine],
-            progress=lambda made, scored, n: bench.progress(f"{name}: rollouts generated {made}/{n}, verified",
-                                                            scored, n))
+            progress=show)
     rollout_s = time.perf_counter() - start
     advantages = group_advantages(rewards, group)
     model.train()
