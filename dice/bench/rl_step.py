@@ -10,18 +10,18 @@ each rollout replays a reference program the verifier calls correct (a `--broken
 and stops at that program's length in tokens, so generation, verification and the update meet
 DICE-shaped work.
 
-AdamW's moments do not exist during the rollouts: under DICE's `--optimizer-state step` they live
-for one update (`dice.rl.train_rl.restart_moments`), which makes them, as in every `train.py` step.
-Times: generate (the generating thread), verify (time with a reward call running, mostly hidden behind generation),
-verify exposed (scoring left after the last token), update (the TraceRL update as a later step runs
-it: its time less compile s), with its model FLOPs (`dice.rl.packing.update_flops`) per second against
-the H200's measured bf16 rate, and compile s (what the update's first micro-batches took beyond
-steady ones, `dice.rl.packing.CompileClock`: FlexAttention compiles once per process for the update's one
-micro-batch shape, so a `--compare`'s second step compiles nothing and shows 0). The bound is the
-largest of generate, verify and update. `--baseline` runs the step as it ran before the rounds of a
-response shared one clean stream (`--update-rows round`: one doubled row per round, in the same
-token-sized micro-batches); `--compare` runs the baseline and then the given settings in one
-process (fresh program salts, so both build cold).
+AdamW's moments do not exist during the rollouts: under DICE's `--optimizer-state step` they live for
+one update (`dice.rl.train_rl.restart_moments`), which makes them, as in every `train.py` step. Times:
+generate (the generating thread), verify (time with a reward call running, mostly hidden behind
+generation), verify exposed (scoring left after the last token), update (the TraceRL update as a later
+step runs it: its time less compile s), with its model FLOPs (`dice.rl.packing.update_flops`) per
+second against the H200's measured bf16 rate, and compile s (what the update's first micro-batches took
+beyond steady ones, `dice.rl.packing.CompileClock`: FlexAttention compiles once per process for the
+update's one micro-batch shape, so a `--compare`'s second step compiles nothing and shows 0). The bound
+is the largest of generate, verify and update. `--baseline` runs the step as it ran before the rounds
+of a response shared one clean stream (`--update-rows round`: one doubled row per round, in the same
+token-sized micro-batches); `--compare` runs the baseline and then the given settings in one process
+(fresh program salts, so both build cold).
 
 Under `torchrun --nproc_per_node N` the step runs as `train.py`'s RL runs it on N GPUs: the policy
 sharded with FSDP2, each process rolling out the groups of its task slots (`dice.rl.groups.rank_slots`)
@@ -150,7 +150,8 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
 
     def show(made: int, scored: int, n: int) -> None:
         last = made == n and not generated
-        generated.extend([n] * last)
+        if last:
+            generated.append(n)
         bench.progress(f"{name}: rollouts generated {made}/{n}, verified", scored, n, force=last)
 
     # one-member groups: rollout k carries its own program; slot k's seed equals the grouped one's
