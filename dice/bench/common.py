@@ -63,15 +63,15 @@ class BenchRun:
     keeps what it finished; finish() prints the rows as one table, a row the budget cut short
     marked partial, and what was not started. shown False (a torchrun process but rank 0): nothing
     is shown or written, and the rank-0 process reports for all. A run whose progress stands still
-    for `stall_s` seconds (a verifier or build that hangs) gets every thread's stack on stderr, once
-    per stall: where it waits, in the log of a run that a timeout later kills."""
+    for about `stall_s` seconds (a verifier or build that hangs) gets every thread's stack on stderr,
+    once per stall: where it waits, in the log of a run that a timeout later kills."""
 
     STALL_S = 180.0
 
     def __init__(self, name: str, budget_s: float | None = None, out: str | None = None, shown: bool = True,
                  stall_s: float = STALL_S):
         self.name, self.budget_s, self.start, self.shown = name, budget_s, time.perf_counter(), shown
-        self.stall_s = stall_s
+        self.stall_s, self._armed = stall_s, -float("inf")
         self.rows: list[tuple[dict, bool]] = []
         self.cut: str | None = None
         self._line = ProgressLine(every_s=5.0)
@@ -97,10 +97,13 @@ class BenchRun:
         """The progress line (`force`: written to a log at once, a milestone; `ProgressLine`)."""
         if not self.shown:
             return
-        # re-armed by every progress call: it fires only once progress has stood still for stall_s.
+        # re-armed by progress, at most every stall_s / 4 (each arming starts a watchdog thread, and a
+        # rollout reports every finished sequence): it fires once progress stood still 3/4 to all of stall_s.
         # The process's own stderr: a replaced sys.stderr (a test's capture) may have no file descriptor
-        with suppress(AttributeError, ValueError, OSError):
-            faulthandler.dump_traceback_later(self.stall_s, exit=False, file=sys.__stderr__)
+        if time.monotonic() - self._armed >= self.stall_s / 4:
+            self._armed = time.monotonic()
+            with suppress(AttributeError, ValueError, OSError):
+                faulthandler.dump_traceback_later(self.stall_s, exit=False, file=sys.__stderr__)
         count = "" if done is None else f": {done}/{total}" if total else f": {done}"
         self._line.update(f"[{self.name} {self.elapsed():.0f} s] {phase}{count}", force)
 
