@@ -125,7 +125,7 @@ def test_results_cached_on_buffer_addresses_do_not_beat_the_clock(cpu_verifier):
                   "        if key not in self.memo:\n            self.memo[key] = a @ b\n"
                   "        return self.memo[key]\n")
     result = cpu_verifier.verify(MATMUL_TASK, by_address, seed=4)
-    assert result.status == "incorrect" or result.speedup < 3, result
+    assert not result.correct or result.speedup < 3, result
 
 
 @pytest.mark.slow
@@ -373,6 +373,16 @@ OUTPUT_CONTROLS = {   # honest: they must stay correct
     "a view of the input, as the reference's": (RELU_TASK.replace("return torch.relu(x)", "return x.view(-1)"),
                                                 _model("return x.view(-1)")),
 }
+
+
+def test_forward_that_skips_work_on_calls_in_quick_succession_is_not_correct(cpu_verifier):
+    # honest when called after a pause (every trial, the timing's first calls), zeros when called
+    # within 2 ms of its last return, as a caller's loop calls it
+    quick = _model("import time\nif time.perf_counter() - self.last < 0.002:\n    out = torch.zeros_like(x)\n"
+                   "else:\n    out = x.clamp_min(0)\nself.last = time.perf_counter()\nreturn out",
+                   init="self.last = 0.0")
+    result = cpu_verifier.verify(RELU_TASK, quick, timing=False, seed=5)
+    assert result.status == "incorrect" and "second call" in result.message, result
 
 
 @pytest.mark.slow

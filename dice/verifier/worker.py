@@ -169,9 +169,11 @@ class CandidateHandler:
         into the previous call's input tensors (outputs memoised by input address go stale), the
         forward profiled (`_watched`: the outputs read on torch's current stream at once, then a
         marker and the canary copy, `records.split_marker`); with `repeat` a second call on the same
-        input values, whose outputs must not reuse the first call's memory, and after which the
-        first call's outputs must be unchanged (a persistent output buffer overwrites what the
-        caller holds). Outputs that changed after the caller's stream read them were still being
+        input values right after a call whose outputs are dropped, as a caller's loop calls
+        (forward that skips work on calls in quick succession is caught: the profiled first call
+        is not back to back with anything), whose outputs must not reuse the first call's memory,
+        and after which the first call's outputs must be unchanged (a persistent output buffer
+        overwrites what the caller holds). Outputs that changed after the caller's stream read them were still being
         written when forward returned. Inputs forward modified are shipped too: where the reference
         modifies an input in place, the candidate must leave it as the reference does."""
         self.pending = []
@@ -189,8 +191,13 @@ class CandidateHandler:
             unfinished = self._changed(outputs, read)
             if request["repeat"]:
                 kept = [trusted.clone(t) if type(t) is torch.Tensor else None for t in outputs]
-                if modified_inputs(originals, inputs):   # the second call sees the first call's input values
-                    rewritten_in_place(inputs, [x if o is None else o for o, x in zip(originals, inputs)])
+                restore = [x if o is None else o for o, x in zip(originals, inputs)]
+                mutates = bool(modified_inputs(originals, inputs))
+                if mutates:         # the later calls see the first call's input values
+                    rewritten_in_place(inputs, restore)
+                self._forward(inputs, seed)     # primes: the second call follows a call at once
+                if mutates:
+                    rewritten_in_place(inputs, restore)
                 second, read = self._watched(inputs, seed)
                 unfinished += [i for i in self._changed(second, read) if i not in unfinished]
                 stale = [i for i, (k, t) in enumerate(zip(kept, outputs)) if k is not None and not same_bits(k, t)]
