@@ -611,6 +611,16 @@ def test_build_pool_builds_at_a_lower_cpu_priority(tmp_path):
     assert report["message"] == f"RuntimeError: {max(BUILD_NICE, os.nice(0))}", report
 
 
+def test_the_build_server_forks_its_children_from_a_single_thread(tmp_path):
+    """A fork copies only the calling thread, so a lock another thread held then stays held in the
+    child for ever: the server that forks every build runs one thread (counted in /proc)."""
+    from dice.verifier.build.pool import BuildPool
+    with BuildPool(tmp_path, processes=1, timeout_s=60, capability=(9, 0)) as pool:
+        pool.submit("import os  # load_inline\nraise RuntimeError('ok')").result()     # the server is up
+        threads = os.listdir(f"/proc/{pool._server.pid}/task")
+    assert len(threads) == 1, threads
+
+
 GUARDLESS_OWNER = '''import sys
 from dice.verifier.build.pool import BuildPool
 open(sys.argv[2], "a").write("ran\\n")       # once per execution of this script

@@ -46,6 +46,7 @@ every process, so tensors a task draws at import time are the same for reference
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import os
 import queue
@@ -53,6 +54,7 @@ import secrets
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable
@@ -78,6 +80,7 @@ MAX_TASKS_REMEMBERED = 4096   # tasks whose trial kinds are kept (an RL run sees
 NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is False); run on a GPU "
           "machine, or use Verifier(device='cpu') to exercise the pool with pure-PyTorch candidates")
 UNLOAD_TIMEOUT_S = 60.0
+PREBUILD_SLACK_S = 60.0       # past the prebuild's own time limit: its report is not awaited longer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,7 +191,9 @@ class Verifier:
         if static is not None:
             return static
         if self._prebuild is not None and "load_inline" in candidate_src:
-            self._prebuild.submit(candidate_src).result()    # a report only: the worker rebuilds on a failure
+            # a report only: on a failure, or none in the prebuild's own time limit, the worker builds
+            with contextlib.suppress(FuturesTimeout):
+                self._prebuild.submit(candidate_src).result(timeout=self._prebuild.timeout_s + PREBUILD_SLACK_S)
         worker = self._idle.get()
         try:
             return self._run_candidate(worker, task_src, candidate_src, opts)

@@ -46,6 +46,7 @@ CHILD_FILE_BYTES = 2**30      # largest file a child may write (a build's object
 # the judges), which run at the default 0; under Linux's CFS a nice-10 process weighs ~1/10 of one at 0
 BUILD_NICE = 10
 REPORT_BYTES = 2**20
+SINGLE_THREADED = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")   # torch's CPU thread pools
 
 
 class _Built(Exception):
@@ -112,7 +113,9 @@ class BuildPool:
 
     def _started(self) -> subprocess.Popen:
         if self._server is None:
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+            # one thread: the server forks a child per build, and a fork copies no thread but the caller
+            # (a thread pool's lock held at that moment would never be released in the child)
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **{k: "1" for k in SINGLE_THREADED}}
             self._server = subprocess.Popen([sys.executable, "-m", "dice.verifier.build.pool", str(self.processes)],
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
             threading.Thread(target=self._read, args=(self._server,), daemon=True,
@@ -120,20 +123,24 @@ class BuildPool:
         return self._server
 
     def _read(self, server: subprocess.Popen) -> None:
-        for line in server.stdout:
-            try:
-                reply = json.loads(line)
-                future = self._futures.pop(reply.pop("id"))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue
-            future.set_result(reply)
-        self._fail_pending("the build server ended")
+        try:
+            for line in server.stdout:
+                try:
+                    reply = json.loads(line)
+                    future = self._futures.pop(reply.pop("id"))
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    continue
+                if not future.done():
+                    future.set_result(reply)
+        finally:    # whatever ended this thread, no report waits for it
+            self._fail_pending("the build server ended")
 
     def _fail_pending(self, why: str) -> None:
         with self._lock:
             pending, self._futures = self._futures, {}
         for future in pending.values():
-            future.set_result({"status": "error", "builds": [], "seconds": 0.0, "message": why})
+            if not future.done():
+                future.set_result({"status": "error", "builds": [], "seconds": 0.0, "message": why})
 
 
 def serve(processes: int) -> None:
