@@ -21,6 +21,7 @@ import gc
 import multiprocessing.connection
 import os
 import resource
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -57,6 +58,7 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
     os.dup2(log, 2)
     sys.stdout.reconfigure(line_buffering=True)
     faulthandler.enable()  # a segfault leaves a Python traceback in the log for the parent to quote
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1` a stuck worker: its stacks in its log
     handler = CandidateHandler(config) if role == "candidate" else JudgeHandler(config)
     # bound now: a candidate that later replaces HarnessSnapshot.changed does not reach this call
     harness_changed = list
