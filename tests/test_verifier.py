@@ -581,6 +581,26 @@ def test_on_broken_task_reports_the_task_and_verifies_the_rest(cpu_verifier):
     assert len(reported) == 1 and reported[0][0] == 1 and "broken task" in reported[0][1]
 
 
+def test_a_broken_tasks_reference_is_tried_once_for_all_its_candidates(cpu_verifier, monkeypatch):
+    """An RL group: six candidates of a task whose reference fails. Its judge is asked once per
+    input structure it falls back through (`_trial_kinds`), not once per candidate: a reference
+    that faults on the GPU costs its judge a restart each time, and every worker waited."""
+    broken = RELU_TASK.replace("return torch.relu(x)", "raise RuntimeError('broken reference')")
+    asked, judge_call = [], cpu_verifier._judge_call
+
+    def counted(request, candidate_outputs=False):
+        if request["op"] == "reference" and request["task_src"] == broken:
+            asked.append(request["kind"])
+        return judge_call(request, candidate_outputs)
+
+    monkeypatch.setattr(cpu_verifier, "_judge_call", counted)
+    reported = []
+    results = cpu_verifier.map([(broken, GOOD + f"# candidate {i}\n") for i in range(6)], timing=False,
+                               on_broken_task=lambda i, e: reported.append(i))
+    assert results == [None] * 6 and sorted(reported) == list(range(6))
+    assert asked[-1] == "plain" and len(asked) == len(set(asked)) <= 3, asked
+
+
 @pytest.mark.slow
 def test_a_verifier_closed_at_interpreter_exit_stops_its_workers_cleanly(tmp_path):
     """`dice.verifier.verify` closes its shared Verifier from atexit, after Python has stopped thread

@@ -53,6 +53,7 @@ import queue
 import secrets
 import shutil
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import replace
@@ -123,7 +124,8 @@ class Verifier:
             self._idle.put(worker)
         self._gpu = GpuLock()
         self._seed_base = secrets.randbits(31)
-        self._kinds: dict[tuple, list[str]] = {}   # (task, seeds) -> trial kinds its reference takes
+        self._kinds: dict[tuple, _TaskKinds] = {}   # (task, seeds) -> trial kinds its reference takes
+        self._kinds_lock = threading.Lock()
         # load_inline candidates are built on the CPUs ahead of the GPU workers, which then load them
         # kernel names torch and the CUDA libraries hold, read in the background (`library_kernel_names`)
         self._library = ThreadPoolExecutor(1).submit(library_kernel_names, default_library_paths()) if self.cuda else None
@@ -190,26 +192,35 @@ class Verifier:
         static = static_check(candidate_src, need_kernel=self.cuda, rules=opts.rules)
         if static is not None:
             return static
-        if self._prebuild is not None and "load_inline" in candidate_src:
-            # a report only: on a failure, or none in the prebuild's own time limit, the worker builds
+        built = (self._prebuild.submit(candidate_src)
+                 if self._prebuild is not None and "load_inline" in candidate_src else None)
+        plan = self._plan(task_src, opts)   # while it builds, and before a worker is taken: a slow judge holds none
+        if built is not None:   # a report only: on a failure, or none in the prebuild's time limit, the worker builds
             with contextlib.suppress(FuturesTimeout):
-                self._prebuild.submit(candidate_src).result(timeout=self._prebuild.timeout_s + PREBUILD_SLACK_S)
+                built.result(timeout=self._prebuild.timeout_s + PREBUILD_SLACK_S)
         worker = self._idle.get()
         try:
-            return self._run_candidate(worker, task_src, candidate_src, opts)
+            return self._run_candidate(worker, plan, candidate_src, opts)
         finally:
             self._release(worker)
 
-    def _run_candidate(self, worker: WorkerProcess, task_src: str, candidate_src: str,
-                       opts: VerifyOptions) -> VerifyResult:
+    def _plan(self, task_src: str, opts: VerifyOptions) -> dict:
+        """The candidate's task, seeds and trial kinds, with the task's references computed."""
         task = {"task_src": task_src, "task_key": hashlib.sha256(task_src.encode()).hexdigest(),
                 "precision": opts.precision}
         init_seed, seeds, timing_seed, warmup_seed = trial_seeds(
             self._seed_base if opts.seed is None else opts.seed, opts.trials)
         if opts.seed is None:   # per candidate: outputs another candidate saw cannot serve timing
             timing_seed = 1 + secrets.randbelow(2**31 - 1)
-        with self._gpu.shared():  # a broken task fails here, blamed on the task, before any compiling
+        with self._gpu.shared():  # a broken task fails here, blamed on the task, before a worker loads anything
             kinds = self._trial_kinds(task, init_seed, seeds, plain=opts.rules == "dice")
+        return {"task": task, "init_seed": init_seed, "seeds": seeds, "kinds": kinds, "timing_seed": timing_seed,
+                "warmup_seed": warmup_seed}
+
+    def _run_candidate(self, worker: WorkerProcess, plan: dict, candidate_src: str,
+                       opts: VerifyOptions) -> VerifyResult:
+        task, init_seed, seeds, kinds = plan["task"], plan["init_seed"], plan["seeds"], plan["kinds"]
+        timing_seed, warmup_seed = plan["timing_seed"], plan["warmup_seed"]
         # DICE's check: one deadline for the build and the run (its subprocess's timeout)
         clock = Clock(opts.timeout_s) if opts.rules == "dice" else None
         load = {"op": "load", **task, "candidate_src": candidate_src, "init_seed": init_seed}
@@ -255,24 +266,39 @@ class Verifier:
         task's own reference cannot take (it raises, e.g. on float indices spiked or jittered past
         their table, or on a heavy element) falls back to jitter alone ("light"), then to the inputs
         as drawn ("plain"), so no candidate is judged outside the task's domain; a reference that
-        fails on plain inputs too is the task's error (TaskError)."""
+        fails on plain inputs too is the task's error (TaskError). Computed once per key, its
+        failure too: a task's other candidates (an RL group) wait for the first one's answer, never
+        repeat it (a reference that faults on the GPU costs its judge a restart each time)."""
         key = (task["task_key"], task["precision"], init_seed, tuple(seeds), plain)
-        if key not in self._kinds:
-            kinds = ["plain"] * len(seeds) if plain else trial_kinds(len(seeds))
-            for i, seed in enumerate(seeds):
-                request = {"op": "reference", **task, "init_seed": init_seed, "seed": seed}
-                for kind in dict.fromkeys([kinds[i], "light", "plain"]):
-                    try:
-                        self._judge_call({**request, "kind": kind})
-                        kinds[i] = kind
-                        break
-                    except TaskError:
-                        if kind == "plain":
-                            raise
-            if len(self._kinds) >= MAX_TASKS_REMEMBERED:
-                self._kinds.pop(next(iter(self._kinds)), None)
-            self._kinds[key] = kinds
-        return list(self._kinds[key])
+        with self._kinds_lock:
+            entry = self._kinds.get(key)
+            if entry is None:
+                if len(self._kinds) >= MAX_TASKS_REMEMBERED:
+                    self._kinds.pop(next(iter(self._kinds)))
+                entry = self._kinds[key] = _TaskKinds()
+        with entry.lock:
+            if entry.kinds is None and entry.error is None:
+                try:
+                    entry.kinds = self._reference_kinds(task, init_seed, seeds, plain)
+                except TaskError as exc:
+                    entry.error = str(exc)
+        if entry.error is not None:
+            raise TaskError(entry.error)
+        return list(entry.kinds)
+
+    def _reference_kinds(self, task: dict, init_seed: int, seeds: list[int], plain: bool) -> list[str]:
+        kinds = ["plain"] * len(seeds) if plain else trial_kinds(len(seeds))
+        for i, seed in enumerate(seeds):
+            request = {"op": "reference", **task, "init_seed": init_seed, "seed": seed}
+            for kind in dict.fromkeys([kinds[i], "light", "plain"]):
+                try:
+                    self._judge_call({**request, "kind": kind})
+                    kinds[i] = kind
+                    break
+                except TaskError:
+                    if kind == "plain":
+                        raise
+        return kinds
 
     def _trial(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, kind: str, where: str,
                clock: Clock, history: list, opts: VerifyOptions, repeat: bool) -> VerifyResult | None:
@@ -395,3 +421,12 @@ class Verifier:
             except (WorkerTimeout, WorkerDied):
                 pass  # the worker has already been replaced
         self._idle.put(worker)
+
+
+class _TaskKinds:
+    """One task's trial kinds (`Verifier._trial_kinds`), or its reference's error, found once under `lock`."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.kinds: list[str] | None = None
+        self.error: str | None = None
