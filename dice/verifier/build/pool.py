@@ -46,7 +46,12 @@ CHILD_FILE_BYTES = 2**30      # largest file a child may write (a build's object
 # the judges), which run at the default 0; under Linux's CFS a nice-10 process weighs ~1/10 of one at 0
 BUILD_NICE = 10
 REPORT_BYTES = 2**20
-SINGLE_THREADED = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")   # torch's CPU thread pools
+# the server forks a child per build, and a fork copies no thread but the caller (a lock another
+# thread held then is never released in the child), so it runs one: no GPU, torch's CPU pools at one
+# thread, and torch.cuda.is_available() (asked by torch.utils.cpp_extension's import) answered by
+# NVML, not by cuInit, which starts a driver thread even when no GPU is visible
+SERVER_ENV = {"CUDA_VISIBLE_DEVICES": "", "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "OMP_NUM_THREADS": "1",
+              "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 class _Built(Exception):
@@ -113,9 +118,7 @@ class BuildPool:
 
     def _started(self) -> subprocess.Popen:
         if self._server is None:
-            # one thread: the server forks a child per build, and a fork copies no thread but the caller
-            # (a thread pool's lock held at that moment would never be released in the child)
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **{k: "1" for k in SINGLE_THREADED}}
+            env = {**os.environ, **SERVER_ENV}
             self._server = subprocess.Popen([sys.executable, "-m", "dice.verifier.build.pool", str(self.processes)],
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
             threading.Thread(target=self._read, args=(self._server,), daemon=True,
