@@ -221,6 +221,9 @@ def fake_verifier(monkeypatch):
         def __exit__(self, *exc):
             return False
 
+        def prepare(self, task_srcs, **kwargs):
+            return []
+
         def map(self, pairs, **kwargs):
             seen.options.update(kwargs)
             seen.candidates.extend(code for _, code in pairs)

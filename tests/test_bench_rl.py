@@ -100,6 +100,9 @@ class VerdictVerifier:
     def __init__(self, cache_dir):
         self.cache_dir, self.seen = cache_dir, []
 
+    def prepare(self, task_srcs, **options):
+        return []
+
     def map(self, pairs, progress=None, on_broken_task=None, **options):
         from types import SimpleNamespace
         results = []

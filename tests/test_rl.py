@@ -454,14 +454,18 @@ def test_train_rl_loss_of_the_shared_stream_equals_the_per_round_rows(tmp_path):
 def test_step_metrics_count_the_results_of_every_rollout_batch(tmp_path, monkeypatch):
     """2 tasks x 4 samples in rollout batches of 4: the reward runs once per block in which samples
     finish (here once per batch: a batch's samples finish together), and every sample is compiled,
-    correct and 2x faster, so each rate is 100% (counting only the last batch gave 50%)."""
+    correct and 2x faster, so each rate is 100% (counting only the last batch gave 50%). The step's
+    tasks are given to the verifier to prepare their references before the first scoring call."""
     from types import SimpleNamespace
 
     import dice.rl.rollout
     from dice.rl.rewards import verifier_reward
 
     class AllCorrect:
-        calls = 0
+        calls, prepared = 0, []
+
+        def prepare(self, task_srcs, **opts):
+            AllCorrect.prepared.append((AllCorrect.calls, sorted(task_srcs), opts["timing"]))
 
         def map(self, pairs, **opts):
             AllCorrect.calls += 1
@@ -473,6 +477,7 @@ def test_step_metrics_count_the_results_of_every_rollout_batch(tmp_path, monkeyp
     train_rl(cfg, reward_fn=verifier_reward(AllCorrect(), "e2e", kind="speedup"), tasks=TASKS[:2])
     record = json.loads((tmp_path / "out" / "metrics.jsonl").read_text())
     assert AllCorrect.calls == 2
+    assert AllCorrect.prepared == [(0, sorted(t.source for t in TASKS[:2]), True)]
     assert record["compiled_pct"] == record["correct_pct"] == record["fast_1_pct"] == 100
     assert record["reward_mean"] == pytest.approx(1.5)
 

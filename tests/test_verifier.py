@@ -601,6 +601,22 @@ def test_a_broken_tasks_reference_is_tried_once_for_all_its_candidates(cpu_verif
     assert asked[-1] == "plain" and len(asked) == len(set(asked)) <= 3, asked
 
 
+def test_a_prepared_tasks_references_are_not_asked_for_again(cpu_verifier, monkeypatch):
+    """`prepare` computes a task's references ahead (an RL step's, while its rollouts generate):
+    its candidates' judge calls then compare, and compute no reference."""
+    task = RELU_TASK.replace("torch.randn(256, 1024)", "torch.randn(96, 512)")   # one no other test verified
+    asked, judge_call = [], cpu_verifier._judge_call
+    monkeypatch.setattr(cpu_verifier, "_judge_call",
+                        lambda request, candidate_outputs=False: asked.append(request["op"]) or
+                        judge_call(request, candidate_outputs))
+    [prepared] = cpu_verifier.prepare([task, task], timing=False)
+    prepared.result(timeout=120)
+    assert "reference" in asked
+    asked.clear()
+    assert cpu_verifier.verify(task, GOOD, timing=False).correct
+    assert "compare" in asked and "reference" not in asked, asked
+
+
 @pytest.mark.slow
 def test_a_verifier_closed_at_interpreter_exit_stops_its_workers_cleanly(tmp_path):
     """`dice.verifier.verify` closes its shared Verifier from atexit, after Python has stopped thread

@@ -124,7 +124,10 @@ def make_reward(kind: str, verifier, kinds: dict, timeout_s: float):
     if kind == "python":
         return lambda owners, _: Scores([float(kinds[t.solution] == "ok") for t in owners])
     reward = verifier_reward(verifier, "e2e", "correct", timeout_s=timeout_s)
-    return lambda owners, cs: reward(owners, [dataclasses.replace(c, code=t.solution) for t, c in zip(owners, cs)])
+    def replayed(owners, cs):
+        return reward(owners, [dataclasses.replace(c, code=t.solution) for t, c in zip(owners, cs)])
+    replayed.prepare = reward.prepare
+    return replayed
 
 
 def reference_key(task) -> str:

@@ -54,6 +54,8 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
         prompts += [ids] * cfg.group_size
         owners += [t] * cfg.group_size
         seeds += [seed + k * cfg.group_size + j for j in range(cfg.group_size)]
+    if hasattr(reward_fn, "prepare"):    # the verifier's reward: the tasks' references computed while generating
+        reward_fn.prepare(list(tasks))
     policy = generation_copy(model, cfg.dtype) if low_precision else model
     size = auto_rollout_batch(policy, [len(p) for p in prompts], cfg.max_new_tokens) if auto_batch \
         else cfg.rollout_batch

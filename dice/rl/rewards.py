@@ -66,6 +66,9 @@ def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = 
                 value += 0.5 * min(max(math.log2(r.speedup), 0.0), 2.0)
             rewards.append(value)
         return Scores(rewards, results)
+    # the step's tasks are known before its rollouts: their references are computed meanwhile (`rollout`)
+    reward.prepare = lambda tasks: verifier.prepare([t.source for t in tasks], timing=timing or kind == "speedup",
+                                                    **options)
     return reward
 
 

@@ -54,7 +54,7 @@ import secrets
 import shutil
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import replace
 from pathlib import Path
@@ -126,6 +126,7 @@ class Verifier:
         self._seed_base = secrets.randbits(31)
         self._kinds: dict[tuple, _TaskKinds] = {}   # (task, seeds) -> trial kinds its reference takes
         self._kinds_lock = threading.Lock()
+        self._preparing = ThreadPoolExecutor(2 * judges, thread_name_prefix="dice-prepare")   # `prepare`
         # load_inline candidates are built on the CPUs ahead of the GPU workers, which then load them
         # kernel names torch and the CUDA libraries hold, read in the background (`library_kernel_names`)
         self._library = ThreadPoolExecutor(1).submit(library_kernel_names, default_library_paths()) if self.cuda else None
@@ -139,10 +140,22 @@ class Verifier:
         self.close()
 
     def close(self) -> None:
+        self._preparing.shutdown(wait=False, cancel_futures=True)
         close_all([*self._judges, *self._workers])
         if self._prebuild is not None:
             self._prebuild.close()
         shutil.rmtree(self._log_dir, ignore_errors=True)
+
+    def prepare(self, task_srcs: Iterable[str], **options) -> list[Future]:
+        """Compute the references of these tasks' trials now, in the background, for candidates
+        verified later with the same options: an RL step knows its tasks before its first rollout
+        ends, so the judges work while the policy generates. One future per distinct task (its
+        result: the trial kinds; a broken task's TaskError is raised again to its candidates)."""
+        opts = VerifyOptions(**options)
+        tasks = list(dict.fromkeys(task_srcs))
+        for i, task_src in enumerate(tasks):
+            check_task_source(task_src, f"task {i}")
+        return [self._preparing.submit(self._plan, task_src, opts) for task_src in tasks]
 
     def verify(self, task_src: str, candidate_src: str, **options) -> VerifyResult:
         """Verify one candidate; options are VerifyOptions fields."""
