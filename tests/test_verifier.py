@@ -617,6 +617,26 @@ def test_a_prepared_tasks_references_are_not_asked_for_again(cpu_verifier, monke
     assert "compare" in asked and "reference" not in asked, asked
 
 
+def test_the_pools_first_recycles_are_staggered(tmp_path, monkeypatch):
+    """Workers that share the load evenly would all restart at once: the first recycles of a pool of
+    4 with recycle_after=8 come after 8, 6, 4 and 2 candidates, and every 8 after that."""
+    from dice.verifier.process import WorkerProcess
+    restarted = []
+    with Verifier(workers=4, judges=1, recycle_after=8, device="cpu", cache_dir=tmp_path) as verifier:
+        monkeypatch.setattr(WorkerProcess, "restart", lambda self: (restarted.append(self), setattr(self, "jobs", 0)))
+        schedule = []       # per worker: after how many candidates its first two restarts came
+        for worker in verifier._workers:
+            at = []
+            for n in range(1, 100):
+                verifier._release(worker)
+                if restarted.count(worker) > len(at):
+                    at.append(n)
+                if len(at) == 2:
+                    break
+            schedule.append(at)
+    assert schedule == [[8, 16], [6, 14], [4, 12], [2, 10]]
+
+
 @pytest.mark.slow
 def test_a_verifier_closed_at_interpreter_exit_stops_its_workers_cleanly(tmp_path):
     """`dice.verifier.verify` closes its shared Verifier from atexit, after Python has stopped thread

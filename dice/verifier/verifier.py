@@ -120,7 +120,10 @@ class Verifier:
         self._workers = [WorkerProcess("candidate", config, self._log_dir / f"candidate-{i}.log")
                          for i in range(workers)]
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
-        for worker in self._workers:
+        for i, worker in enumerate(self._workers):
+            # first recycles staggered over the pool: workers that share the load would all restart
+            # (import torch, a CUDA context) at once, leaving the pool without one for seconds
+            worker.jobs = i * recycle_after // workers
             self._idle.put(worker)
         self._gpu = GpuLock()
         self._seed_base = secrets.randbits(31)
