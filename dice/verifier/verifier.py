@@ -143,7 +143,7 @@ class Verifier:
         self.close()
 
     def close(self) -> None:
-        self._preparing.shutdown(wait=False, cancel_futures=True)
+        self._preparing.shutdown(wait=True, cancel_futures=True)   # a judge it still talks to is closed next
         close_all([*self._judges, *self._workers])
         if self._prebuild is not None:
             self._prebuild.close()
