@@ -637,6 +637,20 @@ def test_the_pools_first_recycles_are_staggered(tmp_path, monkeypatch):
     assert schedule == [[8, 16], [6, 14], [4, 12], [2, 10]]
 
 
+def test_a_worker_whose_restart_failed_is_still_returned_to_the_pool(tmp_path, monkeypatch):
+    from dice.verifier.process import WorkerProcess
+    with Verifier(workers=1, judges=1, recycle_after=1, device="cpu", cache_dir=tmp_path) as verifier:
+        worker = verifier._idle.get()
+
+        def fails(self):
+            raise OSError("no more processes")
+
+        monkeypatch.setattr(WorkerProcess, "restart", fails)
+        with pytest.raises(OSError):
+            verifier._release(worker)
+        assert verifier._idle.get(timeout=5) is worker
+
+
 @pytest.mark.slow
 def test_a_verifier_closed_at_interpreter_exit_stops_its_workers_cleanly(tmp_path):
     """`dice.verifier.verify` closes its shared Verifier from atexit, after Python has stopped thread

@@ -429,14 +429,16 @@ class Verifier:
 
     def _release(self, worker: WorkerProcess) -> None:
         worker.jobs += 1
-        if worker.jobs >= self.recycle_after:
-            worker.restart()
-        elif worker.ready:  # a just-replaced worker has nothing to unload
-            try:
-                worker.call({"op": "unload"}, timeout=UNLOAD_TIMEOUT_S)
-            except (WorkerTimeout, WorkerDied):
-                pass  # the worker has already been replaced
-        self._idle.put(worker)
+        try:
+            if worker.jobs >= self.recycle_after:
+                worker.restart()
+            elif worker.ready:  # a just-replaced worker has nothing to unload
+                try:
+                    worker.call({"op": "unload"}, timeout=UNLOAD_TIMEOUT_S)
+                except (WorkerTimeout, WorkerDied):
+                    pass  # the worker has already been replaced
+        finally:    # back in the pool whatever failed: a lost worker would leave later candidates waiting for ever
+            self._idle.put(worker)
 
 
 class _TaskKinds:
