@@ -200,3 +200,21 @@ def test_two_processes_share_the_step_and_update_as_one(solutions, capsys):
     assert two[2:5] == one[2:5]                              # reward mean, rounds, kept responses
     assert float(two[5]) == pytest.approx(float(one[5]), abs=1e-6)
     assert float(two[6]) == pytest.approx(float(one[6]), rel=1e-4) and float(one[6]) > 0
+
+
+def test_the_pool_load_is_the_busy_seconds_over_the_interval(monkeypatch):
+    """Between two samples 10 s apart the 14 workers answered for 70 s in all and the 3 judges for
+    25 s: on average 7.0 and 2.5 busy; the text holds until the next interval has passed."""
+    import dice.bench.rl_step as rl_step
+
+    class Pool:
+        samples = iter([(14, 100.0, 3, 10.0, 0), (14, 150.0, 3, 20.0, 5), (14, 170.0, 3, 35.0, 9)])
+
+        def activity(self):
+            return next(self.samples)
+
+    clock = iter([0.0, 4.0, 10.0])
+    monkeypatch.setattr(rl_step.time, "perf_counter", lambda: next(clock))
+    load = rl_step.PoolLoad(Pool(), every_s=5.0)
+    assert load() == ""                                   # 4 s: too soon
+    assert load() == "; busy: workers 7.0/14, judges 2.5/3; prebuilds pending 9"

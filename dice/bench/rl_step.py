@@ -130,9 +130,31 @@ def build_policy(config, device, grad_ckpt: bool, seed: int) -> SDAR:
     return model.train()
 
 
+class PoolLoad:
+    """The verifier pool's load for the progress line, over the last `every_s` seconds or more: how
+    many workers and judges were busy on average (of how many), and the prebuilds not yet reported;
+    where the reward's time goes while a step runs."""
+
+    def __init__(self, verifier, every_s: float = 5.0):
+        self.verifier, self.every_s, self.text = verifier, every_s, ""
+        self.last = (time.perf_counter(), verifier.activity()) if verifier is not None else None
+
+    def __call__(self) -> str:
+        if self.verifier is None:
+            return ""
+        now, (workers, workers_s, judges, judges_s, builds) = time.perf_counter(), self.verifier.activity()
+        then, (_, workers_s0, _, judges_s0, _) = self.last
+        if now - then >= self.every_s:
+            self.text = (f"; busy: workers {(workers_s - workers_s0) / (now - then):.1f}/{workers}, judges "
+                         f"{(judges_s - judges_s0) / (now - then):.1f}/{judges}; prebuilds pending {builds}")
+            self.last = (now, (workers, workers_s, judges, judges_s, builds))
+        return self.text
+
+
 def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: TrainConfig, rt, optimizer, reward,
-             skip_update: bool, bench, gather) -> tuple[dict, str]:
+             skip_update: bool, bench, gather, load=lambda: "") -> tuple[dict, str]:
     """One timed step with the levers `s`: (its table row, a line of verdicts and update counts).
+    load(): text the progress line ends with (`PoolLoad`).
     Under torchrun each process rolls out the groups of its task slots (`dice.rl.groups.rank_slots`, as
     `train.py`), inside `gather` (`dice.rl.rollout.FullParameters`), and the update runs over all of them."""
     cfg = dataclasses.replace(base, attention=s.attention, update_rows=s.update_rows,
@@ -152,7 +174,7 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
         last = made == n and not generated
         if last:
             generated.append(n)
-        bench.progress(f"{name}: rollouts generated {made}/{n}, verified", scored, n, force=last)
+        bench.progress(f"{name}: rollouts generated {made}/{n}, verified {scored}/{n}{load()}", force=last)
 
     # one-member groups: rollout k carries its own program; slot k's seed equals the grouped one's
     with torch.no_grad(), gather or contextlib.nullcontext():
@@ -285,7 +307,7 @@ def bench_rl(args, bench) -> None:
                 _describe(args, config, rt, chosen, replay, prompts, lengths, tok_dir, verdicts)
             reward = make_reward(args.reward, verifier, {t.solution: k for t, k in replay}, args.verify_timeout)
             row, line = run_step(settings, model, tok, owners, lengths, base, rt, optimizer, reward, args.skip_update,
-                                 bench, gather)
+                                 bench, gather, PoolLoad(verifier))
             if rt.main:
                 bench.row(row)
                 lines.append(line)

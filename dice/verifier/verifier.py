@@ -420,6 +420,12 @@ class Verifier:
     def judge_busy_s(self) -> float:
         return sum(judge.busy_s for judge in self._judges)
 
+    def activity(self) -> tuple[int, float, int, float, int]:
+        """(workers, their summed seconds answering so far, judges, theirs, load_inline prebuilds
+        submitted and not yet reported): sampled twice, where the pool's time went between."""
+        return (len(self._workers), sum(w.busy_s for w in self._workers), len(self._judges), self.judge_busy_s,
+                self._prebuild.pending if self._prebuild is not None else 0)
+
     def busy_by_op(self) -> dict[str, dict[str, float]]:
         """Seconds the judges and the candidate workers spent answering, per request op."""
         total = {"judge": collections.Counter(), "candidate": collections.Counter()}

@@ -95,6 +95,11 @@ class BuildPool:
                 server.wait()
         self._fail_pending("the build pool was closed")
 
+    @property
+    def pending(self) -> int:
+        """Prebuilds submitted whose report has not come (queued in the server, or building)."""
+        return len(self._futures)
+
     def submit(self, candidate_src: str) -> Future:
         """A Future of the prebuild's report: {"status": built | cached | failed | error | timeout |
         no build, "builds": BuildCache.history of the child, "seconds", "message"}."""
