@@ -152,8 +152,8 @@ class Verifier:
     def prepare(self, task_srcs: Iterable[str], **options) -> list[Future]:
         """Compute the references of these tasks' trials now, in the background, for candidates
         verified later with the same options: an RL step knows its tasks before its first rollout
-        ends, so the judges work while the policy generates. One future per distinct task (its
-        result: the trial kinds; a broken task's TaskError is raised again to its candidates)."""
+        ends, so the judges work while the policy generates. One future per distinct task (a broken
+        task's TaskError in it, raised again to each of its candidates)."""
         opts = VerifyOptions(**options)
         tasks = list(dict.fromkeys(task_srcs))
         for i, task_src in enumerate(tasks):

@@ -175,9 +175,10 @@ class CandidateHandler:
         (forward that skips work on calls in quick succession is caught: the profiled first call
         is not back to back with anything), whose outputs must not reuse the first call's memory,
         and after which the first call's outputs must be unchanged (a persistent output buffer
-        overwrites what the caller holds). Outputs that changed after the caller's stream read them were still being
-        written when forward returned. Inputs forward modified are shipped too: where the reference
-        modifies an input in place, the candidate must leave it as the reference does."""
+        overwrites what the caller holds). Outputs that changed after the caller's stream read them
+        were still being written when forward returned. Inputs forward modified are shipped too:
+        where the reference modifies an input in place, the candidate must leave it as the
+        reference does."""
         self.pending = []
         seed = request["seed"]
         inputs = rewritten_in_place(self.previous, trial_inputs(self.task, seed, request["kind"], self.device,
