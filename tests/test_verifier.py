@@ -601,6 +601,21 @@ def test_a_broken_tasks_reference_is_tried_once_for_all_its_candidates(cpu_verif
     assert asked[-1] == "plain" and len(asked) == len(set(asked)) <= 3, asked
 
 
+@pytest.mark.slow
+def test_a_candidate_waiting_for_its_tasks_references_holds_no_worker(tmp_path):
+    """One worker, two judges: a task whose reference is slow (1 s a forward) does not hold the
+    worker while its judge computes, so a candidate of a quick task, submitted after it to
+    another judge, gets its verdict first (before, it waited for the slow task's references)."""
+    import hashlib
+    slow = RELU_TASK.replace("return torch.relu(x)", "import time\n        time.sleep(1.0)\n        return torch.relu(x)")
+    judge = lambda src: int(hashlib.sha256(src.encode()).hexdigest()[:8], 16) % 2   # noqa: E731 (`_judge_of`)
+    quick = next(t for t in (RELU_TASK + f"# {i}\n" for i in range(64)) if judge(t) != judge(slow))
+    order = []
+    with Verifier(workers=1, judges=2, device="cpu", cache_dir=tmp_path) as verifier:
+        results = verifier.map([(slow, GOOD), (quick, GOOD)], timing=False, progress=lambda i, r: order.append(i))
+    assert [r.status for r in results] == ["correct", "correct"] and order == [1, 0]
+
+
 def test_a_prepared_tasks_references_are_not_asked_for_again(cpu_verifier, monkeypatch):
     """`prepare` computes a task's references ahead (an RL step's, while its rollouts generate):
     its candidates' judge calls then compare, and compute no reference."""
@@ -617,6 +632,7 @@ def test_a_prepared_tasks_references_are_not_asked_for_again(cpu_verifier, monke
     assert "compare" in asked and "reference" not in asked, asked
 
 
+@pytest.mark.slow
 def test_the_pools_first_recycles_are_staggered(tmp_path, monkeypatch):
     """Workers that share the load evenly would all restart at once: the first recycles of a pool of
     4 with recycle_after=8 come after 8, 6, 4 and 2 candidates, and every 8 after that."""
@@ -637,6 +653,7 @@ def test_the_pools_first_recycles_are_staggered(tmp_path, monkeypatch):
     assert schedule == [[8, 16], [6, 14], [4, 12], [2, 10]]
 
 
+@pytest.mark.slow
 def test_a_worker_whose_restart_failed_is_still_returned_to_the_pool(tmp_path, monkeypatch):
     from dice.verifier.process import WorkerProcess
     with Verifier(workers=1, judges=1, recycle_after=1, device="cpu", cache_dir=tmp_path) as verifier:

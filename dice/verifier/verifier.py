@@ -181,7 +181,8 @@ class Verifier:
         for i, pair in enumerate(pairs):
             copies.setdefault(tuple(pair), []).append(i)
         results: list[VerifyResult | None] = [None] * len(pairs)
-        threads = len(self._workers) + (os.cpu_count() or 1 if self._prebuild else 0)
+        # threads holding workers, plus those waiting on their task's references or their prebuild
+        threads = len(self._workers) + len(self._judges) + (os.cpu_count() or 1 if self._prebuild else 0)
         pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dice-verify")
         try:
             futures = {pool.submit(self._verify_one, task, cand, opts): same for (task, cand), same in copies.items()}
