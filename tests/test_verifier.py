@@ -583,7 +583,7 @@ def test_on_broken_task_reports_the_task_and_verifies_the_rest(cpu_verifier):
 
 def test_a_broken_tasks_reference_is_tried_once_for_all_its_candidates(cpu_verifier, monkeypatch):
     """An RL group: six candidates of a task whose reference fails. Its judge is asked once per
-    input structure it falls back through (`_trial_kinds`), not once per candidate: a reference
+    input structure it falls back through (`TrialPlans.kinds`), not once per candidate: a reference
     that faults on the GPU costs its judge a restart each time, and every worker waited."""
     broken = RELU_TASK.replace("return torch.relu(x)", "raise RuntimeError('broken reference')")
     asked, judge_call = [], cpu_verifier._judge_call

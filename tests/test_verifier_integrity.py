@@ -459,7 +459,7 @@ def test_inputs_modified_in_place_and_float64_and_complex_outputs_are_checked_fo
         assert result.status == status and text in result.message, (name, result)
     key = hashlib.sha256(BOUNDED_TASK.encode()).hexdigest()
     bounded = {"task_src": BOUNDED_TASK, "task_key": key, "precision": "strict"}
-    assert cpu_verifier._trial_kinds(bounded, 1, [1, 2, 3, 4, 5]) == ["iid", "light", "hot", "light", "light"]
+    assert cpu_verifier._plans.kinds(bounded, 1, [1, 2, 3, 4, 5]) == ["iid", "light", "hot", "light", "light"]
     timed = cpu_verifier.verify(BOUNDED_TASK, model("return x.clamp_min(0)"), seed=4)   # timed calls jittered, light
     assert timed.correct and timed.speedup > 0, timed
 

@@ -6,6 +6,7 @@
 | --- | --- |
 | `verifier` | `Verifier` (the pool and the stages); `verify` (below) uses a shared default one |
 | `results` | `VerifyResult`, `VerifyOptions`, the static checks, the trials' seeds |
+| `plans` | a candidate's trials: seeds, input structures and the task's references, found once per task |
 | `process` | one worker process: spawn, call with a deadline, kill, respawn; the GPU lock |
 | `calls` | a stage's calls: a worker's hang, crash or malformed reply as a verdict's reply, a judge's failure as the task's |
 | `wire` | everything that crosses a pipe: request and reply schemas, strict decoding, tensor transport |

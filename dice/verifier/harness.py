@@ -20,7 +20,7 @@ floating-point tensors a structure (`TRIAL_KINDS`), the same in the judge and th
 - "light": as "iid", for a "spiked" or "scaled" trial whose heavy element (below) the task's
   reference cannot take;
 - "plain": get_inputs() as drawn, for a trial whose structure the task's own reference cannot take
-  (the Verifier's `_trial_kinds`: e.g. float indices that jitter pushes past their table).
+  (`plans.TrialPlans`: e.g. float indices that jitter pushes past their table).
 Trials "spiked" and "scaled" and every timed call also get one heavy element per floating tensor
 (`with_heavy`): the tensor's largest magnitude times its element count (at most half the dtype's
 range), so it carries about half of a sum; the other elements look as they always do, so no

@@ -19,7 +19,7 @@ Stages, first failure wins:
    Model (invalid), ModelNew(*get_init_inputs()) after the same manual_seed as the reference, one
    warm-up forward;
 3. `trials` correctness trials, each with its own seed and input structure (`harness`; a
-   structure the task's own reference cannot take falls back, `_trial_kinds`), every one under
+   structure the task's own reference cannot take falls back, `plans.TrialPlans`), every one under
    the profiler (trial 1 calls forward twice), the inputs written into the previous call's
    tensors. Invalid (`verdicts.trial_verdict`): the kernels break `rules.kernel_problem` under
    `rules`, inputs modified or aliased, an output in an earlier call's memory or changed by a
@@ -47,13 +47,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import os
 import queue
-import secrets
 import shutil
 import tempfile
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import replace
@@ -65,18 +62,17 @@ import torch
 from ..tasks.load import check_task_source
 from .build.pool import BuildPool
 from .calls import Clock, ask, failed, judge_call
-from .harness import trial_kinds
 from .kernels import default_library_paths, library_kernel_names
 from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, close_all
 from .records import activity
-from .results import TaskError, VerifyOptions, VerifyResult, static_check, trial_seeds
+from .plans import TrialPlans
+from .results import TaskError, VerifyOptions, VerifyResult, static_check
 from .rules import timed_work_problem
 from .speedup import BUDGET_S, CHECKS_PER_BLOCK, PLAUSIBLE, Timing, paired_rounds
 from .timing import calls_per_block
 from .verdicts import kernel_verdict, timed_block_verdict, trial_verdict, unrecorded_problem
 
 WORKERS_PER_JUDGE = 4         # a new task costs its judge 5 references; a known one 5 comparisons a candidate
-MAX_TASKS_REMEMBERED = 4096   # tasks whose trial kinds are kept (an RL run sees far fewer at a time)
 
 NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is False); run on a GPU "
           "machine, or use Verifier(device='cpu') to exercise the pool with pure-PyTorch candidates")
@@ -126,9 +122,8 @@ class Verifier:
             worker.jobs = i * recycle_after // workers
             self._idle.put(worker)
         self._gpu = GpuLock()
-        self._seed_base = secrets.randbits(31)
-        self._kinds: dict[tuple, _TaskKinds] = {}   # (task, seeds) -> trial kinds its reference takes
-        self._kinds_lock = threading.Lock()
+        # looked up at each call: a test may wrap the judge calls
+        self._plans = TrialPlans(lambda request: self._judge_call(request), self._gpu)
         self._preparing = ThreadPoolExecutor(2 * judges, thread_name_prefix="dice-prepare")   # `prepare`
         # load_inline candidates are built on the CPUs ahead of the GPU workers, which then load them
         # kernel names torch and the CUDA libraries hold, read in the background (`library_kernel_names`)
@@ -158,7 +153,7 @@ class Verifier:
         tasks = list(dict.fromkeys(task_srcs))
         for i, task_src in enumerate(tasks):
             check_task_source(task_src, f"task {i}")
-        return [self._preparing.submit(self._plan, task_src, opts) for task_src in tasks]
+        return [self._preparing.submit(self._plans.plan, task_src, opts) for task_src in tasks]
 
     def verify(self, task_src: str, candidate_src: str, **options) -> VerifyResult:
         """Verify one candidate; options are VerifyOptions fields."""
@@ -211,7 +206,7 @@ class Verifier:
             return static
         built = (self._prebuild.submit(candidate_src)
                  if self._prebuild is not None and "load_inline" in candidate_src else None)
-        plan = self._plan(task_src, opts)   # while it builds, and before a worker is taken: a slow judge holds none
+        plan = self._plans.plan(task_src, opts)   # while it builds, and before a worker is taken: a slow judge holds none
         if built is not None:   # a report only: on a failure, or none in the prebuild's time limit, the worker builds
             with contextlib.suppress(FuturesTimeout):
                 built.result(timeout=self._prebuild.timeout_s + PREBUILD_SLACK_S)
@@ -220,19 +215,6 @@ class Verifier:
             return self._run_candidate(worker, plan, candidate_src, opts)
         finally:
             self._release(worker)
-
-    def _plan(self, task_src: str, opts: VerifyOptions) -> dict:
-        """The candidate's task, seeds and trial kinds, with the task's references computed."""
-        task = {"task_src": task_src, "task_key": hashlib.sha256(task_src.encode()).hexdigest(),
-                "precision": opts.precision}
-        init_seed, seeds, timing_seed, warmup_seed = trial_seeds(
-            self._seed_base if opts.seed is None else opts.seed, opts.trials)
-        if opts.seed is None:   # per candidate: outputs another candidate saw cannot serve timing
-            timing_seed = 1 + secrets.randbelow(2**31 - 1)
-        with self._gpu.shared():  # a broken task fails here, blamed on the task, before a worker loads anything
-            kinds = self._trial_kinds(task, init_seed, seeds, plain=opts.rules == "dice")
-        return {"task": task, "init_seed": init_seed, "seeds": seeds, "kinds": kinds, "timing_seed": timing_seed,
-                "warmup_seed": warmup_seed}
 
     def _run_candidate(self, worker: WorkerProcess, plan: dict, candidate_src: str,
                        opts: VerifyOptions) -> VerifyResult:
@@ -257,7 +239,7 @@ class Verifier:
         if not opts.timing:
             return VerifyResult("correct", compiled=True, message=f"correct on {len(seeds)} trials")
         trials = [activity for _, _, activity in history if activity is not None]
-        # a task that takes no jitter, or no heavy element (`_trial_kinds`)
+        # a task that takes no jitter, or no heavy element (`TrialPlans.kinds`)
         inputs = "permuted" if "plain" in kinds else "jittered" if "light" in kinds else "timed"
         timed = self._timing(worker, task, init_seed, timing_seed, clock, opts, trials, inputs)
         if isinstance(timed, Timing) and timed.speedup > PLAUSIBLE:   # measured again by a fresh process
@@ -276,46 +258,6 @@ class Verifier:
             message=(f"correct on {len(seeds)} trials; {timed.runtime_ms:.4g} ms vs eager {timed.baseline_ms:.4g} ms "
                      f"({timed.method}, {timed.rounds} paired rounds, speedup {timed.speedup:.3g}x, 95% CI "
                      f"{timed.ci[0]:.3g}-{timed.ci[1]:.3g}){note}"))
-
-    def _trial_kinds(self, task: dict, init_seed: int, seeds: list[int], plain: bool = False) -> list[str]:
-        """Each trial's input structure (`harness.trial_kinds`; with `plain`, DICE's check, the
-        inputs as drawn) with every reference computed, once per task and seeds. A structure the
-        task's own reference cannot take (it raises, e.g. on float indices spiked or jittered past
-        their table, or on a heavy element) falls back to jitter alone ("light"), then to the inputs
-        as drawn ("plain"), so no candidate is judged outside the task's domain; a reference that
-        fails on plain inputs too is the task's error (TaskError). Computed once per key, its
-        failure too: a task's other candidates (an RL group) wait for the first one's answer, never
-        repeat it (a reference that faults on the GPU costs its judge a restart each time)."""
-        key = (task["task_key"], task["precision"], init_seed, tuple(seeds), plain)
-        with self._kinds_lock:
-            entry = self._kinds.get(key)
-            if entry is None:
-                if len(self._kinds) >= MAX_TASKS_REMEMBERED:
-                    self._kinds.pop(next(iter(self._kinds)))
-                entry = self._kinds[key] = _TaskKinds()
-        with entry.lock:
-            if entry.kinds is None and entry.error is None:
-                try:
-                    entry.kinds = self._reference_kinds(task, init_seed, seeds, plain)
-                except TaskError as exc:
-                    entry.error = str(exc)
-        if entry.error is not None:
-            raise TaskError(entry.error)
-        return list(entry.kinds)
-
-    def _reference_kinds(self, task: dict, init_seed: int, seeds: list[int], plain: bool) -> list[str]:
-        kinds = ["plain"] * len(seeds) if plain else trial_kinds(len(seeds))
-        for i, seed in enumerate(seeds):
-            request = {"op": "reference", **task, "init_seed": init_seed, "seed": seed}
-            for kind in dict.fromkeys([kinds[i], "light", "plain"]):
-                try:
-                    self._judge_call({**request, "kind": kind})
-                    kinds[i] = kind
-                    break
-                except TaskError:
-                    if kind == "plain":
-                        raise
-        return kinds
 
     def _trial(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, kind: str, where: str,
                clock: Clock, history: list, opts: VerifyOptions, repeat: bool) -> VerifyResult | None:
@@ -447,11 +389,3 @@ class Verifier:
         finally:    # back in the pool whatever failed: a lost worker would leave later candidates waiting for ever
             self._idle.put(worker)
 
-
-class _TaskKinds:
-    """One task's trial kinds (`Verifier._trial_kinds`), or its reference's error, found once under `lock`."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.kinds: list[str] | None = None
-        self.error: str | None = None
