@@ -21,7 +21,8 @@ from dice.verifier.build import cache as build_module
 from dice.verifier.build.cache import BuildCache, BuildError
 from dice.verifier.build.cxx import normalise
 from dice.verifier.build.fast import CompiledUnits, FastBuildFailed, SharedCompileError
-from dice.verifier.build.toolchain import CompilerSlots, Flags, dispatcher, precompiled_header
+from dice.verifier.build.toolchain import (CompilerSlots, Flags, dispatcher, lazy_names, namespace_scope_names,
+                                          precompiled_header)
 from dice.verifier.build.inline import Unsplittable, split_program
 from dice.verifier.build.torch_inline import cuda_cu, main_cpp, recorded_calls
 
@@ -223,6 +224,40 @@ def test_torch_macros_in_device_code():
         split_program([CPP], [cuda], ["run"], True, "/b/cuda.cu", frozenset({"CUDA_KERNEL_ASSERT"}))
     own = HEADER + "#define CHECK(x) x\n__global__ void k(float* y) { y[0] = CHECK(1); }\n"
     split_program([CPP], [own], ["run"], True, "/b/cuda.cu", frozenset({"CHECK"}))   # the program's own macro
+
+
+def test_namespace_scope_names():
+    """What a declaration outside every body and parenthesis introduces; never a parameter, a local
+    or a member (hand-written preprocessed C++)."""
+    code = """# 1 "x.h" 3
+namespace nv { namespace detail { struct half_t { float inner; }; } }
+extern "C" { int c_fn(int c_param); }
+enum mode { MODE_A = 1, MODE_B };
+typedef struct half_s { int member; } alias_t;
+static inline float to_f(const int h) { float local = 1.0f; return local; }
+template <typename Tp> Tp pick(Tp a_param) { return a_param; }
+const char* text = "a { brace in a string";
+"""
+    names = namespace_scope_names(code)
+    assert {"nv", "detail", "half_t", "c_fn", "mode", "MODE_A", "MODE_B", "half_s", "alias_t", "to_f", "pick",
+            "text"} <= names
+    assert not names & {"inner", "c_param", "member", "h", "local", "a_param", "brace", "x"}
+
+
+HALVES = frozenset({"__half", "half", "__float2half", "__half2float"})
+USES_HALF = MANY.replace("y[i] = s.a * x[i] + s.b;", "y[i] = __half2float(__float2half(s.a * x[i] + s.b));")
+
+
+def test_a_device_unit_naming_no_half_precision_name_leaves_the_half_headers_out():
+    lean = split_program([CPP], [MANY], ["run"], True, "/build/cuda.cu", lazy_names=HALVES)
+    full = split(MANY)    # lazy_names None: the headers always
+    assert "#include <cuda_fp16.h>" in full.device and "#include <cuda_bf16.h>" in full.device
+    assert full.device_full == ""
+    assert "cuda_fp16.h" not in lean.device and "cuda_bf16.h" not in lean.device and lean.device_full == full.device
+    assert lean.device.split("#line")[1] == full.device.split("#line")[1]   # the program's lines, numbered alike
+    assert lean.host == full.host
+    named = split_program([CPP], [USES_HALF], ["run"], True, "/build/cuda.cu", lazy_names=HALVES)
+    assert "#include <cuda_fp16.h>" in named.device and named.device_full == ""
 
 
 def test_normalise():
@@ -568,6 +603,43 @@ def test_split_units_compile(tmp_path, cuda_home, shared_cache):
                       shared_cache, "dispatch")
 
 
+def test_lazy_names_are_what_the_lazy_headers_declare(cuda_home, tmp_path):
+    flags = Flags(dict.fromkeys(["extra_cflags", "extra_cuda_cflags", "extra_ldflags", "extra_include_paths"]), "ext",
+                  (9, 0))
+    names = lazy_names(tmp_path, flags)
+    assert {"__half", "half", "__half2", "__nv_bfloat16", "nv_bfloat16", "__float2half", "__half2float", "hexp",
+            "__hmax", "CUDART_ZERO_FP16", "__CUDA_FP16_H__", "sort", "clamp", "find", "count"} <= names
+    # locals and parameters of their inline functions, and what the other headers declare already
+    assert not names & {"i", "j", "idx", "x", "a", "float", "atomicAdd", "__shfl_down_sync", "__ldg", "max", "fmaxf"}
+
+
+@pytest.mark.slow
+def test_a_lean_device_unit_compiles_to_the_same_code_and_falls_back_when_it_fails(tmp_path, cuda_home, shared_cache,
+                                                                                   monkeypatch):
+    """Without <algorithm>, cuda_fp16.h and cuda_bf16.h a unit that names nothing of theirs gives
+    the same PTX as with them; a unit that needs them (here every unit counts as naming nothing) fails lean and
+    builds from the full unit, as torch's build would."""
+    from dice.verifier.build import fast
+    many = dict(name="many", cpp_sources=CPP, cuda_sources=MANY, functions=["run"])
+    (tmp_path / "m").mkdir()
+    library, report = _compile_only(tmp_path / "m", many, shared_cache, "dispatch")
+    assert library.exists() and report["lean_device"]
+    arguments, flags = _cpu_flags(shared_cache, many)
+    split_unit = split_program([CPP], [MANY], ["run"], True, str(tmp_path / "cuda.cu"), lazy_names=HALVES)
+    ptx = []
+    for name, text in (("lean", split_unit.device), ("full", split_unit.device_full)):
+        (tmp_path / f"{name}.cu").write_text(text)
+        subprocess.run([*flags.nvcc, *(f for f in flags.device() if not f.startswith("-gencode")), "-arch=compute_90",
+                        "-ptx", str(tmp_path / f"{name}.cu"), "-o", str(tmp_path / f"{name}.ptx")], check=True,
+                       capture_output=True)
+        ptx.append((tmp_path / f"{name}.ptx").read_text())
+    assert ".entry" in ptx[0] and ptx[0] == ptx[1]
+    monkeypatch.setattr(fast, "lazy_names", lambda root, flags: frozenset())
+    (tmp_path / "h").mkdir()
+    library, report = _compile_only(tmp_path / "h", {**many, "cuda_sources": USES_HALF}, shared_cache, "dispatch")
+    assert library.exists() and not report["lean_device"]
+
+
 @pytest.fixture(scope="module")
 def pool_cache(tmp_path_factory):
     """One build cache for the BuildPool tests: torch's build of PLUS (~40 s on 2 cores) is made once."""
@@ -599,6 +671,35 @@ def test_build_pool_prebuilds_into_the_cache(pool_cache):
     cache.real_load_inline = _FakeTorchBuild()
     ext = cache.load_inline("plus", "int plus(int a, int b) { return a + b; }", functions=["plus"])
     assert ext.plus(2, 3) == 5 and cache.history == []
+
+
+@pytest.mark.slow
+def test_warming_builds_the_toolchain_before_the_first_program(tmp_path, cuda_home, monkeypatch):
+    """`BuildCache.warm` (what `BuildPool.warm` runs in a build child) builds the precompiled headers
+    and the names the fast build reads, so that the first program compiles none of them (here: no
+    compiler may run for them afterwards)."""
+    from dice.verifier.build import toolchain
+    root = tmp_path / "torch_extensions"
+    BuildCache(root, capability=(9, 0), build="fast").warm()
+    flags = Flags(dict.fromkeys(["extra_cflags", "extra_cuda_cflags", "extra_ldflags", "extra_include_paths"]), "ext",
+                  (9, 0))
+    monkeypatch.setattr(toolchain, "run_compiler", lambda *a, **k: pytest.fail("compiled after the warm-up"))
+    monkeypatch.setattr(toolchain.subprocess, "run", lambda *a, **k: pytest.fail("preprocessed after the warm-up"))
+    for binding in ("dispatch", "pybind"):
+        assert precompiled_header(root, flags, CompilerSlots(root), binding).with_suffix(".h.gch").is_file()
+    assert "__half" in lazy_names(root, flags) and "CUDA_KERNEL_ASSERT" in toolchain.torch_macros(root, flags)
+    assert "at" in toolchain.header_names(root, flags)
+
+
+@pytest.mark.slow
+def test_build_pool_warms_in_a_child(tmp_path):
+    """`BuildPool.warm` reaches a build child's `BuildCache.warm`: on a machine with a CUDA torch it
+    reports "warmed"; with this CPU wheel, which knows no CUDA toolkit, the fast build's flags fail."""
+    from dice.verifier.build.pool import BuildPool
+    with BuildPool(tmp_path, processes=1, timeout_s=600, capability=(9, 0)) as pool:
+        report = pool.warm().result()
+    assert report["status"] == "warmed" or (torch.version.cuda is None and report["status"] == "error" and
+                                            "no CUDA toolkit" in report["message"]), report
 
 
 def test_build_pool_builds_at_a_lower_cpu_priority(tmp_path):

@@ -130,6 +130,8 @@ class Verifier:
         self._library = ThreadPoolExecutor(1).submit(library_kernel_names, default_library_paths()) if self.cuda else None
         self._prebuild = (BuildPool(self.cache_dir, build=build or os.environ.get("DICE_INLINE_BUILD") or "fast")
                           if prebuild and self.cuda else None)
+        if self._prebuild is not None:   # the precompiled header, ~30 s, built before the first program needs it
+            self._prebuild.warm()
 
     def __enter__(self) -> "Verifier":
         return self

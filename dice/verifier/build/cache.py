@@ -38,7 +38,7 @@ import torch
 import torch.utils.cpp_extension
 
 from .cxx import normalise
-from .fast import CompilerSlots, FastBuildFailed, SharedCompileError, fast_build
+from .fast import CompilerSlots, FastBuildFailed, SharedCompileError, fast_build, warm_toolchain
 from .inline import Unsplittable
 
 BUILDS = ("fast", "torch")
@@ -88,6 +88,11 @@ class BuildCache:
     def install(self) -> None:
         """Make `from torch.utils.cpp_extension import load_inline` in candidate code hit the cache."""
         torch.utils.cpp_extension.load_inline = self.load_inline
+
+    def warm(self) -> None:
+        """With the fast build, its toolchain artifacts built now (`fast.warm_toolchain`)."""
+        if self.build == "fast" and self.capability is not None:
+            warm_toolchain(self.root, self.capability, self.slots)
 
     def load_inline(self, *args, **kwargs):
         arguments = self.arguments(*args, **kwargs)

@@ -7,7 +7,9 @@ header (`-include`; built once per toolchain and flags into the cache, `toolchai
 with torch's nvcc flags except that the architecture list is the GPU's own
 `-gencode=arch=compute_XY,code=sm_XY` (no PTX copy), and both linked as torch links (`$cxx $in
 $ldflags -o $out`). Compiles run in parallel, each holding one of `CompilerSlots` (file locks shared
-by every process that builds into the cache).
+by every process that builds into the cache). A device unit that names nothing of what
+<algorithm>, cuda_fp16.h and cuda_bf16.h declare compiles without them (a third of its nvcc
+time), and again with them if that fails (`inline.split_program`).
 
 Bindings. A Python-module call with `functions` gets the generic binding: the host unit on a
 precompiled dispatch.h (torch/types.h and the entry templates) and the `dice_dispatch` extension
@@ -24,6 +26,7 @@ any other failure raises `FastBuildFailed` and the caller builds with torch's lo
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -36,8 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .inline import Split, Unsplittable, split_program
-from .toolchain import (CompilerSlots, Flags, compiler_version, dispatcher, header_names, precompiled_header,
-                        run_compiler, torch_macros)
+from .toolchain import (CompilerSlots, Flags, compiler_version, dispatcher, header_names, lazy_names,
+                        precompiled_header, run_compiler, torch_macros)
 
 PCH_REJECTED = "not used because"
 QUOTED = r"['\u2018\"](\w+)['\u2019\"]"
@@ -114,6 +117,22 @@ def shared_error(log: str, names: frozenset[str], declared: frozenset[str]) -> s
     return None
 
 
+def warm_toolchain(root: Path, capability: tuple[int, int], slots: CompilerSlots) -> None:
+    """Build now what the first fast build of a call without extra flags would wait for: both
+    bindings' precompiled headers (the generic one ~30 CPU-s), the dispatcher, torch's macros and
+    header names, and the lazy headers' names (`toolchain`). A failure here is the first build's to
+    report again."""
+    flags = Flags(dict.fromkeys(["extra_cflags", "extra_cuda_cflags", "extra_ldflags", "extra_include_paths"]),
+                  "dice_warm", capability)
+    makers = [lambda: precompiled_header(root, flags, slots, "dispatch"), lambda: dispatcher(root, flags, slots),
+              lambda: torch_macros(root, flags), lambda: lazy_names(root, flags), lambda: header_names(root, flags),
+              lambda: precompiled_header(root, flags, slots, "pybind")]
+    with ThreadPoolExecutor(len(makers)) as pool:
+        for done in [pool.submit(make) for make in makers]:
+            with contextlib.suppress(Unsplittable):   # torch_macros: nvcc could not preprocess
+                done.result()
+
+
 def fast_build(arguments: dict, name: str, build_dir: Path, root: Path, capability: tuple[int, int] | None,
                slots: CompilerSlots, *, flags: Flags | None = None, binding: str | None = None) -> tuple[Path, dict]:
     """Build `name`.so in build_dir the split way; (library, report), the report's "dispatcher"
@@ -130,7 +149,8 @@ def fast_build(arguments: dict, name: str, build_dir: Path, root: Path, capabili
 
     def make_split(way: str) -> Split:
         return split_program(*sources, arguments["functions"], arguments.get("with_pytorch_error_handling", True),
-                             str(build_dir / "cuda.cu"), torch_macros(root, flags), tuple(flags.host_defines), way)
+                             str(build_dir / "cuda.cu"), torch_macros(root, flags), tuple(flags.host_defines), way,
+                             lazy_names(root, flags))
 
     generic = None
     if binding != "pybind" and arguments["is_python_module"] and arguments["functions"]:
@@ -161,8 +181,14 @@ def _compile_and_link(split: Split, flags: Flags, build_dir: Path, pch: Path | N
     start = time.perf_counter()
     with ThreadPoolExecutor(2) as pool:
         host_run = pool.submit(objects.compile, host, flags.cxx, build_dir / "host.log", slots)
-        device_run = pool.submit(objects.compile, device, flags.nvcc, build_dir / "device.log", slots)
-        (host_status, host_s), (device_status, device_s) = host_run.result(), device_run.result()
+        device_status, device_s = objects.compile(device, flags.nvcc, build_dir / "device.log", slots)
+        lean = bool(split.device_full)
+        if device_status != 0 and lean:   # the lean unit failed: the error (or success) is the full unit's
+            lean = False
+            (build_dir / "cuda.cu").write_text(split.device_full)
+            device_status, full_s = objects.compile(device, flags.nvcc, build_dir / "device.log", slots)
+            device_s += full_s
+        host_status, host_s = host_run.result()
     host_log = (build_dir / "host.log").read_text(errors="replace")
     if host_status != 0 and _main_cpp_error(host_log, build_dir / "main.cpp", split.main_lines):
         raise SharedCompileError(host_log)
@@ -174,6 +200,7 @@ def _compile_and_link(split: Split, flags: Flags, build_dir: Path, pch: Path | N
     if link_status != 0:
         raise FastBuildFailed((build_dir / "link.log").read_text(errors="replace"))
     return library, {"host_cpu_s": host_s, "device_cpu_s": device_s, "link_cpu_s": link_s,
+                     "lean_device": lean,
                      "wall_s": time.perf_counter() - start, "pch": pch is not None and PCH_REJECTED not in host_log,
                      "kernels": split.kernels}
 

@@ -29,6 +29,8 @@ from .torch_inline import TORCH_PREFIX, main_cpp
 
 DEVICE_PRELUDE = ("cassert", "cstdint", "cstddef", "climits", "cfloat", "cmath", "cstdlib", "cstdio",
                   "cstring", "type_traits", "limits", "utility", "algorithm", "cuda_fp16.h", "cuda_bf16.h")
+# of DEVICE_PRELUDE, kept only where the device code names what they declare: a third of a small unit's nvcc time
+LAZY_HEADERS = ("algorithm", "cuda_fp16.h", "cuda_bf16.h")
 TORCH_IDS = {"torch", "at", "c10", "caffe2", "pybind11", "py", "PyObject"}
 TORCH_MACRO = re.compile(r"(C10|TORCH|AT|CAFFE2?|PYBIND11|THC|Py|PY)_\w*")
 DEVICE_QUALIFIERS = {"__global__", "__device__", "__shared__", "__constant__", "__managed__"}
@@ -88,11 +90,12 @@ class Split:
     kernels: list[str] = field(default_factory=list)
     binding: str = "pybind"   # "pybind": torch's PYBIND11_MODULE; "dispatch": dispatch.h's entries
     declared: frozenset[str] = frozenset()   # every name the program's items declare, either side
+    device_full: str = ""     # with a lean device unit (no LAZY_HEADERS): the unit with them, if that fails
 
 
 def split_program(cpp_sources: list[str], cuda_sources: list[str], functions, with_pytorch_error_handling: bool,
                   cuda_file: str, torch_macros: frozenset[str] = frozenset(), cuda_defines: tuple[str, ...] = (),
-                  binding: str = "pybind") -> Split:
+                  binding: str = "pybind", lazy_names: frozenset[str] | None = None) -> Split:
     """The host and device units for one load_inline call, or Unsplittable.
 
     cuda_file: the path error messages and `__FILE__` should name for cuda.cu's lines;
@@ -100,7 +103,14 @@ def split_program(cpp_sources: list[str], cuda_sources: list[str], functions, wi
     cuda_defines: `#define`/`#undef` lines standing for nvcc's -D/-U flags in the host unit;
     binding: "pybind" starts the host unit with torch's main.cpp; "dispatch" with the cpp_sources
     alone on torch/types.h (every `#include <torch/extension.h>` blanked) and ends it with
-    `dispatch_entries`, for the generic binding (dispatch.h)."""
+    `dispatch_entries`, for the generic binding (dispatch.h);
+    lazy_names: what LAZY_HEADERS add to the prelude (`toolchain.lazy_names`; None: always kept).
+    A device unit that names none of them is compiled without them (`Split.device_full` holds the
+    unit with them, which a failed compile falls back to): what they add are types, functions,
+    overloads and macros, and the unit can reach none of them without naming it (a value of a
+    half-precision type needs that type's name or a function's; an overload of a name declared
+    elsewhere matters only for arguments of such types, or fails the lean compile).
+    """
     if isinstance(functions, dict) and any(re.search(r'["\\\n]', str(d)) for d in functions.values()):
         raise Unsplittable("arguments", "a docstring in functions holds quotes, backslashes or newlines")
     main = main_cpp(cpp_sources, functions, with_pytorch_error_handling)
@@ -119,15 +129,27 @@ def split_program(cpp_sources: list[str], cuda_sources: list[str], functions, wi
     line = f'#line {len(TORCH_PREFIX) + 1} "{cuda_file}"'
     includes = [*cuda_defines, "#include <cuda_runtime.h>", *TORCH_PREFIX, "#include <cuda_fp16.h>",
                 "#include <cuda_bf16.h>", line]
-    device_unit = "\n".join([*(f"#include <{h}>" for h in DEVICE_PRELUDE), *TORCH_PREFIX[1:], line, device])
+    device_unit, device_full = _device_units(device, line, lazy_names)
     declared = frozenset(cpp_names).union(*(p.names for p in parsed))
     if binding == "pybind":
         return Split("\n".join([main, *includes, host]), device_unit, main.count("\n") + 1, sorted(kernels),
-                     declared=declared)
+                     declared=declared, device_full=device_full)
     declarations = EXTENSION_INCLUDE.sub("", "\n".join([f'#include "{DISPATCH_HEADER}"', *cpp_sources]))
     host_unit = "\n".join([declarations, *includes, EXTENSION_INCLUDE.sub("", host),
                            dispatch_entries(functions, with_pytorch_error_handling, cpp_names)])
-    return Split(host_unit, device_unit, 0, sorted(kernels), "dispatch", declared)
+    return Split(host_unit, device_unit, 0, sorted(kernels), "dispatch", declared, device_full)
+
+
+def _device_units(device: str, line: str, lazy_names: frozenset[str] | None) -> tuple[str, str]:
+    """(the device unit, "") or, where the device code names nothing of `lazy_names`, (the unit
+    without LAZY_HEADERS, the unit with them); `line` starts the program's own lines."""
+    def unit(headers) -> str:
+        return "\n".join([*(f"#include <{h}>" for h in headers), *TORCH_PREFIX[1:], line, device])
+
+    full = unit(DEVICE_PRELUDE)
+    if lazy_names is None or not lazy_names.isdisjoint(re.findall(r"[A-Za-z_]\w*", device)):
+        return full, ""
+    return unit(h for h in DEVICE_PRELUDE if h not in LAZY_HEADERS), full
 
 
 def dispatch_entries(functions, with_pytorch_error_handling: bool, declared: set[str]) -> str:

@@ -103,12 +103,22 @@ class BuildPool:
     def submit(self, candidate_src: str) -> Future:
         """A Future of the prebuild's report: {"status": built | cached | failed | error | timeout |
         no build, "builds": BuildCache.history of the child, "seconds", "message"}."""
-        done: Future = Future()
         if "load_inline" not in candidate_src:
+            done: Future = Future()
             done.set_result({"status": "no build", "builds": [], "seconds": 0.0, "message": ""})
             return done
-        request = {"candidate_src": candidate_src, "root": str(self.root), "capability": self.capability,
-                   "build": self.build, "timeout_s": self.timeout_s}
+        return self._send({"candidate_src": candidate_src})
+
+    def warm(self) -> Future:
+        """The fast build's toolchain artifacts (precompiled headers, dispatcher, header names) built
+        by a child now, ahead of the first candidate, which would otherwise wait ~30 s for them
+        (`cache.BuildCache.warm`); a Future of the report ({"status": "warmed"} or "error")."""
+        return self._send({"candidate_src": None})
+
+    def _send(self, request: dict) -> Future:
+        done: Future = Future()
+        request = {**request, "root": str(self.root), "capability": self.capability, "build": self.build,
+                   "timeout_s": self.timeout_s}
         with self._lock:
             self._next += 1
             self._futures[self._next] = done
@@ -226,8 +236,9 @@ def _die_with(server: int) -> None:
     os._exit(1)
 
 
-def _child(report_fd: int, candidate_src: str, root: str, capability, build: str) -> None:
-    """Import the candidate with load_inline building into the cache; report as JSON."""
+def _child(report_fd: int, candidate_src: str | None, root: str, capability, build: str) -> None:
+    """Import the candidate with load_inline building into the cache (None: warm the cache's
+    toolchain); report as JSON."""
     threading.Thread(target=_die_with, args=(os.getppid(),), daemon=True).start()
     os.setsid()
     set_child_subreaper()   # what the candidate starts stays below us for kill_tree
@@ -242,6 +253,13 @@ def _child(report_fd: int, candidate_src: str, root: str, capability, build: str
     from ..harness import load_module
 
     cache = BuildCache(Path(root), capability=tuple(capability) if capability else None, build=build)
+    if candidate_src is None:   # `BuildPool.warm`
+        status, message = "warmed", ""
+        try:
+            cache.warm()
+        except Exception as exc:
+            status, message = "error", f"{type(exc).__name__}: {str(exc)[:500]}"
+        _report(report_fd, {"status": status, "builds": [], "message": message})
     expected, calls = max(1, len(re.findall(r"\bload_inline\s*\(", candidate_src))), []
 
     def load_inline(*args, **kwargs):
@@ -263,10 +281,15 @@ def _child(report_fd: int, candidate_src: str, root: str, capability, build: str
         status, message = "error", f"{type(exc).__name__}: {str(exc)[:500]}"
     if status == "no build" and calls:
         status = "built" if cache.history else "cached"
-    line = json.dumps({"status": status, "builds": cache.history, "message": message}, default=str)[:REPORT_BYTES]
-    with os.fdopen(report_fd, "w") as report:
-        report.write(line + "\n")
-    while True:    # killed by the server, with everything the candidate started below us
+    _report(report_fd, {"status": status, "builds": cache.history, "message": message})
+
+
+def _report(report_fd: int, report: dict) -> None:
+    """Write a child's one-line report, then wait to be killed by the server (with everything the
+    candidate started below us)."""
+    with os.fdopen(report_fd, "w") as out:
+        out.write(json.dumps(report, default=str)[:REPORT_BYTES] + "\n")
+    while True:
         signal.pause()
 
 

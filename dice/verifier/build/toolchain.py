@@ -3,7 +3,8 @@
 locks shared by every process that builds into the cache), and the artifacts built once per
 toolchain and flags into the cache, each atomically under a lock a killed build releases
 (`_locked_artifact`): the precompiled header, the `dice_dispatch` extension, the macros torch's
-headers define and every name they declare (DESIGN.md §8.5)."""
+headers define and every name they declare, the names `inline.LAZY_HEADERS` add to the device
+unit (DESIGN.md §8.5)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch.utils.cpp_extension as cpp_extension
 
-from .inline import DEVICE_PRELUDE, DISPATCH_HEADER, Unsplittable
+from .inline import DEVICE_PRELUDE, DISPATCH_HEADER, LAZY_HEADERS, Unsplittable
 from .torch_inline import TORCH_PREFIX
 
 DISPATCH_SOURCE = DISPATCH_HEADER.with_name("dispatch.cpp")
@@ -273,6 +274,62 @@ def torch_macros(root: Path, flags: Flags) -> frozenset[str]:
     if folder is None:
         raise Unsplittable("toolchain", "nvcc could not preprocess torch's headers")
     return frozenset(json.loads((folder / "macros.json").read_text()))
+
+
+def lazy_names(root: Path, flags: Flags) -> frozenset[str] | None:
+    """What `LAZY_HEADERS` add to DEVICE_PRELUDE's other headers under torch's nvcc flags: every
+    macro they define and every name they declare at namespace scope (types, functions, their
+    overloads' names, enumerators; `namespace_scope_names`), less those the other headers define
+    or declare there already. A device unit naming none of them compiles without those headers to
+    the same program (`inline.split_program`). None if nvcc could not preprocess them (every unit
+    keeps them)."""
+    nvcc = [f for f in flags.cuda_flags if not f.startswith("-gencode")]
+    key = hashlib.sha256(json.dumps([flags.nvcc, nvcc, compiler_version(tuple(flags.nvcc)), LAZY_HEADERS]).encode()
+                         ).hexdigest()
+
+    def make(folder: Path) -> bool:
+        found = {}
+        for unit, headers in (("full", DEVICE_PRELUDE), ("lean", [h for h in DEVICE_PRELUDE if h not in LAZY_HEADERS])):
+            (folder / f"{unit}.cu").write_text("\n".join([*(f"#include <{h}>" for h in headers), *TORCH_PREFIX[1:]]) + "\n")
+            outputs = []
+            for extra in ([], ["-Xcompiler", "-dM"]):
+                done = subprocess.run([*flags.nvcc, *nvcc, "-E", *extra, str(folder / f"{unit}.cu")],
+                                      capture_output=True, text=True, stdin=subprocess.DEVNULL)
+                if done.returncode != 0:
+                    return False
+                outputs.append(done.stdout)
+            code, macros = outputs
+            found[unit] = namespace_scope_names(code) | set(re.findall(r"^#define (\w+)", macros, re.MULTILINE))
+        (folder / "names.json").write_text(json.dumps(sorted(found["full"] - found["lean"])))
+        return True
+
+    folder = _locked_artifact(root / "lazy", key[:32], make)
+    return frozenset(json.loads((folder / "names.json").read_text())) if folder else None
+
+
+def namespace_scope_names(code: str) -> set[str]:
+    """Identifiers of preprocessed C++ outside every function body, class body and parenthesis:
+    the names a declaration at namespace scope introduces (with its keywords and types), never a
+    parameter or a local. Namespace, `extern "C"` and enum braces do not count as bodies."""
+    names, stack, depth, recent = set(), [], 0, []
+    for token in re.findall(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'|^#[^\n]*|[A-Za-z_]\w*|[{}();]',
+                            code, re.MULTILINE):
+        if token == "{":
+            words = [t for t in recent if t[:1] not in "\"'"]
+            stack.append("namespace" in words or "enum" in words or words[-1:] == ["extern"])
+            recent = []
+        elif token == "}":
+            if stack:
+                stack.pop()
+            recent = []
+        elif token in ("(", ")", ";"):
+            depth += {"(": 1, ")": -1, ";": 0}[token]
+            recent = [] if token == ";" else recent
+        elif token[0] != "#":
+            recent.append(token)
+            if depth == 0 and all(stack) and token[0] not in "\"'":
+                names.add(token)
+    return names
 
 
 def header_names(root: Path, flags: Flags) -> frozenset[str] | None:
