@@ -27,11 +27,14 @@ def stub_rollout(monkeypatch):
     (slots, task names) of every call."""
     calls, lock = [], threading.Lock()
 
-    def rollout(model, tok, tasks, slots, cfg, reward_fn, seed, infill, fmt=None):
+    def rollout(model, tok, tasks, slots, cfg, reward_fn, seed, infill, fmt=None, while_scoring=None):
         with lock:
             calls.append((list(slots), [t.name for t in tasks]))
         rewards = [1.0 if t.name in AGREE else float(j % 2) for t in tasks for j in range(cfg.group_size)]
-        return ([f"{t.name}/{j}" for t in tasks for j in range(cfg.group_size)], rewards, [None] * len(rewards),
+        completions = [f"{t.name}/{j}" for t in tasks for j in range(cfg.group_size)]
+        if while_scoring is not None:
+            while_scoring(completions, lambda: True)
+        return (completions, rewards, [None] * len(rewards),
                 {"generate_s": 1.0, "verify_s": 2.0, "verify_wait_s": 0.0, "rollout_batch": len(rewards)})
     monkeypatch.setattr(dice.rl.groups, "rollout", rollout)
     return calls
@@ -61,6 +64,16 @@ def test_dropped_groups_are_replaced_by_the_next_tasks(monkeypatch, rounds, draw
                      ([7, 8], ["t7", "t8"])][:ran]                     # slot d: the d-th task drawn
     assert len(sampled.rewards) == len(sampled.advantages) == len(sampled.completions) == 2 * drawn
     assert sampled.timing == {"generate_s": ran * 1.0, "verify_s": ran * 2.0}
+
+
+def test_each_rounds_old_log_probs_count_its_responses_from_the_rounds_before(monkeypatch):
+    """The pass beside a round's reward (`dice.rl.old_logprobs`) numbers its responses as the update
+    does, after those of the rounds before: rounds of 4, 3 and 2 tasks of 2 samples."""
+    stub_rollout(monkeypatch)
+    seen = []
+    sample_step(None, None, ORDERED, 0, step_config(2), None, Runtime(torch.device("cpu")), seed=0, infill=False,
+                rollout_logprobs=lambda completions, finished, offset: seen.append((offset, completions[0])))
+    assert seen == [(0, "t0/0"), (8, "t4/0"), (14, "t7/0")]
 
 
 def test_a_step_draws_from_where_the_last_one_stopped_wrapping(monkeypatch):

@@ -17,7 +17,9 @@ generation), verify exposed (scoring left after the last token), update (the Tra
 step runs it: its time less compile s), with its model FLOPs (`dice.rl.packing.update_flops`) per
 second against the H200's measured bf16 rate, and compile s (what the update's first micro-batches took
 beyond steady ones, `dice.rl.packing.CompileClock`: FlexAttention compiles once per process for the
-update's one micro-batch shape, so a `--compare`'s second step compiles nothing and shows 0). The bound
+update's one micro-batch shape, so a `--compare`'s second step compiles nothing and shows 0). The
+update's old log-probs are computed beside the reward's tail where it leaves time
+(`dice.rl.old_logprobs`): in update s only what was left. The bound
 is the largest of generate, verify and update. `--baseline` runs the step as it ran before the rounds
 of a response shared one clean stream (`--update-rows round`: one doubled row per round, in the same
 token-sized micro-batches); `--compare` runs the baseline and then the given settings in one process
@@ -47,6 +49,7 @@ from ..memory import check_fits, kv_cache_bytes, parameter_bytes
 from ..model.sdar import SDAR
 from ..model.tokenizer import load_tokenizer
 from ..rl.groups import group_advantages, rank_slots, rollout
+from ..rl.old_logprobs import RolloutLogprobs
 from ..rl.packing import UPDATE_ROWS
 from ..rl.rewards import rank_verifier
 from ..rl.rollout import OVERLAP, FullParameters, prompt_format, task_prompt_ids
@@ -177,25 +180,28 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
         bench.progress(f"{name}: rollouts generated {made}/{n}, verified {scored}/{n}{load()}", force=last)
 
     # one-member groups: rollout k carries its own program; slot k's seed equals the grouped one's
+    old = None if skip_update else RolloutLogprobs(model, cfg, rt, tok.pad_token_id)
     with torch.no_grad(), gather or contextlib.nullcontext():
         completions, rewards, results, timing = rollout(
             model, tok, [owners[k] for k in mine], mine, dataclasses.replace(cfg, group_size=1), reward,
             seed=cfg.seed * 100_003 * 10_007, infill=cfg.phase == "infill", overlap=s.overlap,
             low_precision=s.rollout_dtype == "bf16", auto_batch=s.rollout_batch == "auto",
             lengths=[lengths[k] for k in mine],
-            progress=show)
-    rollout_s = time.perf_counter() - start
+            progress=show, while_scoring=old)
+    # compiling the old log-probs' forward, if it came first there, is compile s, not step s
+    rollout_s = time.perf_counter() - start - (old.compile_s if old else 0.0)
     advantages = group_advantages(rewards, group)
     model.train()
     t0 = time.perf_counter()
     update = {} if skip_update else policy_update(
         model, None, completions, advantages, cfg, rt, optimizer, tok.pad_token_id,
-        progress=lambda done, total: bench.progress(f"{name}: update micro-batches", done, total))
+        progress=lambda done, total: bench.progress(f"{name}: update micro-batches", done, total),
+        rollout_logprobs=old)
     restart_moments(optimizer, cfg.optimizer_state)
     if cuda:
         torch.cuda.synchronize()
-    compile_s = update.get("compile_s", 0.0)
-    update_s = time.perf_counter() - t0 - compile_s
+    update_s = time.perf_counter() - t0 - update.get("compile_s", 0.0)
+    compile_s = update.get("compile_s", 0.0) + (old.compile_s if old else 0.0)
     verified = [r for r in results if r is not None]
     ranks = _all_gather(rt, {"generate": timing["generate_s"], "verify": timing["verify_s"],
                              "verify exposed": timing["verify_wait_s"], "update": update_s,

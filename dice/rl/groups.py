@@ -5,6 +5,7 @@ and DAPO's dynamic sampling, which draws new tasks in place of groups that teach
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 from typing import Sequence
 
@@ -34,7 +35,7 @@ def rank_slots(first: int, count: int, rt) -> list[int]:
 
 def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: RewardFn, seed: int, infill: bool, *,
             overlap: str = "stream", low_precision: bool = True, auto_batch: bool = False,
-            lengths: Sequence[int] | None = None, fmt: PromptFormat | None = None, progress=None):
+            lengths: Sequence[int] | None = None, fmt: PromptFormat | None = None, progress=None, while_scoring=None):
     """Generate `group_size` responses per task and reward them while generation goes on
     (`dice.rl.rollout.generate_and_score`; overlap "stream": each block's finished responses go to
     the reward at once, up to `verifier_workers` calls at a time). Sample j of the task in slot k
@@ -43,7 +44,8 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
     autocast; low_precision=False: the model itself) in batches of `rollout_batch`, or with
     auto_batch as many as fit in memory (`auto_rollout_batch`). lengths: one forced response
     length per response, in that order (`python -m dice.bench rl`); progress(generated, scored,
-    total) follows them (`generate_and_score`). Returns (completions,
+    total) follows them and while_scoring runs beside the reward's tail (`generate_and_score`;
+    `dice.rl.old_logprobs`). Returns (completions,
     rewards, results, timings): `results` are the verifier results of every completion, in order
     (None where the reward has none, see `Scores`); timings also name the rollout batch used.
     fmt: the prompt format (None: the model's, `prompt_format`)."""
@@ -62,7 +64,7 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
     completions, rewards, results, timings = generate_and_score(
         policy, tok, prompts, owners, seeds, lambda ts, cs: score(reward_fn, ts, cs), batch_size=size,
         max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling(), overlap=overlap, lanes=cfg.verifier_workers,
-        lengths=lengths, progress=progress)
+        lengths=lengths, progress=progress, while_scoring=while_scoring)
     return completions, rewards, results, {**timings, "rollout_batch": size}
 
 
@@ -81,7 +83,7 @@ class StepRollout:
 
 
 def sample_step(model, tok, ordered: list[Task], first: int, cfg, reward_fn: RewardFn, rt, seed: int, infill: bool,
-                fmt: PromptFormat | None = None) -> StepRollout:
+                fmt: PromptFormat | None = None, rollout_logprobs=None) -> StepRollout:
     """A step's rollouts: `tasks_per_step` tasks of `ordered` from position `first` on (`rollout`),
     then, with `--dynamic-sampling-rounds N`, up to N more rounds, each drawing the next tasks, one
     for every group of the round before whose rewards all agreed, until no group of a round agrees
@@ -89,14 +91,17 @@ def sample_step(model, tok, ordered: list[Task], first: int, cfg, reward_fn: Rew
     with an advantage; DAPO over-samples a fixed batch and cuts the surplus, here a round draws
     exactly the groups missing, so no group that teaches is thrown away). The d-th task the step
     draws fills slot d (its samples' seeds, `rollout`), the slots of a round spread over the
-    processes as in the first, so the draws and seeds depend on (seed, step, slot) alone."""
+    processes as in the first, so the draws and seeds depend on (seed, step, slot) alone.
+    rollout_logprobs (`dice.rl.old_logprobs.RolloutLogprobs`) runs beside each round's reward tail."""
     out = StepRollout([], [], [], [], {"generate_s": 0.0, "verify_s": 0.0})
     count = cfg.tasks_per_step
     while count and out.rounds <= cfg.dynamic_sampling_rounds:
         drawn = tasks_at(ordered, first + out.drawn, count)
         slots = rank_slots(out.drawn, count, rt)
+        beside = None if rollout_logprobs is None else functools.partial(rollout_logprobs, offset=len(out.completions))
         completions, rewards, results, timing = rollout(model, tok, [drawn[k - out.drawn] for k in slots], slots,
-                                                        cfg, reward_fn, seed=seed, infill=infill, fmt=fmt)
+                                                        cfg, reward_fn, seed=seed, infill=infill, fmt=fmt,
+                                                        while_scoring=beside)
         advantages = group_advantages(rewards, cfg.group_size)
         count = int(rt.all_sum(advantages[::cfg.group_size].count(None)))
         out.completions += completions

@@ -124,7 +124,8 @@ class PackedBatch:
     """Update rows: per token its id, position, stream (0 clean, r >= 1 noisy copy r) and sample,
     all [B, L]; per loss token (in `loss_at` order, row-major) its target (the clean token), weight
     and advantage. `tokens` and `visible_pairs` count the real tokens and the (query, key) pairs the
-    mask lets attend (`update_flops`). Padding goes on along the position grid as sample -1 in
+    mask lets attend (`update_flops`); `rounds` names the loss tokens' rounds in that order: (response
+    k, round index, loss tokens) each (`dice.rl.old_logprobs`). Padding goes on along the position grid as sample -1 in
     stream 1: no real token sees it, and a padding token sees only its own block of padding (every
     row keeps a visible key; the FlexAttention mask visits one tile per tile of padding, not the
     triangle a clean stream of padding would cost)."""
@@ -138,6 +139,7 @@ class PackedBatch:
     advantage: torch.Tensor
     tokens: int = 0
     visible_pairs: int = 0
+    rounds: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def _layout(group: RoundGroup, mask_id: int) -> tuple[dict, int]:
@@ -169,7 +171,7 @@ def _layout(group: RoundGroup, mask_id: int) -> tuple[dict, int]:
 def pack(rows: list[list[RoundGroup]], mask_id: int, pad_id: int, advantages: Sequence[float]) -> PackedBatch:
     """A micro-batch whose row i holds the groups rows[i] one after another (sample ids 0, 1, ...),
     padded to the longest row with `pad_id` (`PackedBatch`)."""
-    laid, pairs = [], 0
+    laid, pairs, rounds = [], 0, []
     for groups in rows:
         cols = []
         for s, g in enumerate(groups):
@@ -177,6 +179,7 @@ def pack(rows: list[list[RoundGroup]], mask_id: int, pad_id: int, advantages: Se
             cols.append({**col, "sample": torch.full_like(col["pos"], s),
                          "advantage": torch.full((len(col["pos"]),), float(advantages[g.k]))})
             pairs += visible
+            rounds += [(g.k, rnd.index, len(rnd.loss)) for rnd in g.rounds]
         laid.append({key: torch.cat([col[key] for col in cols]) for key in cols[0]})
     L, B = max(len(row["ids"]) for row in laid), len(rows)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -189,7 +192,8 @@ def pack(rows: list[list[RoundGroup]], mask_id: int, pad_id: int, advantages: Se
         sample[i, :m], loss_at[i, :m] = row["sample"], row["loss"]
     picked = lambda key: torch.cat([row[key][row["loss"]] for row in laid])  # noqa: E731 - loss_at order
     return PackedBatch(ids, positions, stream, sample, loss_at, picked("target"), picked("weight"),
-                       picked("advantage"), tokens=sum(len(row["ids"]) for row in laid), visible_pairs=pairs)
+                       picked("advantage"), tokens=sum(len(row["ids"]) for row in laid), visible_pairs=pairs,
+                       rounds=rounds)
 
 
 def empty_batch(block_size: int, pad_id: int) -> PackedBatch:
@@ -225,7 +229,7 @@ def pad_batch(batch: PackedBatch, length: int) -> PackedBatch:
     positions[:, :n] = batch.position_ids
     return PackedBatch(pad(batch.ids, 0), positions, pad(batch.stream, 1), pad(batch.sample_ids, -1),
                        pad(batch.loss_at, False), batch.targets, batch.token_weight, batch.advantage,
-                       batch.tokens, batch.visible_pairs)
+                       batch.tokens, batch.visible_pairs, batch.rounds)
 
 
 def packed_logprobs(model, batch: PackedBatch, use_flex: bool | None = None) -> torch.Tensor:

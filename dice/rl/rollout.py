@@ -230,6 +230,10 @@ class _Scorer:
             self.on_scored(len(completions))
         return scores
 
+    def finished(self) -> bool:
+        """Whether every scoring call submitted so far has returned."""
+        return all(call.done() for _, call in self.calls)
+
     def collect(self, n: int) -> tuple[list[float], list]:
         rewards, results = [0.0] * n, [None] * n
         for indices, call in self.calls:
@@ -245,7 +249,7 @@ class _Scorer:
 def generate_and_score(model, tokenizer, prompts: Sequence[Sequence[int]], owners: Sequence, seeds: Sequence[int],
                        score: Callable, *, batch_size: int, max_new_tokens: int, sampling: Sampling = Sampling(),
                        overlap: str = "stream", lanes: int = 1, lengths: Sequence[int] | None = None,
-                       progress: Callable[[int, int, int], None] | None = None):
+                       progress: Callable[[int, int, int], None] | None = None, while_scoring: Callable | None = None):
     """Completions for `prompts` (generated `batch_size` at a time, `max_new_tokens` and `sampling`
     as in `generate`) scored by `score(owners, completions)`, which returns a `dice.rl.rewards.Scores`
     for the owners (tasks) and completions it is given.
@@ -256,7 +260,9 @@ def generate_and_score(model, tokenizer, prompts: Sequence[Sequence[int]], owner
     call once it is generated, one call at a time, while the next batch generates (the earlier
     way); "none" scores everything after the last batch (no overlap; for measurements).
     progress(generated, scored, total) is called as sequences finish and as scoring calls return
-    (from the scoring threads too). Returns (completions, rewards, results, timings), in prompt
+    (from the scoring threads too). while_scoring(completions, finished) runs once the last batch is
+    generated, beside the scoring left (`dice.rl.old_logprobs`: finished() is true once it is done).
+    Returns (completions, rewards, results, timings), in prompt
     order; timings: generate_s (the generating thread), verify_s (time with a scoring call
     running) and verify_wait_s (scoring left after the last batch: the part generation did not hide)."""
     if overlap not in OVERLAP:
@@ -298,6 +304,8 @@ def generate_and_score(model, tokenizer, prompts: Sequence[Sequence[int]], owner
         if overlap == "none":
             scorer.submit(list(range(n)), owners, completions)
         t0 = time.perf_counter()
+        if while_scoring is not None:
+            while_scoring(completions, scorer.finished)
         rewards, results = scorer.collect(n)
         wait_s = time.perf_counter() - t0
     finally:

@@ -26,6 +26,7 @@ from .rollout import Completion
 class Round:
     masked: list[int]      # positions (in prompt + response) that are MASK in the noisy copy
     loss: list[int]        # positions whose loss counts (unmasked at this round's step)
+    index: int             # r: the response's round rows in order
 
 
 def trace_rounds(step_map: Sequence[int], prompt_len: int, block_size: int,
@@ -51,7 +52,7 @@ def trace_rounds(step_map: Sequence[int], prompt_len: int, block_size: int,
     masked = steps[:, None] >= threshold[block]                                    # [positions, rounds]
     loss_round = rank[torch.searchsorted(pairs, key)]
     response_pos = pos[:len(step_map)]
-    return [Round(pos[masked[:, r]].tolist(), response_pos[loss_round == r].tolist())
+    return [Round(pos[masked[:, r]].tolist(), response_pos[loss_round == r].tolist(), r)
             for r in range(threshold.shape[1])]
 
 

@@ -56,6 +56,7 @@ from ..tasks.load import Task, load_tasks, phase_tasks
 from ..tasks.prompts import PromptFormat
 from .packing import FLEX_MET, CompileClock, PackedBatch, packed_logprobs, update_flops, update_plan
 from .groups import sample_step
+from .old_logprobs import RolloutLogprobs
 from .rewards import RewardFn, Scores, rl_rewards, score
 from .rollout import FullParameters, complete, load_prompt_template, prompt_format, task_prompt_ids
 
@@ -113,11 +114,12 @@ def _train_micro_batch(model, ref_model, batch: PackedBatch, logp_old: torch.Ten
 
 
 def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer, pad_id: int, seed: int = 0,
-                  progress=None) -> dict:
+                  progress=None, rollout_logprobs: RolloutLogprobs | None = None) -> dict:
     """The optimiser steps of one RL step over the kept responses' trace rounds (`update_plan`).
     The token weights count rows and responses over all processes, so a micro-batch's backward is
     already its share of the step; with several steps the ratio is to the rollout policy's
-    log-probs, taken before the first. progress(done, total) follows the micro-batches. kl and
+    log-probs, taken before the first (those `rollout_logprobs` computed while the reward finished,
+    `dice.rl.old_logprobs`, and the rest here). progress(done, total) follows the micro-batches. kl and
     clip_fraction are means over every loss token of all processes; flops is the update's model
     FLOPs (`dice.rl.packing.update_flops`), all processes'; compile_s the seconds it spent compiling
     FlexAttention (`CompileClock`; the slowest process's): a process's first update, 0 after;
@@ -135,10 +137,16 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     flops = sum(update_flops(config, b) for step in plan for b in step)
     old = None
     if U > 1:   # the rollout policy's log-probs, before the first update
+        def old_of(b: PackedBatch) -> torch.Tensor:
+            nonlocal flops
+            kept = rollout_logprobs.old(b) if rollout_logprobs is not None else None
+            if kept is not None:
+                return kept
+            flops += update_flops(config, b, backward=False)
+            return clock.run("forward", b, functools.partial(packed_logprobs, model, b, use_flex))
+
         with torch.no_grad(), rt.autocast(cfg.dtype):
-            old = [[clock.run("forward", b, functools.partial(packed_logprobs, model, b, use_flex)) for b in step]
-                   for step in plan]
-        flops += sum(update_flops(config, b, backward=False) for step in plan for b in step)
+            old = [[old_of(b) for b in step] for step in plan]
     if ref_model is not None:
         flops += sum(update_flops(config, b, backward=False) for step in plan for b in step)
     loss_sum, kl_sum, clipped, n_tokens, done, norm_sum = 0.0, 0.0, 0.0, 0, 0, 0.0
@@ -282,16 +290,18 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
             # rollouts, rewards, advantages: one pass (`sample_step`), the reward scoring each block's finished
             # responses while generation goes on, the advantages deciding which tasks dynamic sampling redraws
             model.eval()
+            # the update's old log-probs, computed while the reward's last verdicts come in
+            old = RolloutLogprobs(model, cfg, rt, run.tok.pad_token_id)
             with torch.no_grad(), gather:
                 sampled = sample_step(model, run.tok, run.ordered, run.cursor, cfg, reward_fn, rt,
                                       seed=(cfg.seed * 100_003 + step) * 10_007, infill=cfg.phase == "infill",
-                                      fmt=run.fmt)
+                                      fmt=run.fmt, rollout_logprobs=old)
             run.cursor += sampled.drawn
             # update: the optimiser steps over the kept responses' trace rounds
             model.train()
             t_update = time.perf_counter()
             upd = policy_update(model, run.ref_model, sampled.completions, sampled.advantages, cfg, rt, optimizer,
-                                run.tok.pad_token_id, seed=cfg.seed * 100_003 + step)
+                                run.tok.pad_token_id, seed=cfg.seed * 100_003 + step, rollout_logprobs=old)
             # dropped now, not before the next update: the next step's rollouts get their memory
             restart_moments(optimizer, cfg.optimizer_state)
             t_update = time.perf_counter() - t_update
