@@ -64,8 +64,11 @@ def test_each_rounds_old_log_probs_are_its_own_doubled_rows(budget):
 
 def test_the_pass_stops_once_the_reward_is_in():
     model = load_model(TINY)
+    done = RolloutLogprobs(model, config(update_tokens=12), CPU, pad_id=0)
+    done(COMPLETIONS, lambda: True)
+    assert done.values == {}
     old = RolloutLogprobs(model, config(update_tokens=12), CPU, pad_id=0)
-    answers = iter([False, True])
+    answers = iter([False, False, True])   # on entry, before the first micro-batch, before the second
     old(COMPLETIONS, lambda: next(answers))
     computed = len(old.values)
     assert 0 < computed < sum(len(trace_rounds(c.step_map, len(c.prompt_ids), 4, c.tail_step_map))
@@ -85,7 +88,7 @@ def test_an_update_on_them_equals_one_that_computes_them(budget, stop_after):
         old = None
         if beside:
             old = RolloutLogprobs(model, cfg, CPU, pad_id=0)
-            answers = iter([False] * (stop_after or 99) + [True] * 99)
+            answers = iter([False] * (1 + (stop_after or 99)) + [True] * 99)   # entry, then per micro-batch
             old(COMPLETIONS, lambda: next(answers))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         out.append(policy_update(model, None, copy.deepcopy(COMPLETIONS), advantages, cfg, CPU, optimizer, 0,

@@ -35,7 +35,7 @@ class RolloutLogprobs:
         self.compile_s = 0.0
 
     def __call__(self, completions: list, finished, offset: int = 0) -> None:
-        if self.rt.world > 1:
+        if self.rt.world > 1 or finished():
             return
         config, device = self.model.config, next(self.model.parameters()).device
         use_flex = {"flex": True, "dense": False}.get(self.cfg.attention, device.type == "cuda")
