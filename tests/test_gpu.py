@@ -120,6 +120,37 @@ def test_static_decoding_does_not_wait_on_the_gpu_per_step():
     assert syncs(32) == syncs(64) > 0
 
 
+@pytest.mark.slow   # FlexAttention compiles
+@pytest.mark.parametrize("dtype, atol", [("fp32", 1e-3), ("bf16", 0.1)])
+def test_old_log_probs_beside_the_reward_are_the_updates_own(dtype, atol):
+    """`dice.rl.old_logprobs` packs the responses its own way; through FlexAttention its log-probs
+    equal those of the update's micro-batches (its plan's packing) to rounding: float32 as the
+    flex/dense check above, bf16 autocast within its logits' rounding (1.7B layer shapes, 2 layers)."""
+    import random
+    from types import SimpleNamespace
+
+    from dice.config import TrainConfig
+    from dice.rl.old_logprobs import RolloutLogprobs
+    from dice.rl.packing import packed_logprobs, update_plan
+    from dice.rl.rollout import Completion
+    from dice.runtime import Runtime
+    model = random_model("1.7b", dtype=torch.float32, num_hidden_layers=2)
+    rng, comps = random.Random(1), []
+    for prompt_len, n in ((37, 90), (64, 41), (5, 150), (20, 300)):
+        steps = [s for b in range(0, n, 4) for s in rng.choices(range(4 * b, 4 * b + 4), k=min(4, n - b))]
+        comps.append(Completion(rng.choices(range(1000), k=prompt_len), rng.choices(range(1000), k=n), steps, "", None))
+    cfg = TrainConfig(phase="e2e", out="unused", dtype=dtype, attention="flex", update_tokens=1024, updates_per_step=2)
+    rt = Runtime(torch.device("cuda"))
+    old = RolloutLogprobs(model, cfg, rt, pad_id=0)
+    with torch.no_grad():
+        old(comps, lambda: False)
+        plan, _, _ = update_plan(comps, [1.0, -1.0, 0.5, -0.5], cfg, rt, 4, 151669, 0, True)
+        for batch in (b for step in plan for b in step):
+            with rt.autocast(dtype):
+                own = packed_logprobs(model, batch, use_flex=True)
+            torch.testing.assert_close(old.old(batch), own, atol=atol, rtol=0)
+
+
 @pytest.mark.slow   # FlexAttention's first Inductor compile, ~15 s on the H200: the full run's, not the quick check's
 @torch.no_grad()
 def test_flex_packed_update_rows_equal_dense():
