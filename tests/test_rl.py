@@ -226,6 +226,23 @@ def test_policy_update_loss_hand_computed(norm, expected, rows, update_tokens):
     assert stats["compile_s"] == 0.0    # dense masks compile nothing
 
 
+def test_an_update_out_of_gpu_memory_says_which_flags_help(monkeypatch):
+    """Out of memory (the H100 of 2026-12-06 beside 17 verifier processes) is one line naming the
+    levers, not torch's traceback."""
+    import dice.rl.train_rl
+    from dice.errors import UserError
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 704.00 MiB.")
+
+    monkeypatch.setattr(dice.rl.train_rl, "_train_micro_batch", out_of_memory)
+    model = load_model(TINY)
+    cfg = TrainConfig(phase="e2e", model=str(TINY), out="unused", update_tokens=16384, dtype="fp32")
+    with pytest.raises(UserError, match=r"--update-tokens 8192 or turn on gradient checkpointing"):
+        policy_update(model, None, [SHORT, LONG], [1.0, -1.0], cfg, Runtime(torch.device("cpu")),
+                      torch.optim.AdamW(model.parameters()), 0)
+
+
 @pytest.mark.parametrize("updates, rows_per_update, steps", [(1, 256, 1), (2, 256, 2), (0, 256, 1), (0, 3, 2)])
 def test_later_updates_of_a_step_are_measured_against_the_rollout_policy(updates, rows_per_update, steps):
     """--updates-per-step U (0: one per --rows-per-update rounds; here 6 rounds): every minibatch's ratio

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DataError
+from ..errors import DataError, UserError
 from ..metrics import rl_progress_fields, rl_step_record
 from ..model.checkpoint import load_model
 from ..model.tokenizer import load_tokenizer
@@ -132,6 +132,22 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     if not plan:   # every group had equal rewards: no signal, and Adam's momentum must not move us
         return {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "responses_trained": 0, "rounds": 0, "flops": 0.0,
                 "compile_s": 0.0, "grad_norm": 0.0}
+    try:
+        return _run_plan(model, ref_model, plan, n_responses, n_rows, cfg, rt, optimizer, use_flex, progress,
+                         rollout_logprobs)
+    except torch.OutOfMemoryError:
+        free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (0, 0)
+        raise UserError(f"the RL update ran out of GPU memory ({(total - free) / 2**30:.0f} of {total / 2**30:.0f} "
+                        f"GiB in use, the verifier's processes included) with micro-batches of {cfg.update_tokens} "
+                        f"tokens; pass --update-tokens {max(cfg.update_tokens // 2, 1)} or turn on gradient "
+                        "checkpointing (train.py --gradient-checkpointing, bench rl --grad-ckpt)") from None
+
+
+def _run_plan(model, ref_model, plan, n_responses: int, n_rows: int, cfg, rt, optimizer, use_flex: bool, progress,
+              rollout_logprobs) -> dict:
+    """`policy_update`'s passes over its plan: the old log-probs (with U > 1), then each optimiser
+    step's micro-batches, its clip and its step."""
+    config, device = model.config, next(model.parameters()).device
     clock = CompileClock(FLEX_MET if use_flex and device.type == "cuda" else None, device)
     U, total = len(plan), sum(map(len, plan))
     flops = sum(update_flops(config, b) for step in plan for b in step)
