@@ -3,6 +3,7 @@ against its own doubled row, stopping once the reward is in, and an update that 
 one that computes them itself; `generate_and_score` runs the pass after the last token."""
 import copy
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -102,7 +103,8 @@ def test_an_update_on_them_equals_one_that_computes_them(budget, stop_after):
 
 def test_generate_and_score_runs_the_pass_after_the_last_token_beside_the_reward():
     """while_scoring comes once, with every completion, while a scoring call is still running, and
-    its finished() turns true once the reward is in."""
+    its finished() turns true once the reward is in; the reward's exposed tail ends there, not when
+    the pass does."""
     model = load_model(TINY)
     release, seen = threading.Event(), []
 
@@ -116,8 +118,10 @@ def test_generate_and_score_runs_the_pass_after_the_last_token_beside_the_reward
         while not finished():
             pass
         seen.append(finished())
+        time.sleep(2.0)   # the pass overruns the reward: not the reward's tail
 
     tokenizer = SimpleNamespace(eos_token_ids=(), decode=lambda ids: "")
-    generate_and_score(model, tokenizer, [[1, 2, 3]] * 3, [0, 1, 2], [0, 1, 2], score, batch_size=2,
-                       max_new_tokens=8, overlap="batch", while_scoring=beside)
+    *_, timing = generate_and_score(model, tokenizer, [[1, 2, 3]] * 3, [0, 1, 2], [0, 1, 2], score, batch_size=2,
+                                    max_new_tokens=8, overlap="batch", while_scoring=beside)
     assert seen == [(3, True, False), True]
+    assert timing["verify_wait_s"] < 2.0

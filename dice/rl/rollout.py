@@ -209,6 +209,7 @@ class _Scorer:
         self.score, self.calls, self.on_scored = score, [], on_scored
         self.pool = ThreadPoolExecutor(max_workers=max(1, lanes), thread_name_prefix="dice-score")
         self.lock, self.running, self.since, self.busy_s = threading.Lock(), 0, 0.0, 0.0
+        self.last_end = 0.0   # when the last scoring call so far returned
 
     def submit(self, indices: list[int], owners: Sequence, completions: list) -> None:
         args = ([owners[i] for i in indices], [completions[i] for i in indices])
@@ -224,8 +225,9 @@ class _Scorer:
         finally:
             with self.lock:
                 self.running -= 1
+                self.last_end = time.perf_counter()
                 if self.running == 0:
-                    self.busy_s += time.perf_counter() - self.since
+                    self.busy_s += self.last_end - self.since
         if self.on_scored is not None:
             self.on_scored(len(completions))
         return scores
@@ -307,7 +309,7 @@ def generate_and_score(model, tokenizer, prompts: Sequence[Sequence[int]], owner
         if while_scoring is not None:
             while_scoring(completions, scorer.finished)
         rewards, results = scorer.collect(n)
-        wait_s = time.perf_counter() - t0
+        wait_s = max(0.0, scorer.last_end - t0)   # the reward's own tail, not while_scoring's
     finally:
         scorer.close()
     return completions, rewards, results, {"generate_s": generate_s, "verify_s": scorer.busy_s,
