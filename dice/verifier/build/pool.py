@@ -35,6 +35,7 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -284,9 +285,9 @@ def _child(report_fd: int, candidate_src: str | None, root: str, capability, bui
     _report(report_fd, {"status": status, "builds": cache.history, "message": message})
 
 
-def _report(report_fd: int, report: dict) -> None:
+def _report(report_fd: int, report: dict) -> NoReturn:
     """Write a child's one-line report, then wait to be killed by the server (with everything the
-    candidate started below us)."""
+    candidate started below us): never returns."""
     with os.fdopen(report_fd, "w") as out:
         out.write(json.dumps(report, default=str)[:REPORT_BYTES] + "\n")
     while True:
