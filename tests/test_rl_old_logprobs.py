@@ -4,7 +4,6 @@ one that computes them itself; `generate_and_score` runs the pass after the last
 import copy
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,17 +17,8 @@ from dice.rl.trace import trace_rounds
 from dice.rl.train_rl import policy_update
 from dice.runtime import Runtime
 from dice.sft.diffusion import doubled_logits
+from test_packing import COMPLETIONS, MASK, TINY   # tails, blocks of 1 to 4 rounds, a 2-token response
 
-TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
-MASK = 319
-COMPLETIONS = [   # tails after the cut, blocks of 1 to 4 rounds, a response of 2 tokens
-    Completion(list(range(10, 17)), [40, 41, 42, 43, 44, 45, 46], [1, 2, 2, 3, 5, 6, 8], "", None,
-               tail_tokens=[47, 48], tail_step_map=[7, 6]),
-    Completion(list(range(20, 29)), [50, 51, 52, 53, 54, 55], [1, 1, 1, 2, 3, 4], "", None,
-               tail_tokens=[56], tail_step_map=[5]),
-    Completion(list(range(30, 34)), list(range(60, 72)), [1, 3, 2, 4, 5, 8, 6, 7, 9, 10, 12, 11], "", None),
-    Completion(list(range(34, 39)), [80, 81], [2, 1], "", None, tail_tokens=[82], tail_step_map=[1]),
-]
 CPU = Runtime(torch.device("cpu"))
 
 

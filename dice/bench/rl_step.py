@@ -189,7 +189,8 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
             lengths=[lengths[k] for k in mine],
             progress=show, while_scoring=old)
     # compiling the old log-probs' forward, if it came first there, is compile s, not step s
-    rollout_s = time.perf_counter() - start - (old.compile_s if old else 0.0)
+    old_compile_s = old.compile_s if old else 0.0
+    rollout_s = time.perf_counter() - start - old_compile_s
     advantages = group_advantages(rewards, group)
     model.train()
     t0 = time.perf_counter()
@@ -201,7 +202,7 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
     if cuda:
         torch.cuda.synchronize()
     update_s = time.perf_counter() - t0 - update.get("compile_s", 0.0)
-    compile_s = update.get("compile_s", 0.0) + (old.compile_s if old else 0.0)
+    compile_s = update.get("compile_s", 0.0) + old_compile_s
     verified = [r for r in results if r is not None]
     ranks = _all_gather(rt, {"generate": timing["generate_s"], "verify": timing["verify_s"],
                              "verify exposed": timing["verify_wait_s"], "update": update_s,

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .packing import (FLEX_MET, CompileClock, PackedBatch, flex_length, group_rounds, micro_batches, pack, pad_batch,
-                      packed_logprobs)
-from .trace import trace_rounds
+from .packing import (CompileClock, PackedBatch, flex_length, group_rounds, micro_batches, pack, pad_batch,
+                      packed_logprobs, round_items, uses_flex)
 
 
 class RolloutLogprobs:
@@ -38,12 +37,12 @@ class RolloutLogprobs:
         if self.rt.world > 1 or finished():
             return
         config, device = self.model.config, next(self.model.parameters()).device
-        use_flex = {"flex": True, "dense": False}.get(self.cfg.attention, device.type == "cuda")
-        items = [(offset + i, c, rnd) for i, c in enumerate(completions) if c is not None and c.tokens
-                 for rnd in trace_rounds(c.step_map, len(c.prompt_ids), config.block_size, c.tail_step_map)]
+        use_flex = uses_flex(self.cfg, device)
+        items = round_items(completions, [k for k, c in enumerate(completions) if c is not None and c.tokens],
+                            config.block_size, offset)
         groups = group_rounds(items, [0.0] * len(items), self.cfg.update_rows, config.block_size,
                               self.cfg.update_tokens)
-        clock = CompileClock(FLEX_MET if use_flex and device.type == "cuda" else None, device)
+        clock = CompileClock.for_masks(use_flex, device)
         zero = dict.fromkeys((k for k, _, _ in items), 0.0)
         for chunk in micro_batches(groups, self.cfg.update_tokens):
             if finished():

@@ -275,6 +275,11 @@ class CompileClock:
     def __init__(self, met: set | None, device: torch.device):
         self.met, self.device, self.times = met, device, []
 
+    @classmethod
+    def for_masks(cls, use_flex: bool, device: torch.device) -> "CompileClock":
+        """The clock of passes through `packed_logprobs`: FlexAttention on CUDA compiles, else nothing."""
+        return cls(FLEX_MET if use_flex and device.type == "cuda" else None, device)
+
     def run(self, kind: str, batch: PackedBatch, fn):
         """fn(), the pass `kind` over `batch`, timed."""
         if self.met is None:   # nothing compiles: no time to take, no synchronize on the step's path
@@ -318,6 +323,19 @@ def minibatches(items: list, updates: int, order: str = "contiguous", seed: int 
     return [items[bounds[u]:bounds[u + 1]] for u in range(updates)]
 
 
+def uses_flex(cfg, device: torch.device) -> bool:
+    """Whether the update's masks are FlexAttention's: `--attention flex`, or auto on CUDA."""
+    return {"flex": True, "dense": False}.get(cfg.attention, device.type == "cuda")
+
+
+def round_items(completions, ks, block_size: int, offset: int = 0) -> list[tuple[int, Completion, Round]]:
+    """(offset + k, completion k, round) for every trace round of the responses `ks`, response by
+    response, each one's rounds in order: the update's round rows."""
+    return [(offset + k, completions[k], rnd) for k in ks
+            for rnd in trace_rounds(completions[k].step_map, len(completions[k].prompt_ids), block_size,
+                                    completions[k].tail_step_map)]
+
+
 def update_plan(completions, advantages, cfg, rt, block_size: int, mask_id: int, pad_id: int, use_flex: bool,
                 seed: int = 0) -> tuple[list[list[PackedBatch]], int, int]:
     """The update's micro-batches, per optimiser step (`dice.rl.train_rl`'s docstring; this module's): the kept
@@ -333,9 +351,7 @@ def update_plan(completions, advantages, cfg, rt, block_size: int, mask_id: int,
     budgets that hold it); otherwise one unpadded row per group, as the dense mask wants."""
     kept = [k for k, a in enumerate(advantages) if a is not None and completions[k].tokens]
     n_responses = int(rt.all_sum(len(kept)))
-    items = [(k, completions[k], rnd) for k in kept
-             for rnd in trace_rounds(completions[k].step_map, len(completions[k].prompt_ids), block_size,
-                                     completions[k].tail_step_map)]
+    items = round_items(completions, kept, block_size)
     n_rows = int(rt.all_sum(len(items)))
     if n_responses == 0:
         return [], 0, 0

@@ -54,7 +54,7 @@ from ..runs import (MetricsLog, check_resume, check_run_folder, checkpoint_step,
 from ..runtime import build_model, make_optimizer, setup_runtime
 from ..tasks.load import Task, load_tasks, phase_tasks
 from ..tasks.prompts import PromptFormat
-from .packing import FLEX_MET, CompileClock, PackedBatch, packed_logprobs, update_flops, update_plan
+from .packing import CompileClock, PackedBatch, packed_logprobs, update_flops, update_plan, uses_flex
 from .groups import sample_step
 from .old_logprobs import RolloutLogprobs
 from .rewards import RewardFn, Scores, rl_rewards, score
@@ -126,7 +126,7 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     grad_norm the whole gradient's norm before clipping, the mean over the optimiser steps."""
     config = model.config
     device = next(model.parameters()).device
-    use_flex = {"flex": True, "dense": False}.get(cfg.attention, device.type == "cuda")
+    use_flex = uses_flex(cfg, device)
     plan, n_responses, n_rows = update_plan(completions, advantages, cfg, rt, config.block_size,
                                             config.mask_token_id, pad_id, use_flex, seed)
     if not plan:   # every group had equal rewards: no signal, and Adam's momentum must not move us
@@ -148,7 +148,7 @@ def _run_plan(model, ref_model, plan, n_responses: int, n_rows: int, cfg, rt, op
     """`policy_update`'s passes over its plan: the old log-probs (with U > 1), then each optimiser
     step's micro-batches, its clip and its step."""
     config, device = model.config, next(model.parameters()).device
-    clock = CompileClock(FLEX_MET if use_flex and device.type == "cuda" else None, device)
+    clock = CompileClock.for_masks(use_flex, device)
     U, total = len(plan), sum(map(len, plan))
     flops = sum(update_flops(config, b) for step in plan for b in step)
     old = None
