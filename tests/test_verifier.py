@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dice.tasks.load import check_task_source
 from dice.verifier import TaskError, Verifier, VerifyResult, verify
 from dice.verifier.build.cache import BuildCache, BuildError, build_error_message, nvrtc_error_message
 from dice.verifier.outputs import aliased_outputs, compare_outputs, fingerprint, modified_inputs
@@ -194,6 +195,32 @@ def test_static_check_verdicts():
     no_kernel = static_check(GOOD, need_kernel=True)
     assert no_kernel.status == "invalid" and "__global__" in no_kernel.message
     assert static_check(GOOD, need_kernel=False) is None
+
+
+def test_candidates_and_tasks_are_parsed_one_thread_at_a_time(monkeypatch):
+    """CPython 3.11 can fail two concurrent ast.parse calls with a spurious SystemError
+    (python/cpython#106905); the verifier's and the reward's threads parse concurrently, so the
+    static checks must never overlap in ast.parse."""
+    inside, most, real_parse = [0], [0], ast.parse
+    count = threading.Lock()
+
+    def slow_parse(source, *args, **kwargs):
+        with count:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.01)
+        with count:
+            inside[0] -= 1
+        return real_parse(source, *args, **kwargs)
+
+    monkeypatch.setattr(ast, "parse", slow_parse)
+    jobs = [lambda: static_check(GOOD, need_kernel=False), lambda: check_task_source(RELU_TASK, "task")] * 8
+    threads = [threading.Thread(target=job) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most[0] == 1
 
 
 def test_trial_seeds_are_deterministic_and_distinct():

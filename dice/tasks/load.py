@@ -20,12 +20,23 @@ from __future__ import annotations
 import ast
 import json
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DataError, json_problem, read_text
 
 REQUIRED_NAMES = ("Model", "get_inputs", "get_init_inputs")
+_PARSING = threading.Lock()
+
+
+def parse_python(source: str) -> ast.Module:
+    """`ast.parse(source)`, one thread at a time: CPython 3.11's AST constructor keeps its recursion
+    depth in interpreter-wide state, so two threads parsing at once can fail with a spurious
+    "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905); the verifier
+    and the reward's scoring threads parse candidates and tasks concurrently."""
+    with _PARSING:
+        return ast.parse(source)
 
 
 @dataclass(frozen=True)
@@ -44,7 +55,7 @@ def missing_task_names(source: str) -> list[str]:
 
     Raises SyntaxError when the source does not parse."""
     defined = set()
-    for node in ast.parse(source).body:
+    for node in parse_python(source).body:
         if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             defined.add(node.name)
         elif isinstance(node, ast.Assign):

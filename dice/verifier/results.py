@@ -7,6 +7,7 @@ import random
 import re
 from dataclasses import dataclass
 
+from ..tasks.load import parse_python
 from .precision import PRECISIONS
 from .rules import fallback_problem, kernel_names
 from .wire import STATUSES
@@ -72,7 +73,7 @@ def static_check(source: str, need_kernel: bool, rules: str = "strict") -> Verif
     """The verdict when `source` fails a check that needs no execution, else None. Under rules
     "dice" (DICE's own check) only that it parses and defines ModelNew."""
     try:
-        tree = ast.parse(source)
+        tree = parse_python(source)
     except SyntaxError as exc:
         return VerifyResult("compile_error", message=f"candidate.py line {exc.lineno}: SyntaxError: {exc.msg}")
     except (ValueError, RecursionError, MemoryError) as exc:  # null bytes; nesting too deep for the parser
