@@ -1,13 +1,14 @@
 """Task loading from KernelBench folders and DICE JSON files (dice/tasks/load.py); bad files raise
 DataError, which the commands print as one line."""
 
+import ast
 import json
 from pathlib import Path
 
 import pytest
 
 from dice.errors import DataError
-from dice.tasks.load import Task, check_task_source, load_tasks, missing_task_names
+from dice.tasks.load import Task, check_task_source, load_tasks, missing_task_names, parse_python
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
 TASK = (FIXTURES / "relu_task.py").read_text()
@@ -101,3 +102,31 @@ def test_missing_path_and_empty_folder(tmp_path):
         load_tasks(tmp_path / "nope")
     with pytest.raises(DataError, match="found no tasks"):
         load_tasks(tmp_path)
+
+
+def test_a_spurious_ast_recursion_mismatch_is_retried_and_a_persistent_one_raised(monkeypatch):
+    """CPython 3.11 can fail a parse that overlaps another thread's (python/cpython#106905): such a
+    SystemError is retried; any other error, or one that persists, reaches the caller."""
+    real_parse, calls = ast.parse, []
+
+    def flaky(fails, message):
+        def parse(source, *args, **kwargs):
+            calls.append(source)
+            if len(calls) <= fails:
+                raise SystemError(message)
+            return real_parse(source, *args, **kwargs)
+        return parse
+
+    mismatch = "AST constructor recursion depth mismatch (before=24, after=22)"
+    monkeypatch.setattr(ast, "parse", flaky(2, mismatch))
+    assert [type(node).__name__ for node in parse_python("x = 1\ny = 2\n").body] == ["Assign", "Assign"]
+    assert len(calls) == 3
+    calls.clear()
+    monkeypatch.setattr(ast, "parse", flaky(3, mismatch))
+    with pytest.raises(SystemError, match="mismatch"):
+        parse_python("x = 1\n")
+    calls.clear()
+    monkeypatch.setattr(ast, "parse", flaky(1, "some other interpreter error"))
+    with pytest.raises(SystemError, match="other"):
+        parse_python("x = 1\n")
+    assert len(calls) == 1

@@ -30,11 +30,19 @@ REQUIRED_NAMES = ("Model", "get_inputs", "get_init_inputs")
 _PARSING = threading.Lock()
 
 
-def parse_python(source: str) -> ast.Module:
+def parse_python(source: str, attempts: int = 3) -> ast.Module:
     """`ast.parse(source)`, one thread at a time: CPython 3.11's AST constructor keeps its recursion
     depth in interpreter-wide state, so two threads parsing at once can fail with a spurious
     "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905); the verifier
-    and the reward's scoring threads parse candidates and tasks concurrently."""
+    and the reward's scoring threads parse candidates and tasks concurrently. A parse in a thread we
+    do not own (Triton's JIT, say, while the trainer compiles) can still collide: that one is retried."""
+    for _ in range(attempts - 1):
+        try:
+            with _PARSING:
+                return ast.parse(source)
+        except SystemError as exc:
+            if "recursion depth mismatch" not in str(exc):
+                raise
     with _PARSING:
         return ast.parse(source)
 
