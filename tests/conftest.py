@@ -251,3 +251,28 @@ def run_bounded(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
             stderr = "(no output: it did not stop on SIGTERM either)"
         pytest.fail(f"{' '.join(cmd)} still running after {timeout} s (deadlocked?):\n{stderr}")
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+
+class Occupancy:
+    """The most threads ever inside `occupy` at once (`most`): tests of locks and slots."""
+
+    def __init__(self):
+        self._lock, self._inside, self.most = threading.Lock(), 0, 0
+
+    def occupy(self, seconds: float) -> None:
+        with self._lock:
+            self._inside += 1
+            self.most = max(self.most, self._inside)
+        time.sleep(seconds)
+        with self._lock:
+            self._inside -= 1
+
+
+def run_in_threads(jobs) -> None:
+    """Start every job in a thread of its own, then wait for all of them."""
+    threads = [threading.Thread(target=job) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()

@@ -6,7 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +24,8 @@ from dice.verifier.build.toolchain import (CompilerSlots, Flags, dispatcher, laz
                                           precompiled_header)
 from dice.verifier.build.inline import Unsplittable, split_program
 from dice.verifier.build.torch_inline import cuda_cu, main_cpp, recorded_calls
+
+from conftest import Occupancy, run_in_threads
 
 HAVE_NVCC = Path("/usr/local/cuda/bin/nvcc").exists() and shutil.which("c++") is not None
 HEADER = "#include <torch/extension.h>\n"
@@ -306,24 +307,14 @@ def test_flags_are_torchs_but_one_architecture(cuda_home):
 
 
 def test_compiler_slots_bound_concurrency(tmp_path):
-    slots, inside, most = CompilerSlots(tmp_path, 2), [0], [0]
-    lock = threading.Lock()
+    slots, occupancy = CompilerSlots(tmp_path, 2), Occupancy()
 
     def work():
         with slots.hold():
-            with lock:
-                inside[0] += 1
-                most[0] = max(most[0], inside[0])
-            time.sleep(0.1)
-            with lock:
-                inside[0] -= 1
+            occupancy.occupy(0.1)
 
-    threads = [threading.Thread(target=work) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert most[0] == 2
+    run_in_threads([work] * 6)
+    assert occupancy.most == 2
 
 
 FAKE_COMPILER = """#!/usr/bin/env python3

@@ -25,6 +25,8 @@ from dice.verifier.process import GpuLock
 from dice.verifier.results import static_check, trial_seeds
 from dice.verifier.rules import fallback_problem, kernel_names, replaced_functions
 
+from conftest import Occupancy, run_in_threads
+
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
 RELU_TASK = (FIXTURES / "relu_task.py").read_text()
 POSITIVE_TASK = (FIXTURES / "relu_positive_task.py").read_text()
@@ -201,26 +203,15 @@ def test_candidates_and_tasks_are_parsed_one_thread_at_a_time(monkeypatch):
     """CPython 3.11 can fail two concurrent ast.parse calls with a spurious SystemError
     (python/cpython#106905); the verifier's and the reward's threads parse concurrently, so the
     static checks must never overlap in ast.parse."""
-    inside, most, real_parse = [0], [0], ast.parse
-    count = threading.Lock()
+    real_parse, occupancy = ast.parse, Occupancy()
 
     def slow_parse(source, *args, **kwargs):
-        with count:
-            inside[0] += 1
-            most[0] = max(most[0], inside[0])
-        time.sleep(0.01)
-        with count:
-            inside[0] -= 1
+        occupancy.occupy(0.01)
         return real_parse(source, *args, **kwargs)
 
     monkeypatch.setattr(ast, "parse", slow_parse)
-    jobs = [lambda: static_check(GOOD, need_kernel=False), lambda: check_task_source(RELU_TASK, "task")] * 8
-    threads = [threading.Thread(target=job) for job in jobs]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert most[0] == 1
+    run_in_threads([lambda: static_check(GOOD, need_kernel=False), lambda: check_task_source(RELU_TASK, "task")] * 8)
+    assert occupancy.most == 1
 
 
 def test_trial_seeds_are_deterministic_and_distinct():
