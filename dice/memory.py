@@ -69,5 +69,13 @@ def check_fits(parts: dict[str, int], device: torch.device, fix: str) -> None:
                              f"is free; {fix}")
 
 
+def out_of_memory(what: str, device: torch.device, sizes: str, fix: str) -> UserError:
+    """The one-line error for `what` that ran out of GPU memory at `sizes`: how much was in use on
+    `device` (other processes, the verifier's, included) and the flag that fixes it."""
+    free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (0, 0)
+    return UserError(f"{what} ran out of GPU memory ({(total - free) / GIB:.0f} of {total / GIB:.0f} GiB in use, "
+                     f"the verifier's processes included) with {sizes}; pass {fix}")
+
+
 def _gib(size: int) -> str:
     return f"{size / GIB:.1f} GiB" if size >= GIB / 10 else f"{size / GIB:.3f} GiB"

@@ -98,3 +98,51 @@ def test_generation_copy_is_bf16_on_cuda_only_and_keeps_tied_weights():
         ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
         assert (copy(ids).float() - m(ids)).norm() < 0.02 * m(ids).norm()
     assert auto_rollout_batch(model, [7, 9, 3], 4096) == 3    # CPU: every prompt in one batch
+
+
+def _rollout_with(monkeypatch, events: list, reward_fn, auto_batch: bool, generate_and_score):
+    """`dice.rl.groups.rollout` of two tasks x 2 samples with the model's parts replaced: `events`
+    records the order of the reward's preparation, the batch's sizing and the generation."""
+    import dice.rl.groups as groups
+    monkeypatch.setattr(groups, "task_prompt_ids", lambda tok, task, **kw: [1, 2, 3])
+    monkeypatch.setattr(groups, "generation_copy", lambda model, dtype: model)
+    monkeypatch.setattr(groups, "auto_rollout_batch", lambda *a: events.append("size") or 3)
+    monkeypatch.setattr(groups, "generate_and_score", generate_and_score)
+    cfg = SimpleNamespace(group_size=2, dtype="auto", rollout_batch=64, max_new_tokens=8, verifier_workers=2,
+                          sampling=lambda: None)
+    model = torch.nn.Linear(1, 1)
+    tasks = [SimpleNamespace(name="a"), SimpleNamespace(name="b")]
+    return groups.rollout(model, None, tasks, [0, 1], cfg, reward_fn, 0, False, auto_batch=auto_batch, fmt=object())
+
+
+def test_the_rollout_batch_is_sized_once_the_verifiers_processes_hold_their_memory(monkeypatch):
+    """The 8B rollouts of 2026-12-06 (one H100) ran out of memory: the batch was sized from the free
+    memory before the verifier's 17 processes had made their CUDA contexts (~0.7 GiB each), which
+    then took what the batch counted on. The reward's processes start before the sizing."""
+    events = []
+    reward = lambda tasks, completions: [0.0] * len(tasks)
+    reward.prepare = lambda tasks: events.append("prepare")
+    reward.wait_started = lambda: events.append("started")
+
+    def generate(*args, batch_size, **kw):
+        events.append(f"generate {batch_size}")
+        return [], [], [], {}
+
+    *_, timing = _rollout_with(monkeypatch, events, reward, True, generate)
+    assert events == ["prepare", "started", "size", "generate 3"] and timing["rollout_batch"] == 3
+    events.clear()
+    _rollout_with(monkeypatch, events, reward, False, generate)     # a given batch: nothing to size
+    assert events == ["prepare", "generate 64"]
+
+
+def test_rollouts_out_of_gpu_memory_say_which_flag_helps(monkeypatch):
+    """Out of memory while generating is one line naming --rollout-batch at half the batch, not
+    torch's traceback (the bench's 4B and 8B rollouts beside 17 verifier processes, 2026-12-06)."""
+    from dice.errors import UserError
+
+    def generate(*args, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 850.00 MiB.")
+
+    with pytest.raises(UserError, match=r"^the rollouts ran out of GPU memory .* a rollout batch of 64 sequences; "
+                                        r"pass --rollout-batch 32$"):
+        _rollout_with(monkeypatch, [], lambda tasks, completions: [0.0] * len(tasks), False, generate)

@@ -9,6 +9,9 @@ import functools
 import statistics
 from typing import Sequence
 
+import torch
+
+from ..memory import out_of_memory
 from ..tasks.load import Task, tasks_at
 from ..tasks.prompts import PromptFormat
 from .rewards import RewardFn, score
@@ -59,12 +62,18 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
     if hasattr(reward_fn, "prepare"):    # the verifier's reward: the tasks' references computed while generating
         reward_fn.prepare(list(tasks))
     policy = generation_copy(model, cfg.dtype) if low_precision else model
+    if auto_batch and hasattr(reward_fn, "wait_started"):   # the verifier's processes take their GPU memory first
+        reward_fn.wait_started()
     size = auto_rollout_batch(policy, [len(p) for p in prompts], cfg.max_new_tokens) if auto_batch \
         else cfg.rollout_batch
-    completions, rewards, results, timings = generate_and_score(
-        policy, tok, prompts, owners, seeds, lambda ts, cs: score(reward_fn, ts, cs), batch_size=size,
-        max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling(), overlap=overlap, lanes=cfg.verifier_workers,
-        lengths=lengths, progress=progress, while_scoring=while_scoring)
+    try:
+        completions, rewards, results, timings = generate_and_score(
+            policy, tok, prompts, owners, seeds, lambda ts, cs: score(reward_fn, ts, cs), batch_size=size,
+            max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling(), overlap=overlap,
+            lanes=cfg.verifier_workers, lengths=lengths, progress=progress, while_scoring=while_scoring)
+    except torch.OutOfMemoryError:
+        raise out_of_memory("the rollouts", next(policy.parameters()).device,
+                            f"a rollout batch of {size} sequences", f"--rollout-batch {max(size // 2, 1)}") from None
     return completions, rewards, results, {**timings, "rollout_batch": size}
 
 

@@ -184,11 +184,13 @@ class FullParameters:
 
 def auto_rollout_batch(model, prompt_lens: Sequence[int], max_new_tokens: int) -> int:
     """The largest rollout batch whose sampler state fits in MEMORY_SHARE of the free GPU memory
-    (all prompts on the CPU). A sequence holds every layer's keys and values for its longest
-    prompt + max_new_tokens (the sampler allocates the whole length up front, DESIGN.md §5),
-    plus its share of a step's logits work: float32 copies of a block's [block, vocab] logits
-    in the token choice, and a bf16 logits buffer in each CUDA graph the sampler captures (one
-    per KV_BUCKET of cache length)."""
+    (all prompts on the CPU; the verifier's processes started first, `dice.rl.groups.rollout`). A
+    sequence holds every layer's keys and values for its longest prompt + max_new_tokens (the
+    sampler allocates the whole length up front, DESIGN.md §5), plus its share of a step's logits
+    work: float32 copies of a block's [block, vocab] logits in the token choice, and a bf16 logits
+    buffer in each CUDA graph the sampler captures (one per KV_BUCKET of cache length); and, while
+    the batch's prompts are prefilled in one forward, a layer's activations for its prompt: the
+    MLP's gate, up, their SiLU and product (4 x intermediate) and ~6 hidden-sized vectors a token."""
     first = next(model.parameters())
     if first.device.type != "cuda":
         return len(prompt_lens)
@@ -197,9 +199,10 @@ def auto_rollout_batch(model, prompt_lens: Sequence[int], max_new_tokens: int) -
     kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * length * first.element_size()
     logits = bs * c.vocab_size
     scratch = 8 * logits * 4 + (length // CachedForward.KV_BUCKET + 1) * logits * first.element_size()
+    prefill = max(prompt_lens) * (4 * c.intermediate_size + 6 * c.hidden_size) * first.element_size()
     free = torch.cuda.mem_get_info(first.device)[0] + torch.cuda.memory_reserved(first.device) \
         - torch.cuda.memory_allocated(first.device)
-    return max(1, min(len(prompt_lens), int(MEMORY_SHARE * free // (kv + scratch))))
+    return max(1, min(len(prompt_lens), int(MEMORY_SHARE * free // (kv + scratch + prefill))))
 
 
 class _Scorer:

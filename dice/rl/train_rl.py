@@ -44,7 +44,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DataError, UserError
+from ..errors import DataError
+from ..memory import out_of_memory
 from ..metrics import rl_progress_fields, rl_step_record
 from ..model.checkpoint import load_model
 from ..model.tokenizer import load_tokenizer
@@ -136,11 +137,9 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
         return _run_plan(model, ref_model, plan, n_responses, n_rows, cfg, rt, optimizer, use_flex, progress,
                          rollout_logprobs)
     except torch.OutOfMemoryError:
-        free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (0, 0)
-        raise UserError(f"the RL update ran out of GPU memory ({(total - free) / 2**30:.0f} of {total / 2**30:.0f} "
-                        f"GiB in use, the verifier's processes included) with micro-batches of {cfg.update_tokens} "
-                        f"tokens; pass --update-tokens {max(cfg.update_tokens // 2, 1)} or turn on gradient "
-                        "checkpointing (train.py --gradient-checkpointing, bench rl --grad-ckpt)") from None
+        raise out_of_memory("the RL update", device, f"micro-batches of {cfg.update_tokens} tokens",
+                            f"--update-tokens {max(cfg.update_tokens // 2, 1)} or turn on gradient checkpointing "
+                            "(train.py --gradient-checkpointing, bench rl --grad-ckpt)") from None
 
 
 def _run_plan(model, ref_model, plan, n_responses: int, n_rows: int, cfg, rt, optimizer, use_flex: bool, progress,

@@ -146,6 +146,12 @@ class Verifier:
             self._prebuild.close()
         shutil.rmtree(self._log_dir, ignore_errors=True)
 
+    def wait_started(self) -> None:
+        """Return once every judge and worker process has started (each holds its CUDA context), so
+        that a trainer sizing its GPU memory next sees theirs taken (`dice.rl.rollout.auto_rollout_batch`)."""
+        for process in [*self._judges, *self._workers]:
+            process.wait_started()
+
     def prepare(self, task_srcs: Iterable[str], **options) -> list[Future]:
         """Compute the references of these tasks' trials now, in the background, for candidates
         verified later with the same options: an RL step knows its tasks before its first rollout
