@@ -418,6 +418,23 @@ def test_wait_started_returns_once_every_process_is_up(tmp_path):
         for p in processes:
             os.kill(p.info["pid"], 0)                     # raises if the process is gone
         assert verifier.verify(RELU_TASK, GOOD, timing=False).correct
+        # a judge busy with a long request (a task's references, `prepare`) does not hold it up
+        held, release = threading.Event(), threading.Event()
+
+        def busy_judge():
+            with verifier._judges[0]._lock:
+                held.set()
+                release.wait(30)
+
+        thread = threading.Thread(target=busy_judge)
+        thread.start()
+        held.wait(30)
+        start = time.monotonic()
+        verifier.wait_started()
+        waited = time.monotonic() - start
+        release.set()
+        thread.join()
+        assert waited < 5
 
 
 @pytest.mark.slow

@@ -183,9 +183,14 @@ class WorkerProcess:
             return reply
 
     def wait_started(self) -> None:
-        """Return once the current process has started up: torch imported, its CUDA context made."""
-        with self._lock:
-            self._await_start()
+        """Return once the current process has started up: torch imported, its CUDA context made.
+        A call in progress reads the start-up itself: then this waits for that, not for the call."""
+        while not self._ready:
+            if self._lock.acquire(timeout=0.05):
+                try:
+                    self._await_start()
+                finally:
+                    self._lock.release()
 
     def _await_start(self) -> None:
         if not self._ready:
