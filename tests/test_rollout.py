@@ -106,7 +106,7 @@ def _rollout_with(monkeypatch, events: list, reward_fn, auto_batch: bool, genera
     import dice.rl.groups as groups
     monkeypatch.setattr(groups, "task_prompt_ids", lambda tok, task, **kw: [1, 2, 3])
     monkeypatch.setattr(groups, "generation_copy", lambda model, dtype: model)
-    monkeypatch.setattr(groups, "auto_rollout_batch", lambda *a: events.append("size") or 3)
+    monkeypatch.setattr(groups, "auto_rollout_batch", lambda model, lens, new, others: events.append(f"size {others}") or 3)
     monkeypatch.setattr(groups, "generate_and_score", generate_and_score)
     cfg = SimpleNamespace(group_size=2, dtype="auto", rollout_batch=64, max_new_tokens=8, verifier_workers=2,
                           sampling=lambda: None)
@@ -115,24 +115,54 @@ def _rollout_with(monkeypatch, events: list, reward_fn, auto_batch: bool, genera
     return groups.rollout(model, None, tasks, [0, 1], cfg, reward_fn, 0, False, auto_batch=auto_batch, fmt=object())
 
 
-def test_the_rollout_batch_is_sized_once_the_verifiers_processes_hold_their_memory(monkeypatch):
-    """The 8B rollouts of 2026-12-06 (one H100) ran out of memory: the batch was sized from the free
-    memory before the verifier's 17 processes had made their CUDA contexts (~0.7 GiB each), which
-    then took what the batch counted on. The reward's processes start before the sizing."""
+def test_the_rollout_batch_is_sized_with_room_for_the_verifiers_processes(monkeypatch):
+    """The reward's processes' GPU memory (`Verifier.gpu_bytes`) reaches the batch's sizing; a
+    given batch is used as it is."""
     events = []
     reward = lambda tasks, completions: [0.0] * len(tasks)
     reward.prepare = lambda tasks: events.append("prepare")
-    reward.wait_started = lambda: events.append("started")
+    reward.gpu_bytes = lambda: 17 * 2**30
 
     def generate(*args, batch_size, **kw):
         events.append(f"generate {batch_size}")
         return [], [], [], {}
 
     *_, timing = _rollout_with(monkeypatch, events, reward, True, generate)
-    assert events == ["prepare", "started", "size", "generate 3"] and timing["rollout_batch"] == 3
+    assert events == ["prepare", f"size {17 * 2**30}", "generate 3"] and timing["rollout_batch"] == 3
     events.clear()
     _rollout_with(monkeypatch, events, reward, False, generate)     # a given batch: nothing to size
     assert events == ["prepare", "generate 64"]
+
+
+def test_auto_rollout_batch_sets_aside_what_the_verifier_does_not_hold_yet(monkeypatch):
+    """The 8B rollouts of 2026-12-06 (one H100) ran out of memory at the batch that 70% of the free
+    memory held: the verifier's 17 processes, ~0.2 GiB each when the batch was sized, grew to ~0.8
+    GiB each. Sequences of 1 GiB, 31 GiB available: with 2.4 of the verifier's 17 GiB in use the
+    batch is what 31 - 14.6 GiB holds; with all 17 in use, 70% of the 31."""
+    import dice.rl.rollout as rollout
+    monkeypatch.setattr(rollout, "rollout_sequence_bytes", lambda *a: 2**30)
+    param = SimpleNamespace(device=torch.device("cuda", 0), element_size=lambda: 2)
+    model = SimpleNamespace(parameters=lambda: iter([param]), config=None)
+    for in_use, batch in ((2.4, 16), (17, 21), (20, 21)):
+        monkeypatch.setattr(rollout, "gpu_memory", lambda device: (31 * 2**30, int(in_use * 2**30)))
+        assert auto_rollout_batch(model, [800] * 64, 4096, others_bytes=17 * 2**30) == batch
+    assert auto_rollout_batch(model, [800] * 8, 4096, others_bytes=17 * 2**30) == 8     # no more than the prompts
+
+
+def test_a_rollout_sequences_memory_by_hand_and_against_the_8b_measured():
+    """By hand: 2 layers, 1 KV head of 4, block 4, vocab 10, intermediate 8, hidden 4, bf16; a
+    prompt of 5 and 8 new tokens: a cache of 16 positions, 2*2*1*4*16*2 = 512 bytes of keys and
+    values; logits work 8*40*4 + 1*40*2 = 1360; prefill 5*(4*8 + 6*4)*2 = 560. Measured: the 8B
+    shape's rollouts at batch 13 (prompts of 820 tokens, 4,096 new) peaked at 56.3 GiB beside
+    45.8 GiB of float32 and bf16 weights (one H100, 2026-12-06): 0.81 GiB a sequence."""
+    from dice.bench.training import model_config
+    from dice.rl.rollout import rollout_sequence_bytes
+    tiny = SimpleNamespace(block_size=4, num_hidden_layers=2, num_key_value_heads=1, head_dim=4, vocab_size=10,
+                           intermediate_size=8, hidden_size=4)
+    assert rollout_sequence_bytes(tiny, 5, 8, 2) == 512 + 1360 + 560
+    config = model_config("8b")
+    measured = (56.3 * 2**30 - config.num_parameters() * (4 + 2)) / 13
+    assert measured <= rollout_sequence_bytes(config, 820, 4096, 2) <= 1.25 * measured
 
 
 def test_rollouts_out_of_gpu_memory_say_which_flag_helps(monkeypatch):

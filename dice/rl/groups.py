@@ -62,10 +62,10 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
     if hasattr(reward_fn, "prepare"):    # the verifier's reward: the tasks' references computed while generating
         reward_fn.prepare(list(tasks))
     policy = generation_copy(model, cfg.dtype) if low_precision else model
-    if auto_batch and hasattr(reward_fn, "wait_started"):   # the verifier's processes take their GPU memory first
-        reward_fn.wait_started()
-    size = auto_rollout_batch(policy, [len(p) for p in prompts], cfg.max_new_tokens) if auto_batch \
-        else cfg.rollout_batch
+    size = cfg.rollout_batch
+    if auto_batch:   # with room for the verifier's processes beside the sampler
+        others = reward_fn.gpu_bytes() if hasattr(reward_fn, "gpu_bytes") else 0
+        size = auto_rollout_batch(policy, [len(p) for p in prompts], cfg.max_new_tokens, others)
     try:
         completions, rewards, results, timings = generate_and_score(
             policy, tok, prompts, owners, seeds, lambda ts, cs: score(reward_fn, ts, cs), batch_size=size,

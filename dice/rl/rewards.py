@@ -69,7 +69,7 @@ def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = 
     # the step's tasks are known before its rollouts: their references are computed meanwhile (`rollout`)
     reward.prepare = lambda tasks: verifier.prepare([t.source for t in tasks], timing=timing or kind == "speedup",
                                                     **options)
-    reward.wait_started = lambda: verifier.wait_started()   # before a rollout batch is sized from the free GPU memory
+    reward.gpu_bytes = lambda: verifier.gpu_bytes()   # set aside when a rollout batch is sized from the free GPU memory
     return reward
 
 

@@ -32,8 +32,8 @@ from ..tasks.load import Task
 from ..tasks.prompts import PromptFormat, extract_code, template_problem
 
 OVERLAP = ("stream", "batch", "none")
-# of the free GPU memory that `auto_rollout_batch` plans the sampler into; the rest is for the
-# verifier's GPU work meanwhile (its judges cache reference outputs, up to 4 GiB each)
+# of the free GPU memory that `auto_rollout_batch` plans the sampler into at most; the rest is for
+# the verifier's GPU work meanwhile (its judges cache reference outputs, up to 4 GiB each)
 MEMORY_SHARE = 0.7
 
 
@@ -182,27 +182,45 @@ class FullParameters:
             m.set_reshard_after_forward(True)
 
 
-def auto_rollout_batch(model, prompt_lens: Sequence[int], max_new_tokens: int) -> int:
-    """The largest rollout batch whose sampler state fits in MEMORY_SHARE of the free GPU memory
-    (all prompts on the CPU; the verifier's processes started first, `dice.rl.groups.rollout`). A
-    sequence holds every layer's keys and values for its longest prompt + max_new_tokens (the
-    sampler allocates the whole length up front, DESIGN.md §5), plus its share of a step's logits
-    work: float32 copies of a block's [block, vocab] logits in the token choice, and a bf16 logits
-    buffer in each CUDA graph the sampler captures (one per KV_BUCKET of cache length); and, while
-    the batch's prompts are prefilled in one forward, a layer's activations for its prompt: the
-    MLP's gate, up, their SiLU and product (4 x intermediate) and ~6 hidden-sized vectors a token."""
+def rollout_sequence_bytes(config, prompt_len: int, max_new_tokens: int, element_size: int) -> int:
+    """GPU memory one rollout sequence takes in the sampler: every layer's keys and values for
+    its prompt + max_new_tokens (the sampler allocates the whole length up front, DESIGN.md §5);
+    its share of a step's logits work: float32 copies of a block's [block, vocab] logits in the
+    token choice, and a logits buffer in each CUDA graph the sampler captures (one per KV_BUCKET
+    of cache length); and, while a batch's prompts are prefilled in one forward, a layer's
+    activations for its prompt: the MLP's gate, up, their SiLU and product (4 x intermediate)
+    and ~6 hidden-sized vectors a token."""
+    c, bs = config, config.block_size
+    length = (prompt_len // bs + 1 + -(-max_new_tokens // bs)) * bs
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * length * element_size
+    logits = bs * c.vocab_size
+    scratch = 8 * logits * 4 + (length // CachedForward.KV_BUCKET + 1) * logits * element_size
+    prefill = prompt_len * (4 * c.intermediate_size + 6 * c.hidden_size) * element_size
+    return kv + scratch + prefill
+
+
+def gpu_memory(device: torch.device) -> tuple[int, int]:
+    """(bytes this process can still take on `device`: free plus its allocator's unused cache,
+    bytes in use outside its allocator: other processes, and its own CUDA context)."""
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    return free + reserved - torch.cuda.memory_allocated(device), total - free - reserved
+
+
+def auto_rollout_batch(model, prompt_lens: Sequence[int], max_new_tokens: int, others_bytes: int = 0) -> int:
+    """The largest rollout batch whose sampler state (`rollout_sequence_bytes` a sequence) fits
+    in MEMORY_SHARE of what this process can take on the GPU, and leaves room for what the
+    verifier's processes (others_bytes: `dice.verifier.Verifier.gpu_bytes`) do not hold yet: they
+    grow from ~0.2 GiB at start-up to ~1 GiB each once they have verified, 17 GiB beside a
+    14-worker reward, more than the other 30% of an 8B policy's free memory on an H100. All
+    prompts on the CPU: every prompt in one batch."""
     first = next(model.parameters())
     if first.device.type != "cuda":
         return len(prompt_lens)
-    c, bs = model.config, model.config.block_size
-    length = (max(prompt_lens) // bs + 1 + -(-max_new_tokens // bs)) * bs
-    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * length * first.element_size()
-    logits = bs * c.vocab_size
-    scratch = 8 * logits * 4 + (length // CachedForward.KV_BUCKET + 1) * logits * first.element_size()
-    prefill = max(prompt_lens) * (4 * c.intermediate_size + 6 * c.hidden_size) * first.element_size()
-    free = torch.cuda.mem_get_info(first.device)[0] + torch.cuda.memory_reserved(first.device) \
-        - torch.cuda.memory_allocated(first.device)
-    return max(1, min(len(prompt_lens), int(MEMORY_SHARE * free // (kv + scratch + prefill))))
+    per_sequence = rollout_sequence_bytes(model.config, max(prompt_lens), max_new_tokens, first.element_size())
+    available, in_use = gpu_memory(first.device)
+    budget = min(MEMORY_SHARE * available, available - max(0, others_bytes - in_use))
+    return max(1, min(len(prompt_lens), int(budget // per_sequence)))
 
 
 class _Scorer:

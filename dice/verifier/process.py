@@ -165,7 +165,13 @@ class WorkerProcess:
         A reply marked `recycle` (the worker's CUDA context or torch is no longer trustworthy)
         replaces the process before the reply is returned."""
         with self._lock:
-            self._await_start()
+            if not self._ready:
+                try:
+                    self.info = self._receive(STARTUP_TIMEOUT_S, log_start=0)
+                except (WorkerTimeout, WorkerDied) as exc:
+                    raise RuntimeError(f"the verifier's {self.role} worker failed to start ({exc}); "
+                                       f"its full log is {self.log_path}") from None
+                self._ready = True
             log_start, start = self._log_size(), time.monotonic()
             try:
                 try:
@@ -181,25 +187,6 @@ class WorkerProcess:
                 self._kill()
                 self._start()
             return reply
-
-    def wait_started(self) -> None:
-        """Return once the current process has started up: torch imported, its CUDA context made.
-        A call in progress reads the start-up itself: then this waits for that, not for the call."""
-        while not self._ready:
-            if self._lock.acquire(timeout=0.05):
-                try:
-                    self._await_start()
-                finally:
-                    self._lock.release()
-
-    def _await_start(self) -> None:
-        if not self._ready:
-            try:
-                self.info = self._receive(STARTUP_TIMEOUT_S, log_start=0)
-            except (WorkerTimeout, WorkerDied) as exc:
-                raise RuntimeError(f"the verifier's {self.role} worker failed to start ({exc}); "
-                                   f"its full log is {self.log_path}") from None
-            self._ready = True
 
     def _receive(self, timeout: float, log_start: int) -> dict:
         if not self._conn.poll(max(timeout, 0.0)):

@@ -73,6 +73,9 @@ from .timing import calls_per_block
 from .verdicts import kernel_verdict, timed_block_verdict, trial_verdict, unrecorded_problem
 
 WORKERS_PER_JUDGE = 4         # a new task costs its judge 5 references; a known one 5 comparisons a candidate
+# a worker's or judge's CUDA context, libraries and buffers after verifying a while: 0.6-1.0 GiB each
+# (17 processes beside an RL step, one H100, 2026-12-06); ~0.2 GiB just after start-up
+PROCESS_GPU_BYTES = 2 ** 30
 
 NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is False); run on a GPU "
           "machine, or use Verifier(device='cpu') to exercise the pool with pure-PyTorch candidates")
@@ -146,11 +149,11 @@ class Verifier:
             self._prebuild.close()
         shutil.rmtree(self._log_dir, ignore_errors=True)
 
-    def wait_started(self) -> None:
-        """Return once every judge and worker process has started (each holds its CUDA context), so
-        that a trainer sizing its GPU memory next sees theirs taken (`dice.rl.rollout.auto_rollout_batch`)."""
-        for process in [*self._judges, *self._workers]:
-            process.wait_started()
+    def gpu_bytes(self) -> int:
+        """The GPU memory its processes hold once they have verified a while: PROCESS_GPU_BYTES each
+        (a trainer sizing its rollout batch sets aside what they do not hold yet,
+        `dice.rl.rollout.auto_rollout_batch`)."""
+        return (len(self._judges) + len(self._workers)) * PROCESS_GPU_BYTES if self.cuda else 0
 
     def prepare(self, task_srcs: Iterable[str], **options) -> list[Future]:
         """Compute the references of these tasks' trials now, in the background, for candidates
