@@ -33,8 +33,9 @@ from ..tasks.prompts import PromptFormat, extract_code, template_problem
 
 OVERLAP = ("stream", "batch", "none")
 # of the free GPU memory that `auto_rollout_batch` plans the sampler into at most; the rest is for
-# the verifier's GPU work meanwhile (its judges cache reference outputs, up to 4 GiB each)
-MEMORY_SHARE = 0.7
+# the allocator's fragments and the judges' reference outputs (cached up to 4 GiB each), beside
+# the memory set aside for the verifier's processes themselves
+MEMORY_SHARE = 0.8
 
 
 def one_shot_style(model) -> str | None:
@@ -212,8 +213,8 @@ def auto_rollout_batch(model, prompt_lens: Sequence[int], max_new_tokens: int, o
     in MEMORY_SHARE of what this process can take on the GPU, and leaves room for what the
     verifier's processes (others_bytes: `dice.verifier.Verifier.gpu_bytes`) do not hold yet: they
     grow from ~0.2 GiB at start-up to ~1 GiB each once they have verified, 17 GiB beside a
-    14-worker reward, more than the other 30% of an 8B policy's free memory on an H100. All
-    prompts on the CPU: every prompt in one batch."""
+    14-worker reward, more than the 30% of an 8B policy's free memory on an H100 that was once
+    left for them. On a CPU: every prompt in one batch."""
     first = next(model.parameters())
     if first.device.type != "cuda":
         return len(prompt_lens)
