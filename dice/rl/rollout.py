@@ -212,9 +212,8 @@ def auto_rollout_batch(model, prompt_lens: Sequence[int], max_new_tokens: int, o
     """The largest rollout batch whose sampler state (`rollout_sequence_bytes` a sequence) fits
     in MEMORY_SHARE of what this process can take on the GPU, and leaves room for what the
     verifier's processes (others_bytes: `dice.verifier.Verifier.gpu_bytes`) do not hold yet: they
-    grow from ~0.2 GiB at start-up to ~1 GiB each once they have verified, 17 GiB beside a
-    14-worker reward, more than the 30% of an 8B policy's free memory on an H100 that was once
-    left for them. On a CPU: every prompt in one batch."""
+    grow from ~0.2 GiB each at start-up to ~1 GiB once they have verified (17 GiB beside a
+    14-worker reward). On a CPU: every prompt in one batch."""
     first = next(model.parameters())
     if first.device.type != "cuda":
         return len(prompt_lens)
