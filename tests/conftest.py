@@ -1,4 +1,5 @@
 import contextlib
+import faulthandler
 import io
 import json
 import os
@@ -86,6 +87,14 @@ class SessionBuilds:
     def reports(self, way: str) -> dict:
         self._submitted.wait()
         return self._reports[way]
+
+
+@pytest.fixture(autouse=True)
+def no_stall_watchdog_left():
+    """A test's BenchRun arms its stall watchdog (`dice.bench.common.BenchRun.progress`) and may end
+    without `finish`: the watchdog ends with the test, not 3 minutes later in another one."""
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session", autouse=True)
