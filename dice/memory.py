@@ -44,6 +44,14 @@ def free_bytes(device: torch.device) -> int:
     return int(free) if math.isfinite(free) else 2 ** 62
 
 
+def gpu_memory(device: torch.device) -> tuple[int, int]:
+    """(bytes this process can still take on `device`: free plus its allocator's unused cache,
+    bytes in use outside its allocator: other processes, and its own CUDA context)."""
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    return free + reserved - torch.cuda.memory_allocated(device), total - free - reserved
+
+
 def kv_cache_bytes(config, batch: int, length: int, dtype_bytes: int) -> int:
     """The sampler's KV cache and rows for `batch` sequences of `length` positions (block-rounded)."""
     positions = batch * -(-length // config.block_size) * config.block_size

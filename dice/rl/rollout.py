@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import DataError, read_text
+from ..memory import gpu_memory
 from ..model.sdar import SDAR
 from ..sampling.sampler import CachedForward, Engine, Generated, Sampling, generate
 from ..tasks.load import Task
@@ -198,14 +199,6 @@ def rollout_sequence_bytes(config, prompt_len: int, max_new_tokens: int, element
     scratch = 8 * logits * 4 + (length // CachedForward.KV_BUCKET + 1) * logits * element_size
     prefill = prompt_len * (4 * c.intermediate_size + 6 * c.hidden_size) * element_size
     return kv + scratch + prefill
-
-
-def gpu_memory(device: torch.device) -> tuple[int, int]:
-    """(bytes this process can still take on `device`: free plus its allocator's unused cache,
-    bytes in use outside its allocator: other processes, and its own CUDA context)."""
-    free, total = torch.cuda.mem_get_info(device)
-    reserved = torch.cuda.memory_reserved(device)
-    return free + reserved - torch.cuda.memory_allocated(device), total - free - reserved
 
 
 def auto_rollout_batch(model, prompt_lens: Sequence[int], max_new_tokens: int, others_bytes: int = 0) -> int:
