@@ -218,3 +218,23 @@ def test_the_pool_load_is_the_busy_seconds_over_the_interval(monkeypatch):
     load = rl_step.PoolLoad(Pool(), every_s=5.0)
     assert load() == ""                                   # 4 s: too soon
     assert load() == "; busy: workers 7.0/14, judges 2.5/3; prebuilds pending 9"
+
+def test_the_replayed_reward_gives_the_verifiers_memory_to_the_batch_sizing():
+    """`bench rl`'s reward (the verifier's, each completion's code replaced by its owner's program)
+    keeps the reward's `prepare` and `gpu_bytes`: without gpu_bytes the 8B's rollout batch on the
+    H100 of 2026-12-06 was sized as if the verifier's 17 processes held nothing (31 sequences, out
+    of memory)."""
+    from types import SimpleNamespace
+    from dice.bench.replay import make_reward
+    from dice.rl.rollout import Completion
+
+    calls = []
+    verifier = SimpleNamespace(gpu_bytes=lambda: 17 * 2**30,
+                               prepare=lambda srcs, **kw: calls.append(("prepare", list(srcs))),
+                               map=lambda pairs, **kw: calls.append(("map", list(pairs))) or [None] * len(pairs))
+    reward = make_reward("verifier", verifier, {}, timeout_s=5.0)
+    assert reward.gpu_bytes() == 17 * 2**30
+    task = SimpleNamespace(source="SRC", solution="PROGRAM")
+    reward.prepare([task])
+    scores = reward([task], [Completion(prompt_ids=[0], tokens=[1], step_map=[1], text="x", code="generated")])
+    assert calls == [("prepare", ["SRC"]), ("map", [("SRC", "PROGRAM")])] and scores.rewards == [0.0]

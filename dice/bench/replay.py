@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -124,9 +125,10 @@ def make_reward(kind: str, verifier, kinds: dict, timeout_s: float):
     if kind == "python":
         return lambda owners, _: Scores([float(kinds[t.solution] == "ok") for t in owners])
     reward = verifier_reward(verifier, "e2e", "correct", timeout_s=timeout_s)
+
+    @functools.wraps(reward)   # keeps the reward's attributes: prepare, and gpu_bytes that sizes the rollout batch
     def replayed(owners, cs):
         return reward(owners, [dataclasses.replace(c, code=t.solution) for t, c in zip(owners, cs)])
-    replayed.prepare = reward.prepare
     return replayed
 
 

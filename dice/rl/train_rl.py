@@ -137,9 +137,10 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
         return _run_plan(model, ref_model, plan, n_responses, n_rows, cfg, rt, optimizer, use_flex, progress,
                          rollout_logprobs)
     except torch.OutOfMemoryError:
-        raise out_of_memory("the RL update", device, f"micro-batches of {cfg.update_tokens} tokens",
-                            f"--update-tokens {max(cfg.update_tokens // 2, 1)} or turn on gradient checkpointing "
-                            "(train.py --gradient-checkpointing, bench rl --grad-ckpt)") from None
+        fix = f"--update-tokens {max(cfg.update_tokens // 2, 1)}"
+        if not cfg.gradient_checkpointing:
+            fix += " or turn on gradient checkpointing (train.py --gradient-checkpointing, bench rl --grad-ckpt)"
+        raise out_of_memory("the RL update", device, f"micro-batches of {cfg.update_tokens} tokens", fix) from None
 
 
 def _run_plan(model, ref_model, plan, n_responses: int, n_rows: int, cfg, rt, optimizer, use_flex: bool, progress,
