@@ -152,14 +152,15 @@ def test_auto_rollout_batch_sets_aside_what_the_verifier_does_not_hold_yet(monke
 def test_a_rollout_sequences_memory_by_hand_and_against_the_8b_measured():
     """By hand: 2 layers, 1 KV head of 4, block 4, vocab 10, intermediate 8, hidden 4, bf16; a
     prompt of 5 and 8 new tokens: a cache of 16 positions, 2*2*1*4*16*2 = 512 bytes of keys and
-    values; logits work 8*40*4 + 1*40*2 = 1360; prefill 5*(4*8 + 6*4)*2 = 560. Measured: the 8B
+    values and 16*26 = 416 of the sampler's row state (three int64 and two bool a position); logits
+    work 8*40*4 + 1*40*2 = 1360; prefill 5*(4*8 + 6*4)*2 = 560. Measured: the 8B
     shape's rollouts at batch 13 (prompts of 820 tokens, 4,096 new) peaked at 56.3 GiB beside
     45.8 GiB of float32 and bf16 weights (one H100, 2026-12-06): 0.81 GiB a sequence."""
     from dice.bench.training import model_config
     from dice.rl.rollout import rollout_sequence_bytes
     tiny = SimpleNamespace(block_size=4, num_hidden_layers=2, num_key_value_heads=1, head_dim=4, vocab_size=10,
                            intermediate_size=8, hidden_size=4)
-    assert rollout_sequence_bytes(tiny, 5, 8, 2) == 512 + 1360 + 560
+    assert rollout_sequence_bytes(tiny, 5, 8, 2) == 512 + 416 + 1360 + 560
     config = model_config("8b")
     measured = (56.3 * 2**30 - config.num_parameters() * (4 + 2)) / 13
     assert measured <= rollout_sequence_bytes(config, 820, 4096, 2) <= 1.25 * measured

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import DataError, read_text
-from ..memory import gpu_memory
+from ..memory import gpu_memory, kv_cache_bytes
 from ..model.sdar import SDAR
 from ..sampling.sampler import CachedForward, Engine, Generated, Sampling, generate
 from ..tasks.load import Task
@@ -185,8 +185,9 @@ class FullParameters:
 
 
 def rollout_sequence_bytes(config, prompt_len: int, max_new_tokens: int, element_size: int) -> int:
-    """GPU memory one rollout sequence takes in the sampler: every layer's keys and values for
-    its prompt + max_new_tokens (the sampler allocates the whole length up front, DESIGN.md §5);
+    """GPU memory one rollout sequence takes in the sampler: every layer's keys and values and the
+    sampler's row state (`dice.memory.kv_cache_bytes`) for its prompt + max_new_tokens (the sampler
+    allocates the whole length up front, DESIGN.md §5);
     its share of a step's logits work: float32 copies of a block's [block, vocab] logits in the
     token choice, and a logits buffer in each CUDA graph the sampler captures (one per KV_BUCKET
     of cache length); and, while a batch's prompts are prefilled in one forward, a layer's
@@ -194,7 +195,7 @@ def rollout_sequence_bytes(config, prompt_len: int, max_new_tokens: int, element
     and ~6 hidden-sized vectors a token."""
     c, bs = config, config.block_size
     length = (prompt_len // bs + 1 + -(-max_new_tokens // bs)) * bs
-    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * length * element_size
+    kv = kv_cache_bytes(c, 1, length, element_size)
     logits = bs * c.vocab_size
     scratch = 8 * logits * 4 + (length // CachedForward.KV_BUCKET + 1) * logits * element_size
     prefill = prompt_len * (4 * c.intermediate_size + 6 * c.hidden_size) * element_size
