@@ -82,7 +82,7 @@ def out_of_memory(what: str, device: torch.device, sizes: str, fix: str) -> User
     `device` (other processes, the verifier's, included) and the flag that fixes it."""
     free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (0, 0)
     return UserError(f"{what} ran out of GPU memory ({(total - free) / GIB:.0f} of {total / GIB:.0f} GiB in use, "
-                     f"the verifier's processes included) with {sizes}; pass {fix}")
+                     f"other processes' (the verifier's) included) with {sizes}; pass {fix}")
 
 
 def _gib(size: int) -> str:
