@@ -219,6 +219,7 @@ def test_the_pool_load_is_the_busy_seconds_over_the_interval(monkeypatch):
     assert load() == ""                                   # 4 s: too soon
     assert load() == "; busy: workers 7.0/14, judges 2.5/3; prebuilds pending 9"
 
+
 def test_the_replayed_reward_gives_the_verifiers_memory_to_the_batch_sizing():
     """`bench rl`'s reward (the verifier's, each completion's code replaced by its owner's program)
     keeps the reward's `prepare` and `gpu_bytes`: without gpu_bytes the 8B's rollout batch on the
