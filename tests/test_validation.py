@@ -215,7 +215,9 @@ def test_ctrl_c_of_a_real_run_resumes_with_the_printed_command(addition_task, tm
     model, data = addition_task
     cmd = [sys.executable, str(ROOT / "train.py"), "--phase", "sft", "--model", str(model), "--data", str(data),
            "--out", str(tmp_path / "run"), "--steps", "12", "--save-every", "2", "--batch-size", "2", "--max-len", "64"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    # SIGINT's default action restored: a shell's background job starts its children ignoring it
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stderr:
         if line.startswith("step 5/12"):
             proc.send_signal(signal.SIGINT)
