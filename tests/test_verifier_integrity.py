@@ -17,9 +17,9 @@ from dice.verifier.harness import (HEAVY_KINDS, call_draws, make_inputs, load_ta
 from dice.verifier.kernels import qualified_name
 from dice.verifier.outputs import compare_outputs
 from dice.verifier.precision import DICE_TOLERANCE, own_error, reduction_terms, tolerances, unit
-from dice.verifier.records import HOST_MS, activity, call_windows, split_marker, unrecorded_launches
+from dice.verifier.records import activity, split_marker, unrecorded_launches
 from dice.verifier.rules import kernel_problem
-from dice.verifier.verdicts import timed_block_verdict, trial_activity
+from dice.verifier.verdicts import trial_activity
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifier"
 RELU_TASK = (FIXTURES / "relu_task.py").read_text()
@@ -79,51 +79,6 @@ def test_a_trial_ends_with_the_marker_and_the_canary_copy_and_nothing_else():
     assert "side_write was still running" in split_marker(quick, M, canary=True)[1]
     assert "copies was switched off" in split_marker(joined[:3], M, canary=True)[1]
     assert "timing markers" in split_marker(joined[:2], M, canary=True)[1]      # the recording stopped
-
-
-def _block(calls: list[list], empties: tuple = (100, 100, 100), canary: bool = True) -> list:
-    """A timed block's records: empty windows of the given lengths, then one window per call
-    holding its records (shifted into place), each followed by a canary copy."""
-    records, t = [], 0
-    for gap in empties:
-        records += [gpu(M, t, t + 10), gpu(M, t + 10 + gap, t + 20 + gap)]
-        t += 1_000
-    for work, window in calls:
-        records.append(gpu(M, t, t + 10))
-        records += [[name, t + 10 + start, t + 10 + end, *rest] for name, start, end, *rest in work]
-        records.append(gpu(M, t + 10 + window, t + 20 + window))
-        if canary:
-            records.append(gpu("Memcpy DtoH (Device -> Pageable)", t + 30 + window, t + 40 + window))
-        t += window + 1_000
-    return records
-
-
-def test_every_timed_call_holds_its_own_work_and_costs_its_window():
-    """Two eager timed calls with an own 10 us kernel; the block's empty window is 100 ns. A call
-    whose records show 10 us inside a 100 us window is charged its window less the empty one and
-    HOST_MS; a call with no own kernel or with less than its share of the trials' work is
-    `invalid`, whatever the other call padded; so is a call without its canary copy."""
-    trials = [activity([["own", 0, 10_000]])]
-    reference = {"kernels": {RELU: 1}}
-    opts = VerifyOptions()
-    verdict = lambda records: timed_block_verdict({"records": records, "times": []}, M, 2, trials,  # noqa: E731
-                                                  reference, ["own"], opts)
-    honest = _block([([gpu("own", 0, 10_000)], 12_000)] * 2)
-    times, problem = verdict(honest)
-    assert problem is None and times == pytest.approx([0.010, 0.010])
-    window = 100_000   # 10 us of own work shown, 90 us more the records do not show (a switched-off recording)
-    floor = (window - 100) / 1e6 - HOST_MS
-    assert call_windows(_block([([gpu("own", 0, 10_000)], window)]), M, 1, 3)[0] == pytest.approx((floor,))
-    assert call_windows(_block([([gpu("own", 0, 10_000)], window)], empties=()), M, 1)[0] == pytest.approx((0.010,))
-    padded = _block([([gpu("own", 0, 20_000)], 22_000), ([gpu("own", 0, 2_000)], 4_000)])
-    assert "timed call 2 of the block" in verdict(padded)[1]       # the block's mean work would pass
-    library = _block([([gpu("own", 0, 10_000)], 12_000), ([gpu(RELU, 0, 10_000)], 12_000)])
-    assert "ran no kernel the candidate compiled" in verdict(library)[1]
-    assert "copies was switched off" in verdict(_block([([gpu("own", 0, 10_000)], 12_000)] * 2, canary=False))[1]
-    hidden = _block([([gpu("own", 0, 10_000, 3), api("cudaLaunchKernel", 0, 1, 3), api("cuLaunchKernel", 2, 3, 4)],
-                      12_000)] * 2)
-    assert "left no device record" in timed_block_verdict({"records": hidden, "times": []}, M, 2, trials, reference,
-                                                          ["own"], opts, families=["kernel"])[1]
 
 
 # ---------------------------------------------------------------------------------------------

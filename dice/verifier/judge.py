@@ -2,14 +2,17 @@
 
 It runs only task code, never a candidate's: it computes reference outputs (and the kernels the
 reference launches, under the profiler) per (task, init seed, trial seed, trial kind), caches them
-(RL verifies 16 candidates per task), compares the outputs a candidate worker shipped with them,
-checks the outputs of timed calls, and times the eager baseline in blocks paired with the
-candidate's (`timing.Timer`). So a candidate can reach neither the reference outputs nor the
-comparison nor the baseline.
+(RL verifies 16 candidates per task) and compares the outputs a candidate worker shipped with them.
+For a timing it owns the call slots (`timing.CallSlots`): it draws every timed input from the
+secret timing seed and writes it there while the candidate's worker is stopped, runs the eager
+baseline's blocks, compares the candidate's outputs where they lie, and tells when the GPU is
+idle. So a candidate can reach neither the reference outputs nor the comparison nor the baseline,
+nor any timed input before its block starts.
 """
 from __future__ import annotations
 
 import copy
+import random
 import time
 import types
 from collections import OrderedDict
@@ -17,24 +20,26 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from . import records
 from .epilogues import activation_kernels, gemm_operands
 from .harness import (build_model, call_draws, cuda_context_broken, describe_exception, init_device, load_task,
                       make_inputs, nbytes, timed_inputs, trial_inputs)
-from .kernels import gpu_activity, marker_name
+from .kernels import gpu_activity
 from .outputs import aliased_outputs, compare_outputs, fingerprint, flatten, modified_inputs
 from .precision import (EXACT, in_precision, is_exact_float, loosest, math_flags, model_in, own_error, reduction_terms,
                         tolerances, unit)
 from .rules import trusted
-from .timing import Timer
+from .timing import BlockRunner, CallSlots, calls_per_block, flush_l2
 from .wire import import_tensor
 
 
-IDLE_MS = 0.5     # a lone marker kernel takes a few us on an idle GPU; a time slice of another context, ms
+IDLE_MS = 0.5       # a lone marker kernel takes a few us on an idle GPU; a time slice of another context, ms
+IDLE_HOST_MS = 1.0  # ... and returns to the host within this (waiting for another context's slice takes longer)
+CHECKED_CALLS = 16  # a block's calls whose outputs are compared, drawn after the block ran
 
 
 class JudgeHandler:
-    """Requests: reference, compare, compare_timed, baseline_prepare, baseline_block."""
+    """Requests: reference, compare; for a timing: timing_prepare, timing_outputs, timing_inputs,
+    baseline_block, compare_block, gpu_idle, ping, timing_close."""
 
     MODELS_KEPT = 4
 
@@ -48,7 +53,7 @@ class JudgeHandler:
         self.models64: OrderedDict = OrderedDict()    # (task_key, init_seed, dtype) -> the reference Model in dtype
         self.task_errors: dict = {}                   # (task_key, init_seed, precision) -> loosest own_error
         self.epilogues: dict = {}                     # (task_key, init_seed) -> `epilogues.activation_kernels`
-        self.timer: Timer | None = None               # the baseline of the timing in progress
+        self.timed: dict | None = None                # the timing in progress: its slots, runner, inputs
         self.info = {"device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu"}
 
     def reference(self, request: dict) -> dict:
@@ -103,76 +108,142 @@ class JudgeHandler:
                 return f"input {j} after forward differs from the reference's ({mismatch})"
         return None
 
-    def compare_timed(self, request: dict) -> dict:
-        """A timed call's outputs against the reference on that call's inputs (never cached)."""
-        try:
-            math_flags(request["precision"])
-            task = self._task(request["task_key"], request["task_src"])
-            model = self._model(task, request["task_key"], request["init_seed"])
-            pristine = make_inputs(task, request["seed"], self.device, request["task_src"])
-            draws = call_draws(task, request["task_src"], request["seed"], self.device, pristine)
-            base = pristine if draws is None else draws(request["call"])
-            expected = self._forward(model, timed_inputs(base, request["seed"], request["call"], request["inputs"]),
-                                     request["seed"])
-        except Exception as exc:
-            return self._failed("task_error", describe_exception(exc, "task.py"))
-        try:
-            got = [import_tensor(data) for data in request["outputs"]]
-            errors = self.task_errors.get((request["task_key"], request["init_seed"], request["precision"]))
-            mismatch = compare_outputs(expected, got, per_output=self._tolerances(request, expected, errors))
-            if [fingerprint(t) for t in got] != request["fingerprints"]:
-                mismatch = ("the copies of its outputs changed after the call was checked (candidate code rewrote "
-                            "the harness's copies)")
-        except Exception as exc:
-            return self._failed("runtime_error", f"comparing the outputs failed: {describe_exception(exc)}")
-        del got
-        return {"status": "ok", "mismatch": mismatch}
+    # -- a timing (DESIGN.md §8.3): the slots, their inputs, the baseline's blocks, the comparisons --
 
-    def baseline_prepare(self, request: dict) -> dict:
-        """The eager reference's Timer for the candidate's timing seed; the reference's timed kernels."""
+    def timing_prepare(self, request: dict) -> dict:
+        """Call slots for a timing on the secret timing seed (`timing.CallSlots`), the first calls'
+        inputs written into them, the eager reference's runner over them; what the candidate's
+        worker needs to open them, the calls per block, the reference's timed kernels."""
+        self.timing_close(request)
         try:
             math_flags(request["precision"])
             task = self._task(request["task_key"], request["task_src"])
             model = self._model(task, request["task_key"], request["init_seed"])
             pristine = make_inputs(task, request["seed"], self.device, request["task_src"])
             draws = call_draws(task, request["task_src"], request["seed"], self.device, pristine)
-            self.timer = Timer(model, pristine, request["seed"], self.device, request["method"], request["inputs"],
-                               draws)
-            activity = records.activity(self.timer.profile()) if self.cuda else None
-            if activity is not None:
-                activity["epilogues"] = self._epilogues(request, model, self.timer.call_inputs(-4))
-            probe = self.timer.block(-10, 1, 0.0, profiled=False)
+
+            def call_inputs(call: int) -> list:
+                return timed_inputs(pristine if draws is None else draws(call), request["seed"], call,
+                                    request["inputs"])
+            template = call_inputs(-1)
+            outputs, ms = self._reference_ms(model, template, request["seed"])
+            eager = request["method"] == "eager"
+            calls = calls_per_block(ms, nbytes(template) + 2 * eager * nbytes(outputs))
+            slots = CallSlots(template, calls, self.device, outputs if eager else None)
+            self.timed = {"slots": slots, "inputs": call_inputs, "request": request, "candidate": None}
+            self._write_inputs(-1 - calls)
+            runner = BlockRunner(model, [slots.inputs(k) for k in range(calls)],
+                                 [slots.outputs("baseline", k) for k in range(calls)], self.device, request["method"])
+            self.timed["runner"] = runner
+            activity = None
+            if self.cuda:
+                _, activity = gpu_activity(runner.one_call)
+                activity["epilogues"] = self._epilogues(request, model, template)
         except Exception as exc:
             return self._failed("task_error", describe_exception(exc, "task.py"))
-        return {"status": "ok", "method": self.timer.method, "activity": activity, "ms": float(probe["times"][0])}
+        return {"status": "ok", "method": runner.method, "activity": activity, "calls": calls,
+                "slots": slots.shared("candidate")}
+
+    def _reference_ms(self, model: nn.Module, inputs: list, seed: int) -> tuple[list, float]:
+        """(the reference's outputs on `inputs`, its time per call in ms: the best of three by this
+        process's own clock), to size the blocks."""
+        outputs, best = self._forward(model, inputs, seed), float("inf")
+        for _ in range(3):
+            if self.cuda:
+                trusted.cuda_synchronize(self.device)
+            start = time.perf_counter()
+            self._forward(model, inputs, seed)
+            if self.cuda:
+                trusted.cuda_synchronize(self.device)
+            best = min(best, (time.perf_counter() - start) * 1e3)
+        return outputs, best
+
+    def _write_inputs(self, first: int) -> None:
+        """Calls first .. first + calls - 1's inputs into the slots, then the L2 cache flushed."""
+        slots, call_inputs = self.timed["slots"], self.timed["inputs"]
+        for k in range(slots.calls):
+            slots.write(k, call_inputs(first + k))
+        flush_l2(self.device)
+        if self.cuda:
+            trusted.cuda_synchronize(self.device)
+
+    def timing_outputs(self, request: dict) -> dict:
+        """The candidate's graph outputs, one list per call, shared once (its static outputs)."""
+        try:
+            self.timed["candidate"] = [[import_tensor(data) for data in call] for call in request["outputs"]]
+        except Exception as exc:
+            return self._failed("runtime_error", f"the candidate's timed outputs could not be opened: "
+                                f"{describe_exception(exc)}")
+        return {"status": "ok"}
+
+    def timing_inputs(self, request: dict) -> dict:
+        """A block's inputs (calls request["first"] ..), asked while the candidate's worker is stopped."""
+        try:
+            math_flags(self.timed["request"]["precision"])
+            self._write_inputs(request["first"])
+        except Exception as exc:
+            return self._failed("task_error", describe_exception(exc, "task.py"))
+        return {"status": "ok"}
 
     def baseline_block(self, request: dict) -> dict:
+        """The reference's block on the slots; the caller's clock times this request."""
         try:
-            math_flags(request["precision"])
-            block = self.timer.block(request["first"], request["calls"], 0.0)   # profiled as the candidate's are
-            times = (block["times"] if block["records"] is None else
-                     records.call_windows(block["records"], marker_name(), request["calls"], records.EMPTY_WINDOWS)[0])
+            self.timed["runner"].run()
         except Exception as exc:
             return self._failed("task_error", describe_exception(exc, "task.py"))
-        return {"status": "ok", "times": [float(t) for t in times], "busy": not self._gpu_idle()}
+        return {"status": "ok"}
 
-    def _gpu_idle(self, tries: int = 50) -> bool:
-        """Whether a marker kernel runs at once (within IDLE_MS between CUDA events), asked after a
-        baseline block while the candidate's worker is stopped: another context still running
-        work (a kernel the candidate left, a helper process) makes it wait for the GPU's time
-        slice. Retried for ~0.5 s; always True on a CPU."""
+    def compare_block(self, request: dict) -> dict:
+        """The candidate's outputs of the block just run against the baseline's, on CHECKED_CALLS
+        calls drawn now, after the block (its worker could not know which)."""
+        timed, base = self.timed, self.timed["request"]
+        expected = timed["runner"].outputs()
+        got = timed["candidate"] or [timed["slots"].outputs("candidate", k) for k in range(timed["slots"].calls)]
+        errors = self.task_errors.get((base["task_key"], base["init_seed"], base["precision"]))
+        try:
+            for k in sorted(random.SystemRandom().sample(range(len(expected)), min(len(expected), CHECKED_CALLS))):
+                mismatch = compare_outputs(expected[k], got[k], per_output=self._tolerances(base, expected[k], errors))
+                if mismatch:
+                    return {"status": "ok", "mismatch": mismatch, "call": request["first"] + k}
+        except Exception as exc:
+            return self._failed("runtime_error", f"comparing the outputs failed: {describe_exception(exc)}")
+        return {"status": "ok", "mismatch": None, "call": None}
+
+    def gpu_idle(self, request: dict) -> dict:
+        """Seconds until a marker kernel runs at once (`_prompt`), asked with the candidate's worker
+        stopped: work it left on the GPU (a native thread's, a kernel launched after its reply, a
+        helper process's) delays the marker by time slices. waited_s None: still busy at limit_s."""
+        start = time.perf_counter()
+        while True:
+            if self._prompt():
+                return {"status": "ok", "waited_s": time.perf_counter() - start}
+            if time.perf_counter() - start > request["limit_s"]:
+                return {"status": "ok", "waited_s": None}
+
+    def _prompt(self) -> bool:
+        """Whether a marker kernel runs within IDLE_MS on the GPU's clock and IDLE_HOST_MS on the host's."""
         if not self.cuda:
             return True
-        for _ in range(tries):
-            start, end = trusted.Event(enable_timing=True), trusted.Event(enable_timing=True)
-            trusted.event_record(start)
-            trusted.marker(0)
-            trusted.event_record(end)
-            trusted.cuda_synchronize(self.device)
-            if trusted.event_elapsed_time(start, end) < IDLE_MS:
-                return True
-            time.sleep(0.01)
-        return False
+        start, end = trusted.Event(enable_timing=True), trusted.Event(enable_timing=True)
+        host = time.perf_counter()
+        trusted.event_record(start)
+        trusted.marker(0)
+        trusted.event_record(end)
+        trusted.cuda_synchronize(self.device)
+        return (time.perf_counter() - host) * 1e3 < IDLE_HOST_MS and trusted.event_elapsed_time(start, end) < IDLE_MS
+
+    def ping(self, request: dict) -> dict:
+        """An empty request: the caller's clock times the pipe's round trip."""
+        return {"status": "ok"}
+
+    def timing_close(self, request: dict) -> dict:
+        """The timing's slots and runners freed."""
+        if self.timed is not None:
+            self.timed["slots"].close()
+            self.timed = None
+            if self.cuda:
+                torch.cuda.empty_cache()
+        return {"status": "ok"}
 
     @staticmethod
     def _tolerances(request: dict, outputs: list, errors: list | None) -> list:

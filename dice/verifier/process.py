@@ -83,6 +83,7 @@ class WorkerProcess:
         self.jobs = 0         # candidates handled since the last (re)start; the Verifier counts them
         self.busy_s = 0.0     # seconds spent answering requests (start-up excluded), over all restarts
         self.busy_by_op: collections.Counter = collections.Counter()   # the same per request op
+        self.round_trip_s = 0.0   # the last call's seconds from sending the request to the reply's last byte
         self._lock = threading.Lock()
         self._process = None
         self._conn = None
@@ -144,6 +145,26 @@ class WorkerProcess:
             except ProcessLookupError:
                 pass
 
+    def descendants(self) -> list[int]:
+        """The live processes below the worker: what a candidate started, detached daemons too (the
+        worker is their subreaper), read from /proc here, where no candidate code runs."""
+        pid = self.info.get("pid") if self._ready else None
+        children = collections.defaultdict(list)
+        for entry in (e for e in os.listdir("/proc") if e.isdigit()) if pid else ():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    state, parent = f.read().rsplit(b")", 1)[1].split()[:2]
+            except (OSError, ValueError):
+                continue
+            if state != b"Z":
+                children[int(parent)].append(int(entry))
+        found, todo = [], [pid] if pid else []
+        while todo:
+            below = children.get(todo.pop(), [])
+            found += below
+            todo += below
+        return found
+
     def restart(self) -> None:
         with self._lock:
             self._kill()
@@ -174,11 +195,12 @@ class WorkerProcess:
                 self._ready = True
             log_start, start = self._log_size(), time.monotonic()
             try:
+                sent = time.perf_counter()
                 try:
                     self._conn.send(request)
                 except (OSError, BrokenPipeError):
                     raise self._died(log_start) from None
-                reply = self._receive(timeout, log_start)
+                reply = self._receive(timeout, log_start, sent)
             finally:
                 took = time.monotonic() - start
                 self.busy_s += took
@@ -188,7 +210,7 @@ class WorkerProcess:
                 self._start()
             return reply
 
-    def _receive(self, timeout: float, log_start: int) -> dict:
+    def _receive(self, timeout: float, log_start: int, sent: float | None = None) -> dict:
         if not self._conn.poll(max(timeout, 0.0)):
             self._kill()
             self._start()
@@ -197,6 +219,8 @@ class WorkerProcess:
             data = self._conn.recv_bytes(REPLY_MAX_BYTES)
         except (EOFError, OSError):
             raise self._died(log_start) from None
+        if sent is not None:
+            self.round_trip_s = time.perf_counter() - sent
         try:
             reply = plain_loads(data)
         except Exception as exc:

@@ -12,9 +12,6 @@ before any candidate loads) delimits what belongs to a forward:
   after forward returned, then the harness's canary copy; work that ends after the marker started
   was still running when the caller got its outputs (an unjoined side stream), and so is any
   device record that starts after the marker and is not the canary;
-- `call_windows`: an eager timed block brackets each call with two markers; a call's time and
-  work are what started inside its window, so work run between calls (by a finalizer, a hook)
-  is neither timed nor credited as work;
 - `unrecorded_launches`: every launch, copy or memset call the runtime recorded must have its
   device record (the same CUPTI correlation id), so a candidate that switched the device kinds
   of the recording off while its work ran is found from the records themselves.
@@ -27,13 +24,10 @@ import re
 
 COPY_PREFIXES = {"dtoh": "Memcpy DtoH", "htod": "Memcpy HtoD"}
 JOIN_SLACK_NS = 2_000   # CUPTI stamps of two streams may differ by this much for work that was joined
-MIN_MS = 1e-4           # a call that ran nothing on the GPU still gets a positive time
 CANARY = COPY_PREFIXES["dtoh"]   # the harness's copy after each profiled forward: copies are recorded
 # runtime / driver calls that put work on the device, by family (`kernels.matched_families`)
 LAUNCH_FAMILIES = {"kernel": re.compile(r"^cu(da)?Launch\w*Kernel"), "graph": re.compile(r"^cu(da)?GraphLaunch"),
                    "copy": re.compile(r"^cu(da)?Memcpy"), "set": re.compile(r"^cu(da)?Memset")}
-HOST_MS = 0.05          # host time a call may spend before its first launch and after its last (`call_windows`)
-EMPTY_WINDOWS = 3       # marker pairs with only a synchronize between them, first in an eager timed block
 
 
 def is_kernel(name: str) -> bool:
@@ -123,56 +117,3 @@ def unrecorded_launches(records: list, families: list) -> list[str]:
         return (i > 0 and matched[i - 1][1] >= end) or any(
             matched[m][1] <= end for m in range(j, bisect.bisect_right(starts, end)))
     return [name for name, start, end, correlation in calls if correlation not in recorded and not nested(start, end)]
-
-
-def windows(records: list, marker: str, calls: int, empty: int = 0) -> tuple[list, int | None]:
-    """([(marker-to-marker window in ns, span of the work that started inside it in ns, that work)
-    for each of `calls` eager timed calls (module docstring)], the shortest of the block's first
-    `empty` windows in ns, the harness's calibration of a marker, a device synchronize and a marker
-    with no forward between them, or None without one). Raises ValueError when the block's markers
-    are not two per window (forward launched some, or the recording was stopped)."""
-    ordered = sorted(on_device(records), key=lambda r: r[1])
-    marks = [(start, end) for name, start, end in ordered if name == marker]
-    if len(marks) != 2 * (calls + empty):
-        raise ValueError(f"the timed calls launched {len(marks) - 2 * (calls + empty)} extra timing markers "
-                         "(torch.cuda._sleep), or the profiler stopped recording; forward must do neither")
-    gaps = [marks[2 * i + 1][0] - marks[2 * i][1] for i in range(calls + empty)]
-    found = []
-    for i in range(empty, empty + calls):
-        low, high = marks[2 * i][0], marks[2 * i + 1][0]
-        mine = [r for r in ordered if low <= r[1] < high and r[0] != marker]
-        span = max(r[2] for r in mine) - min(r[1] for r in mine) if mine else 0
-        found.append((gaps[i], span, mine))
-    return found, min(gaps[:empty]) if empty else None
-
-
-def call_windows(records: list, marker: str, calls: int, empty: int = 0) -> tuple[tuple, dict]:
-    """(each eager timed call's time in ms, the activity of what ran inside the calls) from a
-    block's records. Call i's window runs from its first marker to its second (the device is
-    synchronized before the second, so the window holds all the call's work, on every stream);
-    its time is the span from the first start to the last end of the kernels, copies and memsets
-    that started inside. With `empty` calibration windows first in the block (`windows`) the time
-    is at least window - empty window - HOST_MS: the GPU's own clock between the harness's markers
-    bounds the call whatever the records inside it show, so work the recording missed still costs
-    its time beyond HOST_MS. What ran between windows (the harness's new inputs, L2 flush and
-    canary copy, anything a finalizer or hook of the candidate launched there) is neither timed
-    nor counted. Raises ValueError as `windows` does."""
-    each, floor = windows(records, marker, calls, empty)
-    times, inside = [], []
-    for window, span, mine in each:
-        bound = 0.0 if floor is None else (window - floor) / 1e6 - HOST_MS
-        times.append(max(span / 1e6, bound, MIN_MS))
-        inside += mine
-    return tuple(times), activity(inside)
-
-
-def canaries_missing(records: list, marker: str, calls: int, empty: int = 0) -> int:
-    """How many of a block's calls have no canary copy after their second marker (before the next
-    call's first): the copies the harness makes there show that copies were being recorded."""
-    ordered = sorted(on_device(records), key=lambda r: r[1])
-    marks = [start for name, start, _ in ordered if name == marker][2 * empty:]
-    missing = 0
-    for i in range(calls):
-        low, high = marks[2 * i + 1], marks[2 * i + 2] if 2 * i + 2 < len(marks) else float("inf")
-        missing += not any(low < r[1] < high and r[0].startswith(CANARY) for r in ordered)
-    return missing

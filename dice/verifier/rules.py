@@ -3,7 +3,7 @@
 Source rules (run in the parent, on text): whether the source declares a `__global__` kernel at
 all (a cheap first filter; which kernels are the candidate's own is decided from machine code,
 `kernels.CompiledKernels`) and try/except fallbacks to PyTorch. The kernel rule (run in the
-parent on what the profiler recorded): `kernel_problem`, `timed_kernel_problem`, `timed_work_problem`.
+parent on what the profiler recorded): `kernel_problem`.
 
 `trusted` holds the torch/time functions the verifier relies on, captured when this module is
 imported, which a worker does before it runs any candidate code; `replaced_functions()` names the
@@ -223,48 +223,6 @@ def kernel_problem(launched: dict, own: set, reference: dict, copies: dict, refe
     if copies.get("dtoh") and not reference_copies.get("dtoh"):
         return ("the forward copies data to the host, which the reference does not: ModelNew must compute on "
                 "the GPU")
-    return None
-
-
-def timed_kernel_problem(launched: dict, own: set, reference: dict, calls: int, qualify,
-                         epilogues: dict | None = None) -> str | None:
-    """Why the kernels of `calls` eager timed calls break the rule, or None: an own kernel ran,
-    and no library compute beyond what `calls` forwards of the reference run (a candidate that
-    used a faster library op only when it was being timed would gain by it)."""
-    reference_names = {qualify(k) for k in reference}
-    if not any(n and qualify(k) in own and qualify(k) not in reference_names for k, n in launched.items()):
-        return "no kernel the candidate compiled ran in its timed calls"
-    epilogues = epilogues or {}
-    ref_classes = {kernel_class(k, epilogues.get(k, ())) for k in reference}
-    ref = collections.Counter()
-    for k, n in reference.items():
-        ref[kernel_class(k, epilogues.get(k, ()))] += n
-    used = collections.Counter()
-    for k, n in launched.items():
-        if not (qualify(k) in own and qualify(k) not in reference_names) and not BOOKKEEPING.search(k):
-            used[_as_reference_gemm(kernel_class(k, epilogues.get(k, ())), ref_classes)] += n
-    added = [k for k, n in used.items() if n > calls * ref[k]]
-    return (f"its timed calls run library compute the reference does not ({added[0][:80]})" if added else None)
-
-
-WORK_SHARE = 0.75       # a timed call runs at least this share of the lightest checked trial's kernel time
-WORK_SLACK_MS = 0.003   # per call: kernel durations of microsecond kernels jitter by this much
-
-
-def timed_work_problem(activity: dict, calls: int, trials: list[dict]) -> str | None:
-    """Why `calls` timed calls (their GPU `activity`) ran less work than the correctness trials,
-    or None (DESIGN.md §8.3): each call must keep the GPU busy for at least WORK_SHARE of the
-    busy time of the lightest trial (the same shapes; the trials' outputs were all checked), so a
-    forward that skips work when it is timed, where its outputs might not be compared, is caught.
-    Busy time is the union of the kernels' intervals on the GPU's own records (`records.activity`):
-    padding kernels run side by side on parallel streams count once."""
-    if not trials:
-        return None
-    checked = min(t["busy_ms"] for t in trials)
-    timed = activity["busy_ms"] / calls
-    if timed < WORK_SHARE * checked - WORK_SLACK_MS:
-        return (f"its timed calls kept the GPU busy {timed:.4g} ms each, its checked trials {checked:.4g} ms: "
-                "forward must do the same work on every call")
     return None
 
 

@@ -1,12 +1,13 @@
 """The speedup: the candidate and the eager baseline timed in alternating blocks until the estimate is
 stable (DESIGN.md §8).
 
-Both are timed the same way (`timing.Timer`: CUDA-graph replays when both capture faithfully,
-else eager calls under the host clock) on the same inputs, call for call, while the GPU lock is
-held exclusively, so no other candidate's work runs meanwhile and nothing is cached between
+Both are timed the same way (`timing.BlockRunner`: one CUDA-graph replay of a block when both
+capture faithfully, else eager calls; `sealed.SealedBlocks`: by the trainer's clock, the
+candidate's worker stopped but for its own blocks) on the same inputs, call for call, while the GPU
+lock is held exclusively, so no other candidate's work runs meanwhile and nothing is cached between
 candidates (a baseline measured under some earlier candidate's contention cannot be inherited).
 Round r times a block of the baseline and a block of the candidate on calls k..k+n-1 and gives
-ratio_r = median(baseline block) / median(candidate block); slow drift of the GPU's clocks or a
+ratio_r = baseline block / candidate block (each its time per call); slow drift of the GPU's clocks or a
 noisy neighbour affects both halves of a round alike. Rounds continue until the 95% confidence
 interval of the geometric mean of the ratios is within +-CI_TARGET (Student's t on the log
 ratios, at least MIN_ROUNDS rounds, as GPU MODE's harness repeats until the relative error is
@@ -25,7 +26,6 @@ MIN_ROUNDS = 3
 MAX_ROUNDS = 40
 CI_TARGET = 0.02
 BUDGET_S = 6.0
-CHECKS_PER_BLOCK = 2.0      # expected number of a block's timed calls whose outputs are compared
 PLAUSIBLE = 10.0            # KernelBench flags speedups above 10x
 
 # two-sided 95% quantiles of Student's t with n - 1 degrees of freedom, n rounds

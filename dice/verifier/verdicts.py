@@ -6,9 +6,9 @@ facts, so a candidate's behaviour is only ever judged against what its task's re
 from __future__ import annotations
 
 from .kernels import qualified_name
-from .records import EMPTY_WINDOWS, activity, call_windows, canaries_missing, split_marker, unrecorded_launches, windows
+from .records import activity, split_marker, unrecorded_launches
 from .results import VerifyOptions, VerifyResult
-from .rules import kernel_problem, timed_kernel_problem, timed_work_problem
+from .rules import kernel_problem
 
 PROFILER_BROKEN = ("the CUDA profiler in the verifier's worker records no kernels (CUPTI unavailable?), or the CuPy "
                    "compile hooks are missing, so it cannot tell the candidate's own kernels; run where "
@@ -98,50 +98,3 @@ def kernel_verdict(forward: dict | None, own, reference_activity: dict | None, o
         return (f"the candidate's kernel {shared[0][:80]} has the name of a kernel in torch or a CUDA library, so its "
                 "launches may be the library's; give the candidate's kernels their own names")
     return problem
-
-
-def timed_block_verdict(reply: dict, marker: str, calls: int, trials: list[dict], reference_activity: dict | None,
-                        own, opts: VerifyOptions, library: frozenset = frozenset(),
-                        families: list = ()) -> tuple[list, str | None]:
-    """(the block's times in ms, why its calls broke a rule or None) for a worker's time_block
-    reply: an eager GPU block is timed from its raw records (`records.call_windows`, bounded below
-    by the block's empty window); every launch has its device record, every call its canary copy,
-    and every call's window holds a kernel the candidate compiled and the trials' work
-    (`rules.timed_work_problem`, per call); under the strict rule no library compute beyond
-    `calls` forwards of the reference; a graph's or a CPU's times are the worker's."""
-    if reply["records"] is None:
-        return reply["times"], None
-    try:
-        times, inside = call_windows(reply["records"], marker, calls, EMPTY_WINDOWS)
-        each = windows(reply["records"], marker, calls, EMPTY_WINDOWS)[0]
-    except ValueError as exc:
-        return [], str(exc)
-    problem = unrecorded_problem(reply["records"], families) or _canary_problem(reply["records"], marker, calls)
-    own = set(own or ()) - library
-    problem = problem or _window_problem(each, own, reference_activity if opts.rules != "dice" else None, trials)
-    if problem is None and reference_activity is not None and opts.rules == "strict":
-        problem = timed_kernel_problem(inside["kernels"], own, reference_activity["kernels"], calls, qualified_name,
-                                       reference_activity.get("epilogues"))
-    return list(times), problem
-
-
-def _canary_problem(records: list, marker: str, calls: int) -> str | None:
-    missing = canaries_missing(records, marker, calls, EMPTY_WINDOWS)
-    return (f"the harness's copy after {missing} of {calls} timed calls left no record: the profiler's recording of "
-            "copies was switched off (forward must not touch CUPTI or the profiler)") if missing else None
-
-
-def _window_problem(each: list, own: set, reference_activity: dict | None, trials: list[dict]) -> str | None:
-    """Why one of a block's call windows (`records.windows`) holds no kernel the candidate compiled
-    or less than its share of the trials' work, or None: each call is checked, so calls whose
-    records went missing cannot be paid for by padding on others."""
-    theirs = {qualified_name(k) for k in (reference_activity or {}).get("kernels", {})}
-    for i, (_, _, mine) in enumerate(each):
-        done = activity(mine)
-        if reference_activity is not None and not any(
-                qualified_name(k) in own and qualified_name(k) not in theirs for k in done["kernels"]):
-            return f"timed call {i + 1} of the block ran no kernel the candidate compiled"
-        problem = timed_work_problem(done, 1, trials)
-        if problem:
-            return f"timed call {i + 1} of the block: {problem}"
-    return None

@@ -29,11 +29,13 @@ Stages, first failure wins:
    changed or a refused hook (`guard`). Incorrect: `outputs.compare_outputs` fails at the `precision`
    rule's tolerances on any trial or repeated call, or an input the reference modifies in place
    does not end as the reference leaves it;
-4. timing (if `timing`), the GPU lock held exclusively: `timing.Timer` in the worker and in the
-   judge (CUDA graphs when both capture faithfully, else eager calls timed from the GPU's own
-   records, shipped raw: `records`), paired blocks until the speedup is stable (`speedup`), the
-   candidate's worker stopped while its baseline runs; the timed kernels obey the same rule and a
-   secret sample of the timed calls is compared with the reference.
+4. timing (if `timing`), the GPU lock held exclusively (DESIGN.md §8.3): the judge owns the call
+   slots and writes every block's inputs from the secret timing seed while the candidate's worker
+   is stopped; each block (one CUDA-graph replay when both capture faithfully, else eager calls:
+   `timing.BlockRunner`) is timed by the trainer's clock with the worker stopped but for its own
+   block, the GPU seen idle after it (`sealed.SealedBlocks`); paired baseline and candidate blocks
+   until the speedup is stable (`speedup`); each block's outputs compared in the judge for calls
+   drawn after it ran; the timed path's kernels obey the same rule.
 Crashes and CUDA faults give runtime_error, hangs timeout (`calls`); only that worker is replaced (the
 judge too, when a task's own reference faults: its task gets a TaskError, later tasks a sound judge).
 
@@ -64,13 +66,12 @@ from .build.pool import BuildPool
 from .calls import Clock, ask, failed, judge_call
 from .kernels import default_library_paths, library_kernel_names
 from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, close_all
-from .records import activity
 from .plans import TrialPlans
+from .records import activity
 from .results import TaskError, VerifyOptions, VerifyResult, static_check
-from .rules import timed_work_problem
-from .speedup import BUDGET_S, CHECKS_PER_BLOCK, PLAUSIBLE, Timing, paired_rounds
-from .timing import calls_per_block
-from .verdicts import kernel_verdict, timed_block_verdict, trial_verdict, unrecorded_problem
+from .sealed import SealedBlocks
+from .speedup import BUDGET_S, PLAUSIBLE, Timing, paired_rounds
+from .verdicts import kernel_verdict, trial_verdict, unrecorded_problem
 
 WORKERS_PER_JUDGE = 4         # a new task costs its judge 5 references; a known one 5 comparisons a candidate
 # a worker's or judge's CUDA context, libraries and buffers after verifying a while: 0.6-1.0 GiB each
@@ -249,14 +250,13 @@ class Verifier:
                 return verdict
         if not opts.timing:
             return VerifyResult("correct", compiled=True, message=f"correct on {len(seeds)} trials")
-        trials = [activity for _, _, activity in history if activity is not None]
         # a task that takes no jitter, or no heavy element (`TrialPlans.kinds`)
         inputs = "permuted" if "plain" in kinds else "jittered" if "light" in kinds else "timed"
-        timed = self._timing(worker, task, init_seed, timing_seed, clock, opts, trials, inputs)
+        timed = self._timing(worker, task, init_seed, timing_seed, clock, opts, inputs)
         if isinstance(timed, Timing) and timed.speedup > PLAUSIBLE:   # measured again by a fresh process
             worker.restart()
             reply = ask(worker, load, Clock(opts.compile_timeout_s), "loading the candidate again")
-            again = (self._timing(worker, task, init_seed, timing_seed, clock, opts, trials, inputs)
+            again = (self._timing(worker, task, init_seed, timing_seed, clock, opts, inputs)
                      if reply["status"] == "ok" else
                      failed(reply, compiled=True, where="re-measuring a speedup above 10x"))
             timed = again if not isinstance(again, Timing) or again.speedup < timed.speedup else timed
@@ -287,72 +287,65 @@ class Verifier:
                              worker.info.get("matched", []))
 
     def _timing(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, clock: Clock,
-                opts: VerifyOptions, trials: list[dict], inputs: str) -> Timing | VerifyResult:
+                opts: VerifyOptions, inputs: str) -> Timing | VerifyResult:
         """The paired timing (`speedup`) under the exclusive GPU lock; a verdict if it fails.
-        `trials`: the correctness trials' GPU activity, which the timed calls' must match;
-        `inputs`: how timed calls get new inputs (`harness.timed_inputs`)."""
-        base_request = {**task, "init_seed": init_seed, "seed": seed, "inputs": inputs}
+        `inputs`: how timed calls get new inputs (`harness.timed_inputs`). The candidate's worker is
+        stopped (SIGSTOP) throughout but for its own blocks and requests (DESIGN.md §8.3)."""
+        judge = self._judge_of(task["task_key"])
+        request = {**task, "init_seed": init_seed, "seed": seed, "inputs": inputs, **opts.tolerance()}
         with self._gpu.exclusive():
-            prep, base = None, None
-            for method in ("graph", "eager"):
-                prep = ask(worker, {"op": "time_prepare", "seed": seed, "method": method, "inputs": inputs},
-                           clock, "timing forward")
-                if prep["status"] != "ok":
-                    return failed(prep, compiled=True, where="timing")
-                base = self._judge_call({"op": "baseline_prepare", **base_request, "method": method})
-                if prep["method"] == base["method"] == method:
-                    break
-            timed_activity = activity(prep["records"]) if prep["records"] is not None else None
-            problem = kernel_verdict(timed_activity, prep["own"], base["activity"], opts, self._library_names()) or (
-                timed_activity and (unrecorded_problem(prep["records"], worker.info.get("matched", []))
-                                    or timed_work_problem(timed_activity, 1, trials)))
-            if problem:
-                return VerifyResult("invalid", compiled=True, message=f"timed calls: {problem}")
-            calls = calls_per_block(max(prep["ms"], base["ms"]))
+            try:
+                return self._sealed_timing(worker, judge, request, clock, opts)
+            finally:
+                worker.resume()
+                judge_call(judge, {"op": "timing_close", "task_key": task["task_key"]})
 
-            def baseline_block(first, n):   # the candidate's worker stopped meanwhile (`WorkerProcess.pause`)
-                worker.pause()
-                try:
-                    reply = self._judge_call({"op": "baseline_block", **base_request, "first": first, "calls": n})
-                finally:
-                    worker.resume()
-                if reply["busy"]:
-                    return VerifyResult("invalid", compiled=True, message=(
-                        "the GPU stayed busy while the baseline was timed with the candidate's worker stopped: "
-                        "work the candidate left running (a native thread, a helper process)"))
-                return reply["times"]
-
-            def candidate_block(first, n):
-                reply = ask(worker, {"op": "time_block", "first": first, "calls": n,
-                                     "check": min(1.0, CHECKS_PER_BLOCK / n)}, clock, "timing forward")
-                if reply["status"] != "ok":
-                    return failed(reply, compiled=True, where="timing")
-                times, problem = timed_block_verdict(reply, worker.info.get("marker", ""), n, trials,
-                                                     base["activity"], prep["own"], opts, self._library_names(),
-                                                     worker.info.get("matched", []))
-                if problem:
-                    return VerifyResult("invalid", compiled=True, message=f"timing: {problem}")
-                return self._check_timed(reply, base_request, opts) or times
-
-            timed = paired_rounds(baseline_block, candidate_block, calls, self.timing_budget_s)
-        if not isinstance(timed, Timing):
-            return timed
-        timed.method = base["method"]
+    def _sealed_timing(self, worker: WorkerProcess, judge: WorkerProcess, request: dict, clock: Clock,
+                       opts: VerifyOptions) -> Timing | VerifyResult:
+        for method in ("graph", "eager"):
+            base = judge_call(judge, {"op": "timing_prepare", **request, "method": method})
+            if base["method"] != method:
+                continue
+            prep = ask(worker, {"op": "time_prepare", "method": method, "slots": base["slots"]}, clock,
+                       "timing forward")
+            if prep["status"] != "ok":
+                return failed(prep, compiled=True, where="timing")
+            if prep["method"] == method:
+                break
+        problem = kernel_verdict(activity(prep["records"]) if prep["records"] is not None else None, prep["own"],
+                                 base["activity"], opts, self._library_names()) or (
+            prep["records"] is not None and unrecorded_problem(prep["records"], worker.info.get("matched", [])))
+        if problem:
+            return VerifyResult("invalid", compiled=True, message=f"timed calls: {problem}")
+        if prep["outputs"] is not None:
+            reply = judge_call(judge, {"op": "timing_outputs", "task_key": request["task_key"], "outputs": prep["outputs"]},
+                               candidate_outputs=True)
+            if reply["status"] != "ok":
+                return failed(reply, compiled=True, where="timing")
+        calls, overhead = base["calls"], self._round_trip(judge, request["task_key"])
+        blocks = SealedBlocks(worker, judge, request["task_key"], calls, overhead, clock)
+        worker.pause()
+        for warm in (blocks.baseline(-3 * calls, calls), blocks.candidate(-3 * calls, calls)):
+            if not isinstance(warm, list):    # a round untimed: one-time costs, and a first comparison
+                return warm
+        timed = paired_rounds(blocks.baseline, blocks.candidate, calls, self.timing_budget_s)
+        worker.resume()
+        done = ask(worker, {"op": "timing_done"}, clock, "timing forward")   # the checks the blocks' replies skip
+        if done["status"] != "ok":
+            return failed(done, compiled=True, where="timing")
+        if isinstance(timed, Timing):
+            timed.method = base["method"]
         return timed
 
-    def _check_timed(self, reply: dict, base_request: dict, opts: VerifyOptions) -> VerifyResult | None:
-        """A verdict when a checked timed call's outputs are wrong, else None."""
-        for call, outputs, prints in reply["checked"]:
-            judged = self._judge_call({"op": "compare_timed", **base_request, "call": call, "outputs": outputs,
-                                       "fingerprints": prints, **opts.tolerance()},
-                                      candidate_outputs=True)
-            if judged["status"] != "ok":
-                return failed(judged, compiled=True, where=f"timed call {call}")
-            if judged["mismatch"]:
-                return VerifyResult("incorrect", compiled=True, message=(
-                    f"timed call {call} (new inputs, compared after the call): {judged['mismatch']}; forward must do "
-                    "the same work on every call"))
-        return None
+    @staticmethod
+    def _round_trip(judge: WorkerProcess, task_key: str, tries: int = 5) -> float:
+        """The pipe's round trip to a worker process and back with an empty request, in seconds:
+        the least of `tries`, measured on the judge (a process the candidate cannot slow)."""
+        best = float("inf")
+        for _ in range(tries):
+            judge_call(judge, {"op": "ping", "task_key": task_key})
+            best = min(best, judge.round_trip_s)
+        return best
 
     # -- talking to workers -------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ through torch's CUDA-IPC rebuild (no copy) or a CPU tensor from its raw bytes, n
 from __future__ import annotations
 
 import io
-import math
 import pickle
 from multiprocessing.reduction import ForkingPickler
 
@@ -22,8 +21,10 @@ from .rules import trusted
 STATUSES = ("correct", "incorrect", "compile_error", "runtime_error", "timeout", "invalid")
 
 
-def export_tensor(t: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-    """(bytes for `import_tensor` in the judge, tensor to keep alive meanwhile)."""
+def export_tensor(t: torch.Tensor, copy: bool = True) -> tuple[bytes, torch.Tensor]:
+    """(bytes for `import_tensor` in the judge, tensor to keep alive meanwhile). A CUDA tensor torch
+    cannot share is copied first, or, without `copy` (memory the judge must see as it changes),
+    raises."""
     t = t.detach()
     if not t.is_cuda:   # the memory the tensor spans, and its strides: the judge sees the layout a caller gets
         span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
@@ -33,6 +34,8 @@ def export_tensor(t: torch.Tensor) -> tuple[bytes, torch.Tensor]:
     try:
         return bytes(ForkingPickler.dumps(t)), t
     except Exception:
+        if not copy:
+            raise
         # Memory from another allocator (e.g. CuPy's pool) cannot be IPC-shared by torch: copy it.
         t = trusted.clone(t)
         return bytes(ForkingPickler.dumps(t)), t
@@ -84,15 +87,14 @@ def import_tensor(data: bytes) -> torch.Tensor:
 
 def malformed_reply(op: str, reply: dict) -> str | None:
     """Why a candidate worker's reply does not fit its op's schema, or None. The parent reads
-    nothing else from a reply, so a tampered worker can lie within these types (a false time)
-    but cannot crash the caller or hand it a NaN.
+    nothing else from a reply, so a tampered worker can lie within these types (a false claim the
+    trusted side checks) but cannot crash the caller.
 
     Replies with status "ok": run -> outputs, second (list of bytes or None), inputs ([int, bytes]:
     the inputs forward modified), records (raw CUPTI records, `kernels.gpu_records`, or None on a
     CPU), own, mutated, stale and reused (ints), aliased ([int, int] pairs); time_prepare -> method,
-    records, own, ms; time_block -> times (ms),
-    checked ([call, outputs, fingerprints]), records (None for a graph or a CPU); `own` None or a list
-    of names."""
+    records, own, outputs (a graph's outputs: a list of bytes per call, else None); `own` None or a
+    list of names. time_block replies with its status alone: the parent's clock times it."""
     status, message = reply.get("status"), reply.get("message", "")
     if status not in (*STATUSES, "ok") or not isinstance(message, str):
         return f"has status {str(status)[:40]!r}"
@@ -106,14 +108,12 @@ def malformed_reply(op: str, reply: dict) -> str | None:
                           and _records(r.get("records")) and _names(r.get("own")) and _ints(r.get("mutated"))
                           and _ints(r.get("stale")) and _pairs(r.get("aliased")) and _ints(r.get("reused"))),
         "time_prepare": lambda r: (r.get("method") in ("graph", "eager") and _records(r.get("records"))
-                                   and _names(r.get("own")) and _times([r.get("ms")])),
-        "time_block": lambda r: (isinstance(r.get("times"), list) and _times(r["times"]) and _records(r.get("records"))
-                                 and isinstance(r.get("checked"), list)
-                                 and all(isinstance(c, list) and len(c) == 3 and type(c[0]) is int and _byte_list(c[1])
-                                         and isinstance(c[2], list) for c in r["checked"])),
+                                   and _names(r.get("own"))
+                                   and (r.get("outputs") is None or isinstance(r["outputs"], list)
+                                        and all(_byte_list(call) for call in r["outputs"]))),
     }
     if op in fields and not fields[op](reply):
-        return "has fields of the wrong types or times that are not positive and finite"
+        return "has fields of the wrong types"
     return None
 
 
@@ -131,10 +131,6 @@ def _byte_list(x) -> bool:
 
 def _names(x) -> bool:
     return x is None or isinstance(x, list) and all(isinstance(n, str) for n in x)
-
-
-def _times(x) -> bool:
-    return len(x) > 0 and all(type(t) is float and math.isfinite(t) and t > 0 for t in x)
 
 
 def _records(x) -> bool:

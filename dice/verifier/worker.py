@@ -2,16 +2,21 @@
 
 A worker serves one role (see `process.WorkerProcess`): "candidate" runs untrusted code
 (`CandidateHandler`: build one candidate at a time, run its forward on seeded inputs, check the
-rules that need the live process, ship outputs to the judge, time itself when asked); "judge" is
-trusted and runs only task code (`judge.JudgeHandler`). What crosses the pipes is in `wire`.
+rules that need the live process, ship outputs to the judge, run the timed blocks it is asked
+for on the judge's slots); "judge" is trusted and runs only task code (`judge.JudgeHandler`).
+What crosses the pipes is in `wire`.
 
-Trust: the harness calls torch through `rules.trusted` (captured before any candidate code
-runs). The candidate worker reports `invalid` (and is recycled) when a candidate replaced one of
-`rules.WATCHED` or any function of the harness itself, the interpreter's callbacks
-(`guard.HarnessSnapshot`; an audit hook refuses the interpreter's profile and trace hooks), or
-left threads or processes running; GPU records leave it raw (`records`). Each worker leads its own process group, so a kill also ends what a candidate started
-(compilers, subprocesses). Workers are a boundary against crashes, hangs and reward hacks, not an
-OS sandbox (README, limits). A candidate can never make the judge accept outputs it did not produce.
+Trust (DESIGN.md §8.4): the candidate's worker is untrusted as a whole. What decides a verdict
+comes from elsewhere: outputs are compared in the judge, times are taken by the trainer's clock
+(`sealed`), timed inputs are the judge's. What the worker reports beyond outputs (its GPU records,
+inputs it saw modified, threads left) is a claim, checked here in defence in depth: the harness
+calls torch through `rules.trusted` (captured before any candidate code runs), and the worker
+reports `invalid` (and is recycled) when a candidate replaced one of `rules.WATCHED` or any
+function of the harness itself, the interpreter's callbacks (`guard.HarnessSnapshot`; an audit
+hook refuses the interpreter's profile and trace hooks), or left threads or processes running;
+GPU records leave it raw (`records`). Each worker leads its own process group, so a kill also ends
+what a candidate started (compilers, subprocesses). A candidate can never make the judge accept
+outputs it did not produce.
 """
 from __future__ import annotations
 
@@ -33,15 +38,15 @@ from . import guard, harness as harness_module, judge, kernels, outputs, records
 from .build import cache
 from .build.cache import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
 from .epilogues import unfuse_activations
-from .harness import (build_model, call_draws, cuda_context_broken, describe_exception, init_device, load_module,
-                      load_task, make_inputs, rewritten_in_place, trial_inputs)
+from .harness import (build_model, cuda_context_broken, describe_exception, init_device, load_module, load_task,
+                      rewritten_in_place, trial_inputs)
 from .judge import JudgeHandler
 from .keeper import kill_tree, reap, set_child_subreaper
 from .kernels import CompiledKernels, gpu_activity, gpu_records, marker_name, matched_families
 from .outputs import aliased_outputs, flatten, modified_inputs, same_bits
 from .precision import math_flags
 from .rules import HarnessTampered, trusted
-from .timing import Timer
+from .timing import BlockRunner, open_slots
 from .wire import export_tensor
 
 WORKER_FILE_BYTES = 2**30       # largest file a worker may write (its log, a build): stops output floods
@@ -80,6 +85,9 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
         except Exception as exc:  # a failure outside the candidate's code paths; keep serving
             reply = {"status": "runtime_error", "recycle": True,
                      "message": f"verifier {role} worker failed: {describe_exception(exc)}"}
+        if request["op"] == "time_block" and reply["status"] == "ok":
+            send(conn, reply)      # timed by the parent's clock: the checks below come with the next reply
+            continue
         changed = harness_changed()
         if changed:
             reply = {"status": "invalid", "recycle": True, "message": f"the candidate replaced "
@@ -105,7 +113,7 @@ class CandidateHandler:
         if self.cuda:   # an activation a library GEMM would fuse becomes a kernel the rule sees
             unfuse_activations()
         self.compiled = CompiledKernels()
-        self.task = self.model = self.timer = None
+        self.task = self.model = self.runner = None
         self.previous: list = []                 # the last call's inputs, rewritten in place by the next trial
         self.earlier: list = []                  # every output this candidate returned so far (a caller's)
         self.pending: list[torch.Tensor] = []  # shipped to the judge; alive until the next request
@@ -232,31 +240,46 @@ class CandidateHandler:
                              "reused": reused, "stale": stale})
 
     def time_prepare(self, request: dict) -> dict:
-        """A Timer on the timing seed's inputs, as a graph if asked and faithful; its kernels."""
-        self.pending, self.earlier, self.previous = [], [], []
+        """A BlockRunner over the judge's call slots (`timing`), as a graph if asked and faithful;
+        one timed call's raw records (the timed path's kernels); a graph's outputs, shared."""
+        self.pending, self.earlier, self.previous, self.runner = [], [], [], None
         try:
-            pristine = make_inputs(self.task, request["seed"], self.device, self.task_src)
-            draws = call_draws(self.task, self.task_src, request["seed"], self.device, pristine)
-            self.timer = Timer(self.model, pristine, request["seed"], self.device, request["method"], request["inputs"],
-                               draws)
-            found = self.timer.profile() if self.cuda else None
-            probe = self.timer.block(-10, 1, 0.0, profiled=False)
+            inputs, outputs = open_slots(request["slots"])
+            self.runner = BlockRunner(self.model, inputs, outputs, self.device, request["method"])
+            found = gpu_records(self.runner.one_call)[1] if self.cuda else None
+            static = self._share_graph_outputs()
         except Exception as exc:
             return self._finish(self._run_error(exc, "forward (while timing)"))
         return self._finish(self._threads_left("forward (while timing)") or {
-            "status": "ok", "method": self.timer.method, "records": found,
-            "own": sorted(self.compiled.names()) if self.cuda else None, "ms": float(probe["times"][0])})
+            "status": "ok", "method": self.runner.method, "records": found,
+            "own": sorted(self.compiled.names()) if self.cuda else None, "outputs": static})
+
+    def _share_graph_outputs(self) -> list | None:
+        """A graph's static outputs for the judge, shared as they are (it reads every block's
+        values there); None for eager blocks, or a graph whose outputs torch cannot share (then
+        timed eagerly: the parent asks both sides for eager blocks)."""
+        if self.runner.method != "graph":
+            return None
+        try:
+            shared = [[export_tensor(t, copy=False) for t in call] for call in self.runner.outputs()]
+        except Exception:
+            self.runner.method = "eager"
+            return None
+        self.pending += [t for call in shared for _, t in call]
+        return [[data for data, _ in call] for call in shared]
 
     def time_block(self, request: dict) -> dict:
-        self.pending = []
+        """One block on the slots; the parent's clock times this request, so it does nothing else
+        (`serve` checks the harness at the next request)."""
         try:
-            block = self.timer.block(request["first"], request["calls"], request["check"])
+            self.runner.run()
         except Exception as exc:
             return self._finish(self._run_error(exc, "forward (while timing)"))
-        checked = [[k, self._ship(list(outputs)), [list(p) for p in prints]] for k, outputs, prints in block["checked"]]
-        return self._finish(self._threads_left("forward (while timing)") or {
-            "status": "ok", "times": [float(t) for t in block["times"]], "checked": checked,
-            "records": block["records"]})
+        return {"status": "ok"}
+
+    def timing_done(self, request: dict) -> dict:
+        """The end of a timing: its reply carries the checks `serve` left out of the blocks' replies."""
+        return self._finish(self._threads_left("forward (while timing)") or {"status": "ok"})
 
     def unload(self, request: dict) -> dict:
         """Drop the candidate; a native thread it started that still runs ends this worker
@@ -343,7 +366,7 @@ class CandidateHandler:
     def _drop_candidate(self) -> None:
         kill_tree(os.getpid(), include_root=False)   # processes the candidate started, daemons included
         reap()
-        self.pending, self.previous, self.earlier, self.model, self.task, self.timer = [], [], [], None, None, None
+        self.pending, self.previous, self.earlier, self.model, self.task, self.runner = [], [], [], None, None, None
         for name in [m for m in sys.modules if m.startswith("dice_candidate_") or m == "dice_task"]:
             del sys.modules[name]
         _restore_global_flags(self.flags)
