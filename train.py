@@ -11,6 +11,7 @@ Before any work or write, the validation layer checks the flags (`TrainConfig.va
 (`check_paths`: the rules of `dice.inputs` and of run folders, `dice.runs.check_run_folder`)
 and whether the sizes can fit in memory (`check_memory`, `dice.memory`).
 """
+import functools
 import json
 import os
 import shlex
@@ -25,7 +26,9 @@ from dice.cli import fail_cleanly, usage_error
 from dice.config import EMBEDDED, RL_PHASES, config_from_args, with_embedded_defaults
 from dice.errors import UsageError
 from dice.inputs import input_path, output_folder
-from dice.memory import check_fits, kv_cache_bytes, micro_batch_bytes, parameter_bytes
+from dice.memory import check_fits, check_update_fits, kv_cache_bytes, micro_batch_bytes, parameter_bytes
+from dice.rl.packing import group_bound
+from dice.rl.rewards import planned_verifier_bytes
 from dice.model.checkpoint import CheckpointError, read_config
 from dice.rl.train_rl import train_rl
 from dice.rl.rollout import load_prompt_template
@@ -33,6 +36,11 @@ from dice.runs import RUN_ENTRIES, check_run_folder, latest_checkpoint
 from dice.sft.train_sft import INIT_ENTRIES, init_model_folder, sft_sizes, train_sft
 
 MODEL_GIVE = "pass --model DIR (a downloaded SDAR/DICE checkpoint, or a folder written by train.py)"
+# what names the fixes when the RL update cannot fit (`dice.memory.check_update_fits`)
+UPDATE_FLAGS = {"state": "train a smaller --model, or spread it over more GPUs (torchrun --nproc_per_node N: "
+                         "FSDP2 shards the weights, gradients and moments)",
+                "workers": "--verifier-workers", "tokens": "--update-tokens", "checkpointing": "--gradient-checkpointing",
+                "length": "--max-new-tokens"}
 
 
 def check_usage(cfg, embedded: bool) -> None:
@@ -112,7 +120,9 @@ def check_memory(cfg) -> None:
     """Sizes whose lower-bound memory (`dice.memory`) exceeds what this process's device has free:
     exit status 1, before the model loads. SFT: float32 parameters with their gradient and AdamW
     state, and a micro-batch's logits (dense attention on a CPU); RL: the same parameters and the
-    rollout KV cache the sampler allocates up front."""
+    rollout KV cache the sampler allocates up front, and on a GPU the update as it will be planned
+    beside the verifier's processes (`check_update_fits`: the state, and a micro-batch of one
+    response of --max-new-tokens, its clean stream and one noisy copy)."""
     config, world = read_config(cfg.model), int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
@@ -126,12 +136,21 @@ def check_memory(cfg) -> None:
         dense = cfg.attention == "dense" or not cuda
         parts["a micro-batch's logits" + (" and dense attention" if dense else "")] = micro_batch_bytes(
             config, sized.batch_size, 2 * row, dense)
-        fix = "lower --batch-size or --max-len (or spread the model over processes with torchrun)"
-    else:
-        batch = min(cfg.rollout_batch, -(-cfg.tasks_per_step * cfg.group_size // world))
-        parts["the rollout KV cache"] = kv_cache_bytes(config, batch, cfg.max_new_tokens + 1, 2 if cuda else 4)
-        fix = "lower --rollout-batch or --max-new-tokens"
-    check_fits(parts, device, fix)
+        check_fits(parts, device, "lower --batch-size or --max-len (or spread the model over processes with torchrun)")
+        return
+    batch = min(cfg.rollout_batch, -(-cfg.tasks_per_step * cfg.group_size // world))
+    parts["the rollout KV cache"] = kv_cache_bytes(config, batch, cfg.max_new_tokens + 1, 2 if cuda else 4)
+    rollouts = "lower --rollout-batch or --max-new-tokens"
+    if not cuda:
+        check_fits(parts, device, rollouts)
+        return
+    update = functools.partial(check_update_fits, config, device, tokens=cfg.update_tokens, processes=world,
+                               gradient_checkpointing=cfg.gradient_checkpointing, autocast=cfg.dtype != "fp32",
+                               others=planned_verifier_bytes(cfg.verifier_workers, device), flags=UPDATE_FLAGS)
+    update(longest=0)   # first what no rollout size fixes: the state leaves no room (the 4B on 80 GB)
+    check_fits(parts, device, rollouts)
+    bs = config.block_size   # then a micro-batch of one response of --max-new-tokens (its prompt not counted)
+    update(longest=group_bound(0, -(-cfg.max_new_tokens // bs) * bs, bs, cfg.update_rows))
 
 
 def interrupted(out: Path, argv) -> str:

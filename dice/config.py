@@ -103,8 +103,8 @@ class TrainConfig:
     threshold: float = 0.9
     steps_per_block: int = 4
     rollout_batch: int = 64
-    # the update (dice.rl.packing, policy_loss)
-    update_tokens: int = 16384
+    # the update (dice.rl.packing, policy_loss); update_tokens 0: auto (dice.rl.update_memory)
+    update_tokens: int = 0
     update_rows: str = "response"
     updates_per_step: int = 0
     rows_per_update: int = 256
@@ -197,10 +197,11 @@ RANGES = {"steps": ">= 0", "epochs": ">= 0", "batch_size": ">= 0", "grad_accum":
           "hidden_size": ">= 2", "num_layers": ">= 1", "num_heads": ">= 1", "num_kv_heads": ">= 1",
           "intermediate_size": ">= 1", "block_size": ">= 1", "tasks_per_step": ">= 1", "group_size": ">= 1",
           "max_new_tokens": ">= 1", "temperature": ">= 0", "threshold": "[0, 1]", "steps_per_block": ">= 1",
-          "rollout_batch": ">= 1", "update_tokens": ">= 1", "updates_per_step": ">= 0", "rows_per_update": ">= 1", "clip_eps": "[0, 1)",
+          "rollout_batch": ">= 1", "update_tokens": ">= 0", "updates_per_step": ">= 0", "rows_per_update": ">= 1", "clip_eps": "[0, 1)",
           "dynamic_sampling_rounds": ">= 0", "kl_beta": ">= 0", "eval_every": ">= 0", "verifier_workers": ">= 1",
           "verify_timeout": "> 0", "seed": "[0, 4294967295]"}
 ENDLESS = ("grad_clip",)   # inf: no clipping
+AUTO = ("update_tokens",)   # whole-number flags whose 0 means auto: --help shows "auto", the flag takes it
 # the flags only some phases use (every other flag: every phase but init); init uses INIT_FLAGS alone
 PHASE_FLAGS = {
     "init": ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
@@ -253,6 +254,8 @@ def _shown_default(name: str, phase: str | None) -> str:
     embedded = {label: EMBEDDED[p][0][name] for p, label in phases.items() if name in EMBEDDED[p][0]}
 
     def shown(value) -> str:
+        if name in AUTO and value == 0:
+            return "auto"
         return f"{value:g}" if isinstance(value, float) else str(value)
 
     def listed(values: dict) -> str:
@@ -292,8 +295,14 @@ def _parser(with_defaults: bool, phase: str | None = None) -> ArgumentParser:
             group.add_argument(flag, action="store_true", help=helped, **default)
         else:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            kind = auto_or_count if f.name in AUTO else kind
             group.add_argument(flag, type=kind, choices=CHOICES.get(f.name), help=helped, **default)
     return parser
+
+
+def auto_or_count(text: str) -> int:
+    """An AUTO flag's value: "auto" (0) or a whole number (its range: RANGES)."""
+    return 0 if text == "auto" else int(text)
 
 
 def _phase_asked(argv: list[str] | None) -> str | None:

@@ -63,7 +63,9 @@ HELP = {
     "rollout_batch": "RL: sequences generated per batch",
     "update_tokens": "RL: tokens per update micro-batch (every noisy copy and clean stream counted; a response "
                      "whose rounds pass it is split over several clean streams); with FlexAttention every "
-                     "micro-batch is padded to this length, so its kernels compile in the first step only",
+                     "micro-batch is padded to this length, so its kernels compile in the first step only; "
+                     "auto (or 0): on a GPU as many as the memory free when the update starts holds, beside the "
+                     "verifier's processes, up to 16384 (DESIGN.md §7), on a CPU 16384",
     "update_rows": "RL: response (a response's trace rounds share one clean stream) or round (one doubled row "
                    "per round, the per-round path; the same loss)",
     "updates_per_step": "RL: optimiser steps per RL step; 0 = one per --rows-per-update trace rounds (DICE)",

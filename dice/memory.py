@@ -8,7 +8,12 @@ stops a run that would fit (one that passes can still run out later, in memory n
   batch x length x layers x 2 (keys, values) x kv_heads x head_dim, in the generation dtype, and
   its rows (token ids, positions and step map as int64, two masks: 26 bytes a position);
 - a training micro-batch: its float32 logits, rows x row length x vocab x 4 bytes (SFT rows are
-  doubled, `[x_t ; x_0]`, DESIGN.md §4), and on a CPU the dense attention bias, rows x length^2 x 4.
+  doubled, `[x_t ; x_0]`, DESIGN.md §4), and on a CPU the dense attention bias, rows x length^2 x 4;
+- the RL update: its micro-batch budget is planned, not only checked (`update_token_bytes` a token,
+  `update_fixed_bytes` beside the optimiser's state, `plan_update_tokens`); these count what a
+  micro-batch holds at its peak, an upper bound. `check_update_fits` refuses, before the first
+  rollout, the sizes whose training state leaves the plan no room, or whose plan could not hold the
+  micro-batch of one response of --max-new-tokens, which any step may bring.
 Free memory: CUDA's free device memory; on a CPU MemAvailable, or less where a cgroup limit says so.
 """
 from __future__ import annotations
@@ -22,6 +27,17 @@ from .errors import UserError
 
 GIB = 2 ** 30
 ROW_STATE_BYTES = 3 * 8 + 2   # the sampler's x, pos, step_map (int64) and valid, generated (bool) per position
+# of what this process can take (beside the verifier's processes) that the update's plan fills at most;
+# the rest is for the allocator's fragments, in which the rollouts' freed KV caches are cut up
+UPDATE_SHARE = 0.9
+# the most an automatic budget plans: the fixed default it replaces; a larger one pads each optimiser
+# step's last micro-batch more (FlexAttention's micro-batches are all [1, budget])
+UPDATE_TOKENS_MAX = 16384
+UPDATE_TOKENS_CPU = 16384     # `--update-tokens` auto on a CPU, where there is no device memory to plan
+# an update micro-batch's loss tokens are at most half its tokens: each sits in one noisy copy and
+# once more in its response's clean stream (`dice.rl.packing`)
+LOSS_SHARE = 0.5
+FLEX_TILE = 128               # FlexAttention's block: an automatic budget is a whole number of them
 
 
 class MemoryShortage(UserError):
@@ -66,6 +82,119 @@ def parameter_bytes(config, bytes_per_parameter: int, processes: int = 1) -> int
 def micro_batch_bytes(config, rows: int, length: int, dense_attention: bool) -> int:
     """A training micro-batch's float32 logits, and the dense attention bias on a CPU."""
     return rows * length * config.vocab_size * 4 + (rows * length * length * 4 if dense_attention else 0)
+
+
+def update_token_bytes(config, gradient_checkpointing: bool, element_size: int = 2,
+                       loss_share: float = LOSS_SHARE) -> int:
+    """Bytes one token of an RL update micro-batch holds at the backward's peak (`dice.rl.packing`:
+    a FlexAttention forward and backward with float32 master weights; element_size 2 under bf16
+    autocast, 4 in float32). With h hidden, q = heads x head_dim, k = kv_heads x head_dim, I the MLP
+    width, H heads, K kv_heads, a = element_size, each layer keeps for the backward:
+      2 (8 + a) h   each sublayer's float32 residual input and RMSNorm output, and its Linear's input
+                    cast to a bytes (the residual stream stays float32: the embedding's output is);
+      8 (q + k)     q's and k's RMSNorm and RoPE: under autocast the norm's float32 input (4), its
+                    output cast back (2) and RoPE's float32 output cast for attention (2); in
+                    float32 the norm's output (4) and RoPE's (4);
+      a (q + 2k)    the fused qkv product, held whole by v, a view of it;
+      2 a q         attention's output and o_proj's input (the transposed copy);
+      4 a I         gate_up's product (2I, held by SiLU's input, a view of it), SiLU's and the product;
+      4 (2H + K + 2)  attention's log-sum-exp and the four norms' 1/rms, float32 per row.
+    Without gradient checkpointing all L layers' and, during the backward, one layer's gradients
+    again: (L + 1) x layer; with it each layer keeps only its float32 input (4h) and the backward
+    recomputes one layer at a time: L x 4h + 2 x layer. Besides: RoPE's float32 cos and sin
+    (8 x head_dim), the final norm's input and output (8h). The logits are computed at the loss
+    tokens alone, at most `loss_share` of the tokens (LOSS_SHARE); each holds at the backward's
+    peak its float32 log-softmax (kept by the loss), the loss's gradient and the log-softmax's
+    gradient over the vocabulary V, 12 V bytes, and its hidden state gathered and cast, 6h."""
+    c = config
+    h, L, V, I = c.hidden_size, c.num_hidden_layers, c.vocab_size, c.intermediate_size
+    q, k = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    a = element_size
+    layer = (2 * (8 + a) * h + 8 * (q + k) + a * (q + 2 * k) + 2 * a * q + 4 * a * I
+             + 4 * (2 * c.num_attention_heads + c.num_key_value_heads + 2))
+    kept = L * 4 * h + 2 * layer if gradient_checkpointing else (L + 1) * layer
+    return int(kept + 8 * c.head_dim + 8 * h + loss_share * (12 * V + 6 * h))
+
+
+def update_fixed_bytes(config, autocast: bool, processes: int = 1) -> int:
+    """What an update micro-batch holds besides its tokens and the optimiser's state: under bf16
+    autocast the bf16 copies of every matmul weight (autocast casts each float32 weight once and the
+    backward keeps the casts: 2 bytes a parameter, on every process); while a gradient accumulates,
+    the largest matrix's gradient in bf16 and cast to float32 (6 bytes each of its parameters); and
+    under FSDP2 two decoder layers' float32 parameters gathered (one running, the next arriving)."""
+    c = config
+    h = c.hidden_size
+    matmuls = c.num_parameters(include_embedding=False) + c.vocab_size * h
+    q, k = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    largest = max(c.vocab_size * h, 2 * c.intermediate_size * h, (q + 2 * k) * h)
+    gathered = 2 * 4 * c.num_parameters(include_embedding=False) // c.num_hidden_layers if processes > 1 else 0
+    return (2 * matmuls if autocast else 0) + 6 * largest + gathered
+
+
+def plan_update_tokens(available: int, unheld: int, fixed: int, per_token: int, longest: int, granule: int) -> int:
+    """The update's micro-batch budget in tokens, or 0 where the plan cannot hold `longest` tokens:
+    of min(UPDATE_SHARE x available, available - unheld) (what this process can take, less what
+    other processes, the verifier's, do not hold yet), `fixed` bytes set aside and `per_token` bytes
+    a token, rounded down to `granule` and at most UPDATE_TOKENS_MAX, but never below `longest` (the
+    largest group of rounds the step packs, rounded up to `granule`), so that no micro-batch passes
+    the budget (`dice.rl.packing.flex_length`) and FlexAttention meets one shape."""
+    room = min(UPDATE_SHARE * available, available - unheld) - fixed
+    fits = int(max(room, 0) // per_token)
+    least = max(granule, -(-longest // granule) * granule)
+    if fits < least:
+        return 0
+    return max(least, min(fits, UPDATE_TOKENS_MAX) // granule * granule)
+
+
+def check_update_fits(config, device: torch.device, *, tokens: int, longest: int, gradient_checkpointing: bool,
+                      autocast: bool, processes: int, others: int, flags: dict[str, str]) -> None:
+    """Refuse, before any rollout, an RL update that cannot run on `device` (free now, before the
+    model loads): float32 weights, gradients and AdamW moments (16 bytes a parameter; FSDP2 shards
+    them over `processes`) and `update_fixed_bytes`, beside `others` bytes of the verifier's
+    processes, and one micro-batch. Auto (`tokens` 0): the micro-batch of the largest group, `longest`
+    tokens, planned as `plan_update_tokens` will plan it (within UPDATE_SHARE, at the upper bound
+    `update_token_bytes`). An explicit `--update-tokens` is the user's: refused where its
+    micro-batch's activations alone, without the logits, pass all the free memory, or where the
+    state leaves the plan no room for any micro-batch (which refuses every budget). The fix named:
+    flags["state"] (the command's words for a smaller model or more GPUs; with fewer of
+    flags["workers"] where that would make the room), or the first of auto flags["tokens"],
+    flags["checkpointing"], a lower flags["length"] that would fit."""
+    free = free_bytes(device)
+    weights, state = parameter_bytes(config, 4, processes), parameter_bytes(config, 12, processes)
+    fixed = state + update_fixed_bytes(config, autocast, processes)
+    granule = math.lcm(config.block_size, FLEX_TILE)
+    least = max(granule, -(-longest // granule) * granule)
+    explicit = bool(tokens)
+    # an explicit budget's micro-batches: the budget, or a multiple of it for a group over it (`flex_length`)
+    micro = (tokens * -(-longest // tokens) if longest > tokens else tokens) if explicit else least
+
+    def fits(ckpt: bool, size: int, verifier: int = others, planned: bool = not explicit) -> tuple[bool, int]:
+        """(whether a micro-batch of `size` tokens fits, its bytes), planned or (explicit) at least."""
+        per_token = update_token_bytes(config, ckpt, 2 if autocast else 4, LOSS_SHARE if planned else 0)
+        left = free - weights - verifier
+        return (UPDATE_SHARE * left if planned else left) - fixed >= size * per_token, size * per_token
+
+    ok, need = fits(gradient_checkpointing, micro)
+    # the state leaves the plan no room: refused whatever the budget (the 4B on an 80 GB GPU)
+    starved = not fits(True, granule, planned=True)[0]
+    if ok and not starved:
+        return
+    if starved:
+        fix = flags["state"] + (f", or fewer {flags['workers']}"
+                                if others and fits(True, granule, 0, planned=True)[0] else "")
+    elif explicit and fits(gradient_checkpointing, least, planned=True)[0]:
+        fix = f"pass {flags['tokens']} auto (planned to fit) or a smaller one"
+    elif not gradient_checkpointing and fits(True, micro)[0]:
+        fix = f"pass {flags['checkpointing']}"
+    else:
+        fix = f"lower {flags['length']}" + ("" if gradient_checkpointing else f" and pass {flags['checkpointing']}")
+    parts = {"float32 weights, gradients and AdamW moments": weights + state,
+             "bf16 weight copies and a gradient's casts": fixed - state, "the verifier's processes": others,
+             (f"a micro-batch's activations ({micro} tokens)" if explicit else f"a micro-batch of {micro} tokens"): need}
+    shown = ", ".join(f"{what} {_gib(size)}" for what, size in parts.items() if size)
+    within = "" if explicit else f", planned within {UPDATE_SHARE:.0%} of what the weights and the verifier leave"
+    raise MemoryShortage(f"the RL update needs {_gib(sum(parts.values()))} on {device} ({shown}) and "
+                         f"{_gib(free)} is free{within}; {fix}")
 
 
 def check_fits(parts: dict[str, int], device: torch.device, fix: str) -> None:

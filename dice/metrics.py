@@ -270,7 +270,8 @@ def rl_step_record(step: int, sampled, update: dict, rt, reward_kind: str, updat
     and means are over every rollout the step drew on all processes (`rt.all_sum`, the same order on
     every rank); `sampled` is its `dice.rl.groups.StepRollout`, `update` what `policy_update` returned.
     fast_1_pct (correct and speedup > 1) only under `--reward speedup`, the one reward that times;
-    kernels_verified_per_s None when nothing was verified; step_time_s since `started`."""
+    kernels_verified_per_s None when nothing was verified; update_tokens the update's micro-batch
+    budget (`dice.rl.update_memory`); step_time_s since `started`."""
     results, timing = sampled.results, sampled.timing
     n = rt.all_sum(len(sampled.rewards))
     tokens = rt.all_sum(sum(len(c.tokens) for c in sampled.completions))
@@ -286,7 +287,8 @@ def rl_step_record(step: int, sampled, update: dict, rt, reward_kind: str, updat
             "rollout_tokens_per_s": tokens / max(timing["generate_s"], 1e-9),
             "kernels_verified_per_s": verified / timing["verify_s"] if timing["verify_s"] > 0 else None,
             "generate_s": timing["generate_s"], "verify_s": timing["verify_s"], "update_s": update_s,
-            "compile_s": update["compile_s"], "step_time_s": time.perf_counter() - started}
+            "compile_s": update["compile_s"], "update_tokens": update["update_tokens"],
+            "step_time_s": time.perf_counter() - started}
 
 
 def rl_progress_fields(record: dict, dynamic_sampling: bool) -> dict:

@@ -14,7 +14,9 @@ AdamW's moments do not exist during the rollouts: under DICE's `--optimizer-stat
 one update (`dice.rl.train_rl.restart_moments`), which makes them, as in every `train.py` step. Times:
 generate (the generating thread), verify (time with a reward call running, mostly hidden behind
 generation), verify exposed (scoring left after the last token), update (the TraceRL update as a later
-step runs it: its time less compile s), with its model FLOPs (`dice.rl.packing.update_flops`) per
+step runs it: its time less compile s), with its micro-batches' budget (update tokens: `--update-tokens`
+auto plans it from the GPU memory free, `dice.rl.update_memory`, after refusing before the first rollout
+a step whose update cannot fit) and its model FLOPs (`dice.rl.packing.update_flops`) per
 second against the H200's measured bf16 rate, and compile s (what the update's first micro-batches took
 beyond steady ones, `dice.rl.packing.CompileClock`: FlexAttention compiles once per process for the
 update's one micro-batch shape, so a `--compare`'s second step compiles nothing and shows 0). The
@@ -45,15 +47,16 @@ import torch.distributed as dist
 
 from ..cli import at_least, in_range
 from ..config import TrainConfig
-from ..memory import check_fits, kv_cache_bytes, parameter_bytes
+from ..memory import MemoryShortage, check_fits, check_update_fits, kv_cache_bytes
 from ..model.sdar import SDAR
 from ..model.tokenizer import load_tokenizer
 from ..rl.groups import group_advantages, rank_slots, rollout
 from ..rl.old_logprobs import RolloutLogprobs
 from ..rl.packing import UPDATE_ROWS
-from ..rl.rewards import rank_verifier
+from ..rl.rewards import planned_verifier_bytes, rank_verifier
 from ..rl.rollout import OVERLAP, FullParameters, prompt_format, task_prompt_ids
 from ..rl.train_rl import policy_update, restart_moments
+from ..rl.update_memory import UpdateTokens
 from ..runtime import make_optimizer, setup_runtime, shard
 from ..tasks.load import curriculum, load_tasks, step_tasks
 from ..verifier import Verifier
@@ -63,7 +66,7 @@ from .replay import (BROKEN, CHARS_PER_TOKEN, SDAR_TOKENIZER, ReplayTokenizer, c
 from .training import model_config, train_shape
 
 
-def rollout_batch(text: str) -> int | str:
+def count_or_auto(text: str) -> int | str:
     """An argparse `type`: "auto" or a whole number >= 1."""
     if text == "auto":
         return text
@@ -81,10 +84,11 @@ def add_arguments(p) -> None:
     p.add_argument("--group-size", type=at_least(2), default=8, help="samples per task (DICE: 16)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=4096,
                    help="cap of a response; sizes the KV cache (DICE: 4096)")
-    p.add_argument("--rollout-batch", type=rollout_batch, default="auto",
+    p.add_argument("--rollout-batch", type=count_or_auto, default="auto",
                    help="sequences generated per batch, or auto: as many as the GPU memory holds")
-    p.add_argument("--update-tokens", type=at_least(1), default=TrainConfig.update_tokens,
-                   help="tokens per update micro-batch (train.py --update-tokens)")
+    p.add_argument("--update-tokens", type=count_or_auto, default="auto",
+                   help="tokens per update micro-batch, or auto: as many as the GPU memory free when the update "
+                        "starts holds (train.py --update-tokens)")
     p.add_argument("--update-rows", choices=UPDATE_ROWS, default="response",
                    help="response: a response's rounds share one clean stream; round: one doubled row per round")
     p.add_argument("--grad-ckpt", action="store_true", help="recompute each layer in the backward pass (4b: needed)")
@@ -122,6 +126,11 @@ class Settings:
 
 
 BASELINE = Settings("stream", "auto", "bf16", "auto", "round")
+# what names the fixes when the update cannot fit (`dice.memory.check_update_fits`)
+UPDATE_FLAGS = {"state": "pass a smaller --shape, --skip-update to time its rollouts alone, or spread it over more "
+                         "GPUs (torchrun --nproc_per_node N: FSDP2 shards the weights, gradients and moments)",
+                "workers": "--workers", "tokens": "--update-tokens", "checkpointing": "--grad-ckpt",
+                "length": "--max-new-tokens"}
 
 
 def build_policy(config, device, grad_ckpt: bool, seed: int) -> SDAR:
@@ -155,8 +164,10 @@ class PoolLoad:
 
 
 def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: TrainConfig, rt, optimizer, reward,
-             skip_update: bool, bench, gather, load=lambda: "") -> tuple[dict, str]:
+             tokens: UpdateTokens | None, prompt_len: int, bench, gather, load=lambda: "") -> tuple[dict, str]:
     """One timed step with the levers `s`: (its table row, a line of verdicts and update counts).
+    tokens: the update's budget (`dice.rl.update_memory`), planned before the first rollout for the
+    longest replayed response after a prompt of `prompt_len`; None: no update (--skip-update).
     load(): text the progress line ends with (`PoolLoad`).
     Under torchrun each process rolls out the groups of its task slots (`dice.rl.groups.rank_slots`, as
     `train.py`), inside `gather` (`dice.rl.rollout.FullParameters`), and the update runs over all of them."""
@@ -165,6 +176,8 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
     cuda = rt.device.type == "cuda"
     name = "baseline" if s == BASELINE else "step"
     group = cfg.group_size
+    if tokens is not None:   # a step whose update cannot fit is refused now, not after its rollouts
+        tokens.before_rollouts(cfg, prompt_len, max(lengths))
     mine = [k * group + j for k in rank_slots(0, len(owners) // group, rt) for j in range(group)]
     if cuda:
         torch.cuda.synchronize()
@@ -180,7 +193,7 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
         bench.progress(f"{name}: rollouts generated {made}/{n}, verified {scored}/{n}{load()}", force=last)
 
     # one-member groups: rollout k carries its own program; slot k's seed equals the grouped one's
-    old = None if skip_update else RolloutLogprobs(model, cfg, rt, tok.pad_token_id)
+    old = None if tokens is None else RolloutLogprobs(model, cfg, rt, tok.pad_token_id, tokens)
     with torch.no_grad(), gather or contextlib.nullcontext():
         completions, rewards, results, timing = rollout(
             model, tok, [owners[k] for k in mine], mine, dataclasses.replace(cfg, group_size=1), reward,
@@ -194,10 +207,10 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
     advantages = group_advantages(rewards, group)
     model.train()
     t0 = time.perf_counter()
-    update = {} if skip_update else policy_update(
+    update = {} if tokens is None else policy_update(
         model, None, completions, advantages, cfg, rt, optimizer, tok.pad_token_id,
         progress=lambda done, total: bench.progress(f"{name}: update micro-batches", done, total),
-        rollout_logprobs=old)
+        rollout_logprobs=old, tokens=tokens)
     restart_moments(optimizer, cfg.optimizer_state)
     if cuda:
         torch.cuda.synchronize()
@@ -235,6 +248,7 @@ def _row(s: Settings, rt, batch: int, ranks: list[dict], update: dict, compile_s
            "verify exposed s": f"{top['verify exposed']:.1f}", "update s": f"{top['update']:.1f}",
            "step s": f"{step_s:.1f}", "tokens/s": round(tokens / max(top["generate"], 1e-9)),
            "kernels/s": f"{verified / top['verify']:.2f}" if verified and top["verify"] > 0 else "-",
+           "update tokens": update.get("update_tokens", "-"),
            "update TFLOP/s": f"{flops_s / 1e12:.3g} ({100 * flops_s / BF16_FLOPS:.0f}% of bf16)" if update else "-",
            "peak GiB": f"{max(r['peak'] for r in ranks) / 2**30:.1f}" if cuda else "-",
            "bound": f"{bound} ({100 * parts[bound] / max(step_s, 1e-9):.0f}%)",
@@ -299,10 +313,13 @@ def bench_rl(args, bench) -> None:
             shard(model)
             gather = FullParameters(model)
         base = TrainConfig(phase=args.phase, tasks_per_step=args.tasks_per_step, group_size=args.group_size,
-                           max_new_tokens=args.max_new_tokens, update_tokens=args.update_tokens,
+                           max_new_tokens=args.max_new_tokens,
+                           update_tokens=0 if args.update_tokens == "auto" else args.update_tokens,
                            gradient_checkpointing=args.grad_ckpt, verifier_workers=args.workers,
                            verify_timeout=args.verify_timeout, seed=args.seed)
         optimizer = make_optimizer(model, base)
+        # one budget for every step of the process: its FlexAttention shapes compile once
+        tokens = None if args.skip_update else UpdateTokens(model, optimizer, rt, verifier and verifier.gpu_bytes)
         given = BASELINE if args.baseline else \
             Settings(args.overlap, args.rollout_batch, args.rollout_dtype, args.attention, args.update_rows)
         for i, settings in enumerate([BASELINE, given] if args.compare else [given]):
@@ -313,8 +330,8 @@ def bench_rl(args, bench) -> None:
             if i == 0 and rt.main:
                 _describe(args, config, rt, chosen, replay, prompts, lengths, tok_dir, verdicts)
             reward = make_reward(args.reward, verifier, {t.solution: k for t, k in replay}, args.verify_timeout)
-            row, line = run_step(settings, model, tok, owners, lengths, base, rt, optimizer, reward, args.skip_update,
-                                 bench, gather, PoolLoad(verifier))
+            row, line = run_step(settings, model, tok, owners, lengths, base, rt, optimizer, reward, tokens,
+                                 max(map(len, prompts)), bench, gather, PoolLoad(verifier))
             if rt.main:
                 bench.row(row)
                 lines.append(line)
@@ -336,13 +353,14 @@ def _checked_inputs(args, rt) -> tuple:
         _refuse(rt, f"error: --tasks-per-step {args.tasks_per_step} is below the {rt.world} processes; pass "
                 f"--tasks-per-step {rt.world} or more (every process needs a task)")
     config = model_config(args.shape)
-    if rt.device.type == "cuda" and not args.skip_update:
-        need = parameter_bytes(config, 16, rt.world)   # sharded over the processes by FSDP2
-        have = torch.cuda.get_device_properties(rt.device).total_memory
-        if need > 0.9 * have:
-            _refuse(rt, f"error: --shape {args.shape}: float32 weights, gradients and AdamW moments need "
-                    f"{need / 2**30:.0f} GiB of this GPU's {have / 2**30:.0f} GiB; pass --skip-update to time its "
-                    "rollouts alone")
+    if rt.device.type == "cuda" and not args.skip_update:   # the responses' lengths: `run_step` plans for them
+        try:
+            check_update_fits(config, rt.device, tokens=0 if args.update_tokens == "auto" else args.update_tokens,
+                              longest=0, gradient_checkpointing=args.grad_ckpt, autocast=True, processes=rt.world,
+                              others=planned_verifier_bytes(args.workers, rt.device) if args.reward == "verifier"
+                              else 0, flags=UPDATE_FLAGS)
+        except MemoryShortage as e:
+            _refuse(rt, f"error: --shape {args.shape}: {e}")
     tasks = [t for t in load_tasks(args.solutions) if t.solution and (args.phase == "e2e" or t.prefix is not None)]
     if not tasks:
         _refuse(rt, f"error: {args.solutions}: no record has a cuda_code program" + (
@@ -406,7 +424,8 @@ def _describe(args, config, rt, chosen, replay, prompts, lengths, tok_dir, verdi
           f"broken; {args.phase} prompts {sum(map(len, prompts)) / len(prompts):.0f} tokens on average, responses "
           f"{sum(lengths) / len(lengths):.0f} (max {max(lengths)}, cap {args.max_new_tokens}), counted by {counted}; "
           f"block {config.block_size}, 4 steps a block, dynamic remasking at 0.9, T = 1; update micro-batches of "
-          f"{args.update_tokens} tokens{', gradient checkpointing' if args.grad_ckpt else ''}; {args.workers} "
+          f"{'as many tokens as fit (auto)' if args.update_tokens == 'auto' else f'{args.update_tokens} tokens'}"
+          f"{', gradient checkpointing' if args.grad_ckpt else ''}; {args.workers} "
           f"verifier workers" + (" (python reward)" if args.reward == "python" else "") +
           (f"; {rt.world} processes (FSDP2), each generating and verifying its share of the tasks with its "
            "share of the workers" if rt.world > 1 else ""), flush=True)

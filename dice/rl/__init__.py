@@ -10,5 +10,6 @@ One step, in the order `train_rl` runs it:
 | `trace` | TraceRL's trace rounds of a response and their weights |
 | `packing` | a response's rounds beside one clean stream, token-sized micro-batches, their log-probabilities |
 | `old_logprobs` | the rollout policy's log-probs of the update's loss tokens, computed while the reward finishes |
+| `update_memory` | the update's micro-batch budget, planned from the GPU memory free when it starts |
 | `train_rl` | `train_rl`: a step's groups, the PPO-clip + k3 update, the log, the checkpoint |
 """

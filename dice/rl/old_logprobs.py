@@ -18,6 +18,7 @@ import torch
 
 from .packing import (CompileClock, PackedBatch, flex_length, group_rounds, micro_batches, pack, pad_batch,
                       packed_logprobs, round_items, uses_flex)
+from .update_memory import UpdateTokens
 
 
 class RolloutLogprobs:
@@ -26,10 +27,13 @@ class RolloutLogprobs:
     completions (k counted from `offset`: a dynamic-sampling round's first) and `finished()`,
     true once the reward is in; `old(batch)` gives an update micro-batch's, or None. Not under
     torchrun: under FSDP every forward is a collective that all processes must run alike.
-    `compile_s`: what its FlexAttention forwards spent compiling (`CompileClock`)."""
+    `compile_s`: what its FlexAttention forwards spent compiling (`CompileClock`). Its micro-batches
+    have the update's budget (`tokens`: the run's `UpdateTokens.for_forwards`, asked when the pass
+    starts; None: one of its own that holds no optimiser state), so both meet one FlexAttention shape."""
 
-    def __init__(self, model, cfg, rt, pad_id: int):
+    def __init__(self, model, cfg, rt, pad_id: int, tokens: UpdateTokens | None = None):
         self.model, self.cfg, self.rt, self.pad_id = model, cfg, rt, pad_id
+        self.tokens = tokens or UpdateTokens(model, None, rt)
         self.values: dict[tuple[int, int], torch.Tensor] = {}
         self.compile_s = 0.0
 
@@ -40,16 +44,16 @@ class RolloutLogprobs:
         use_flex = uses_flex(self.cfg, device)
         items = round_items(completions, [k for k, c in enumerate(completions) if c is not None and c.tokens],
                             config.block_size, offset)
-        groups = group_rounds(items, [0.0] * len(items), self.cfg.update_rows, config.block_size,
-                              self.cfg.update_tokens)
+        budget = self.tokens.for_forwards(self.cfg, completions)
+        groups = group_rounds(items, [0.0] * len(items), self.cfg.update_rows, config.block_size, budget)
         clock = CompileClock.for_masks(use_flex, device)
         zero = dict.fromkeys((k for k, _, _ in items), 0.0)
-        for chunk in micro_batches(groups, self.cfg.update_tokens):
+        for chunk in micro_batches(groups, budget):
             if finished():
                 break
             batch = pack([chunk] if use_flex else [[g] for g in chunk], config.mask_token_id, self.pad_id, zero)
             if use_flex:
-                batch = pad_batch(batch, flex_length(batch.ids.shape[1], self.cfg.update_tokens))
+                batch = pad_batch(batch, flex_length(batch.ids.shape[1], budget))
             with torch.no_grad(), self.rt.autocast(self.cfg.dtype):
                 logp = clock.run("forward", batch, lambda: packed_logprobs(self.model, batch, use_flex))
             for (k, r, _), values in zip(batch.rounds, logp.split([n for _, _, n in batch.rounds])):

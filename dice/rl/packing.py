@@ -104,6 +104,21 @@ def group_rounds(items: Sequence[tuple[int, Completion, Round]], weights: Sequen
     return out
 
 
+def group_bound(prompt_len: int, length: int, block_size: int, rows: str) -> int:
+    """The most tokens a group of one response's rounds holds however the budget splits them: a
+    group starts with the clean stream (prompt, response and tail: `length` tokens) and one noisy
+    copy, which holds (rows "response") at most the blocks from the one the prompt ends in to the
+    end, or (rows "round") the whole sequence. A budget of at least this many tokens never holds a
+    micro-batch over it (`flex_length`)."""
+    return length + (length if rows == "round" else length - prompt_len // block_size * block_size)
+
+
+def largest_group(completions, rows: str, block_size: int) -> int:
+    """The largest `group_bound` of `completions` (None or empty ones skipped; none: 0)."""
+    return max((group_bound(len(c.prompt_ids), len(c.prompt_ids) + len(c.tokens) + len(c.tail_tokens), block_size,
+                            rows) for c in completions if c is not None and c.tokens), default=0)
+
+
 def micro_batches(groups: list[RoundGroup], budget: int) -> list[list[RoundGroup]]:
     """Groups in micro-batches of at most `budget` tokens each (a group over it alone): first-fit
     decreasing, ties in the given order, so the plan depends on the groups alone."""

@@ -86,6 +86,15 @@ def rank_verifier(workers: int, device: torch.device) -> dict:
     return {"workers": max(1, workers // local), "device": str(device) if device.type == "cuda" else "cuda"}
 
 
+def planned_verifier_bytes(workers: int, device: torch.device) -> int:
+    """The GPU memory this process's Verifier (`rank_verifier`'s share of `workers`) will hold once it
+    has verified a while (`Verifier.gpu_bytes`: its workers and judges), known before it starts: the
+    memory checks of train.py and bench rl set it aside."""
+    from ..verifier.verifier import PROCESS_GPU_BYTES, WORKERS_PER_JUDGE   # lazy: as `rl_rewards`
+    mine = rank_verifier(workers, device)["workers"]
+    return (mine + max(1, mine // WORKERS_PER_JUDGE)) * PROCESS_GPU_BYTES
+
+
 def rl_rewards(cfg, rt, reward_fn: RewardFn | None) -> tuple[object | None, RewardFn, RewardFn]:
     """An RL run's (verifier, reward, evaluation reward). A given `reward_fn` is both, without a
     verifier; otherwise this process's Verifier gives the phase's `--reward` under `--reward-rules`

@@ -60,6 +60,7 @@ from .groups import sample_step
 from .old_logprobs import RolloutLogprobs
 from .rewards import RewardFn, Scores, rl_rewards, score
 from .rollout import FullParameters, complete, load_prompt_template, prompt_format, task_prompt_ids
+from .update_memory import CHECKPOINTING, UpdateTokens
 
 # what a resumed RL run must keep (besides the tasks and the model)
 RESUME_FIELDS = ("phase", "seed", "tasks_per_step", "group_size", "max_new_tokens", "temperature", "remasking",
@@ -115,8 +116,11 @@ def _train_micro_batch(model, ref_model, batch: PackedBatch, logp_old: torch.Ten
 
 
 def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer, pad_id: int, seed: int = 0,
-                  progress=None, rollout_logprobs: RolloutLogprobs | None = None) -> dict:
-    """The optimiser steps of one RL step over the kept responses' trace rounds (`update_plan`).
+                  progress=None, rollout_logprobs: RolloutLogprobs | None = None,
+                  tokens: UpdateTokens | None = None) -> dict:
+    """The optimiser steps of one RL step over the kept responses' trace rounds (`update_plan`), in
+    micro-batches of the budget `tokens` gives now (the run's `UpdateTokens`: --update-tokens, or
+    planned from the GPU memory free; None: one of this call's own).
     The token weights count rows and responses over all processes, so a micro-batch's backward is
     already its share of the step; with several steps the ratio is to the rollout policy's
     log-probs, taken before the first (those `rollout_logprobs` computed while the reward finished,
@@ -124,23 +128,27 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     clip_fraction are means over every loss token of all processes; flops is the update's model
     FLOPs (`dice.rl.packing.update_flops`), all processes'; compile_s the seconds it spent compiling
     FlexAttention (`CompileClock`; the slowest process's): a process's first update, 0 after;
-    grad_norm the whole gradient's norm before clipping, the mean over the optimiser steps."""
+    grad_norm the whole gradient's norm before clipping, the mean over the optimiser steps;
+    update_tokens the micro-batches' budget."""
     config = model.config
     device = next(model.parameters()).device
     use_flex = uses_flex(cfg, device)
+    kept = [c for c, a in zip(completions, advantages) if a is not None]
+    budget = (tokens or UpdateTokens(model, optimizer, rt))(cfg, kept)
+    cfg = dataclasses.replace(cfg, update_tokens=budget)
     plan, n_responses, n_rows = update_plan(completions, advantages, cfg, rt, config.block_size,
                                             config.mask_token_id, pad_id, use_flex, seed)
     if not plan:   # every group had equal rewards: no signal, and Adam's momentum must not move us
         return {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "responses_trained": 0, "rounds": 0, "flops": 0.0,
-                "compile_s": 0.0, "grad_norm": 0.0}
+                "compile_s": 0.0, "grad_norm": 0.0, "update_tokens": budget}
     try:
         return _run_plan(model, ref_model, plan, n_responses, n_rows, cfg, rt, optimizer, use_flex, progress,
-                         rollout_logprobs)
+                         rollout_logprobs) | {"update_tokens": budget}
     except torch.OutOfMemoryError:
-        fix = f"--update-tokens {max(cfg.update_tokens // 2, 1)}"
+        fix = f"--update-tokens {max(budget // 2, 1)}"
         if not cfg.gradient_checkpointing:
-            fix += " or turn on gradient checkpointing (train.py --gradient-checkpointing, bench rl --grad-ckpt)"
-        raise out_of_memory("the RL update", device, f"micro-batches of {cfg.update_tokens} tokens", fix) from None
+            fix += f" or {CHECKPOINTING}"
+        raise out_of_memory("the RL update", device, f"micro-batches of {budget} tokens", fix) from None
 
 
 def _run_plan(model, ref_model, plan, n_responses: int, n_rows: int, cfg, rt, optimizer, use_flex: bool, progress,
@@ -292,6 +300,9 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
     run = open_run(cfg, rt, log, tasks, eval_tasks)
     model, optimizer, total = run.model, run.optimizer, cfg.steps
     verifier, reward_fn, eval_reward = rl_rewards(cfg, rt, reward_fn)
+    # the update's micro-batch budget, with room for the verifier's processes; planned now for a response
+    # of --max-new-tokens, so that one no step could hold is refused before the first rollout
+    tokens = UpdateTokens(model, optimizer, rt, getattr(reward_fn, "gpu_bytes", None))
     # generation calls the layers, not the root forward: under FSDP every parameter is gathered first
     gather = FullParameters(model) if rt.world > 1 else contextlib.nullcontext()
     evaluate = functools.partial(_evaluate, run, cfg, rt, log, eval_reward, gather)
@@ -299,6 +310,7 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
         f"{cfg.tasks_per_step} tasks x {cfg.group_size} samples per step, steps {run.start + 1}..{total}")
     started = time.perf_counter()
     try:
+        tokens.before_rollouts(cfg)
         for step in range(run.start, total):
             t0 = time.perf_counter()
             if cfg.eval_every and run.eval_tasks and step % cfg.eval_every == 0:
@@ -307,7 +319,7 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
             # responses while generation goes on, the advantages deciding which tasks dynamic sampling redraws
             model.eval()
             # the update's old log-probs, computed while the reward's last verdicts come in
-            old = RolloutLogprobs(model, cfg, rt, run.tok.pad_token_id)
+            old = RolloutLogprobs(model, cfg, rt, run.tok.pad_token_id, tokens)
             with torch.no_grad(), gather:
                 sampled = sample_step(model, run.tok, run.ordered, run.cursor, cfg, reward_fn, rt,
                                       seed=(cfg.seed * 100_003 + step) * 10_007, infill=cfg.phase == "infill",
@@ -317,7 +329,8 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
             model.train()
             t_update = time.perf_counter()
             upd = policy_update(model, run.ref_model, sampled.completions, sampled.advantages, cfg, rt, optimizer,
-                                run.tok.pad_token_id, seed=cfg.seed * 100_003 + step, rollout_logprobs=old)
+                                run.tok.pad_token_id, seed=cfg.seed * 100_003 + step, rollout_logprobs=old,
+                                tokens=tokens)
             # dropped now, not before the next update: the next step's rollouts get their memory
             restart_moments(optimizer, cfg.optimizer_state)
             t_update = time.perf_counter() - t_update
