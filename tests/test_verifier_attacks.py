@@ -87,8 +87,8 @@ def test_a_reply_that_would_run_code_in_the_trainer_is_refused(cpu_verifier, tmp
     ("import dice.verifier.worker as w\nw.export_tensor = lambda t: (b'', t)", "export_tensor"),
     ("import statistics\nstatistics.median = lambda values: 1e-6", "statistics.median"),
     ("torch.Tensor.clamp_min = lambda self, m: self.abs()", "torch.Tensor.clamp_min"),   # would skew the next
-    ("import dice.verifier.worker as w\nw.CandidateHandler.time_block = lambda self, r: {'status': 'ok'}",
-     "CandidateHandler.time_block"),
+    ("import dice.verifier.worker as w\nw.CandidateHandler.time_call = lambda self, r: {'status': 'ok'}",
+     "CandidateHandler.time_call"),
     # the GPU draw of the inputs (`with device:`) builds this class by name: it would see every input
     ("import torch.utils._device as d\nclass Spy(d.DeviceContext):\n    pass\nd.DeviceContext = Spy",
      "torch.utils._device.DeviceContext"),
@@ -223,8 +223,8 @@ def test_an_instance_attribute_over_a_handler_method_is_caught(cpu_verifier):
 
 @pytest.mark.parametrize("forged, text", [
     ("handler.time_prepare = lambda request: {'status': 'ok', 'method': 'graph', 'records': None, 'own': None, "
-     "'outputs': [[1]]}", "wrong types"),
-    ("handler.time_block = lambda request: {'status': 'done early'}", "status 'done early'"),
+     "'outputs': [1]}", "wrong types"),
+    ("handler.time_call = lambda request: {'status': 'done early'}", "status 'done early'"),
     ("handler.run = lambda request: {'status': 'pwned', 'message': 'x'}", "status 'pwned'"),
 ])
 @pytest.mark.slow
@@ -457,7 +457,7 @@ def test_structured_trials_reach_fp16_and_integer_inputs(cpu_verifier):
 # A harness candidate Python cannot reach (issue #34, class 5).
 
 FIND_RUNNER = ("import sys\nf = sys._getframe()\nwhile f is not None and type(f.f_locals.get('self')).__name__ != "
-               "'BlockRunner':\n    f = f.f_back\n")
+               "'CallRunner':\n    f = f.f_back\n")
 HARNESS_CASES = {   # name: (candidate, verdict, text), verified without timing
     # a refused hook is harness tampering: `invalid` with the reason (runtime_error before issue #46)
     "an interpreter profile hook": (_model("import sys\nsys.setprofile(lambda *a: None)\nreturn x.clamp_min(0)"),
@@ -486,14 +486,14 @@ HARNESS_CASES = {   # name: (candidate, verdict, text), verified without timing
         "invalid", "left processes running"),
 }
 TIMED_HARNESS_CASES = {   # verified with timing: none may be correct
-    "the block runner's run replaced": _model(
-        "import dice.verifier.timing as t\nt.BlockRunner.run = lambda self: None\nreturn x.clamp_min(0)"),
-    # found through the frames in a timed block: every later block skipped, on this runner only
+    "the call runner's run replaced": _model(
+        "import dice.verifier.timing as t\nt.CallRunner.run = lambda self: None\nreturn x.clamp_min(0)"),
+    # found through the frames in a timed call: every later call skipped, on this runner only
     "a runner instance's run shadowed": _model(
         FIND_RUNNER + "if f is not None:\n    f.f_locals['self'].run = lambda: None\nreturn x.clamp_min(0)"),
-    # skips work in timed blocks (a BlockRunner on the stack), honest elsewhere
-    "zeros in timed blocks": _model(FIND_RUNNER + "return x.clamp_min(0) if f is None else torch.zeros_like(x)"),
-    # answers its block at once and computes afterwards, in a thread: the worker is stopped by then
+    # skips work in timed calls (a CallRunner on the stack), honest elsewhere
+    "zeros in timed calls": _model(FIND_RUNNER + "return x.clamp_min(0) if f is None else torch.zeros_like(x)"),
+    # answers its call at once and computes afterwards, in a thread: the worker is stopped by then
     "replies before its block's work": _model(
         FIND_RUNNER + "if f is None:\n    return x.clamp_min(0)\nimport threading, time\ny = torch.zeros_like(x)\n"
         "threading.Thread(target=lambda: (time.sleep(0.05), y.copy_(x.clamp_min(0)))).start()\nreturn y"),

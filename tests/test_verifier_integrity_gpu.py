@@ -268,6 +268,18 @@ MEMOISED = ("key = x.data_ptr()\nif key not in self.memo:\n    self.memo[key] = 
 REPLAYED = ("if self.out is None:\n    self.out = torch.empty(x.shape, device=x.device)\n"
             "    launch('affine_int', x.numel(), x.data_ptr(), self.out.data_ptr(), cp.int64(x.numel()))\n"
             "return self.out.clone()")
+EAGER_ONLY = "if torch.cuda.is_current_stream_capturing():\n    return torch.zeros_like(x)\n"   # no faithful graph
+# `timed`: a timed call's forward (the harness's CallRunner on the stack); `conn`: the worker's connection
+TIMED = ("import sys\nf, timed, conn = sys._getframe(1), False, None\nwhile f is not None:\n"
+         "    timed |= type(f.f_locals.get('self')).__name__ == 'CallRunner'\n"
+         "    conn = f.f_locals.get('conn') if f.f_code.co_name == 'serve' else conn\n    f = f.f_back\n")
+# at import: every draw of the task's get_inputs in this process kept with its ReLU
+SPY = ("import sys\nSEEN = {}\n_task = sys.modules.get('dice_task')\nif _task is not None:\n"
+       "    _real = _task.get_inputs\n"
+       "    def _spy():\n        xs = _real()\n        for x in xs:\n"
+       "            SEEN[(tuple(x.shape), float(x.reshape(-1)[0]), float(x.reshape(-1)[-1]))] = x.clamp_min(0)\n"
+       "        return xs\n"
+       "    _task.get_inputs = _spy\n")
 ATTACKS = {
     # decoy kernels: one own kernel launched, the work done by something else
     "decoy tensor method": (RELU_TASK, candidate("noop(x)\nreturn x.clamp_min(0)"), "invalid"),
@@ -378,36 +390,24 @@ ATTACKS = {
         # passes within the sum's tolerance, a later trial repeats trial 1's output while the references differ
         # (invalid); the draw decides which (H200, 2026-12-05: invalid)
         ("incorrect", "invalid")),
-    # timing attacks: skip work when timed
+    # timing attacks (issue #67): skip work when timed, or answer a timed call before its work is done
     "skips work under a timing function on the stack or in a capture": (RELU_TASK, candidate(
-        "import sys\nf, timed = sys._getframe(1), torch.cuda.is_current_stream_capturing()\n"
-        "while f is not None:\n    timed |= f.f_code.co_name in ('_calls', '_timed_replay', 'block', '_capture')\n"
-        "    f = f.f_back\nif timed:\n    return torch.zeros_like(x)\n" + OWN_RELU), None),
+        TIMED + "if timed or torch.cuda.is_current_stream_capturing():\n    return torch.zeros_like(x)\n" + OWN_RELU), None),
     "skips work on back-to-back calls": (RELU_TASK, candidate(
         "import time\nnow = time.perf_counter()\nquick, self.last = now - self.last < 0.002, now\n"
         "if quick:\n    return torch.zeros_like(x)\n" + OWN_RELU, init="self.last = 0.0"), None),
+    "answers its timed call early through the worker's connection": (RELU_TASK, candidate(
+        TIMED + "if timed and conn is not None and not torch.cuda.is_current_stream_capturing():\n"
+        "    conn.send({'status': 'ok'})\n" + OWN_RELU), None),
+    "returns the previous timed call's output": (RELU_TASK, candidate(
+        EAGER_ONLY + TIMED + "if timed and self.last is not None:\n    return self.last\n"
+        + OWN_RELU.replace("return y", "self.last = y\nreturn y"), init="self.last = None"), None),
 }
 
 
 # timing attacks that may stay `correct` only without gaining: their speedup is no more than the
 # honest kernel's (the same own ReLU, timed the same way)
-EAGER_ONLY = "if torch.cuda.is_current_stream_capturing():\n    return torch.zeros_like(x)\n"   # no faithful graph
 TIMING_ATTACKS = {
-    "rewrites the timing loop's list of times through frame inspection": candidate(
-        EAGER_ONLY + "import ctypes, sys\nf = sys._getframe(1)\n"
-        "while f is not None and 'times' not in f.f_code.co_varnames:\n    f = f.f_back\n"
-        "if f is not None and isinstance(f.f_locals.get('times'), tuple):\n"
-        "    f.f_locals['times'] = tuple(1e-4 for _ in f.f_locals['times'])\n"
-        "    if hasattr(ctypes.pythonapi, 'PyFrame_LocalsToFast'):\n"
-        "        ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(f), ctypes.c_int(0))\n" + OWN_RELU),
-    "rewrites the timing loop's start time through frame inspection": candidate(
-        EAGER_ONLY + "import ctypes, sys, time\nf = sys._getframe(1)\n"
-        "while f is not None and 't0' not in f.f_code.co_varnames:\n    f = f.f_back\n"
-        + OWN_RELU.replace("return y", "if f is not None and 't0' in f.f_locals:\n"
-                           "    torch.cuda.synchronize()\n    f.f_locals['t0'] = time.perf_counter()\n"
-                           "    if hasattr(ctypes.pythonapi, 'PyFrame_LocalsToFast'):\n"
-                           "        ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(f), ctypes.c_int(0))\n"
-                           "return y")),
     "wraps the clock and puts the original back": candidate(
         EAGER_ONLY + "import time\nif self.real is None:\n    self.real = time.perf_counter\n"
         "    time.perf_counter = lambda: self.real() / 100\n    torch.cuda.synchronize = lambda *a: None\n"
@@ -416,25 +416,6 @@ TIMING_ATTACKS = {
     "leaves a long all-SM kernel running after each call": candidate(
         OWN_RELU.replace("return y", "import threading\nthreading.Thread(target=torch.cuda._sleep, "
                          "args=(20_000_000,)).start()\nreturn y")),
-    # issue #34, class 5: the harness out of the candidate's reach
-    "shrinks the timer's L2 flush buffer (a warm cache)": candidate(
-        "import sys\nf = sys._getframe(1)\nwhile f is not None and type(f.f_locals.get('self')).__name__ != 'Timer':\n"
-        "    f = f.f_back\nif f is not None:\n    f.f_locals['self'].flush = torch.empty(1, dtype=torch.uint8, "
-        "device=x.device)\n" + OWN_RELU),
-    "pays the work check with padding on eight parallel streams": candidate(
-        "import sys\ntimed = any('_calls' == sys._getframe(k).f_code.co_name for k in range(1, 6))\n"
-        "if timed and self.last is not None:\n    streams = [torch.cuda.Stream() for _ in range(8)]\n"
-        "    for s in streams:\n        s.wait_stream(torch.cuda.current_stream())\n"
-        "        launch('spin', 1, cp.int64(25_000), grid=(1,), block=1, stream=s)\n"
-        "    for s in streams:\n        torch.cuda.current_stream().wait_stream(s)\n    return self.last\n"
-        "launch('spin', 1, cp.int64(200_000), grid=(1,), block=1)\n" + OWN_RELU.replace("return y", "self.last = y\nreturn y"),
-        init="self.last = None"),
-    "pays the work check from a finalizer between timed calls": candidate(
-        "import sys, weakref\ntimed = any('_calls' == sys._getframe(k).f_code.co_name for k in range(1, 6))\n"
-        "if timed and self.last is not None:\n"
-        "    weakref.finalize(x, launch, 'spin', 1, cp.int64(200_000), grid=(1,), block=1)\n    return self.last\n"
-        "launch('spin', 1, cp.int64(200_000), grid=(1,), block=1)\n" + OWN_RELU.replace("return y", "self.last = y\nreturn y"),
-        init="self.last = None"),
     "a native thread keeps the GPU busy while the baseline is timed": candidate(
         "import ctypes, time\nif not hasattr(ctypes, 'dice_hog'):\n"
         "    def hog(arg):\n        side = torch.cuda.Stream()\n        while True:\n"
@@ -443,9 +424,15 @@ TIMING_ATTACKS = {
         "    ctypes.dice_hog = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(hog)\n"
         "    ctypes.CDLL(None).pthread_create(ctypes.byref(ctypes.c_ulong()), None, ctypes.dice_hog, None)\n" + OWN_RELU),
     "skips its kernel on every other timed call": candidate(
-        EAGER_ONLY + "import sys\nself.calls += 1\ntimed = any('_calls' == sys._getframe(k).f_code.co_name "
-        "for k in range(1, 6))\nif timed and self.calls % 2:\n    return self.last\n" + OWN_RELU.replace(
-            "return y", "self.last = y\nreturn y"), init="self.calls, self.last = 0, None"),
+        EAGER_ONLY + TIMED + "self.calls += 1\nif timed and self.calls % 2:\n    return self.last\n"
+        + OWN_RELU.replace("return y", "self.last = y\nreturn y"), init="self.calls, self.last = 0, None"),
+    # inputs out of reach: the task's get_inputs wrapped at import answers every draw of this process
+    # from memory; any other input takes ten ReLUs, so a timed call it had seen would show as a gain
+    "answers from every draw its process made": candidate(
+        "key = (tuple(x.shape), float(x.reshape(-1)[0]), float(x.reshape(-1)[-1])) "
+        "if not torch.autograd._profiler_enabled() else None\n"
+        "if key in SEEN:\n    return SEEN[key].clone()\nfor _ in range(9):\n    " + OWN_RELU.replace("\n", "\n    ")
+        .replace("    return y", "    pass") + "\n" + OWN_RELU, extra=SPY),
 }
 
 

@@ -167,7 +167,7 @@ TORCH_MODULES = (torch.utils._device,)
 class HarnessSnapshot:
     """What a candidate worker's replies and later candidates depend on, captured before any
     candidate code runs: every name in the harness modules and in the methods of every class they
-    define (a candidate that replaced `BlockRunner.run` would skip its blocks), the handler (no instance
+    define (a candidate that replaced `CallRunner.run` would skip its timed calls), the handler (no instance
     attribute shadowing its methods), `trusted`, the standard library and torch classes the
     harness calls (STDLIB, TORCH_CLASSES), the functions of torch's main namespaces (a candidate
     that patched torch.Tensor.clamp_min would change the next candidate's results), and the

@@ -3,16 +3,15 @@
 It runs only task code, never a candidate's: it computes reference outputs (and the kernels the
 reference launches, under the profiler) per (task, init seed, trial seed, trial kind), caches them
 (RL verifies 16 candidates per task) and compares the outputs a candidate worker shipped with them.
-For a timing it owns the call slots (`timing.CallSlots`): it draws every timed input from the
-secret timing seed and writes it there while the candidate's worker is stopped, runs the eager
-baseline's blocks, compares the candidate's outputs where they lie, and tells when the GPU is
+For a timing it owns the call slots (`timing.Slots`): it draws every timed call's inputs from the
+secret timing seed and writes them there while the candidate's worker is stopped, runs the eager
+baseline's calls, compares the candidate's outputs where they lie, and tells when the GPU is
 idle. So a candidate can reach neither the reference outputs nor the comparison nor the baseline,
-nor any timed input before its block starts.
+nor any timed input before its call starts.
 """
 from __future__ import annotations
 
 import copy
-import random
 import time
 import types
 from collections import OrderedDict
@@ -28,18 +27,17 @@ from .outputs import aliased_outputs, compare_outputs, fingerprint, flatten, mod
 from .precision import (EXACT, in_precision, is_exact_float, loosest, math_flags, model_in, own_error, reduction_terms,
                         tolerances, unit)
 from .rules import trusted
-from .timing import BlockRunner, CallSlots, calls_per_block, flush_l2
+from .timing import CallRunner, Slots, flush_l2
 from .wire import import_tensor
 
 
 IDLE_MS = 0.5       # a lone marker kernel takes a few us on an idle GPU; a time slice of another context, ms
 IDLE_HOST_MS = 1.0  # ... and returns to the host within this (waiting for another context's slice takes longer)
-CHECKED_CALLS = 16  # a block's calls whose outputs are compared, drawn after the block ran
 
 
 class JudgeHandler:
     """Requests: reference, compare; for a timing: timing_prepare, timing_outputs, timing_inputs,
-    baseline_block, compare_block, gpu_idle, ping, timing_close."""
+    baseline_call, compare_call, gpu_idle, ping, timing_close."""
 
     MODELS_KEPT = 4
 
@@ -108,12 +106,12 @@ class JudgeHandler:
                 return f"input {j} after forward differs from the reference's ({mismatch})"
         return None
 
-    # -- a timing (DESIGN.md §8.3): the slots, their inputs, the baseline's blocks, the comparisons --
+    # -- a timing (DESIGN.md §8.3): the slots, each call's inputs, the baseline's calls, comparisons --
 
     def timing_prepare(self, request: dict) -> dict:
-        """Call slots for a timing on the secret timing seed (`timing.CallSlots`), the first calls'
-        inputs written into them, the eager reference's runner over them; what the candidate's
-        worker needs to open them, the calls per block, the reference's timed kernels."""
+        """Slots for a timing on the secret timing seed (`timing.Slots`) holding a first call's
+        inputs, the eager reference's runner on them; what the candidate's worker needs to open
+        them, the reference's time per call (this process's clock), its timed kernels."""
         self.timing_close(request)
         try:
             math_flags(request["precision"])
@@ -127,26 +125,23 @@ class JudgeHandler:
                                     request["inputs"])
             template = call_inputs(-1)
             outputs, ms = self._reference_ms(model, template, request["seed"])
-            eager = request["method"] == "eager"
-            calls = calls_per_block(ms, nbytes(template) + 2 * eager * nbytes(outputs))
-            slots = CallSlots(template, calls, self.device, outputs if eager else None)
-            self.timed = {"slots": slots, "inputs": call_inputs, "request": request, "candidate": None}
-            self._write_inputs(-1 - calls)
-            runner = BlockRunner(model, [slots.inputs(k) for k in range(calls)],
-                                 [slots.outputs("baseline", k) for k in range(calls)], self.device, request["method"])
-            self.timed["runner"] = runner
+            slots = Slots(template, self.device, outputs if request["method"] == "eager" else None)
+            slots.write(template)
+            runner = CallRunner(model, slots.inputs, slots.outputs["baseline"], self.device, request["method"])
+            self.timed = {"slots": slots, "inputs": call_inputs, "request": request, "runner": runner,
+                          "candidate": slots.outputs["candidate"]}
             activity = None
             if self.cuda:
-                _, activity = gpu_activity(runner.one_call)
+                _, activity = gpu_activity(runner.forward)
                 activity["epilogues"] = self._epilogues(request, model, template)
         except Exception as exc:
             return self._failed("task_error", describe_exception(exc, "task.py"))
-        return {"status": "ok", "method": runner.method, "activity": activity, "calls": calls,
+        return {"status": "ok", "method": runner.method, "activity": activity, "ms": ms,
                 "slots": slots.shared("candidate")}
 
     def _reference_ms(self, model: nn.Module, inputs: list, seed: int) -> tuple[list, float]:
         """(the reference's outputs on `inputs`, its time per call in ms: the best of three by this
-        process's own clock), to size the blocks."""
+        process's own clock), to size the rounds."""
         outputs, best = self._forward(model, inputs, seed), float("inf")
         for _ in range(3):
             if self.cuda:
@@ -158,67 +153,57 @@ class JudgeHandler:
             best = min(best, (time.perf_counter() - start) * 1e3)
         return outputs, best
 
-    def _write_inputs(self, first: int) -> None:
-        """Calls first .. first + calls - 1's inputs into the slots, then the L2 cache flushed."""
-        slots, call_inputs = self.timed["slots"], self.timed["inputs"]
-        for k in range(slots.calls):
-            slots.write(k, call_inputs(first + k))
-        flush_l2(self.device)
-        if self.cuda:
-            trusted.cuda_synchronize(self.device)
-
     def timing_outputs(self, request: dict) -> dict:
-        """The candidate's graph outputs, one list per call, shared once (its static outputs)."""
+        """The candidate's graph outputs (its static outputs), shared once."""
         try:
-            self.timed["candidate"] = [[import_tensor(data) for data in call] for call in request["outputs"]]
+            self.timed["candidate"] = [import_tensor(data) for data in request["outputs"]]
         except Exception as exc:
             return self._failed("runtime_error", f"the candidate's timed outputs could not be opened: "
                                 f"{describe_exception(exc)}")
         return {"status": "ok"}
 
     def timing_inputs(self, request: dict) -> dict:
-        """A block's inputs (calls request["first"] ..), asked while the candidate's worker is stopped."""
+        """Timed call request["call"]'s inputs into the slots, then the L2 cache flushed; asked
+        while the candidate's worker is stopped."""
         try:
             math_flags(self.timed["request"]["precision"])
-            self._write_inputs(request["first"])
+            self.timed["slots"].write(self.timed["inputs"](request["call"]))
+            flush_l2(self.device)
+            if self.cuda:
+                trusted.cuda_synchronize(self.device)
         except Exception as exc:
             return self._failed("task_error", describe_exception(exc, "task.py"))
         return {"status": "ok"}
 
-    def baseline_block(self, request: dict) -> dict:
-        """The reference's block on the slots; the caller's clock times this request."""
+    def baseline_call(self, request: dict) -> dict:
+        """The reference's call on the slots; the caller's clock times this request."""
         try:
             self.timed["runner"].run()
         except Exception as exc:
             return self._failed("task_error", describe_exception(exc, "task.py"))
         return {"status": "ok"}
 
-    def compare_block(self, request: dict) -> dict:
-        """The candidate's outputs of the block just run against the baseline's, on CHECKED_CALLS
-        calls drawn now, after the block (its worker could not know which)."""
+    def compare_call(self, request: dict) -> dict:
+        """The candidate's outputs of the call just run against the baseline's, where they lie."""
         timed, base = self.timed, self.timed["request"]
         expected = timed["runner"].outputs()
-        got = timed["candidate"] or [timed["slots"].outputs("candidate", k) for k in range(timed["slots"].calls)]
         errors = self.task_errors.get((base["task_key"], base["init_seed"], base["precision"]))
         try:
-            for k in sorted(random.SystemRandom().sample(range(len(expected)), min(len(expected), CHECKED_CALLS))):
-                mismatch = compare_outputs(expected[k], got[k], per_output=self._tolerances(base, expected[k], errors))
-                if mismatch:
-                    return {"status": "ok", "mismatch": mismatch, "call": request["first"] + k}
+            mismatch = compare_outputs(expected, timed["candidate"], per_output=self._tolerances(base, expected, errors))
         except Exception as exc:
             return self._failed("runtime_error", f"comparing the outputs failed: {describe_exception(exc)}")
-        return {"status": "ok", "mismatch": None, "call": None}
+        return {"status": "ok", "mismatch": mismatch}
 
     def gpu_idle(self, request: dict) -> dict:
         """Seconds until a marker kernel runs at once (`_prompt`), asked with the candidate's worker
         stopped: work it left on the GPU (a native thread's, a kernel launched after its reply, a
         helper process's) delays the marker by time slices. waited_s None: still busy at limit_s."""
-        start = time.perf_counter()
-        while True:
-            if self._prompt():
-                return {"status": "ok", "waited_s": time.perf_counter() - start}
-            if time.perf_counter() - start > request["limit_s"]:
+        start = probe = time.perf_counter()
+        while not self._prompt():     # waited: until the first prompt marker was launched (0 when idle)
+            probe = time.perf_counter()
+            if probe - start > request["limit_s"]:
                 return {"status": "ok", "waited_s": None}
+        return {"status": "ok", "waited_s": probe - start}
 
     def _prompt(self) -> bool:
         """Whether a marker kernel runs within IDLE_MS on the GPU's clock and IDLE_HOST_MS on the host's."""
@@ -237,7 +222,7 @@ class JudgeHandler:
         return {"status": "ok"}
 
     def timing_close(self, request: dict) -> dict:
-        """The timing's slots and runners freed."""
+        """The timing's slots and runner freed."""
         if self.timed is not None:
             self.timed["slots"].close()
             self.timed = None

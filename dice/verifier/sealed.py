@@ -1,57 +1,88 @@
-"""The trusted side of timed blocks: their inputs, their clock, the GPU left idle, their outputs
+"""The trusted side of timed calls: their inputs, their clock, the GPU left idle, their outputs
 compared (DESIGN.md §8.3). Runs in the trainer, which runs no candidate code.
 
-The candidate's worker is stopped (SIGSTOP) for the whole timing but its own blocks: while the
-judge writes a block's inputs into the call slots (`timing.CallSlots`, drawn from the secret timing
-seed), while the baseline runs and while the outputs are compared. A block's time is this
-process's clock from sending the block's request to its reply's last byte, plus however long the
-GPU then stays busy with the worker stopped again (work it left running, on any stream or in any
-process, is charged to it; past IDLE_LIMIT_S the verdict is `invalid`), less the pipe's round trip
-measured on the judge. So nothing the candidate's process does to its own clocks, timers, replies
-or records changes its time; it can only finish its work sooner. Every block's outputs are compared
-with the baseline's for a sample of calls drawn after the block (`JudgeHandler.compare_block`), in
-the judge, while the worker is stopped, so work skipped on any call is caught where it lies.
+The candidate's worker is stopped (SIGSTOP) for the whole timing but its own calls: while the
+judge writes a call's inputs into the slots (`timing.Slots`, drawn from the secret timing seed),
+while the baseline runs and while outputs are compared. So it never holds a call's inputs before
+that call starts: no work ahead, no calls batched. A call's time is this process's clock from
+sending the call's request to its reply's last byte, plus however long the GPU then stays busy
+with the worker stopped again (work it left running, on any stream or in any process, is charged
+to it; past IDLE_LIMIT_S the verdict is `invalid`), less the pipe's round trip (the median of
+pings of the judge, `round_trip`). The baseline's calls are timed the same way, each process
+stopped and woken before its request, so both pay the same wake-up. Nothing the candidate's process
+does to its own clocks, timers, replies or records changes its time; it can only finish sooner.
+A call's outputs are compared with the baseline's, in the judge, where they lie, while the worker
+is stopped, with probability COMPARED drawn after the call from os.urandom: work skipped on a
+share f of calls is caught with probability 1 - (1 - COMPARED f)^calls.
 """
 from __future__ import annotations
+
+import os
+import statistics
 
 from .calls import Clock, ask, failed, judge_call
 from .process import WorkerProcess
 from .results import VerifyResult
 
-IDLE_LIMIT_S = 2.0     # the GPU still busy this long after a block, with the worker stopped: invalid
-MIN_MS = 1e-4          # a call's time is at least this (a block shorter than the round trip)
+IDLE_LIMIT_S = 2.0     # the GPU still busy this long after a call, with the worker stopped: invalid
+MIN_MS = 1e-4          # a call's time is at least this (a call shorter than the round trip's jitter)
+COMPARED = 0.25        # the share of timed calls whose outputs are compared
+PINGS = 15
 
 
-class SealedBlocks:
-    """`baseline(first, n)` and `candidate(first, n)` for `speedup.paired_rounds`: the block of
-    `calls` calls from call `first` on, timed as the module docstring says, as [ms per call]; or a
-    verdict that ends the timing."""
+def round_trip(judge: WorkerProcess, task_key: str, pings: int = PINGS) -> float:
+    """The pipe's round trip to a worker process woken from a stop and back, with an empty request,
+    in seconds: the median of `pings` on the judge (a process the candidate cannot slow)."""
+    found = []
+    for _ in range(pings):
+        judge.pause()
+        judge.resume()
+        judge_call(judge, {"op": "ping", "task_key": task_key})
+        found.append(judge.round_trip_s)
+    return statistics.median(found)
 
-    def __init__(self, worker: WorkerProcess, judge: WorkerProcess, task_key: str, calls: int, overhead_s: float,
-                 clock: Clock):
+
+class SealedCalls:
+    """`round(first, n)` for `speedup.paired_rounds`: calls first .. first + n - 1, each timed on
+    the baseline then on the candidate as the module docstring says, as ([baseline ms per call],
+    [candidate ms per call]); or a verdict that ends the timing."""
+
+    def __init__(self, worker: WorkerProcess, judge: WorkerProcess, task_key: str, overhead_s: float, clock: Clock):
         self.worker, self.judge, self.key = worker, judge, task_key
-        self.calls, self.overhead_s, self.clock = calls, overhead_s, clock
+        self.overhead_s, self.clock = overhead_s, clock
 
     def _judge(self, op: str, candidate_outputs: bool = False, **fields) -> dict:
         return judge_call(self.judge, {"op": op, "task_key": self.key, **fields}, candidate_outputs)
 
-    def baseline(self, first: int, n: int) -> list | VerifyResult:
-        self._judge("timing_inputs", first=first)
-        waited = self._idle()           # nothing of the candidate's still runs beside the baseline
-        if isinstance(waited, VerifyResult):
-            return waited
-        self._judge("baseline_block")
-        return self._per_call(self.judge.round_trip_s)
-
-    def candidate(self, first: int, n: int) -> list | VerifyResult:
-        self._judge("timing_inputs", first=first)   # again: the baseline may have modified them
+    def round(self, first: int, n: int) -> tuple[list, list] | VerifyResult:
         if self.worker.descendants():
             return VerifyResult("invalid", compiled=True, message=(
                 "timing: the candidate left processes running; all work must finish inside forward, in the "
                 "worker's own process"))
+        base, cand = [], []
+        for call in range(first, first + n):
+            for side, times in ((self.baseline, base), (self.candidate, cand)):
+                ms = side(call)
+                if isinstance(ms, VerifyResult):
+                    return ms
+                times.append(ms)
+        return base, cand
+
+    def baseline(self, call: int) -> float | VerifyResult:
+        self._judge("timing_inputs", call=call)
+        waited = self._idle()           # nothing of the candidate's still runs beside the baseline
+        if isinstance(waited, VerifyResult):
+            return waited
+        self.judge.pause()
+        self.judge.resume()
+        self._judge("baseline_call")
+        return self._ms(self.judge.round_trip_s)
+
+    def candidate(self, call: int) -> float | VerifyResult:
+        self._judge("timing_inputs", call=call)    # again: the baseline may have modified them
         self.worker.resume()
         try:
-            reply = ask(self.worker, {"op": "time_block"}, self.clock, "timing forward")
+            reply = ask(self.worker, {"op": "time_call"}, self.clock, "timing forward")
             seconds = self.worker.round_trip_s
         finally:
             self.worker.pause()
@@ -60,14 +91,15 @@ class SealedBlocks:
         waited = self._idle()
         if isinstance(waited, VerifyResult):
             return waited
-        judged = self._judge("compare_block", candidate_outputs=True, first=first)
-        if judged["status"] != "ok":
-            return failed(judged, compiled=True, where="timing")
-        if judged["mismatch"]:
-            return VerifyResult("incorrect", compiled=True, message=(
-                f"timed call {judged['call']} (new inputs, compared after its block): {judged['mismatch']}; forward "
-                "must do the same work on every call"))
-        return self._per_call(seconds + waited)
+        if os.urandom(1)[0] < 256 * COMPARED:
+            judged = self._judge("compare_call", candidate_outputs=True)
+            if judged["status"] != "ok":
+                return failed(judged, compiled=True, where="timing")
+            if judged["mismatch"]:
+                return VerifyResult("incorrect", compiled=True, message=(
+                    f"timed call {call} (new inputs, compared after the call): {judged['mismatch']}; forward "
+                    "must do the same work on every call"))
+        return self._ms(seconds + waited)
 
     def _idle(self) -> float | VerifyResult:
         """Seconds until the GPU was idle with the candidate's worker stopped, or the verdict."""
@@ -75,8 +107,8 @@ class SealedBlocks:
         if waited is None:
             return VerifyResult("invalid", compiled=True, message=(
                 f"timing: the GPU stayed busy {IDLE_LIMIT_S:g} s with the candidate's worker stopped: work it left "
-                "running (a native thread, a helper process, kernels launched after its block)"))
+                "running (a native thread, a helper process, kernels launched after its call returned)"))
         return waited
 
-    def _per_call(self, seconds: float) -> list[float]:
-        return [max((seconds - self.overhead_s) * 1e3 / self.calls, MIN_MS)]
+    def _ms(self, seconds: float) -> float:
+        return max((seconds - self.overhead_s) * 1e3, MIN_MS)

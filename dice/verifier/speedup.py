@@ -1,14 +1,13 @@
-"""The speedup: the candidate and the eager baseline timed in alternating blocks until the estimate is
-stable (DESIGN.md §8).
+"""The speedup: the candidate and the eager baseline timed call by call, alternating, until the
+estimate is stable (DESIGN.md §8.3).
 
-Both are timed the same way (`timing.BlockRunner`: one CUDA-graph replay of a block when both
-capture faithfully, else eager calls; `sealed.SealedBlocks`: by the trainer's clock, the
-candidate's worker stopped but for its own blocks) on the same inputs, call for call, while the GPU
-lock is held exclusively, so no other candidate's work runs meanwhile and nothing is cached between
+Both are timed the same way (`timing.CallRunner`: a CUDA-graph replay when both capture faithfully,
+else an eager call; `sealed.SealedCalls`: by the trainer's clock, the candidate's worker stopped
+but for its own calls) on the same inputs, call for call, while the GPU lock is held exclusively, so no other candidate's work runs meanwhile and nothing is cached between
 candidates (a baseline measured under some earlier candidate's contention cannot be inherited).
-Round r times a block of the baseline and a block of the candidate on calls k..k+n-1 and gives
-ratio_r = baseline block / candidate block (each its time per call); slow drift of the GPU's clocks or a
-noisy neighbour affects both halves of a round alike. Rounds continue until the 95% confidence
+Round r times calls k..k+n-1, each on the baseline and then on the candidate, and gives
+ratio_r = median(baseline's times) / median(candidate's times); slow drift of the GPU's clocks or
+a noisy neighbour affects both halves of a round alike. Rounds continue until the 95% confidence
 interval of the geometric mean of the ratios is within +-CI_TARGET (Student's t on the log
 ratios, at least MIN_ROUNDS rounds, as GPU MODE's harness repeats until the relative error is
 small) or BUDGET_S of timing have passed; the speedup is that geometric mean, reported with its
@@ -63,18 +62,22 @@ class Timing:
     rounds: int
 
 
-def paired_rounds(baseline_block, candidate_block, calls: int, budget_s: float = BUDGET_S):
-    """Alternate `baseline_block(first, calls)` and `candidate_block(first, calls)` (each returning
-    the block's times in ms, or a verdict that ends the timing) until `stable` or out of budget;
-    a verdict (anything but a list) is passed through."""
+def calls_per_round(ms_per_call: float, target_ms: float = 8.0) -> int:
+    """Calls per side in a round: about `target_ms` of the reference's calls, between 3 and 32."""
+    return max(3, min(32, int(target_ms / max(ms_per_call, 1e-3))))
+
+
+def paired_rounds(timed_round, calls: int, budget_s: float = BUDGET_S):
+    """Rounds of `timed_round(first, calls)` (the baseline's and the candidate's times in ms of
+    calls first .. first + calls - 1, or a verdict that ends the timing, passed through) until
+    `stable` or out of budget."""
     ratios, base_all, cand_all = [], [], []
     deadline, first = time.monotonic() + budget_s, 0
     while len(ratios) < MAX_ROUNDS:
-        base = baseline_block(first, calls)
-        cand = candidate_block(first, calls)
-        for result in (base, cand):
-            if not isinstance(result, list):
-                return result
+        result = timed_round(first, calls)
+        if not isinstance(result, tuple):
+            return result
+        base, cand = result
         first += calls
         ratios.append(statistics.median(base) / statistics.median(cand))
         base_all += base

@@ -30,12 +30,12 @@ Stages, first failure wins:
    rule's tolerances on any trial or repeated call, or an input the reference modifies in place
    does not end as the reference leaves it;
 4. timing (if `timing`), the GPU lock held exclusively (DESIGN.md §8.3): the judge owns the call
-   slots and writes every block's inputs from the secret timing seed while the candidate's worker
-   is stopped; each block (one CUDA-graph replay when both capture faithfully, else eager calls:
-   `timing.BlockRunner`) is timed by the trainer's clock with the worker stopped but for its own
-   block, the GPU seen idle after it (`sealed.SealedBlocks`); paired baseline and candidate blocks
-   until the speedup is stable (`speedup`); each block's outputs compared in the judge for calls
-   drawn after it ran; the timed path's kernels obey the same rule.
+   slots and writes every call's inputs from the secret timing seed while the candidate's worker
+   is stopped; each call (a CUDA-graph replay when both capture faithfully, else an eager call:
+   `timing.CallRunner`) is timed by the trainer's clock with the worker stopped but for its own
+   call, the GPU seen idle after it (`sealed.SealedCalls`); baseline and candidate calls alternate
+   until the speedup is stable (`speedup`); a random share of the calls' outputs compared in the
+   judge after each call; the timed path's kernels obey the same rule.
 Crashes and CUDA faults give runtime_error, hangs timeout (`calls`); only that worker is replaced (the
 judge too, when a task's own reference faults: its task gets a TaskError, later tasks a sound judge).
 
@@ -69,8 +69,8 @@ from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, close_al
 from .plans import TrialPlans
 from .records import activity
 from .results import TaskError, VerifyOptions, VerifyResult, static_check
-from .sealed import SealedBlocks
-from .speedup import BUDGET_S, PLAUSIBLE, Timing, paired_rounds
+from .sealed import SealedCalls, round_trip
+from .speedup import BUDGET_S, PLAUSIBLE, Timing, calls_per_round, paired_rounds
 from .verdicts import kernel_verdict, trial_verdict, unrecorded_problem
 
 WORKERS_PER_JUDGE = 4         # a new task costs its judge 5 references; a known one 5 comparisons a candidate
@@ -82,6 +82,7 @@ NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is Fa
           "machine, or use Verifier(device='cpu') to exercise the pool with pure-PyTorch candidates")
 UNLOAD_TIMEOUT_S = 60.0
 PREBUILD_SLACK_S = 60.0       # past the prebuild's own time limit: its report is not awaited longer
+WARM_CALLS = 2                # untimed calls on each side before a timing's rounds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,7 +291,7 @@ class Verifier:
                 opts: VerifyOptions, inputs: str) -> Timing | VerifyResult:
         """The paired timing (`speedup`) under the exclusive GPU lock; a verdict if it fails.
         `inputs`: how timed calls get new inputs (`harness.timed_inputs`). The candidate's worker is
-        stopped (SIGSTOP) throughout but for its own blocks and requests (DESIGN.md §8.3)."""
+        stopped (SIGSTOP) throughout but for its own calls and requests (DESIGN.md §8.3)."""
         judge = self._judge_of(task["task_key"])
         request = {**task, "init_seed": init_seed, "seed": seed, "inputs": inputs, **opts.tolerance()}
         with self._gpu.exclusive():
@@ -302,6 +303,7 @@ class Verifier:
 
     def _sealed_timing(self, worker: WorkerProcess, judge: WorkerProcess, request: dict, clock: Clock,
                        opts: VerifyOptions) -> Timing | VerifyResult:
+        key = request["task_key"]
         for method in ("graph", "eager"):
             base = judge_call(judge, {"op": "timing_prepare", **request, "method": method})
             if base["method"] != method:
@@ -318,34 +320,22 @@ class Verifier:
         if problem:
             return VerifyResult("invalid", compiled=True, message=f"timed calls: {problem}")
         if prep["outputs"] is not None:
-            reply = judge_call(judge, {"op": "timing_outputs", "task_key": request["task_key"], "outputs": prep["outputs"]},
+            reply = judge_call(judge, {"op": "timing_outputs", "task_key": key, "outputs": prep["outputs"]},
                                candidate_outputs=True)
             if reply["status"] != "ok":
                 return failed(reply, compiled=True, where="timing")
-        calls, overhead = base["calls"], self._round_trip(judge, request["task_key"])
-        blocks = SealedBlocks(worker, judge, request["task_key"], calls, overhead, clock)
+        calls = SealedCalls(worker, judge, key, round_trip(judge, key), clock)
         worker.pause()
-        for warm in (blocks.baseline(-3 * calls, calls), blocks.candidate(-3 * calls, calls)):
-            if not isinstance(warm, list):    # a round untimed: one-time costs, and a first comparison
-                return warm
-        timed = paired_rounds(blocks.baseline, blocks.candidate, calls, self.timing_budget_s)
+        warm = calls.round(-WARM_CALLS, WARM_CALLS)      # untimed: one-time costs, and first comparisons
+        timed = warm if not isinstance(warm, tuple) else paired_rounds(calls.round, calls_per_round(base["ms"]),
+                                                                        self.timing_budget_s)
         worker.resume()
-        done = ask(worker, {"op": "timing_done"}, clock, "timing forward")   # the checks the blocks' replies skip
+        done = ask(worker, {"op": "timing_done"}, clock, "timing forward")   # the checks the calls' replies skip
         if done["status"] != "ok":
             return failed(done, compiled=True, where="timing")
         if isinstance(timed, Timing):
             timed.method = base["method"]
         return timed
-
-    @staticmethod
-    def _round_trip(judge: WorkerProcess, task_key: str, tries: int = 5) -> float:
-        """The pipe's round trip to a worker process and back with an empty request, in seconds:
-        the least of `tries`, measured on the judge (a process the candidate cannot slow)."""
-        best = float("inf")
-        for _ in range(tries):
-            judge_call(judge, {"op": "ping", "task_key": task_key})
-            best = min(best, judge.round_trip_s)
-        return best
 
     # -- talking to workers -------------------------------------------------------------------
 

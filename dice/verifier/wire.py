@@ -93,8 +93,8 @@ def malformed_reply(op: str, reply: dict) -> str | None:
     Replies with status "ok": run -> outputs, second (list of bytes or None), inputs ([int, bytes]:
     the inputs forward modified), records (raw CUPTI records, `kernels.gpu_records`, or None on a
     CPU), own, mutated, stale and reused (ints), aliased ([int, int] pairs); time_prepare -> method,
-    records, own, outputs (a graph's outputs: a list of bytes per call, else None); `own` None or a
-    list of names. time_block replies with its status alone: the parent's clock times it."""
+    records, own, outputs (a graph's outputs as bytes, else None); `own` None or a list of names.
+    time_call replies with its status alone: the parent's clock times it."""
     status, message = reply.get("status"), reply.get("message", "")
     if status not in (*STATUSES, "ok") or not isinstance(message, str):
         return f"has status {str(status)[:40]!r}"
@@ -109,8 +109,7 @@ def malformed_reply(op: str, reply: dict) -> str | None:
                           and _ints(r.get("stale")) and _pairs(r.get("aliased")) and _ints(r.get("reused"))),
         "time_prepare": lambda r: (r.get("method") in ("graph", "eager") and _records(r.get("records"))
                                    and _names(r.get("own"))
-                                   and (r.get("outputs") is None or isinstance(r["outputs"], list)
-                                        and all(_byte_list(call) for call in r["outputs"]))),
+                                   and (r.get("outputs") is None or _byte_list(r["outputs"]))),
     }
     if op in fields and not fields[op](reply):
         return "has fields of the wrong types"

@@ -2,7 +2,7 @@
 
 A worker serves one role (see `process.WorkerProcess`): "candidate" runs untrusted code
 (`CandidateHandler`: build one candidate at a time, run its forward on seeded inputs, check the
-rules that need the live process, ship outputs to the judge, run the timed blocks it is asked
+rules that need the live process, ship outputs to the judge, run the timed calls it is asked
 for on the judge's slots); "judge" is trusted and runs only task code (`judge.JudgeHandler`).
 What crosses the pipes is in `wire`.
 
@@ -46,7 +46,7 @@ from .kernels import CompiledKernels, gpu_activity, gpu_records, marker_name, ma
 from .outputs import aliased_outputs, flatten, modified_inputs, same_bits
 from .precision import math_flags
 from .rules import HarnessTampered, trusted
-from .timing import BlockRunner, open_slots
+from .timing import CallRunner, open_slots
 from .wire import export_tensor
 
 WORKER_FILE_BYTES = 2**30       # largest file a worker may write (its log, a build): stops output floods
@@ -58,6 +58,9 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
     daemon included, stays below it and ends with the candidate (`_drop_candidate`)."""
     set_child_subreaper()
     resource.setrlimit(resource.RLIMIT_FSIZE, (WORKER_FILE_BYTES, WORKER_FILE_BYTES))
+    # one CPU thread for torch's own ops: the work is the GPU's, and an OpenMP pool stopped by the
+    # timing's SIGSTOP wakes milliseconds late (measured on a CPU: 3.8 ms a call, against 0.08)
+    torch.set_num_threads(1)
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -85,8 +88,8 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
         except Exception as exc:  # a failure outside the candidate's code paths; keep serving
             reply = {"status": "runtime_error", "recycle": True,
                      "message": f"verifier {role} worker failed: {describe_exception(exc)}"}
-        if request["op"] == "time_block" and reply["status"] == "ok":
-            send(conn, reply)      # timed by the parent's clock: the checks below come with the next reply
+        if request["op"] == "time_call" and reply["status"] == "ok":
+            send(conn, reply)      # timed by the parent's clock: the checks below come with `timing_done`
             continue
         changed = harness_changed()
         if changed:
@@ -103,7 +106,7 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
 
 class CandidateHandler:
     """Loads, runs and times one candidate at a time (requests: load, warmup, run, time_prepare,
-    time_block, unload; `wire` lists their fields)."""
+    time_call, timing_done, unload; `wire` lists their fields)."""
 
     def __init__(self, config: dict):
         self.device = init_device(config["device"])
@@ -240,37 +243,36 @@ class CandidateHandler:
                              "reused": reused, "stale": stale})
 
     def time_prepare(self, request: dict) -> dict:
-        """A BlockRunner over the judge's call slots (`timing`), as a graph if asked and faithful;
-        one timed call's raw records (the timed path's kernels); a graph's outputs, shared."""
+        """A CallRunner on the judge's slots (`timing`), as a graph if asked and faithful; one timed
+        forward's raw records (the timed path's kernels); a graph's outputs, shared."""
         self.pending, self.earlier, self.previous, self.runner = [], [], [], None
         try:
             inputs, outputs = open_slots(request["slots"])
-            self.runner = BlockRunner(self.model, inputs, outputs, self.device, request["method"])
-            found = gpu_records(self.runner.one_call)[1] if self.cuda else None
+            self.runner = CallRunner(self.model, inputs, outputs, self.device, request["method"])
+            found = gpu_records(self.runner.forward)[1] if self.cuda else None
             static = self._share_graph_outputs()
         except Exception as exc:
             return self._finish(self._run_error(exc, "forward (while timing)"))
         return self._finish(self._threads_left("forward (while timing)") or {
-            "status": "ok", "method": self.runner.method, "records": found,
+            "status": "ok", "method": "graph" if static is not None else "eager", "records": found,
             "own": sorted(self.compiled.names()) if self.cuda else None, "outputs": static})
 
     def _share_graph_outputs(self) -> list | None:
-        """A graph's static outputs for the judge, shared as they are (it reads every block's
-        values there); None for eager blocks, or a graph whose outputs torch cannot share (then
-        timed eagerly: the parent asks both sides for eager blocks)."""
+        """A graph's static outputs for the judge, shared as they are (it reads every call's values
+        there); None for eager calls, or a graph whose outputs torch cannot share (then timed
+        eagerly: the parent asks both sides for eager calls)."""
         if self.runner.method != "graph":
             return None
         try:
-            shared = [[export_tensor(t, copy=False) for t in call] for call in self.runner.outputs()]
+            shared = [export_tensor(t, copy=False) for t in self.runner.outputs()]
         except Exception:
-            self.runner.method = "eager"
             return None
-        self.pending += [t for call in shared for _, t in call]
-        return [[data for data, _ in call] for call in shared]
+        self.pending += [t for _, t in shared]
+        return [data for data, _ in shared]
 
-    def time_block(self, request: dict) -> dict:
-        """One block on the slots; the parent's clock times this request, so it does nothing else
-        (`serve` checks the harness at the next request)."""
+    def time_call(self, request: dict) -> dict:
+        """One timed call on the slots; the parent's clock times this request, so it does nothing
+        else (`serve` leaves the harness checks to `timing_done`)."""
         try:
             self.runner.run()
         except Exception as exc:
@@ -278,7 +280,7 @@ class CandidateHandler:
         return {"status": "ok"}
 
     def timing_done(self, request: dict) -> dict:
-        """The end of a timing: its reply carries the checks `serve` left out of the blocks' replies."""
+        """The end of a timing: its reply carries the checks `serve` left out of the timed calls' replies."""
         return self._finish(self._threads_left("forward (while timing)") or {"status": "ok"})
 
     def unload(self, request: dict) -> dict:
