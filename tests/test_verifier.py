@@ -662,7 +662,7 @@ def test_the_pools_first_recycles_are_staggered(tmp_path, monkeypatch):
         for worker in verifier._workers:
             at = []
             for n in range(1, 100):
-                verifier._release(worker)
+                verifier._release(worker, fresh=False)
                 if restarted.count(worker) > len(at):
                     at.append(n)
                 if len(at) == 2:
@@ -682,7 +682,7 @@ def test_a_worker_whose_restart_failed_is_still_returned_to_the_pool(tmp_path, m
 
         monkeypatch.setattr(WorkerProcess, "restart", fails)
         with pytest.raises(OSError):
-            verifier._release(worker)
+            verifier._release(worker, fresh=False)
         assert verifier._idle.get(timeout=5) is worker
 
 

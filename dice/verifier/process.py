@@ -46,6 +46,9 @@ STARTUP_TIMEOUT_S = 300.0  # importing torch + cupy and creating a CUDA context 
 LOG_TAIL_LINES = 40
 LOG_TAIL_BYTES = 64 * 2**10    # of a dead worker's log, read back into the parent
 REPLY_MAX_BYTES = 2**30        # a longer reply is treated as the worker's death
+# CuPy keeps compiled kernels in the process, not in ~/.cupy/kernel_cache, which every worker
+# shares: a file one candidate planted under another's kernel would be loaded for it (DESIGN.md §8.4)
+WORKER_ENV = {"CUPY_CACHE_IN_MEMORY": "1"}
 
 
 class WorkerTimeout(Exception):
@@ -101,7 +104,7 @@ class WorkerProcess:
             [sys.executable, str(KEEPER), str(theirs.fileno()), self.role, json.dumps(self.config),
              str(self.log_path), str(os.getpid()), PROJECT_ROOT],
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL)
+            stderr=subprocess.DEVNULL, env={**os.environ, **WORKER_ENV})
         theirs.close()   # so that the worker's death reads as EOF here
         self._conn = Connection(ours.detach())
         self._ready = False

@@ -66,6 +66,7 @@ from .build.pool import BuildPool
 from .calls import Clock, ask, failed, judge_call
 from .kernels import default_library_paths, library_kernel_names
 from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, close_all
+from .isolation import reuse_problem
 from .plans import TrialPlans
 from .records import activity
 from .results import TaskError, VerifyOptions, VerifyResult, static_check
@@ -227,7 +228,7 @@ class Verifier:
         try:
             return self._run_candidate(worker, plan, candidate_src, opts)
         finally:
-            self._release(worker)
+            self._release(worker, fresh=reuse_problem(candidate_src) is not None)
 
     def _run_candidate(self, worker: WorkerProcess, plan: dict, candidate_src: str,
                        opts: VerifyOptions) -> VerifyResult:
@@ -370,10 +371,12 @@ class Verifier:
             total[worker.role].update(worker.busy_by_op)
         return {role: dict(ops) for role, ops in total.items()}
 
-    def _release(self, worker: WorkerProcess) -> None:
+    def _release(self, worker: WorkerProcess, fresh: bool) -> None:
+        """Back to the pool, as a fresh process where the candidate may have left something behind
+        (`isolation.reuse_problem`) or after `recycle_after` candidates."""
         worker.jobs += 1
         try:
-            if worker.jobs >= self.recycle_after:
+            if fresh or worker.jobs >= self.recycle_after:
                 worker.restart()
             elif worker.ready:  # a just-replaced worker has nothing to unload
                 try:

@@ -1,0 +1,52 @@
+"""Candidates kept apart (issue #67, DESIGN.md §8.4): the trusted side's reading of a candidate's
+source decides whether its worker may serve the next candidate (`isolation.reuse_problem`)."""
+import pytest
+
+from dice.verifier.isolation import reuse_problem
+
+HEADER = ("import cupy as cp\nimport numpy as np\nimport torch\nimport torch.nn as nn\n\n"
+          "_module = cp.RawModule(code=r'''extern \"C\" __global__ void relu(const float* x, float* y, long long n) "
+          "{ long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; if (i < n) y[i] = x[i] > 0 ? x[i] : 0; }''')\n"
+          "relu = _module.get_function('relu')\n\n\n")
+
+
+def model(forward: str, init: str = "pass", extra: str = "") -> str:
+    body = "\n".join("        " + line for line in forward.strip().splitlines())
+    return (HEADER + extra + "class ModelNew(nn.Module):\n    def __init__(self, *args):\n        super().__init__()\n"
+            f"        {init}\n\n    def forward(self, x):\n{body}\n")
+
+
+PLAIN = model("y = torch.empty_like(x)\nn = x.numel()\nwith cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):\n"
+              "    relu(((n + 255) // 256,), (256,), (x.data_ptr(), y.data_ptr(), cp.int64(n)))\nself.calls += 1\n"
+              "y[0] = y[0] * 1.0\nreturn y", init="self.calls = 0\n        self.register_buffer('scale', torch.ones(1))")
+
+
+def test_plain_cupy_code_leaves_a_reusable_worker():
+    assert reuse_problem(PLAIN) is None
+
+
+@pytest.mark.parametrize("forward, init, extra, why", [
+    ("return x", "pass", "import ctypes\n", "imports ctypes"),
+    ("return x", "pass", "from torch.utils.cpp_extension import load_inline\n", "imports torch.utils"),
+    ("torch.cuda.set_per_process_memory_fraction(0.01)\nreturn x", "pass", "", "calls set_per_process_memory_fraction"),
+    ("cp.get_default_memory_pool().set_limit(size=1)\nreturn x", "pass", "", "calls set_limit"),
+    ("torch.backends.cuda.matmul.allow_tf32 = True\nreturn x", "pass", "", "assigns to torch.backends"),
+    ("flags = torch.backends.cuda.matmul\nreturn x", "pass", "", "reaches backends"),
+    ("cp.RawKernel.__call__ = None\nreturn x", "pass", "", "assigns to cp.RawKernel.__call__"),
+    ("torch.relu = torch.abs\nreturn x", "pass", "", "assigns to torch.relu"),
+    ("getattr(torch, 'relu')\nreturn x", "pass", "", "uses getattr"),
+    ("cp.cuda.runtime.deviceSynchronize()\nreturn x", "pass", "", "reaches runtime"),
+    ("return torch.from_numpy(np.lib.stride_tricks.as_strided(x.cpu().numpy(), (10,), (8,)))", "pass", "",
+     "reaches as_strided"),
+    ("torch.nn.modules.module.register_module_forward_hook(print)\nreturn x", "pass", "",
+     "calls register_module_forward_hook"),
+    ("return x", "pass", "class Leftover:\n    def __del__(self):\n        pass\n\n\n", "defines __del__"),
+    ("return x", "pass", "import sys\n", "imports sys"),
+    ("return x", "pass", "import os\n", "imports os"),
+    ("import importlib\nreturn x", "pass", "", "imports importlib"),
+    ("global G\nG = 1\nreturn x", "pass", "", "a global or nonlocal statement"),
+    ("cp.asarray(x).__cuda_array_interface__\nreturn x", "pass", "", "__cuda_array_interface__"),
+])
+def test_anything_that_can_reach_past_its_own_objects_gets_a_fresh_process_after_it(forward, init, extra, why):
+    problem = reuse_problem(model(forward, init, extra))
+    assert problem is not None and why in problem, problem
