@@ -448,13 +448,13 @@ def test_fallback_to_torch(tmp_path, monkeypatch, cuda_home):
     assert fake.calls == 1 and cache.history[-1]["how"] == "torch"
     assert cache.history[-1]["reason"].startswith("split refused: templated kernel")
 
-    def failing(*args):
+    def failing(*args, **kwargs):
         raise FastBuildFailed("nvcc: error")
     monkeypatch.setattr(build_module, "fast_build", failing)
     assert cache.load_inline("x", CPP, cuda_sources=MANY, functions=["run"]) == "module"
     assert fake.calls == 2 and cache.history[-1]["reason"] == "fast build failed: nvcc: error"
 
-    def main_cpp_error(*args):
+    def main_cpp_error(*args, **kwargs):
         raise SharedCompileError(f"{tmp_path}/main.cpp:2:1: error: 'Tensr' does not name a type")
     monkeypatch.setattr(build_module, "fast_build", main_cpp_error)
     with pytest.raises(BuildError, match="does not name a type"):

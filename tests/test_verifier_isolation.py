@@ -50,3 +50,41 @@ def test_plain_cupy_code_leaves_a_reusable_worker():
 def test_anything_that_can_reach_past_its_own_objects_gets_a_fresh_process_after_it(forward, init, extra, why):
     problem = reuse_problem(model(forward, init, extra))
     assert problem is not None and why in problem, problem
+
+
+PLANTER = '''import torch
+import torch.nn as nn
+from pathlib import Path
+from dice.verifier.build.cache import BuildCache
+
+root = Path({root!r})
+cache = BuildCache(root, capability=None)
+name = cache.name(cache.arguments("tiny", {source!r}, no_implicit_headers=True))
+for folder in [root, *root.glob("candidates/*")]:
+    (folder / f"{{name}}.failed").write_text("load_inline build failed: planted")
+    (folder / f"{{name}}.so").write_bytes(b"not a library")
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        return x.clamp_min(0)
+'''
+
+
+@pytest.mark.slow
+def test_a_failure_marker_planted_under_a_siblings_program_does_not_reach_it(cpu_verifier):
+    """Issue #67's class: one candidate writes a failure marker (and a library) under the cache key of
+    the program its sibling will build, in the shared cache and in every candidate's folder there;
+    the sibling builds in a folder of its own and is judged on its own build."""
+    from test_verifier import RELU_TASK, TINY_EXTENSION, candidate, needs_compiler
+    if needs_compiler.args[0]:
+        pytest.skip(needs_compiler.kwargs["reason"])
+    root = cpu_verifier.cache_dir / "torch_extensions"
+    planter = PLANTER.format(root=str(root), source=TINY_EXTENSION)
+    assert cpu_verifier.verify(RELU_TASK, planter, timing=False).correct
+    assert (root / next(p.name for p in root.glob("*.failed"))).read_text().endswith("planted")
+    extension = ("from torch.utils.cpp_extension import load_inline\n"
+                 f"ext = load_inline('tiny', r\"\"\"{TINY_EXTENSION}\"\"\", no_implicit_headers=True)")
+    sibling = cpu_verifier.verify(RELU_TASK, candidate("return x.clamp_min(0) * (ext.answer() / 42)", extra=extension),
+                                  timing=False)
+    assert sibling.correct, sibling.message

@@ -51,6 +51,7 @@ import collections
 import contextlib
 import os
 import queue
+import secrets
 import shutil
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
@@ -218,25 +219,31 @@ class Verifier:
         static = static_check(candidate_src, need_kernel=self.cuda, rules=opts.rules)
         if static is not None:
             return static
-        built = (self._prebuild.submit(candidate_src)
-                 if self._prebuild is not None and "load_inline" in candidate_src else None)
+        # its builds in a folder of its own: nothing another candidate built or planted is loaded for it
+        programs = (self.cache_dir / "torch_extensions" / "candidates" / secrets.token_hex(16)
+                    if "load_inline" in candidate_src else None)
+        built = self._prebuild.submit(candidate_src, programs) if self._prebuild is not None and programs else None
         plan = self._plans.plan(task_src, opts)   # while it builds, and before a worker is taken: a slow judge holds none
         if built is not None:   # a report only: on a failure, or none in the prebuild's time limit, the worker builds
             with contextlib.suppress(FuturesTimeout):
                 built.result(timeout=self._prebuild.timeout_s + PREBUILD_SLACK_S)
         worker = self._idle.get()
         try:
-            return self._run_candidate(worker, plan, candidate_src, opts)
+            return self._run_candidate(worker, plan, candidate_src, opts, programs)
         finally:
             self._release(worker, fresh=reuse_problem(candidate_src) is not None)
+            if programs is not None:
+                shutil.rmtree(programs, ignore_errors=True)
 
-    def _run_candidate(self, worker: WorkerProcess, plan: dict, candidate_src: str,
-                       opts: VerifyOptions) -> VerifyResult:
+    def _run_candidate(self, worker: WorkerProcess, plan: dict, candidate_src: str, opts: VerifyOptions,
+                       programs: Path | None) -> VerifyResult:
         task, init_seed, seeds, kinds = plan["task"], plan["init_seed"], plan["seeds"], plan["kinds"]
         timing_seed, warmup_seed = plan["timing_seed"], plan["warmup_seed"]
         # DICE's check: one deadline for the build and the run (its subprocess's timeout)
         clock = Clock(opts.timeout_s) if opts.rules == "dice" else None
-        load = {"op": "load", **task, "candidate_src": candidate_src, "init_seed": init_seed}
+        load = {"op": "load", **task, "candidate_src": candidate_src, "init_seed": init_seed,
+                "programs": str(programs) if programs else None,
+                "toolchain": self._prebuild.toolchain() if self._prebuild is not None else None}
         reply = ask(worker, load, clock or Clock(opts.compile_timeout_s), "loading the candidate module")
         if reply["status"] != "ok":  # the module imported if the failure came after that
             return failed(reply, compiled=reply["status"] in ("invalid", "runtime_error"))

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from . import guard, harness as harness_module, judge, kernels, outputs, records, rules, timing, wire
-from .build import cache
+from .build import cache, toolchain
 from .build.cache import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
 from .epilogues import unfuse_activations
 from .harness import (build_model, cuda_context_broken, describe_exception, init_device, load_module, load_task,
@@ -50,6 +50,8 @@ from .timing import CallRunner, open_slots
 from .wire import export_tensor
 
 WORKER_FILE_BYTES = 2**30       # largest file a worker may write (its log, a build): stops output floods
+PRIVATE_CACHES = {"TORCH_EXTENSIONS_DIR": "torch_extensions", "TRITON_CACHE_DIR": "triton",
+                  "TORCHINDUCTOR_CACHE_DIR": "inductor"}
 
 
 def serve(conn, role: str, config: dict, log_path: str) -> None:
@@ -58,6 +60,10 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
     daemon included, stays below it and ends with the candidate (`_drop_candidate`)."""
     set_child_subreaper()
     resource.setrlimit(resource.RLIMIT_FSIZE, (WORKER_FILE_BYTES, WORKER_FILE_BYTES))
+    # compilers' caches that torch, Triton and Inductor share through fixed folders, this process's own
+    # (under the Verifier's log folder): what one candidate compiles or plants there reaches no other
+    private = Path(log_path).with_name(f"private-{os.getpid()}")
+    os.environ.update({name: str(private / folder) for name, folder in PRIVATE_CACHES.items()})
     # one CPU thread for torch's own ops: the work is the GPU's, and an OpenMP pool stopped by the
     # timing's SIGSTOP wakes milliseconds late (measured on a CPU: 3.8 ms a call, against 0.08)
     torch.set_num_threads(1)
@@ -111,7 +117,8 @@ class CandidateHandler:
     def __init__(self, config: dict):
         self.device = init_device(config["device"])
         self.cuda = self.device.type == "cuda"
-        self.builds = BuildCache(Path(config["cache_dir"]) / "torch_extensions", self.device, build=config.get("build"))
+        self.build_way = config.get("build")
+        self.builds = BuildCache(Path(config["cache_dir"]) / "torch_extensions", self.device, build=self.build_way)
         self.builds.install()
         if self.cuda:   # an activation a library GEMM would fuse becomes a kernel the rule sees
             unfuse_activations()
@@ -145,8 +152,14 @@ class CandidateHandler:
         self.native = guard.native_threads()   # lazily started library threads belong to the harness
         self.task, self.task_src = load_task(request["task_src"], "dice_task"), request["task_src"]
         math_flags(request["precision"])   # before the candidate's import: what it sets itself is its own
+        # its builds in a folder of its own, the toolchain's shared artifacts checked against their
+        # trusted build's digests (DESIGN.md §8.4)
+        toolchain.TRUSTED = request.get("toolchain")
+        if request.get("programs"):
+            self.builds = BuildCache(self.builds.root, self.device, build=self.build_way,
+                                     programs=Path(request["programs"]))
         self.builds.install()  # again: an earlier candidate may have replaced load_inline
-        self.compiled.start([str(self.builds.root)])
+        self.compiled.start([str(self.builds.programs)])
         self.loads += 1
         try:
             module = load_module(request["candidate_src"], "candidate.py", f"dice_candidate_{self.loads}")

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.utils.cpp_extension
 
+from . import toolchain
 from .cxx import normalise
 from .fast import CompilerSlots, FastBuildFailed, SharedCompileError, fast_build, warm_toolchain
 from .inline import Unsplittable
@@ -46,6 +47,9 @@ STALE_BUILD_S = 3600.0  # build-* folders older than this were left by killed bu
 MAX_MESSAGE_LINES = 25
 LOCATED_ERROR = re.compile(r"^\S.*?(?::\d+(?::\d+)?: (?:fatal )?error\b|\(\d+\): (?:catastrophic )?error\b)", re.MULTILINE)
 TRANSIENT = re.compile(r"No space left on device|Killed signal|virtual memory exhausted|Cannot allocate memory")
+
+
+TORCH_LOAD_INLINE = torch.utils.cpp_extension.load_inline   # torch's own, before any cache installs itself
 
 
 class BuildError(Exception):
@@ -62,16 +66,17 @@ class BuildCache:
     picks the fast build's one architecture; `history` records how each build went."""
 
     def __init__(self, root: Path, device: torch.device | None = None, *, capability: tuple[int, int] | None = None,
-                 build: str | None = None):
+                 build: str | None = None, programs: Path | None = None):
         self.build = build or os.environ.get("DICE_INLINE_BUILD") or "fast"
         if self.build not in BUILDS:
             raise ValueError(f"build={self.build!r}: choose one of {', '.join(BUILDS)}")
         if capability is None and device is not None and device.type == "cuda":
             capability = tuple(torch.cuda.get_device_capability(device))
-        self.root, self.capability = root, capability
+        self.root, self.capability, self.programs = root, capability, programs or root
         root.mkdir(parents=True, exist_ok=True)
+        self.programs.mkdir(parents=True, exist_ok=True)
         now = time.time()
-        for stale in root.glob("build-*"):
+        for stale in self.programs.glob("build-*"):
             try:
                 if now - stale.stat().st_mtime > STALE_BUILD_S:
                     shutil.rmtree(stale, ignore_errors=True)
@@ -83,7 +88,7 @@ class BuildCache:
         self.failed: dict[str, str] = {}  # torch will not rebuild a name it saw before in this process
         self.history: list[dict] = []
         self.slots = CompilerSlots(root)
-        self.real_load_inline = torch.utils.cpp_extension.load_inline
+        self.real_load_inline = TORCH_LOAD_INLINE
 
     def install(self) -> None:
         """Make `from torch.utils.cpp_extension import load_inline` in candidate code hit the cache."""
@@ -100,14 +105,18 @@ class BuildCache:
         if name in self.failed:
             raise BuildError(self.failed[name])
         if name not in self.loaded:
-            library, generic = self.root / f"{name}.so", self.root / f"{name}.dispatch.so"
-            failed = self.root / f"{name}.failed"
+            library, generic = self.programs / f"{name}.so", self.programs / f"{name}.dispatch.so"
+            failed = self.programs / f"{name}.failed"
             # one build of a name at a time over every process of this cache (a prebuild and a worker
             # asking for the same program): the second waits and loads what the first built
             with open(self._lock_file(name), "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 if generic.exists():
-                    self.loaded[name] = load_dispatched(name, generic, Path(f"{generic}.dispatcher").read_text())
+                    try:
+                        self.loaded[name] = load_dispatched(name, generic, Path(f"{generic}.dispatcher").read_text())
+                    except UntrustedArtifact:   # a dispatcher someone changed: torch's own build decides
+                        self.build = "torch"
+                        self.loaded[name] = self._build(name, arguments, library)
                 elif library.exists():
                     self.loaded[name] = _load_library(name, library, arguments["is_python_module"])
                 elif failed.exists():   # a compiler error another process of this cache hit
@@ -118,7 +127,7 @@ class BuildCache:
         return self.loaded[name]
 
     def _lock_file(self, name: str) -> Path:
-        folder = self.root / "locks"
+        folder = self.programs / "locks"
         folder.mkdir(exist_ok=True)
         return folder / f"{name}.lock"
 
@@ -139,7 +148,7 @@ class BuildCache:
         return f"dice_ext_{key[:24]}"
 
     def _build(self, name: str, arguments: dict, library: Path):
-        build_dir = tempfile.mkdtemp(prefix="build-", dir=self.root)
+        build_dir = tempfile.mkdtemp(prefix="build-", dir=self.programs)
         torch_dir = os.path.join(build_dir, "torch")   # a folder of its own: the fast build's files stay apart
         start, reason = time.perf_counter(), "build=torch"
         try:
@@ -178,11 +187,12 @@ class BuildCache:
     def _remember_failure(self, name: str, build_dir: str) -> None:
         """`<name>.failed` with the message, written atomically (under the name's lock)."""
         Path(build_dir, "failed").write_text(self.failed[name])
-        os.replace(Path(build_dir, "failed"), self.root / f"{name}.failed")
+        os.replace(Path(build_dir, "failed"), self.programs / f"{name}.failed")
 
     def _fast(self, name: str, arguments: dict, library: Path, build_dir: Path, start: float):
         """The fast build, imported from build_dir (an import failure is a FastBuildFailed too)."""
-        built, report = fast_build(arguments, name, build_dir, self.root, self.capability, self.slots)
+        built, report = fast_build(arguments, name, build_dir, self.root, self.capability, self.slots,
+                                   units=self.programs)
         try:
             loaded = (load_dispatched(name, built, report["dispatcher"]) if report["dispatcher"] else
                       _load_library(name, built, arguments["is_python_module"]))
@@ -218,20 +228,45 @@ def _load_library(name: str, library: Path, is_python_module: bool):
     return module
 
 
+class UntrustedArtifact(Exception):
+    """A toolchain artifact in the shared cache is not what its trusted build made (`toolchain.TRUSTED`)."""
+
+
 def load_dispatched(name: str, library: Path, dispatcher: str) -> types.ModuleType:
     """A library with the generic binding as the module load_inline would return: its functions
-    made by the dice_dispatch extension at `dispatcher` (dispatch.cpp), imported once per process."""
+    made by the dice_dispatch extension at `dispatcher` (dispatch.cpp), imported once per process.
+    Where `toolchain.TRUSTED` is set, the dispatcher is imported from a private copy of the bytes
+    its trusted build made, else UntrustedArtifact (DESIGN.md §8.4)."""
     module = sys.modules.get("dice_dispatch")
-    if module is None or module.__file__ != dispatcher:
-        spec = importlib.util.spec_from_file_location("dice_dispatch", dispatcher)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    if module is None or getattr(module, "dice_source", None) != dispatcher:
+        path, private = _trusted_copy(Path(dispatcher))
+        try:
+            spec = importlib.util.spec_from_file_location("dice_dispatch", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        finally:
+            if private:
+                shutil.rmtree(path.parent, ignore_errors=True)   # the mapping stays; the file need not
+        module.dice_source = dispatcher
         sys.modules["dice_dispatch"] = module
     loaded = types.ModuleType(name)
     loaded.__file__ = str(library)
     for function, call in module.load(str(library)):
         setattr(loaded, function, call)
     return loaded
+
+
+def _trusted_copy(path: Path) -> tuple[Path, bool]:
+    """(`path`, False) where no artifact is trusted by digest (`toolchain.TRUSTED` None), else a
+    private copy of its bytes, checked against the digest its trusted build recorded, and True."""
+    if toolchain.TRUSTED is None:
+        return path, False
+    data = path.read_bytes()
+    if toolchain.TRUSTED.get(str(path.relative_to(path.parents[2]))) != hashlib.sha256(data).hexdigest():
+        raise UntrustedArtifact(f"{path} is not the file its trusted build made")
+    copy = Path(tempfile.mkdtemp(prefix="dice-trusted-")) / path.name
+    copy.write_bytes(data)
+    return copy, True
 
 
 def build_error_message(log: str, build_dir: str) -> str:

@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import NoReturn
 
@@ -76,6 +77,7 @@ class BuildPool:
         self._server: subprocess.Popen | None = None
         self._futures: dict[int, Future] = {}
         self._lock, self._next = threading.Lock(), 0
+        self._warm: Future | None = None
 
     def __enter__(self) -> "BuildPool":
         return self
@@ -101,20 +103,35 @@ class BuildPool:
         """Prebuilds submitted whose report has not come (queued in the server, or building)."""
         return len(self._futures)
 
-    def submit(self, candidate_src: str) -> Future:
+    def submit(self, candidate_src: str, programs: Path | None = None) -> Future:
         """A Future of the prebuild's report: {"status": built | cached | failed | error | timeout |
-        no build, "builds": BuildCache.history of the child, "seconds", "message"}."""
+        no build, "builds": BuildCache.history of the child, "seconds", "message"}. `programs`: the
+        candidate's own folder for its libraries (`cache.BuildCache`; default the shared root)."""
         if "load_inline" not in candidate_src:
             done: Future = Future()
             done.set_result({"status": "no build", "builds": [], "seconds": 0.0, "message": ""})
             return done
-        return self._send({"candidate_src": candidate_src})
+        return self._send({"candidate_src": candidate_src, "programs": str(programs or self.root),
+                           "toolchain": self.toolchain()})
 
     def warm(self) -> Future:
         """The fast build's toolchain artifacts (precompiled headers, dispatcher, header names) built
         by a child now, ahead of the first candidate, which would otherwise wait ~30 s for them
-        (`cache.BuildCache.warm`); a Future of the report ({"status": "warmed"} or "error")."""
-        return self._send({"candidate_src": None})
+        (`cache.BuildCache.warm`); a Future of the report ({"status": "warmed", "toolchain": their
+        files' digests} or "error"). The child runs no candidate code: what it built is what every
+        later build checks the shared cache's artifacts against (`toolchain.TRUSTED`)."""
+        self._warm = self._send({"candidate_src": None})
+        return self._warm
+
+    def toolchain(self) -> dict | None:
+        """The digests `warm` reported ({} if it failed or took too long), or None without a warm-up
+        (then builds trust the shared cache as they find it)."""
+        if self._warm is None:
+            return None
+        try:
+            return self._warm.result(timeout=self.timeout_s).get("toolchain") or {}
+        except FuturesTimeout:
+            return {}
 
     def _send(self, request: dict) -> Future:
         done: Future = Future()
@@ -187,7 +204,7 @@ def serve(processes: int) -> None:
                 null = os.open(os.devnull, os.O_RDONLY)
                 os.dup2(null, 0)
                 os.close(null)
-                _child(writer, request["candidate_src"], request["root"], request["capability"], request["build"])
+                _child(writer, request)
             os.close(writer)
             running[reader] = (pid, request, time.monotonic(), [])
             selector.register(reader, selectors.EVENT_READ, "report")
@@ -237,9 +254,12 @@ def _die_with(server: int) -> None:
     os._exit(1)
 
 
-def _child(report_fd: int, candidate_src: str | None, root: str, capability, build: str) -> None:
-    """Import the candidate with load_inline building into the cache (None: warm the cache's
-    toolchain); report as JSON."""
+def _child(report_fd: int, request: dict) -> None:
+    """Import the candidate with load_inline building into its programs' folder, checking the
+    toolchain's artifacts against the warm-up's digests (`toolchain.TRUSTED`); with no candidate,
+    warm the toolchain and report its digests. Report as JSON."""
+    candidate_src, root, capability, build = (request["candidate_src"], request["root"], request["capability"],
+                                              request["build"])
     threading.Thread(target=_die_with, args=(os.getppid(),), daemon=True).start()
     os.setsid()
     set_child_subreaper()   # what the candidate starts stays below us for kill_tree
@@ -253,14 +273,20 @@ def _child(report_fd: int, candidate_src: str | None, root: str, capability, bui
     from .cache import BuildCache, BuildError
     from ..harness import load_module
 
-    cache = BuildCache(Path(root), capability=tuple(capability) if capability else None, build=build)
+    from . import toolchain
+
     if candidate_src is None:   # `BuildPool.warm`
+        cache = BuildCache(Path(root), capability=tuple(capability) if capability else None, build=build)
         status, message = "warmed", ""
         try:
             cache.warm()
         except Exception as exc:
             status, message = "error", f"{type(exc).__name__}: {str(exc)[:500]}"
-        _report(report_fd, {"status": status, "builds": [], "message": message})
+        _report(report_fd, {"status": status, "builds": [], "message": message,
+                            "toolchain": toolchain.artifact_digests(Path(root))})
+    toolchain.TRUSTED = request.get("toolchain")
+    cache = BuildCache(Path(root), capability=tuple(capability) if capability else None, build=build,
+                       programs=Path(request.get("programs") or root))
     expected, calls = max(1, len(re.findall(r"\bload_inline\s*\(", candidate_src))), []
 
     def load_inline(*args, **kwargs):

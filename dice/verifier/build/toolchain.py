@@ -43,6 +43,12 @@ TAKES_VALUE = {"-Xptxas", "--ptxas-options", "-maxrregcount", "--maxrregcount", 
 RESERVED_MACRO = re.compile(r"NDEBUG|_(?!_CUDA_NO_)\w*|(C10|TORCH|AT|CAFFE2?|PYBIND11|USE)_\w*")
 RETRY_FAILED_S = 600.0   # a toolchain artifact that failed to build is tried again after this
 IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+ARTIFACTS = ("pch", "dispatch", "macros", "lazy", "names")   # the folders `_locked_artifact` fills
+# {path under the cache root: sha256} of the toolchain's artifacts as a trusted process built them
+# (`BuildPool.warm`'s child, which runs no candidate code), or None in that process itself: where
+# set (a prebuild of a candidate, a candidate's worker), an artifact is used only if its files are
+# these bytes, so one a candidate planted or changed in the shared cache is never read (DESIGN.md §8.4)
+TRUSTED: dict[str, str] | None = None
 
 
 class Flags:
@@ -192,6 +198,8 @@ def _locked_artifact(root: Path, key: str, make) -> Path | None:
     came from its moment (a compiler killed with its build, a process without stdin: nvcc cannot
     preprocess then) must not leave a cache without the fast build for ever."""
     final = root / key
+    if TRUSTED is not None:      # a process that may run candidate code makes none and checks what it reads
+        return final if trusted_artifact(final) else None
     if not (final / "ok").exists() and not _failed_recently(final):
         root.mkdir(parents=True, exist_ok=True)
         with open(root / f"{key}.lock", "w") as lock:
@@ -206,6 +214,33 @@ def _locked_artifact(root: Path, key: str, make) -> Path | None:
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
     return final if (final / "ok").exists() else None
+
+
+def artifact_digests(root: Path) -> dict[str, str]:
+    """{path under `root`: sha256} of every file of the toolchain's artifacts built there."""
+    return {str(f.relative_to(root)): file_digest(f) for folder in ARTIFACTS for f in sorted((root / folder).rglob("*"))
+            if f.is_file() and not f.name.endswith(".lock") and f.parent != root / folder}
+
+
+def trusted_artifact(folder: Path) -> bool:
+    """Whether `folder` (an artifact's, under a cache root) holds exactly the files TRUSTED lists
+    for it, with their digests."""
+    root, prefix = folder.parents[1], f"{folder.parent.name}/{folder.name}/"
+    wanted = {path: digest for path, digest in TRUSTED.items() if path.startswith(prefix)}
+    if f"{prefix}ok" not in wanted:
+        return False
+    return all(file_digest(root / path) == digest for path, digest in wanted.items())
+
+
+def file_digest(path: Path) -> str | None:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
 
 
 def _failed_recently(final: Path) -> bool:
