@@ -46,13 +46,15 @@ class FakeProcess:
         self.log.append((self.name, "restart"))
 
 
-def pair(worker_replies=None, waited=0.0, mismatch=None, worker_s=0.004, judge_s=0.003):
+def pair(worker_replies=None, waited=0.0, mismatch=None, worker_s=0.004, baseline_s=0.003):
     log = []
     worker = FakeProcess(worker_replies or {}, {"time_call": worker_s}, log, "worker")
+    baseline = FakeProcess({}, {"time_call": baseline_s}, log, "baseline")
     judge = FakeProcess({"gpu_idle": {"status": "ok", "waited_s": waited},
-                         "compare_call": {"status": "ok", "mismatch": mismatch}}, {"baseline_call": judge_s}, log, "judge")
+                         "compare_call": {"status": "ok", "mismatch": mismatch}}, {}, log, "judge")
     worker.pause()
-    return SealedCalls(worker, judge, "k" * 64, overhead_s=0.001, clock=Clock(60.0)), log
+    baseline.pause()
+    return SealedCalls(worker, baseline, judge, "k" * 64, overhead_s=0.001, clock=Clock(60.0)), log
 
 
 def test_a_timed_call_is_the_trainers_clock_less_the_round_trip_whatever_the_worker_replies(monkeypatch):
@@ -61,18 +63,19 @@ def test_a_timed_call_is_the_trainers_clock_less_the_round_trip_whatever_the_wor
     monkeypatch.setattr(sealed.os, "urandom", lambda n: b"\x00")    # compare every call
     calls, _ = pair({"time_call": {"status": "ok", "times": [1e-9], "ms": 1e-9}}, waited=0.002)
     base, cand = calls.round(0, 2)
-    assert base == pytest.approx([2.0, 2.0])            # (3 ms - 1 ms round trip)
-    assert cand == pytest.approx([5.0, 5.0])            # (4 ms + 2 ms until the GPU was idle - 1 ms)
+    assert base == pytest.approx([4.0, 4.0])            # (3 ms + 2 ms until the GPU was idle - 1 ms round trip)
+    assert cand == pytest.approx([5.0, 5.0])            # (4 ms + 2 ms - 1 ms)
 
 
 def test_the_worker_runs_only_its_own_calls_and_never_holds_inputs_before_them(monkeypatch):
-    """Stopped while the judge writes each call's inputs, runs the baseline and compares; woken for
-    its own call alone; the baseline's process woken from a stop too, so both pay the same wake-up."""
+    """Stopped while the judge writes each call's inputs, while the baseline runs and while its outputs
+    are compared; woken for its own call alone; the baseline's worker the same way, so both pay the
+    same wake-up."""
     monkeypatch.setattr(sealed.os, "urandom", lambda n: b"\x00")
     calls, log = pair()
     calls.round(7, 1)
-    assert log[1:] == [("judge", "timing_inputs"), ("judge", "gpu_idle"), ("judge", "stop"), ("judge", "wake"),
-                       ("judge", "baseline_call"), ("judge", "timing_inputs"), ("worker", "wake"),
+    assert log[2:] == [("judge", "timing_inputs"), ("baseline", "wake"), ("baseline", "time_call"),
+                       ("baseline", "stop"), ("judge", "gpu_idle"), ("judge", "timing_inputs"), ("worker", "wake"),
                        ("worker", "time_call"), ("worker", "stop"), ("judge", "gpu_idle"), ("judge", "compare_call")]
 
 

@@ -17,8 +17,10 @@
 | `precision` | the precision rule: tolerances per output, TF32 switches |
 | `guard` | what candidate Python may not touch in its worker: the harness snapshot, the audit hook, the profiler's switches |
 | `harness` | modules from source, seeded models and inputs (both roles) |
-| `timing` | timed forwards: CUDA-graph replays or eager calls, checked calls |
+| `timing` | a timed call on the judge's slots: a CUDA-graph replay or an eager call (both sides) |
+| `sealed` | the trusted side of timed calls: their inputs, the trainer's clock, the GPU left idle, comparisons |
 | `speedup` | the paired candidate / baseline rounds and their confidence interval |
+| `isolation` | which candidates leave a worker the next may use (else a fresh process) |
 | `kernels` | what the profiler saw, and which kernels the candidate compiled (machine code) |
 | `epilogues` | which library GEMM kernels compute an activation, learnt from the task's own products (judge) |
 | `rules` | the source and kernel rules as plain functions; `trusted`, the torch functions captured before any candidate |

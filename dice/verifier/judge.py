@@ -4,9 +4,9 @@ It runs only task code, never a candidate's: it computes reference outputs (and 
 reference launches, under the profiler) per (task, init seed, trial seed, trial kind), caches them
 (RL verifies 16 candidates per task) and compares the outputs a candidate worker shipped with them.
 For a timing it owns the call slots (`timing.Slots`): it draws every timed call's inputs from the
-secret timing seed and writes them there while the candidate's worker is stopped, runs the eager
-baseline's calls, compares the candidate's outputs where they lie, and tells when the GPU is
-idle. So a candidate can reach neither the reference outputs nor the comparison nor the baseline,
+secret timing seed and writes them there while the candidate's worker is stopped, compares the
+candidate's outputs with the baseline's where they lie, and tells when the GPU is idle (the
+baseline itself runs in a worker of its own, timed as the candidate is: `Verifier._timing`). So a candidate can reach neither the reference outputs nor the comparison nor the baseline,
 nor any timed input before its call starts.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .outputs import aliased_outputs, compare_outputs, fingerprint, flatten, mod
 from .precision import (EXACT, in_precision, is_exact_float, loosest, math_flags, model_in, own_error, reduction_terms,
                         tolerances, unit)
 from .rules import trusted
-from .timing import CallRunner, Slots, flush_l2
+from .timing import Slots, flush_l2
 from .wire import import_tensor
 
 
@@ -37,7 +37,7 @@ IDLE_HOST_MS = 1.0  # ... and returns to the host within this (waiting for anoth
 
 class JudgeHandler:
     """Requests: reference, compare; for a timing: timing_prepare, timing_outputs, timing_inputs,
-    baseline_call, compare_call, gpu_idle, ping, timing_close."""
+    compare_call, gpu_idle, ping, timing_close."""
 
     MODELS_KEPT = 4
 
@@ -51,7 +51,7 @@ class JudgeHandler:
         self.models64: OrderedDict = OrderedDict()    # (task_key, init_seed, dtype) -> the reference Model in dtype
         self.task_errors: dict = {}                   # (task_key, init_seed, precision) -> loosest own_error
         self.epilogues: dict = {}                     # (task_key, init_seed) -> `epilogues.activation_kernels`
-        self.timed: dict | None = None                # the timing in progress: its slots, runner, inputs
+        self.timed: dict | None = None                # the timing in progress: its slots, inputs, outputs
         self.info = {"device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu"}
 
     def reference(self, request: dict) -> dict:
@@ -106,12 +106,12 @@ class JudgeHandler:
                 return f"input {j} after forward differs from the reference's ({mismatch})"
         return None
 
-    # -- a timing (DESIGN.md §8.3): the slots, each call's inputs, the baseline's calls, comparisons --
+    # -- a timing (DESIGN.md §8.3): the slots, each call's inputs, the comparisons --
 
     def timing_prepare(self, request: dict) -> dict:
         """Slots for a timing on the secret timing seed (`timing.Slots`) holding a first call's
-        inputs, the eager reference's runner on them; what the candidate's worker needs to open
-        them, the reference's time per call (this process's clock), its timed kernels."""
+        inputs; what the candidate's worker and the baseline's need to open them, the reference's
+        time per call (this process's clock) and its timed kernels."""
         self.timing_close(request)
         try:
             math_flags(request["precision"])
@@ -127,17 +127,15 @@ class JudgeHandler:
             outputs, ms = self._reference_ms(model, template, request["seed"])
             slots = Slots(template, self.device, outputs if request["method"] == "eager" else None)
             slots.write(template)
-            runner = CallRunner(model, slots.inputs, slots.outputs["baseline"], self.device, request["method"])
-            self.timed = {"slots": slots, "inputs": call_inputs, "request": request, "runner": runner,
-                          "candidate": slots.outputs["candidate"]}
+            self.timed = {"slots": slots, "inputs": call_inputs, "request": request, **slots.outputs}
             activity = None
             if self.cuda:
-                _, activity = gpu_activity(runner.forward)
+                _, activity = gpu_activity(lambda: self._forward(model, slots.inputs, request["seed"]))
                 activity["epilogues"] = self._epilogues(request, model, template)
         except Exception as exc:
             return self._failed("task_error", describe_exception(exc, "task.py"))
-        return {"status": "ok", "method": runner.method, "activity": activity, "ms": ms,
-                "slots": slots.shared("candidate")}
+        return {"status": "ok", "activity": activity, "ms": ms,
+                "slots": {side: slots.shared(side) for side in Slots.SIDES}}
 
     def _reference_ms(self, model: nn.Module, inputs: list, seed: int) -> tuple[list, float]:
         """(the reference's outputs on `inputs`, its time per call in ms: the best of three by this
@@ -154,11 +152,11 @@ class JudgeHandler:
         return outputs, best
 
     def timing_outputs(self, request: dict) -> dict:
-        """The candidate's graph outputs (its static outputs), shared once."""
+        """One side's graph outputs (its static outputs), shared once."""
         try:
-            self.timed["candidate"] = [import_tensor(data) for data in request["outputs"]]
+            self.timed[request["side"]] = [import_tensor(data) for data in request["outputs"]]
         except Exception as exc:
-            return self._failed("runtime_error", f"the candidate's timed outputs could not be opened: "
+            return self._failed("runtime_error", f"the {request['side']}'s timed outputs could not be opened: "
                                 f"{describe_exception(exc)}")
         return {"status": "ok"}
 
@@ -175,18 +173,10 @@ class JudgeHandler:
             return self._failed("task_error", describe_exception(exc, "task.py"))
         return {"status": "ok"}
 
-    def baseline_call(self, request: dict) -> dict:
-        """The reference's call on the slots; the caller's clock times this request."""
-        try:
-            self.timed["runner"].run()
-        except Exception as exc:
-            return self._failed("task_error", describe_exception(exc, "task.py"))
-        return {"status": "ok"}
-
     def compare_call(self, request: dict) -> dict:
         """The candidate's outputs of the call just run against the baseline's, where they lie."""
         timed, base = self.timed, self.timed["request"]
-        expected = timed["runner"].outputs()
+        expected = timed["baseline"]
         errors = self.task_errors.get((base["task_key"], base["init_seed"], base["precision"]))
         try:
             mismatch = compare_outputs(expected, timed["candidate"], per_output=self._tolerances(base, expected, errors))
@@ -222,7 +212,7 @@ class JudgeHandler:
         return {"status": "ok"}
 
     def timing_close(self, request: dict) -> dict:
-        """The timing's slots and runner freed."""
+        """The timing's slots freed."""
         if self.timed is not None:
             self.timed["slots"].close()
             self.timed = None

@@ -8,8 +8,8 @@ that call starts: no work ahead, no calls batched. A call's time is this process
 sending the call's request to its reply's last byte, plus however long the GPU then stays busy
 with the worker stopped again (work it left running, on any stream or in any process, is charged
 to it; past IDLE_LIMIT_S the verdict is `invalid`), less the pipe's round trip (the median of
-pings of the judge, `round_trip`). The baseline's calls are timed the same way, each process
-stopped and woken before its request, so both pay the same wake-up. Nothing the candidate's process
+pings of the judge, `round_trip`). The baseline's calls are timed the same way, in a worker process
+of the same kind running the task's Model, stopped and woken as the candidate's is. Nothing the candidate's process
 does to its own clocks, timers, replies or records changes its time; it can only finish sooner.
 A call's outputs are compared with the baseline's, in the judge, where they lie, while the worker
 is stopped, with probability COMPARED drawn after the call from os.urandom: work skipped on a
@@ -22,7 +22,7 @@ import statistics
 
 from .calls import Clock, ask, failed, judge_call
 from .process import WorkerProcess
-from .results import VerifyResult
+from .results import TaskError, VerifyResult
 
 IDLE_LIMIT_S = 2.0     # the GPU still busy this long after a call, with the worker stopped: invalid
 MIN_MS = 1e-4          # a call's time is at least this (a call shorter than the round trip's jitter)
@@ -44,11 +44,14 @@ def round_trip(judge: WorkerProcess, task_key: str, pings: int = PINGS) -> float
 
 class SealedCalls:
     """`round(first, n)` for `speedup.paired_rounds`: calls first .. first + n - 1, each timed on
-    the baseline then on the candidate as the module docstring says, as ([baseline ms per call],
-    [candidate ms per call]); or a verdict that ends the timing."""
+    the baseline's worker then on the candidate's as the module docstring says, as ([baseline ms per
+    call], [candidate ms per call]); or a verdict that ends the timing. Both workers are processes of
+    the same kind (the harness's candidate role; the baseline's runs the task's Model), stopped but
+    for their own calls, so a stop's cost and a woken process's first call cost both the same."""
 
-    def __init__(self, worker: WorkerProcess, judge: WorkerProcess, task_key: str, overhead_s: float, clock: Clock):
-        self.worker, self.judge, self.key = worker, judge, task_key
+    def __init__(self, worker: WorkerProcess, baseline: WorkerProcess, judge: WorkerProcess, task_key: str,
+                 overhead_s: float, clock: Clock):
+        self.worker, self.baseline_worker, self.judge, self.key = worker, baseline, judge, task_key
         self.overhead_s, self.clock = overhead_s, clock
 
     def _judge(self, op: str, candidate_outputs: bool = False, **fields) -> dict:
@@ -69,36 +72,39 @@ class SealedCalls:
         return base, cand
 
     def baseline(self, call: int) -> float | VerifyResult:
-        self._judge("timing_inputs", call=call)
-        waited = self._idle()           # nothing of the candidate's still runs beside the baseline
-        if isinstance(waited, VerifyResult):
-            return waited
-        self.judge.pause()
-        self.judge.resume()
-        self._judge("baseline_call")
-        return self._ms(self.judge.round_trip_s)
+        return self._call(self.baseline_worker, call)
 
     def candidate(self, call: int) -> float | VerifyResult:
-        self._judge("timing_inputs", call=call)    # again: the baseline may have modified them
-        self.worker.resume()
+        ms = self._call(self.worker, call)
+        if isinstance(ms, VerifyResult) or os.urandom(1)[0] >= 256 * COMPARED:
+            return ms
+        judged = self._judge("compare_call", candidate_outputs=True)
+        if judged["status"] != "ok":
+            return failed(judged, compiled=True, where="timing")
+        if judged["mismatch"]:
+            return VerifyResult("incorrect", compiled=True, message=(
+                f"timed call {call} (new inputs, compared after the call): {judged['mismatch']}; forward "
+                "must do the same work on every call"))
+        return ms
+
+    def _call(self, worker: WorkerProcess, call: int) -> float | VerifyResult:
+        """Call `call` on `worker`: its inputs written (the other side may have modified them), the
+        worker woken for its request alone, the GPU then seen idle."""
+        self._judge("timing_inputs", call=call)
+        worker.resume()
         try:
-            reply = ask(self.worker, {"op": "time_call"}, self.clock, "timing forward")
-            seconds = self.worker.round_trip_s
+            reply = ask(worker, {"op": "time_call"}, self.clock, "timing forward")
+            seconds = worker.round_trip_s
         finally:
-            self.worker.pause()
+            worker.pause()
+        if reply["status"] != "ok" and worker is self.baseline_worker:   # the reference's own failure: the task's
+            raise TaskError(f"task {self.key[:12]}: the reference failed while timed: {reply['message']}; fix the "
+                            "task source")
         if reply["status"] != "ok":
             return failed(reply, compiled=True, where="timing")
         waited = self._idle()
         if isinstance(waited, VerifyResult):
             return waited
-        if os.urandom(1)[0] < 256 * COMPARED:
-            judged = self._judge("compare_call", candidate_outputs=True)
-            if judged["status"] != "ok":
-                return failed(judged, compiled=True, where="timing")
-            if judged["mismatch"]:
-                return VerifyResult("incorrect", compiled=True, message=(
-                    f"timed call {call} (new inputs, compared after the call): {judged['mismatch']}; forward "
-                    "must do the same work on every call"))
         return self._ms(seconds + waited)
 
     def _idle(self) -> float | VerifyResult:

@@ -64,7 +64,7 @@ import torch
 
 from ..tasks.load import check_task_source
 from .build.pool import BuildPool
-from .calls import Clock, ask, failed, judge_call
+from .calls import JUDGE_TIMEOUT_S, Clock, ask, failed, judge_call
 from .kernels import default_library_paths, library_kernel_names
 from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, close_all
 from .isolation import reuse_problem
@@ -85,6 +85,7 @@ NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is Fa
 UNLOAD_TIMEOUT_S = 60.0
 PREBUILD_SLACK_S = 60.0       # past the prebuild's own time limit: its report is not awaited longer
 WARM_CALLS = 2                # untimed calls on each side before a timing's rounds
+REFERENCE_AS_CANDIDATE = "\n\nModelNew = Model\n"   # the task's source run by the baseline's worker
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,7 +120,9 @@ class Verifier:
         self._log_dir = Path(tempfile.mkdtemp(prefix="dice-verifier-"))
         config = {"device": device, "cache_dir": str(self.cache_dir), "reference_cache_gb": reference_cache_gb,
                   "build": build}
+        self._config = config
         self._judges = [WorkerProcess("judge", config, self._log_dir / f"judge-{i}.log") for i in range(judges)]
+        self._baseline: WorkerProcess | None = None   # started with the first timing (`_baseline_worker`)
         self._workers = [WorkerProcess("candidate", config, self._log_dir / f"candidate-{i}.log")
                          for i in range(workers)]
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
@@ -148,7 +151,7 @@ class Verifier:
 
     def close(self) -> None:
         self._preparing.shutdown(wait=True, cancel_futures=True)   # a judge it still talks to is closed next
-        close_all([*self._judges, *self._workers])
+        close_all([*self._judges, *self._workers, *([self._baseline] if self._baseline is not None else [])])
         if self._prebuild is not None:
             self._prebuild.close()
         shutil.rmtree(self._log_dir, ignore_errors=True)
@@ -157,7 +160,7 @@ class Verifier:
         """The GPU memory its processes hold once they have verified a while: PROCESS_GPU_BYTES each
         (a trainer sizing its rollout batch sets aside what they do not hold yet,
         `dice.rl.rollout.auto_rollout_batch`)."""
-        return (len(self._judges) + len(self._workers)) * PROCESS_GPU_BYTES if self.cuda else 0
+        return (len(self._judges) + len(self._workers) + 1) * PROCESS_GPU_BYTES if self.cuda else 0   # + the baseline's
 
     def prepare(self, task_srcs: Iterable[str], **options) -> list[Future]:
         """Compute the references of these tasks' trials now, in the background, for candidates
@@ -298,42 +301,63 @@ class Verifier:
     def _timing(self, worker: WorkerProcess, task: dict, init_seed: int, seed: int, clock: Clock,
                 opts: VerifyOptions, inputs: str) -> Timing | VerifyResult:
         """The paired timing (`speedup`) under the exclusive GPU lock; a verdict if it fails.
-        `inputs`: how timed calls get new inputs (`harness.timed_inputs`). The candidate's worker is
-        stopped (SIGSTOP) throughout but for its own calls and requests (DESIGN.md §8.3)."""
+        `inputs`: how timed calls get new inputs (`harness.timed_inputs`). The candidate's worker and
+        the baseline's are stopped (SIGSTOP) throughout but for their own calls (DESIGN.md §8.3)."""
         judge = self._judge_of(task["task_key"])
         request = {**task, "init_seed": init_seed, "seed": seed, "inputs": inputs, **opts.tolerance()}
         with self._gpu.exclusive():
+            baseline = self._baseline_worker()
+            loaded = ask(baseline, {"op": "load", **task, "candidate_src": task["task_src"] + REFERENCE_AS_CANDIDATE,
+                                    "init_seed": init_seed}, Clock(JUDGE_TIMEOUT_S), "loading the reference")
+            if loaded["status"] != "ok":
+                raise TaskError(f"task {task['task_key'][:12]}: the reference did not load for timing: "
+                                f"{loaded['message']}; fix the task source")
             try:
-                return self._sealed_timing(worker, judge, request, clock, opts)
+                return self._sealed_timing(worker, baseline, judge, request, clock, opts)
             finally:
                 worker.resume()
+                baseline.resume()
                 judge_call(judge, {"op": "timing_close", "task_key": task["task_key"]})
+                with contextlib.suppress(WorkerTimeout, WorkerDied):
+                    baseline.call({"op": "unload"}, timeout=UNLOAD_TIMEOUT_S)
 
-    def _sealed_timing(self, worker: WorkerProcess, judge: WorkerProcess, request: dict, clock: Clock,
-                       opts: VerifyOptions) -> Timing | VerifyResult:
+    def _baseline_worker(self) -> WorkerProcess:
+        """The process that times the eager reference: one per Verifier (timings hold the GPU lock
+        exclusively, one at a time), of the candidates' kind, running only task code."""
+        if self._baseline is None:
+            self._baseline = WorkerProcess("candidate", self._config, self._log_dir / "baseline.log")
+        return self._baseline
+
+    def _sealed_timing(self, worker: WorkerProcess, baseline: WorkerProcess, judge: WorkerProcess, request: dict,
+                       clock: Clock, opts: VerifyOptions) -> Timing | VerifyResult:
         key = request["task_key"]
         for method in ("graph", "eager"):
             base = judge_call(judge, {"op": "timing_prepare", **request, "method": method})
-            if base["method"] != method:
-                continue
-            prep = ask(worker, {"op": "time_prepare", "method": method, "slots": base["slots"]}, clock,
+            ref = ask(baseline, {"op": "time_prepare", "method": method, "slots": base["slots"]["baseline"]},
+                      Clock(JUDGE_TIMEOUT_S), "timing the reference")
+            if ref["status"] != "ok":
+                raise TaskError(f"task {key[:12]}: the reference failed while timed: {ref['message']}; fix the task "
+                                "source")
+            prep = ask(worker, {"op": "time_prepare", "method": method, "slots": base["slots"]["candidate"]}, clock,
                        "timing forward")
             if prep["status"] != "ok":
                 return failed(prep, compiled=True, where="timing")
-            if prep["method"] == method:
+            if prep["method"] == ref["method"] == method:
                 break
         problem = kernel_verdict(activity(prep["records"]) if prep["records"] is not None else None, prep["own"],
                                  base["activity"], opts, self._library_names()) or (
             prep["records"] is not None and unrecorded_problem(prep["records"], worker.info.get("matched", [])))
         if problem:
             return VerifyResult("invalid", compiled=True, message=f"timed calls: {problem}")
-        if prep["outputs"] is not None:
-            reply = judge_call(judge, {"op": "timing_outputs", "task_key": key, "outputs": prep["outputs"]},
-                               candidate_outputs=True)
-            if reply["status"] != "ok":
-                return failed(reply, compiled=True, where="timing")
-        calls = SealedCalls(worker, judge, key, round_trip(judge, key), clock)
+        for side, reply in (("baseline", ref), ("candidate", prep)):
+            if reply["outputs"] is not None:
+                shared = judge_call(judge, {"op": "timing_outputs", "task_key": key, "side": side,
+                                            "outputs": reply["outputs"]}, candidate_outputs=True)
+                if shared["status"] != "ok":
+                    return failed(shared, compiled=True, where="timing")
+        calls = SealedCalls(worker, baseline, judge, key, round_trip(judge, key), clock)
         worker.pause()
+        baseline.pause()
         warm = calls.round(-WARM_CALLS, WARM_CALLS)      # untimed: one-time costs, and first comparisons
         timed = warm if not isinstance(warm, tuple) else paired_rounds(calls.round, calls_per_round(base["ms"]),
                                                                         self.timing_budget_s)
@@ -342,7 +366,7 @@ class Verifier:
         if done["status"] != "ok":
             return failed(done, compiled=True, where="timing")
         if isinstance(timed, Timing):
-            timed.method = base["method"]
+            timed.method = method
         return timed
 
     # -- talking to workers -------------------------------------------------------------------
