@@ -143,3 +143,32 @@ def test_the_workers_task_module_draws_no_timed_input(cpu_verifier, tmp_path):
     lines = log.read_text().split()
     assert "timed" in lines and "draw" in lines
     assert "draw" not in lines[lines.index("timed"):]      # no draw once the timed calls began
+
+
+@pytest.mark.slow
+def test_every_other_worker_is_stopped_while_one_is_timed(tmp_path):
+    """While a candidate is timed, every other worker of the pool, and whatever runs below it, is
+    stopped: a candidate still loading, or a thread or helper one left, cannot share the GPU with
+    another's timed calls (issue #67: no candidate decides another's time)."""
+    import time
+
+    from dice.verifier import Verifier
+    from dice.verifier.keeper import descendants
+
+    def state(pid):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    good = ("import torch\nimport torch.nn as nn\n\nclass ModelNew(nn.Module):\n"
+            "    def forward(self, x):\n        return x.clamp_min(0)\n")
+    with Verifier(workers=2, judges=1, device="cpu", cache_dir=tmp_path) as verifier:
+        verifier.map([(RELU_TASK, good)] * 2, timing=False, seed=1)
+        timed, other = verifier._workers
+        tree = [other._process.pid, *descendants(other._process.pid)]
+        with verifier._others_stopped(timed):
+            deadline = time.monotonic() + 2
+            while any(state(p) != "T" for p in tree) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert [state(p) for p in tree] == ["T"] * len(tree)
+            assert state(timed._process.pid) != "T"
+        time.sleep(0.05)
+        assert "T" not in [state(p) for p in tree]

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from .keeper import kill_tree
+from .keeper import descendants, kill_tree
 from .wire import plain_loads
 
 KEEPER = Path(__file__).with_name("keeper.py")
@@ -139,6 +139,29 @@ class WorkerProcess:
         deadline = time.monotonic() + 0.1
         while time.monotonic() < deadline and _state(pid) not in ("T", "t", None):
             time.sleep(0.0005)
+
+    def pause_tree(self) -> list[int]:
+        """Stop the keeper, the worker and everything below them (a candidate's helpers, detached
+        daemons too: they stay below the keeper, a subreaper), ready or still starting; the pids
+        stopped, for `resume_tree`."""
+        if self._process is None or self._process.poll() is not None:
+            return []
+        stopped = []
+        for pid in [self._process.pid, *descendants(self._process.pid)]:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            except ProcessLookupError:
+                pass
+        return stopped
+
+    @staticmethod
+    def resume_tree(pids: list[int]) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def resume(self) -> None:
         pid = self.info.get("pid") if self._ready else None

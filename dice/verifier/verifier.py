@@ -305,7 +305,7 @@ class Verifier:
         the baseline's are stopped (SIGSTOP) throughout but for their own calls (DESIGN.md §8.3)."""
         judge = self._judge_of(task["task_key"])
         request = {**task, "init_seed": init_seed, "seed": seed, "inputs": inputs, **opts.tolerance()}
-        with self._gpu.exclusive():
+        with self._gpu.exclusive(), self._others_stopped(worker):
             baseline = self._baseline_worker()
             loaded = ask(baseline, {"op": "load", **task, "candidate_src": task["task_src"] + REFERENCE_AS_CANDIDATE,
                                     "init_seed": init_seed}, Clock(JUDGE_TIMEOUT_S), "loading the reference")
@@ -320,6 +320,18 @@ class Verifier:
                 judge_call(judge, {"op": "timing_close", "task_key": task["task_key"]})
                 with contextlib.suppress(WorkerTimeout, WorkerDied):
                     baseline.call({"op": "unload"}, timeout=UNLOAD_TIMEOUT_S)
+
+    @contextlib.contextmanager
+    def _others_stopped(self, worker: WorkerProcess):
+        """Every other candidate worker stopped (SIGSTOP), with whatever runs below it, while `worker`
+        is timed: one still loading its candidate, or running a thread or a helper its candidate
+        left, would otherwise share the GPU with the timed calls, slowing them or keeping the GPU
+        busy (a candidate deciding another's time)."""
+        stopped = [pid for other in self._workers if other is not worker for pid in other.pause_tree()]
+        try:
+            yield
+        finally:
+            WorkerProcess.resume_tree(stopped)
 
     def _baseline_worker(self) -> WorkerProcess:
         """The process that times the eager reference: one per Verifier (timings hold the GPU lock
