@@ -88,3 +88,19 @@ def test_a_failure_marker_planted_under_a_siblings_program_does_not_reach_it(cpu
     sibling = cpu_verifier.verify(RELU_TASK, candidate("return x.clamp_min(0) * (ext.answer() / 42)", extra=extension),
                                   timing=False)
     assert sibling.correct, sibling.message
+
+
+@pytest.mark.slow
+def test_a_replaced_worker_rejoins_the_pool_once_started(tmp_path):
+    """After a non-plain candidate its worker is replaced; the next candidate takes a worker that is
+    ready meanwhile, and the replaced one returns to the pool once its new process has started."""
+    from dice.verifier import Verifier
+    with Verifier(workers=2, judges=1, device="cpu", cache_dir=tmp_path) as verifier:
+        first, second = verifier._idle.get(), verifier._idle.get()
+        for worker in (first, second):
+            worker.wait_started()
+        verifier._release(second, fresh=False)
+        verifier._release(first, fresh=True)          # restarting: its process is new and not started
+        assert verifier._idle.get(timeout=5) is second
+        back = verifier._idle.get(timeout=120)
+        assert back is first and first.ready

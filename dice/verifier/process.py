@@ -212,13 +212,7 @@ class WorkerProcess:
         A reply marked `recycle` (the worker's CUDA context or torch is no longer trustworthy)
         replaces the process before the reply is returned."""
         with self._lock:
-            if not self._ready:
-                try:
-                    self.info = self._receive(STARTUP_TIMEOUT_S, log_start=0)
-                except (WorkerTimeout, WorkerDied) as exc:
-                    raise RuntimeError(f"the verifier's {self.role} worker failed to start ({exc}); "
-                                       f"its full log is {self.log_path}") from None
-                self._ready = True
+            self._await_start()
             log_start, start = self._log_size(), time.monotonic()
             try:
                 sent = time.perf_counter()
@@ -235,6 +229,21 @@ class WorkerProcess:
                 self._kill()
                 self._start()
             return reply
+
+    def wait_started(self) -> None:
+        """Return once the current process has started up (import, CUDA context, probes); raise
+        RuntimeError as `call` would if it failed to."""
+        with self._lock:
+            self._await_start()
+
+    def _await_start(self) -> None:
+        if not self._ready:
+            try:
+                self.info = self._receive(STARTUP_TIMEOUT_S, log_start=0)
+            except (WorkerTimeout, WorkerDied) as exc:
+                raise RuntimeError(f"the verifier's {self.role} worker failed to start ({exc}); "
+                                   f"its full log is {self.log_path}") from None
+            self._ready = True
 
     def _receive(self, timeout: float, log_start: int, sent: float | None = None) -> dict:
         if not self._conn.poll(max(timeout, 0.0)):

@@ -54,6 +54,7 @@ import queue
 import secrets
 import shutil
 import tempfile
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import replace
@@ -418,14 +419,24 @@ class Verifier:
         """Back to the pool, as a fresh process where the candidate may have left something behind
         (`isolation.reuse_problem`) or after `recycle_after` candidates."""
         worker.jobs += 1
+        restarted = False
         try:
             if fresh or worker.jobs >= self.recycle_after:
                 worker.restart()
+                restarted = True
             elif worker.ready:  # a just-replaced worker has nothing to unload
                 try:
                     worker.call({"op": "unload"}, timeout=UNLOAD_TIMEOUT_S)
                 except (WorkerTimeout, WorkerDied):
                     pass  # the worker has already been replaced
         finally:    # back in the pool whatever failed: a lost worker would leave later candidates waiting for ever
-            self._idle.put(worker)
+            if restarted:   # once started up: the next candidate takes a ready worker meanwhile, if there is one
+                threading.Thread(target=self._rejoin, args=(worker,), daemon=True, name="dice-restart").start()
+            else:
+                self._idle.put(worker)
+
+    def _rejoin(self, worker: WorkerProcess) -> None:
+        with contextlib.suppress(RuntimeError):   # its next call reports a failed start
+            worker.wait_started()
+        self._idle.put(worker)
 
