@@ -136,8 +136,9 @@ def main(argv: list[str]) -> None:
         # isolation: the keeper itself imports no torch; only its forked worker loads the worker's modules
         import json
         from multiprocessing.connection import Connection
+        started = time.perf_counter()
         from dice.verifier.worker import serve
-        serve(Connection(int(fd)), role, json.loads(config), log_path)
+        serve(Connection(int(fd)), role, json.loads(config), log_path, imported_s=time.perf_counter() - started)
         os._exit(0)
     os.close(int(fd))   # the trainer reads EOF when the worker dies, not when the keeper does
     while True:

@@ -29,6 +29,7 @@ import resource
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -54,7 +55,7 @@ PRIVATE_CACHES = {"TORCH_EXTENSIONS_DIR": "torch_extensions", "TRITON_CACHE_DIR"
                   "TORCHINDUCTOR_CACHE_DIR": "inductor"}
 
 
-def serve(conn, role: str, config: dict, log_path: str) -> None:
+def serve(conn, role: str, config: dict, log_path: str, imported_s: float = 0.0) -> None:
     """Worker main loop (under `keeper.py`): one request dict in, one reply dict out, until None or EOF.
     The worker is a child subreaper too, so that what a candidate leaves running, a detached
     daemon included, stays below it and ends with the candidate (`_drop_candidate`)."""
@@ -73,7 +74,10 @@ def serve(conn, role: str, config: dict, log_path: str) -> None:
     sys.stdout.reconfigure(line_buffering=True)
     faulthandler.enable()  # a segfault leaves a Python traceback in the log for the parent to quote
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1` a stuck worker: its stacks in its log
+    started = time.perf_counter()
     handler = CandidateHandler(config) if role == "candidate" else JudgeHandler(config)
+    # what a fresh process costs (DESIGN.md §8.4): the imports, then the CUDA context, probes and caches
+    handler.info["startup_s"] = {"imports": imported_s, "init": time.perf_counter() - started}
     # bound now: a candidate that later replaces HarnessSnapshot.changed does not reach this call
     harness_changed = list
     if role == "candidate":
