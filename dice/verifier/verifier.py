@@ -374,12 +374,13 @@ class Verifier:
         warm = calls.round(-WARM_CALLS, WARM_CALLS)      # untimed: one-time costs, and first comparisons
         timed = warm if not isinstance(warm, tuple) else paired_rounds(calls.round, calls_per_round(base["ms"]),
                                                                         self.timing_budget_s)
+        if not isinstance(timed, Timing):
+            return timed
         worker.resume()
         done = ask(worker, {"op": "timing_done"}, clock, "timing forward")   # the checks the calls' replies skip
         if done["status"] != "ok":
             return failed(done, compiled=True, where="timing")
-        if isinstance(timed, Timing):
-            timed.method = method
+        timed.method = method
         return timed
 
     # -- talking to workers -------------------------------------------------------------------
