@@ -15,9 +15,7 @@ from __future__ import annotations
 import ast
 import collections
 import importlib
-import os
 import re
-import time
 import types
 
 import torch
@@ -58,7 +56,6 @@ trusted = types.SimpleNamespace(
     equal=torch.equal,
     manual_seed=torch.manual_seed,
     no_grad=torch.no_grad,
-    perf_counter=time.perf_counter,
     cuda_synchronize=torch.cuda.synchronize,
     Event=torch.cuda.Event,
     event_record=torch.cuda.Event.record,
@@ -77,7 +74,6 @@ trusted = types.SimpleNamespace(
     event_start_ns=_autograd._KinetoEvent.start_ns,
     event_end_ns=_autograd._KinetoEvent.end_ns,
     event_correlation=_autograd._KinetoEvent.correlation_id,
-    urandom=os.urandom,
     to_host=torch.Tensor.cpu,
     marker=torch.cuda._sleep,
     cuda_activity=torch.profiler.ProfilerActivity.CUDA,
@@ -87,13 +83,6 @@ trusted = types.SimpleNamespace(
 
 class HarnessTampered(RuntimeError):
     """Raised by the harness when it finds its own state changed by candidate code (`invalid`)."""
-
-
-def trusted_intact(_frozen: tuple = tuple(vars(trusted).items())) -> bool:
-    """Whether every function in `trusted` is still the one captured at import (checked right
-    before a timing loop binds them to locals: a wrapper that puts the original back once it has
-    been called is caught before it can be)."""
-    return len(vars(trusted)) == len(_frozen) and all(getattr(trusted, k, None) is v for k, v in _frozen)
 
 
 def _resolve(dotted: str):
