@@ -521,3 +521,20 @@ def test_a_native_thread_left_after_unload_ends_its_worker(cpu_verifier):
     cpu_verifier.verify(RELU_TASK, native, timing=False, trials=1)
     assert {w._process.pid for w in cpu_verifier._workers} != keepers      # its worker was replaced
     assert cpu_verifier.verify(RELU_TASK, GOOD, timing=False, trials=1).correct
+
+
+TWO_OUTPUTS = ("import torch\nimport torch.nn as nn\n\n\nclass Model(nn.Module):\n    def forward(self, x):\n"
+               "        return torch.relu(x), torch.relu(x)\n\n\ndef get_inputs():\n    return [torch.randn(64, 64)]\n\n\n"
+               "def get_init_inputs():\n    return []\n")
+SHARED_OUTPUTS = TWO_OUTPUTS.replace("return torch.relu(x), torch.relu(x)", "y = torch.relu(x)\n        return y, y")
+
+
+@pytest.mark.slow
+def test_an_output_that_is_a_view_of_another_is_invalid_where_the_references_are_separate(cpu_verifier):
+    """Issue #68, item 4: aliasing is compared with the reference's: a second output returned as a
+    view of the first (the same values, half the work) is `invalid` where the reference returns two
+    tensors; where the reference itself returns one tensor twice, so may the candidate."""
+    separate, alias_ok = cpu_verifier.map([(TWO_OUTPUTS, _model("y = x.clamp_min(0)\nreturn y, y.view(y.shape)")),
+                                           (SHARED_OUTPUTS, _model("y = x.clamp_min(0)\nreturn y, y"))], timing=False)
+    assert separate.status == "invalid" and "shares memory with output 0" in separate.message, separate
+    assert alias_ok.correct, alias_ok

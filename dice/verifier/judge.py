@@ -23,7 +23,7 @@ from .epilogues import activation_kernels, gemm_operands
 from .harness import (build_model, call_draws, cuda_context_broken, describe_exception, init_device, load_task,
                       make_inputs, nbytes, timed_inputs, trial_inputs)
 from .kernels import gpu_activity
-from .outputs import aliased_outputs, compare_outputs, fingerprint, flatten, modified_inputs
+from .outputs import aliased_outputs, compare_outputs, fingerprint, flatten, modified_inputs, shared_outputs
 from .precision import (EXACT, in_precision, is_exact_float, loosest, math_flags, model_in, own_error, reduction_terms,
                         tolerances, unit)
 from .rules import trusted
@@ -284,6 +284,7 @@ class JudgeHandler:
             "reference_fingerprints": [fingerprint(t) for t in outputs],
             "reference_mutated": mutated,
             "reference_aliased": aliased_outputs(outputs, inputs),
+            "reference_shared": shared_outputs(outputs),
             "reference_reused": sorted({i for i, _ in aliased_outputs(again, outputs)}),
             "reference_activity": activity,
             "own_error": self._own_error(model, originals, inputs, outputs, request),

@@ -52,6 +52,12 @@ def aliased_outputs(outputs: list, inputs: list) -> list[list[int]]:
     return pairs
 
 
+def shared_outputs(outputs: list) -> list[list[int]]:
+    """[i, j] pairs (i < j) of outputs of one call whose memory overlaps: a view of one output
+    returned as another."""
+    return [[i, j] for i, j in aliased_outputs(outputs, outputs) if i < j]
+
+
 def fingerprint(t: torch.Tensor) -> list:
     """Cheap exact summary: bit-pattern sum and 16 sampled bit patterns. Equal tensors give equal
     fingerprints; tensors computed from different random inputs practically never do."""

@@ -56,6 +56,10 @@ def trial_verdict(where: str, ran: dict, judged: dict, history: list, opts: Veri
     if aliased:
         return invalid(f"output {aliased[0][0]} shares memory with input {aliased[0][1]} ({where}); "
                        "return a newly allocated tensor")
+    shared = [pair for pair in ran["shared"] if pair not in judged["reference_shared"]]
+    if shared:
+        return invalid(f"output {shared[0][1]} shares memory with output {shared[0][0]} ({where}), where the "
+                       "reference's are separate: return each output in memory of its own")
     reused = sorted(set(ran["reused"]) - set(judged["reference_reused"]))
     if reused:
         return invalid(f"output {reused[0]} ({where}) lies in the memory of an output an earlier call returned, so "

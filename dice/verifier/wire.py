@@ -92,7 +92,7 @@ def malformed_reply(op: str, reply: dict) -> str | None:
 
     Replies with status "ok": run -> outputs, second (list of bytes or None), inputs ([int, bytes]:
     the inputs forward modified), records (raw CUPTI records, `kernels.gpu_records`, or None on a
-    CPU), own, mutated, stale and reused (ints), aliased ([int, int] pairs); time_prepare -> method,
+    CPU), own, mutated, stale and reused (ints), aliased and shared ([int, int] pairs); time_prepare -> method,
     records, own, outputs (a graph's outputs as bytes, else None); `own` None or a list of names.
     time_call replies with its status alone: the parent's clock times it."""
     status, message = reply.get("status"), reply.get("message", "")
@@ -106,7 +106,8 @@ def malformed_reply(op: str, reply: dict) -> str | None:
                           and all(isinstance(p, list) and len(p) == 2 and type(p[0]) is int and isinstance(p[1], bytes)
                                   for p in r["inputs"])
                           and _records(r.get("records")) and _names(r.get("own")) and _ints(r.get("mutated"))
-                          and _ints(r.get("stale")) and _pairs(r.get("aliased")) and _ints(r.get("reused"))),
+                          and _ints(r.get("stale")) and _pairs(r.get("aliased")) and _ints(r.get("reused"))
+                          and _pairs(r.get("shared"))),
         "time_prepare": lambda r: (r.get("method") in ("graph", "eager") and _records(r.get("records"))
                                    and _names(r.get("own"))
                                    and (r.get("outputs") is None or _byte_list(r["outputs"]))),

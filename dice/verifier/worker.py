@@ -44,7 +44,7 @@ from .harness import (build_model, cuda_context_broken, describe_exception, init
 from .judge import JudgeHandler
 from .keeper import kill_tree, reap, set_child_subreaper
 from .kernels import CompiledKernels, gpu_activity, gpu_records, marker_name, matched_families
-from .outputs import aliased_outputs, flatten, modified_inputs, same_bits
+from .outputs import aliased_outputs, flatten, modified_inputs, same_bits, shared_outputs
 from .precision import math_flags
 from .rules import HarnessTampered, trusted
 from .timing import CallRunner, open_slots
@@ -257,6 +257,7 @@ class CandidateHandler:
                              "inputs": [[j, data] for j, data in zip(changed, self._ship([inputs[j] for j in changed]))],
                              "records": found, "own": sorted(self.compiled.names()) if self.cuda else None,
                              "mutated": mutated, "aliased": aliased_outputs(outputs, inputs),
+                             "shared": shared_outputs(outputs),
                              "reused": reused, "stale": stale})
 
     def time_prepare(self, request: dict) -> dict:
