@@ -569,6 +569,38 @@ def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():
     assert verifier_reward(FakeVerifier(), "infill")(tasks, comps).rewards[0] == 0.0   # the suffix was not kept
 
 
+def test_every_reward_scores_a_batch_prepares_tasks_and_reports_its_gpu_memory():
+    """One interface (`dice.rl.rewards.Reward`): a plain function's floats become Scores without
+    results and its Scores pass as they are, with nothing to prepare and no GPU memory; the
+    verifier's reward asks its verifier for both, and a reward that only changes the program it
+    verifies (`dice.bench.replay.ReplayedReward`) keeps them."""
+    from types import SimpleNamespace
+
+    from dice.bench.replay import ReplayedReward
+    from dice.rl.rewards import PythonReward, Reward, Scores, VerifierReward, as_reward
+
+    tasks = [Task("a", 1, "SRC", solution="REFERENCE")]
+    comps = [Completion([1], [2], [1], "", "GENERATED")]
+    plain = as_reward(lambda ts, cs: [1])
+    assert isinstance(plain, PythonReward) and plain(tasks, comps) == Scores([1.0], None)
+    assert plain.prepare(tasks) is None and plain.gpu_bytes() == 0
+    given = Scores([0.5], ["result"])
+    assert as_reward(lambda ts, cs: given)(tasks, comps) is given
+    assert as_reward(plain) is plain
+    with pytest.raises(NotImplementedError):
+        Reward()(tasks, comps)
+
+    calls = []
+    verifier = SimpleNamespace(gpu_bytes=lambda: 3 * 2**30, prepare=lambda srcs, **kw: calls.append(("prepare", srcs, kw)),
+                               map=lambda pairs, **kw: calls.append(("map", pairs)) or [None] * len(pairs))
+    for reward, program in ((VerifierReward(verifier, "e2e"), "GENERATED"), (ReplayedReward(verifier, "e2e"), "REFERENCE")):
+        calls.clear()
+        reward.prepare(tasks)
+        assert reward(tasks, comps) == Scores([0.0], [None]) and reward.gpu_bytes() == 3 * 2**30
+        assert calls == [("prepare", ["SRC"], {"timing": False, "trials": 3, "timeout_s": 60.0}),
+                         ("map", [("SRC", program)])]
+
+
 def test_each_torchrun_process_verifies_on_its_own_gpu_with_its_share_of_the_workers(monkeypatch):
     from dice.rl.rewards import rank_verifier
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

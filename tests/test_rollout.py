@@ -118,10 +118,17 @@ def _rollout_with(monkeypatch, events: list, reward_fn, auto_batch: bool, genera
 def test_the_rollout_batch_is_sized_with_room_for_the_verifiers_processes(monkeypatch):
     """The reward's processes' GPU memory (`Verifier.gpu_bytes`) reaches the batch's sizing; a
     given batch is used as it is."""
+    from dice.rl.rewards import Reward
     events = []
-    reward = lambda tasks, completions: [0.0] * len(tasks)
-    reward.prepare = lambda tasks: events.append("prepare")
-    reward.gpu_bytes = lambda: 17 * 2**30
+
+    class Busy(Reward):
+        def prepare(self, tasks):
+            events.append("prepare")
+
+        def gpu_bytes(self):
+            return 17 * 2**30
+
+    reward = Busy()
 
     def generate(*args, batch_size, **kw):
         events.append(f"generate {batch_size}")
@@ -170,10 +177,11 @@ def test_rollouts_out_of_gpu_memory_say_which_flag_helps(monkeypatch):
     """Out of memory while generating is one line naming --rollout-batch at half the batch, not
     torch's traceback (the bench's 4B and 8B rollouts beside 17 verifier processes, 2026-12-06)."""
     from dice.errors import UserError
+    from dice.rl.rewards import PythonReward
 
     def generate(*args, **kw):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 850.00 MiB.")
 
     with pytest.raises(UserError, match=r"^the rollouts ran out of GPU memory .* a rollout batch of 64 sequences; "
                                         r"pass --rollout-batch 32$"):
-        _rollout_with(monkeypatch, [], lambda tasks, completions: [0.0] * len(tasks), False, generate)
+        _rollout_with(monkeypatch, [], PythonReward(lambda tasks, completions: [0.0] * len(tasks)), False, generate)

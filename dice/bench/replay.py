@@ -11,7 +11,7 @@
   share, chosen at random, is broken: half of them with an undeclared identifier in the device
   code (compile_error), half with 1 added to ModelNew's output (the kernels run, the result is
   wrong: incorrect). The verifier sees these programs through the training reward
-  (`dice.rl.rewards.verifier_reward`); `--reward python` scores 1 for an unbroken program instead (no
+  (`ReplayedReward`, a `dice.rl.rewards.VerifierReward`); `--reward python` scores 1 for an unbroken program instead (no
   GPU needed; the references are then not checked);
 * lengths: a random model never samples an eos, so each rollout stops as if it had sampled one
   right after the program it stands for (`generate(lengths=...)`): the tokens of
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import hashlib
 import json
 import math
@@ -37,7 +36,7 @@ from pathlib import Path
 import torch
 
 from ..model.sdar import SDAR_SHAPES
-from ..rl.rewards import Scores, verifier_reward
+from ..rl.rewards import PythonReward, Reward, Scores, VerifierReward, verifier_options
 from ..tasks.load import curriculum
 
 CHARS_PER_TOKEN = 3.8   # the SDAR tokenizer on the 99 DICE infilling references: 71,964 chars, 18,862 tokens
@@ -118,18 +117,22 @@ def replay_programs(tasks: list, group_size: int, broken: float, seed: int, run:
     return out
 
 
-def make_reward(kind: str, verifier, kinds: dict, timeout_s: float):
-    """The step's reward on (owners, completions): the training reward with each completion's
-    code replaced by the program its owner carries, or the Python stand-in (`kinds`: program ->
-    its kind)."""
-    if kind == "python":
-        return lambda owners, _: Scores([float(kinds[t.solution] == "ok") for t in owners])
-    reward = verifier_reward(verifier, "e2e", "correct", timeout_s=timeout_s)
+class ReplayedReward(VerifierReward):
+    """The training reward (`VerifierReward`, end to end, correct, untimed) on the program each
+    rollout's owner task carries as its `solution` in place of the completion's code; as a
+    VerifierReward it prepares the tasks' references and reports the verifier's GPU memory, which
+    sizes the rollout batch."""
 
-    @functools.wraps(reward)   # keeps the reward's attributes: prepare, and gpu_bytes that sizes the rollout batch
-    def replayed(owners, cs):
-        return reward(owners, [dataclasses.replace(c, code=t.solution) for t, c in zip(owners, cs)])
-    return replayed
+    def program(self, task, completion) -> str | None:
+        return task.solution
+
+
+def make_reward(kind: str, verifier, kinds: dict, timeout_s: float) -> Reward:
+    """The step's reward on (owners, completions): the replayed verifier reward, or the Python
+    stand-in (`kinds`: program -> its kind)."""
+    if kind == "python":
+        return PythonReward(lambda owners, _: Scores([float(kinds[t.solution] == "ok") for t in owners]))
+    return ReplayedReward(verifier, "e2e", "correct", options=verifier_options(timeout_s=timeout_s))
 
 
 def reference_key(task) -> str:

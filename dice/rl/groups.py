@@ -14,7 +14,7 @@ import torch
 from ..memory import out_of_memory
 from ..tasks.load import Task, tasks_at
 from ..tasks.prompts import PromptFormat
-from .rewards import RewardFn, score
+from .rewards import Reward
 from .rollout import auto_rollout_batch, generate_and_score, generation_copy, prompt_format, task_prompt_ids
 
 
@@ -36,7 +36,7 @@ def rank_slots(first: int, count: int, rt) -> list[int]:
     return list(range(first, first + count))[rt.rank::rt.world]
 
 
-def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: RewardFn, seed: int, infill: bool, *,
+def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward: Reward, seed: int, infill: bool, *,
             overlap: str = "stream", low_precision: bool = True, auto_batch: bool = False,
             lengths: Sequence[int] | None = None, fmt: PromptFormat | None = None, progress=None, while_scoring=None):
     """Generate `group_size` responses per task and reward them while generation goes on
@@ -59,16 +59,14 @@ def rollout(model, tok, tasks: list[Task], slots: list[int], cfg, reward_fn: Rew
         prompts += [ids] * cfg.group_size
         owners += [t] * cfg.group_size
         seeds += [seed + k * cfg.group_size + j for j in range(cfg.group_size)]
-    if hasattr(reward_fn, "prepare"):    # the verifier's reward: the tasks' references computed while generating
-        reward_fn.prepare(list(tasks))
+    reward.prepare(list(tasks))    # the verifier's reward: the tasks' references computed while generating
     policy = generation_copy(model, cfg.dtype) if low_precision else model
     size = cfg.rollout_batch
     if auto_batch:   # with room for the verifier's processes beside the sampler
-        others = reward_fn.gpu_bytes() if hasattr(reward_fn, "gpu_bytes") else 0
-        size = auto_rollout_batch(policy, [len(p) for p in prompts], cfg.max_new_tokens, others)
+        size = auto_rollout_batch(policy, [len(p) for p in prompts], cfg.max_new_tokens, reward.gpu_bytes())
     try:
         completions, rewards, results, timings = generate_and_score(
-            policy, tok, prompts, owners, seeds, lambda ts, cs: score(reward_fn, ts, cs), batch_size=size,
+            policy, tok, prompts, owners, seeds, reward, batch_size=size,
             max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling(), overlap=overlap,
             lanes=cfg.verifier_workers, lengths=lengths, progress=progress, while_scoring=while_scoring)
     except torch.OutOfMemoryError:
@@ -91,7 +89,7 @@ class StepRollout:
     rounds: int = 0     # rollout rounds run
 
 
-def sample_step(model, tok, ordered: list[Task], first: int, cfg, reward_fn: RewardFn, rt, seed: int, infill: bool,
+def sample_step(model, tok, ordered: list[Task], first: int, cfg, reward: Reward, rt, seed: int, infill: bool,
                 fmt: PromptFormat | None = None, rollout_logprobs=None) -> StepRollout:
     """A step's rollouts: `tasks_per_step` tasks of `ordered` from position `first` on (`rollout`),
     then, with `--dynamic-sampling-rounds N`, up to N more rounds, each drawing the next tasks, one
@@ -109,7 +107,7 @@ def sample_step(model, tok, ordered: list[Task], first: int, cfg, reward_fn: Rew
         slots = rank_slots(out.drawn, count, rt)
         beside = None if rollout_logprobs is None else functools.partial(rollout_logprobs, offset=len(out.completions))
         completions, rewards, results, timing = rollout(model, tok, [drawn[k - out.drawn] for k in slots], slots,
-                                                        cfg, reward_fn, seed=seed, infill=infill, fmt=fmt,
+                                                        cfg, reward, seed=seed, infill=infill, fmt=fmt,
                                                         while_scoring=beside)
         advantages = group_advantages(rewards, cfg.group_size)
         count = int(rt.all_sum(advantages[::cfg.group_size].count(None)))

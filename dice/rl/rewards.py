@@ -1,10 +1,17 @@
-"""Rewards of BiC-RL (DESIGN.md §7): what a reward returns, and the kernel verifier as one.
+"""Rewards of BiC-RL (DESIGN.md §7): one small interface, and the kernel verifier as one.
 
-A reward is any `reward_fn(tasks, completions)` returning a list of floats or `Scores` (the rewards
-and the verifier results behind them); `verifier_reward` is DICE's: 1 for a kernel that compiles
-and is correct (infill: and keeps the task's prefix and suffix), else 0, judged by our verifier's
-strict check or (`rules="dice"`) by DICE's own. `rl_rewards` gives an RL run its reward and
-its evaluation's, each process with a Verifier of its own (`rank_verifier`).
+A reward is a `Reward`: `reward(tasks, completions)` scores a batch (`Scores`: one reward per
+completion, and the verifier results behind them); `prepare(tasks)` is told a step's tasks before
+their rollouts, so a verifier computes their references while the sampler runs; `gpu_bytes()` is
+the GPU memory its processes hold once busy, which the rollout batch and the update's micro-batches
+set aside when they are sized from the free memory. `PythonReward` turns any function
+`fn(tasks, completions) -> list of floats or Scores` into one (it prepares nothing and holds no GPU
+memory); `VerifierReward` is DICE's: 1 for a kernel that compiles and is correct (infill: and keeps
+the task's prefix and suffix), else 0, judged by our verifier's strict check or (`rules="dice"`) by
+DICE's own. A reward that changes what is verified (`python -m dice.bench rl` replays reference
+programs) subclasses `VerifierReward` and overrides `program`, so it keeps `prepare` and
+`gpu_bytes`. `rl_rewards` gives an RL run its reward and its evaluation's, each process with a
+Verifier of its own (`rank_verifier`).
 """
 from __future__ import annotations
 
@@ -31,46 +38,93 @@ class Scores:
     results: list | None = None
 
 
-RewardFn = Callable[[list[Task], list[Completion]], "Scores | list[float]"]
+class Reward:
+    """What an RL step asks of a reward (module docstring); the base prepares nothing and holds no
+    GPU memory."""
+
+    def __call__(self, tasks: list[Task], completions: list[Completion]) -> Scores:
+        raise NotImplementedError
+
+    def prepare(self, tasks: list[Task]) -> None:
+        """Told a step's tasks before their rollouts: work that needs the tasks alone starts here."""
+
+    def gpu_bytes(self) -> int:
+        """The GPU memory this reward's processes hold once busy (set aside when a batch is sized)."""
+        return 0
 
 
-def score(reward_fn: RewardFn, tasks: list[Task], completions: list[Completion]) -> Scores:
-    """`reward_fn` on a batch; a plain Python reward's list of floats becomes Scores without results."""
-    out = reward_fn(tasks, completions)
-    return out if isinstance(out, Scores) else Scores([float(r) for r in out])
+class PythonReward(Reward):
+    """A reward computed in this process by `fn(tasks, completions)`, which returns a list of floats
+    (Scores without results) or Scores."""
+
+    def __init__(self, fn: Callable[[list[Task], list[Completion]], "Scores | list[float]"]):
+        self.fn = fn
+
+    def __call__(self, tasks: list[Task], completions: list[Completion]) -> Scores:
+        out = self.fn(tasks, completions)
+        return out if isinstance(out, Scores) else Scores([float(r) for r in out])
 
 
-def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = False, trials: int = 3,
-                    timeout_s: float = 60.0, rules: str = "strict") -> Callable[[list[Task], list[Completion]], Scores]:
-    """Reward through the kernel verifier: 1 if compiled and correct (infill: and the program
-    keeps the task's prefix and suffix), else 0; kind "speedup" adds 0.5 * clamp(log2 speedup,
-    0, 2). `rules`: "strict" (ours: `trials` structured trials at the strict precision, the strict
-    kernel rule, `timeout_s`) or "dice" (DICE's own check, `protocols.DICE_REWARD`: one trial on
-    the inputs as drawn, allclose at 1e-2, no kernel rule, 300 s with the build; the verifier's
-    attack tests pass it)."""
-    options = dict(DICE_REWARD) if rules == "dice" else {"trials": trials, "timeout_s": timeout_s}
-    def reward(tasks: list[Task], completions: list[Completion]) -> Scores:
+def as_reward(reward: "Reward | Callable") -> Reward:
+    """`reward` as a Reward: a plain function becomes a PythonReward (`train_rl(cfg, reward_fn=...)`)."""
+    return reward if isinstance(reward, Reward) else PythonReward(reward)
+
+
+class VerifierReward(Reward):
+    """Reward through the kernel verifier: 1 if compiled and correct (infill: and the program keeps
+    the task's prefix and suffix), else 0; kind "speedup" adds 0.5 * clamp(log2 speedup, 0, 2).
+    `options` are the verifier's (`verifier_options`), `timing` whether it times."""
+
+    def __init__(self, verifier, phase: str, kind: str = "correct", timing: bool = False,
+                 options: dict | None = None):
+        self.verifier, self.phase, self.kind = verifier, phase, kind
+        self.timing = timing or kind == "speedup"
+        self.options = verifier_options() if options is None else options
+
+    def program(self, task: Task, completion: Completion) -> str | None:
+        """The program verified for `completion` of `task`: the code it generated."""
+        return completion.code
+
+    def __call__(self, tasks: list[Task], completions: list[Completion]) -> Scores:
         pairs, index = [], []
         for i, (t, c) in enumerate(zip(tasks, completions)):
-            if c.code is None or (phase == "infill" and not keeps_skeleton(c.code, t.prefix, t.suffix)):
+            code = self.program(t, c)
+            if code is None or (self.phase == "infill" and not keeps_skeleton(code, t.prefix, t.suffix)):
                 continue
-            pairs.append((t.source, c.code))
+            pairs.append((t.source, code))
             index.append(i)
-        verified = verifier.map(pairs, on_broken_task=_warn_broken_task, timing=timing or kind == "speedup", **options)
+        verified = self.verifier.map(pairs, on_broken_task=_warn_broken_task, timing=self.timing, **self.options)
         by_item = dict(zip(index, verified))
         results = [by_item.get(i) for i in range(len(tasks))]
         rewards = []
         for r in results:
             value = float(r is not None and r.correct)
-            if value and kind == "speedup" and r.speedup:
+            if value and self.kind == "speedup" and r.speedup:
                 value += 0.5 * min(max(math.log2(r.speedup), 0.0), 2.0)
             rewards.append(value)
         return Scores(rewards, results)
-    # the step's tasks are known before its rollouts: their references are computed meanwhile (`rollout`)
-    reward.prepare = lambda tasks: verifier.prepare([t.source for t in tasks], timing=timing or kind == "speedup",
-                                                    **options)
-    reward.gpu_bytes = lambda: verifier.gpu_bytes()   # set aside when a rollout batch is sized from the free GPU memory
-    return reward
+
+    def prepare(self, tasks: list[Task]) -> None:
+        """The tasks' reference outputs, computed by the verifier while the rollouts generate."""
+        self.verifier.prepare([t.source for t in tasks], timing=self.timing, **self.options)
+
+    def gpu_bytes(self) -> int:
+        """The verifier's workers and judges (`Verifier.gpu_bytes`), asked when a batch is sized."""
+        return self.verifier.gpu_bytes()
+
+
+def verifier_options(rules: str = "strict", trials: int = 3, timeout_s: float = 60.0) -> dict:
+    """The verifier's options under the reward's rules: "strict" (ours: `trials` structured trials at
+    the strict precision, the strict kernel rule, `timeout_s`) or "dice" (DICE's own check,
+    `protocols.DICE_REWARD`: one trial on the inputs as drawn, allclose at 1e-2, no kernel rule,
+    300 s with the build; the verifier's attack tests pass it)."""
+    return dict(DICE_REWARD) if rules == "dice" else {"trials": trials, "timeout_s": timeout_s}
+
+
+def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = False, trials: int = 3,
+                    timeout_s: float = 60.0, rules: str = "strict") -> VerifierReward:
+    """The verifier's reward as train.py's flags ask it (--reward, --reward-rules, --verify-timeout)."""
+    return VerifierReward(verifier, phase, kind, timing, verifier_options(rules, trials, timeout_s))
 
 
 def _warn_broken_task(index: int, error: ValueError) -> None:
@@ -95,12 +149,13 @@ def planned_verifier_bytes(workers: int, device: torch.device) -> int:
     return (mine + max(1, mine // WORKERS_PER_JUDGE)) * PROCESS_GPU_BYTES
 
 
-def rl_rewards(cfg, rt, reward_fn: RewardFn | None) -> tuple[object | None, RewardFn, RewardFn]:
-    """An RL run's (verifier, reward, evaluation reward). A given `reward_fn` is both, without a
-    verifier; otherwise this process's Verifier gives the phase's `--reward` under `--reward-rules`
+def rl_rewards(cfg, rt, reward_fn: "Reward | Callable | None") -> tuple[object | None, Reward, Reward]:
+    """An RL run's (verifier, reward, evaluation reward). A given `reward_fn` is both (`as_reward`),
+    without a verifier; otherwise this process's Verifier gives the phase's `--reward` under `--reward-rules`
     and, for `--eval-every`, the end-to-end correct reward timed (fast_1), under the strict rules."""
     if reward_fn is not None:
-        return None, reward_fn, reward_fn
+        reward = as_reward(reward_fn)
+        return None, reward, reward
     # read when a run starts: a run with its own reward skips dice.verifier's import (torch.utils.cpp_extension),
     # and the Verifier is the one dice.verifier holds then (tests' fake_verifier swaps it)
     from ..verifier import Verifier

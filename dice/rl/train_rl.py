@@ -41,6 +41,7 @@ import hashlib
 import json
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -58,7 +59,7 @@ from ..tasks.prompts import PromptFormat
 from .packing import CompileClock, PackedBatch, packed_logprobs, update_flops, update_plan, uses_flex
 from .groups import sample_step
 from .old_logprobs import RolloutLogprobs
-from .rewards import RewardFn, Scores, rl_rewards, score
+from .rewards import Reward, Scores, rl_rewards
 from .rollout import FullParameters, complete, load_prompt_template, prompt_format, task_prompt_ids
 from .update_memory import CHECKPOINTING, UpdateTokens
 
@@ -195,7 +196,7 @@ def _run_plan(model, ref_model, plan, n_responses: int, n_rows: int, cfg, rt, op
             "grad_norm": norm_sum / U}
 
 
-def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, infill: bool, rt,
+def evaluate_policy(model, tok, tasks: list[Task], cfg, reward: Reward, infill: bool, rt,
                     fmt: PromptFormat | None = None) -> dict:
     """Greedy generation on held-out tasks: the mean reward and, with the verifier, KernelBench's
     compiled / correct / fast_1 rates (dice.metrics) as fractions of all tasks.
@@ -209,7 +210,7 @@ def evaluate_policy(model, tok, tasks: list[Task], cfg, reward_fn: RewardFn, inf
     greedy = dataclasses.replace(cfg.sampling(), temperature=0.0)
     completions = complete(model, tok, [task_prompt_ids(tok, tasks[i], infill=infill, fmt=fmt) for i in mine],
                            max_new_tokens=cfg.max_new_tokens, sampling=greedy, batch_size=cfg.rollout_batch, seed=mine)
-    scores = score(reward_fn, [tasks[i] for i in mine], completions) if mine else Scores([])
+    scores = reward([tasks[i] for i in mine], completions) if mine else Scores([])
     out = {"eval_reward": rt.all_sum(sum(scores.rewards)) / len(tasks)}
     # a process without eval tasks cannot tell a verifier's reward from a plain one: ask all of them
     if rt.all_max(float(scores.results is not None)):
@@ -277,21 +278,22 @@ def open_run(cfg, rt, log, tasks: list[Task] | None, eval_tasks: list[Task] | No
                  prompt_format(model) if infill else fmt, start, cursor, MetricsLog(out, start, rt.main))
 
 
-def _evaluate(run: RLRun, cfg, rt, log, reward_fn: RewardFn, gather, at_step: int, label: str) -> None:
+def _evaluate(run: RLRun, cfg, rt, log, reward: Reward, gather, at_step: int, label: str) -> None:
     """`evaluate_policy` on the run's eval tasks, end to end, into metrics.jsonl as step `at_step`."""
     run.model.eval()
     with torch.no_grad(), gather:
-        ev = evaluate_policy(run.model, run.tok, run.eval_tasks, cfg, reward_fn, infill=False, rt=rt, fmt=run.eval_fmt)
+        ev = evaluate_policy(run.model, run.tok, run.eval_tasks, cfg, reward, infill=False, rt=rt, fmt=run.eval_fmt)
     run.metrics.write({"step": at_step, **ev})
     log(f"{label}: " + json.dumps(ev))
 
 
 # ---------------------------------------------------------------- the loop
 
-def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = None,
+def train_rl(cfg, reward_fn: Reward | Callable | None = None, tasks: list[Task] | None = None,
              eval_tasks: list[Task] | None = None) -> Path:
-    """BiC-RL phase `cfg.phase` ("infill" or "e2e"); `reward_fn(tasks, completions) -> rewards`
-    replaces the kernel verifier (tests, other rewards). Returns the final model folder.
+    """BiC-RL phase `cfg.phase` ("infill" or "e2e"); `reward_fn` replaces the kernel verifier (tests,
+    other rewards): a `dice.rl.rewards.Reward`, or any `reward_fn(tasks, completions)` returning a
+    list of floats or Scores (a `PythonReward`). Returns the final model folder.
 
     A step in its sections (module docstring): rollouts, their rewards and advantages, the update,
     the log, the checkpoint; a greedy evaluation before every `--eval-every`-th step and at the end."""
@@ -299,10 +301,10 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
     log = make_logger(rt)
     run = open_run(cfg, rt, log, tasks, eval_tasks)
     model, optimizer, total = run.model, run.optimizer, cfg.steps
-    verifier, reward_fn, eval_reward = rl_rewards(cfg, rt, reward_fn)
+    verifier, reward, eval_reward = rl_rewards(cfg, rt, reward_fn)
     # the update's micro-batch budget, with room for the verifier's processes; planned now for a response
     # of --max-new-tokens, so that one no step could hold is refused before the first rollout
-    tokens = UpdateTokens(model, optimizer, rt, getattr(reward_fn, "gpu_bytes", None))
+    tokens = UpdateTokens(model, optimizer, rt, reward.gpu_bytes)
     # generation calls the layers, not the root forward: under FSDP every parameter is gathered first
     gather = FullParameters(model) if rt.world > 1 else contextlib.nullcontext()
     evaluate = functools.partial(_evaluate, run, cfg, rt, log, eval_reward, gather)
@@ -321,7 +323,7 @@ def train_rl(cfg, reward_fn: RewardFn | None = None, tasks: list[Task] | None = 
             # the update's old log-probs, computed while the reward's last verdicts come in
             old = RolloutLogprobs(model, cfg, rt, run.tok.pad_token_id, tokens)
             with torch.no_grad(), gather:
-                sampled = sample_step(model, run.tok, run.ordered, run.cursor, cfg, reward_fn, rt,
+                sampled = sample_step(model, run.tok, run.ordered, run.cursor, cfg, reward, rt,
                                       seed=(cfg.seed * 100_003 + step) * 10_007, infill=cfg.phase == "infill",
                                       fmt=run.fmt, rollout_logprobs=old)
             run.cursor += sampled.drawn
