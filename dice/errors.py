@@ -6,6 +6,7 @@ command line asks for something that cannot be done as asked: a flag's value, an
 exits with status 2, any other `UserError` (a file's content, a missing input, the machine) with
 status 1; anything else is a bug and keeps its traceback.
 """
+import json
 from pathlib import Path
 
 
@@ -29,6 +30,16 @@ def read_text(path: str | Path) -> str:
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); "
                         "save it as UTF-8") from None
+
+
+def json_kind(value, shown: bool = False) -> str:
+    """What a parsed JSON value is, in JSON's words with its article ("an object", "a number"; null,
+    true and false as they are): a message about a user's file speaks of what the user wrote, not of
+    Python's types. shown: the value's start follows in parentheses ("a number (5)")."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    kind = {dict: "an object", list: "a list", str: "a string"}.get(type(value), "a number")
+    return f"{kind} ({json.dumps(value)[:40]})" if shown else kind
 
 
 def json_problem(error, line: int | None = None) -> str:

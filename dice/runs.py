@@ -179,15 +179,24 @@ def run_settings(cfg: TrainConfig, names: tuple[str, ...], **derived) -> dict:
     return {"--" + name.replace("_", "-"): getattr(cfg, name) for name in names} | derived
 
 
-def check_resume(out: Path, settings: dict, start: int, total: int) -> None:
+def check_resume(out: Path, settings: dict, start: int, total: int, hashed: dict | None = None) -> None:
     """--resume at checkpoint step `start`: every setting must be the one in run.json (a run started
-    before run.json existed is not checked), and `total` steps must reach the checkpoint."""
+    before run.json existed is not checked), and `total` steps must reach the checkpoint. A refusal
+    names the setting and both values in the user's terms: `hashed` maps a setting that is an input's
+    sha256 to that input as the user gave it ("--data FILE"), named instead of two hashes."""
     saved_file = out / "run.json"
     saved = json.loads(saved_file.read_text()) if saved_file.is_file() else settings
     for key, value in settings.items():
-        if saved.get(key) != value:
-            raise RunFolderError(f"{saved_file}: the run was started with {key} {saved.get(key)}, this one has "
-                                 f"{value}; resume with the same setting, or start a new run in another --out")
+        if saved.get(key) == value:
+            continue
+        if key in (hashed or {}):
+            raise RunFolderError(f"{saved_file}: {hashed[key]} holds other data than the run was started with (its "
+                                 "contents' sha256 differs from the one run.json keeps); resume with the data the run "
+                                 "started with, or start a new run in another --out")
+        # a flag's fix is the flag with its old value; a derived setting names the flags behind it
+        fix = f"{key} {saved.get(key)}" if key.startswith(("--", "torchrun ")) else "the same setting"
+        raise RunFolderError(f"{saved_file}: {key}: the run was started with {saved.get(key)}, this one has {value}; "
+                             f"resume with {fix}, or start a new run in another --out")
     if total < start:
         raise RunFolderError(f"--steps {total} is below step {start}, where the newest checkpoint in "
                              f"{out / 'checkpoints'} stands; pass --steps {start} or more to continue the run")

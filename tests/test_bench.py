@@ -151,3 +151,23 @@ def test_progress_that_stands_still_dumps_every_threads_stack(calls, pause, dump
     assert out.returncode == 0
     assert ("most recent call first" in out.stderr) == dumped
     assert ("time.sleep" in out.stderr or "line 7" in out.stderr) == dumped
+
+
+def test_bench_builds_says_what_the_solutions_file_lacks(tmp_path):
+    """`bench builds` on a file without `cuda_code` spoke of load_inline; it names the key it reads,
+    and a file of programs without a load_inline build is told why they are not built."""
+    from types import SimpleNamespace
+
+    from dice.bench.build_cost import bench_builds
+    task = "import torch\nclass Model(torch.nn.Module):\n    pass\ndef get_inputs():\n    return []\n" \
+           "def get_init_inputs():\n    return []\n"
+    args = SimpleNamespace(solutions=str(tmp_path / "s.json"), limit=None, group=None, jobs=1, arch=(9, 0),
+                           binding=["dispatch"])
+    (tmp_path / "s.json").write_text(json.dumps([{"pytorch_code": task}]))
+    with pytest.raises(SystemExit, match=r"s.json: no record has a cuda_code program \(the key that holds a task's "
+                                         r"reference solution\); pass a DICE JSON file whose records hold one$"):
+        bench_builds(args, BenchRun("builds"))
+    (tmp_path / "s.json").write_text(json.dumps([{"pytorch_code": task, "cuda_code": "import torch\nclass ModelNew(torch.nn.Module):\n    pass\n"}]))
+    with pytest.raises(SystemExit, match=r"s.json: none of its 1 cuda_code programs builds a CUDA extension with "
+                                         r"torch's load_inline, the builds this command times"):
+        bench_builds(args, BenchRun("builds"))

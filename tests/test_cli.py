@@ -150,7 +150,7 @@ SYSTEM_AND_ASSISTANT = {"messages": [{"role": "system", "content": "S"}, {"role"
 
 
 @pytest.mark.parametrize("phase, data, message", [
-    ("e2e", {"pytorch_code": "class Model: pass"}, "expected a JSON list of task records, got a dict"),
+    ("e2e", {"pytorch_code": "class Model: pass"}, r"holds an object, where a JSON list of task records \(objects with a pytorch_code field\) was expected; put the records in a list"),
     ("infill", EXAMPLES[0], "no task has the prefix/middle/suffix split the infill phase needs"),
 ])
 def test_rl_bad_data_is_a_data_error(tmp_path, phase, data, message):

@@ -82,7 +82,7 @@ def test_messages_without_a_last_user_turn_are_a_data_error(messages):
 @pytest.mark.parametrize("record, text", [
     ({"pytorch_code": "class Model: pass", "cuda_code": "  \n"}, "no cuda_code solution"),   # DICE's e2e RL file
     ({"pytorch_code": "class Model: pass"}, r"record 0 is not usable: it has a pytorch_code task but no cuda_code"),
-    ({"prompt": None, "response": None}, "its prompt must be a string, not NoneType"),
+    ({"prompt": None, "response": None}, "is not usable: its prompt must be a string, not null$"),
 ])
 def test_records_without_a_real_answer_are_a_data_error(record, text):
     with pytest.raises(DataError, match=text):
@@ -159,8 +159,11 @@ def test_a_bad_jsonl_line_is_named_by_its_line_number(tmp_path):
     with pytest.raises(DataError, match=r"d.jsonl is not valid JSONL \(Expecting value at line 6 column 29\); fix that line"):
         read_records(tmp_path / "d.jsonl")
     (tmp_path / "e.jsonl").write_text(good + "\n[1, 2]\n")
-    with pytest.raises(DataError, match=r"e.jsonl line 2 holds a list, not a record object"):
+    with pytest.raises(DataError, match=r"e.jsonl line 2 holds a list, where a record \(a JSON object such as \{\"prompt\": \.\.\., \"response\": \.\.\.\}\) was expected; write one record per line"):
         read_records(tmp_path / "e.jsonl")
+    (tmp_path / "n.jsonl").write_text("5\n")    # was "holds a int"
+    with pytest.raises(DataError, match=r"n.jsonl line 1 holds a number, where a record \(a JSON object"):
+        read_records(tmp_path / "n.jsonl")
     (tmp_path / "f.json").write_text('[\n{"prompt": "Q"},\n{"prompt" "Q"}]')
     with pytest.raises(DataError, match=r"f.json is not valid JSON \(Expecting ':' delimiter at line 3 column 11\)"):
         read_records(tmp_path / "f.json")

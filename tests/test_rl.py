@@ -537,8 +537,8 @@ def test_two_process_gloo_rl_matches_one_process(tmp_path):
     spec.loader.exec_module(rl_run)
     with pytest.raises(RunFolderError) as refused:   # one process resuming the two processes' run
         rl_run.run(str(model), str(tmp_path / "two"), steps=3, resume=True)
-    assert "the run was started with torchrun --nproc_per_node 2, this one has 1; resume with the same setting" \
-        in str(refused.value) and "\n" not in str(refused.value)
+    assert "torchrun --nproc_per_node: the run was started with 2, this one has 1; resume with torchrun " \
+           "--nproc_per_node 2, or start a new run in another --out" in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():

@@ -195,7 +195,7 @@ def test_a_resumed_run_draws_the_tasks_the_unbroken_run_drew(tmp_path):
              reward_fn=even_constant([]), tasks=TASKS)
     # --optimizer-state step (the default) forgets AdamW's moments before every update: none are saved
     assert torch.load(cut / "checkpoints" / "step_000001" / "trainer_state.pt")["optimizer"]["state"] == {}
-    with pytest.raises(RunFolderError, match="started with --dynamic-sampling-rounds 2, this one has 1"):
+    with pytest.raises(RunFolderError, match="--dynamic-sampling-rounds: the run was started with 2, this one has 1; resume with --dynamic-sampling-rounds 2"):
         train_rl(tiny_config(folder, cut, steps=2, dynamic_sampling_rounds=1, resume=True),
                  reward_fn=even_constant([]), tasks=TASKS)
     train_rl(tiny_config(folder, cut, steps=2, dynamic_sampling_rounds=2, resume=True, save_every=1),

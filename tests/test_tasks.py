@@ -76,7 +76,7 @@ def test_bad_json_records(tmp_path):
     with pytest.raises(DataError, match="only part of prefix/middle/suffix"):
         load_tasks(path)
     path.write_text(json.dumps({"pytorch_code": TASK}))
-    with pytest.raises(DataError, match="expected a JSON list"):
+    with pytest.raises(DataError, match="holds an object, where a JSON list of task records"):
         load_tasks(path)
 
 

@@ -238,15 +238,19 @@ def test_resume_refuses_changed_settings_and_leaves_the_run_as_it_was(addition_t
     before = snapshot(out)
     other = tmp_path / "other.jsonl"
     other.write_text(data.read_text().replace("add", "plus"))
-    cases = [(("--batch-size", "2"), "the run was started with --batch-size 4, this one has 2"),
-             (("--seed", "2"), "the run was started with --seed 1, this one has 2"),
-             (("--loss-norm", "sample"), "the run was started with --loss-norm batch, this one has sample"),
-             (("--grad-accum", "2"), "the run was started with micro-batches per step (--grad-accum x processes) 1"),
-             (("--max-len", "32"), "the run was started with the row length 64, this one has 32")]
+    cases = [(("--batch-size", "2"), "--batch-size: the run was started with 4, this one has 2; resume with "
+                                     "--batch-size 4, or start a new run in another --out"),
+             (("--seed", "2"), "--seed: the run was started with 1, this one has 2; resume with --seed 1"),
+             (("--loss-norm", "sample"), "--loss-norm: the run was started with batch, this one has sample"),
+             (("--grad-accum", "2"), "micro-batches per step (--grad-accum x processes): the run was started with 1, "
+                                     "this one has 2; resume with the same setting"),
+             (("--max-len", "32"), "the row length: the run was started with 64, this one has 32")]
     for extra, message in cases:
         err = one_line(refused(refusal, model, data, out, "--steps", "6", "--resume", *extra))
         assert f"{out / 'run.json'}: {message}" in err, err
-    assert "the run was started with the data's sha256" in one_line(refused(refusal, model, other, out, "--steps", "6", "--resume"))
+    err = one_line(refused(refusal, model, other, out, "--steps", "6", "--resume"))   # the data file, not two hashes
+    assert f"{out / 'run.json'}: --data {other} holds other data than the run was started with (its contents' " \
+           "sha256 differs from the one run.json keeps); resume with the data the run started with" in err, err
     err = one_line(refused(refusal, model, data, out, "--steps", "3", "--resume"))
     assert "--steps 3 is below step 4, where the newest checkpoint in" in err and "pass --steps 4 or more" in err
     assert snapshot(out) == before

@@ -80,13 +80,17 @@ def bench_builds(args, bench) -> None:
     capability = tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else tuple(args.arch)
     jobs = args.jobs or (16 if args.group else os.cpu_count() or 1)
     tasks = [t for t in load_tasks(args.solutions) if t.solution][:args.limit]
+    if not tasks:
+        raise SystemExit(f"error: {args.solutions}: no record has a cuda_code program (the key that holds a task's "
+                         "reference solution); pass a DICE JSON file whose records hold one")
     if args.group:
         tasks = [owner for owner, _ in replay_programs(tasks, args.group, BROKEN, seed=0, run=0)]
     calls = [(t.name, (recorded_calls(t.solution) or [None])[0]) for t in tasks]
     calls = [(name, call) for name, call in calls if call is not None]
     if not calls:
-        raise SystemExit(f"error: {args.solutions}: no reference solution calls load_inline; pass a DICE JSON file "
-                         "whose cuda_code programs build with torch.utils.cpp_extension.load_inline")
+        raise SystemExit(f"error: {args.solutions}: none of its {len(tasks)} cuda_code programs builds a CUDA extension "
+                         "with torch's load_inline, the builds this command times (CuPy programs compile as they "
+                         "run); pass a file of load_inline programs, e.g. DICE's kernel_infilling_evaluation.json")
     print(f"{len(calls)} programs, sm_{capability[0]}{capability[1]}, {jobs} at a time"
           + (f", groups of {args.group}, compilers bounded by {os.cpu_count()} cores" if args.group else "")
           + ("; CPU-only torch: linked without " + " ".join(CPU_ONLY_LIBRARIES) if torch.version.cuda is None else ""))

@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..errors import UserError, json_problem
+from ..errors import UserError, json_kind, json_problem
 from .sdar import SDAR, ModelConfig
 
 CONFIG = "config.json"
@@ -78,7 +78,7 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     try:
         keys = json.loads(file.read_text())
         if not isinstance(keys, dict):
-            raise CheckpointError(f"{file} holds a JSON {type(keys).__name__}, not an object of config keys; "
+            raise CheckpointError(f"{file} holds {json_kind(keys)}, where a JSON object of config keys was expected; "
                                   "re-download or fix it")
         config = ModelConfig.from_dict(keys)
     except json.JSONDecodeError as e:

@@ -269,7 +269,8 @@ def open_run(cfg, rt, log, tasks: list[Task] | None, eval_tasks: list[Task] | No
                                                    "torchrun --nproc_per_node": rt.world})
     start = checkpoint_step(out) if cfg.resume else 0
     if cfg.resume:
-        check_resume(out, settings, start, cfg.steps)
+        check_resume(out, settings, start, cfg.steps,
+                     hashed={"the tasks' sha256": f"--data {cfg.data}" if cfg.data else "the tasks given to train_rl"})
     start_run(out, cfg.overwrite, settings, rt)
     cursor = start * cfg.tasks_per_step
     if cfg.resume:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DataError, json_problem, read_text
+from ..errors import DataError, json_kind, json_problem, read_text
 from ..tasks.prompts import chat_prompt, chat_response, kernel_prompt
 
 
@@ -48,8 +48,8 @@ def read_records(path: str | Path) -> list[dict]:
                 raise DataError(f"{path} is not valid JSONL ({json_problem(e, number)}); fix that line "
                                 "(JSONL holds one record per line)") from None
             if line.strip() and not isinstance(record, dict):
-                raise DataError(f"{path} line {number} holds a {type(record).__name__}, not a record object; "
-                                "write one JSON object per line")
+                raise DataError(f"{path} line {number} holds {json_kind(record)}, where a record (a JSON object such "
+                                "as {\"prompt\": ..., \"response\": ...}) was expected; write one record per line")
             records += [record] if line.strip() else []
         return records
     try:
@@ -110,7 +110,7 @@ def _strings(record: dict, keys: tuple[str, ...]) -> list[str]:
     values = [record[key] for key in keys]
     for key, value in zip(keys, values):
         if not isinstance(value, str):
-            raise TypeError(f"its {key} must be a string, not {type(value).__name__} {value!r:.40}")
+            raise TypeError(f"its {key} must be a string, not {json_kind(value, shown=True)}")
     return values
 
 
@@ -119,8 +119,8 @@ def record_texts(record: dict, where: str, *, one_shot: str | None = "load_inlin
     """`record_to_text` of a record, plus its infilling copy with `infill_copies` (see
     `tokenize_records`); a record of no known format is a DataError naming `where`."""
     if not isinstance(record, dict):
-        raise DataError(f"{where} is a JSON {type(record).__name__}, not a record object; write each record as "
-                        "an object such as {\"prompt\": ..., \"response\": ...}")
+        raise DataError(f"{where} is {json_kind(record)}, where a record (a JSON object) was expected; write each "
+                        "record as an object such as {\"prompt\": ..., \"response\": ...}")
     try:
         texts = [record_to_text(record, one_shot=one_shot, think=think)]
         if infill_copies and "prefix" in record and "cuda_code" in record:

@@ -104,7 +104,7 @@ def train_sft(cfg: TrainConfig) -> Path:
                                                        cfg.grad_accum * rt.world})
     start = checkpoint_step(out) if cfg.resume else 0
     if cfg.resume:
-        check_resume(out, settings, start, total)
+        check_resume(out, settings, start, total, hashed={"the data's sha256": f"--data {cfg.data}"})
     optimizer = make_optimizer(model, cfg)
     start_run(out, cfg.overwrite, settings, rt)
     if cfg.resume:

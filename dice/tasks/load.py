@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import DataError, json_problem, read_text
+from ..errors import DataError, json_kind, json_problem, read_text
 
 REQUIRED_NAMES = ("Model", "get_inputs", "get_init_inputs")
 _PARSING = threading.Lock()
@@ -133,7 +133,8 @@ def _load_json(path: Path) -> list[Task]:
         raise DataError(f"{path} is not valid JSON ({json_problem(exc)}); fix it there (a task file holds a "
                         "JSON list of task records)") from None
     if not isinstance(records, list):
-        raise DataError(f"{path}: expected a JSON list of task records, got a {type(records).__name__}")
+        raise DataError(f"{path} holds {json_kind(records)}, where a JSON list of task records (objects with a "
+                        "pytorch_code field) was expected; put the records in a list")
     file_level = _level_of(re.sub(r".*(level_?\d+).*", r"\1", path.stem))
     tasks = []
     for i, record in enumerate(records):
@@ -150,7 +151,7 @@ def _load_json(path: Path) -> list[Task]:
             raise DataError(f"{where}: its id must be a string or a whole number, not {ident!r:.40}")
         if record.get("cuda_code") is not None and not isinstance(record["cuda_code"], str):
             raise DataError(f"{where}: its cuda_code must be a string (the solution's source), not "
-                            f"{type(record['cuda_code']).__name__} {record['cuda_code']!r:.40}")
+                            f"{json_kind(record['cuda_code'], shown=True)}")
         tasks.append(Task(
             name=f"{path.stem}/{ident}",
             level=_record_level(record.get("level"), where, file_level),
