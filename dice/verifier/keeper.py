@@ -128,22 +128,28 @@ def _exit_like(status: int) -> None:
 
 def main(argv: list[str]) -> None:
     fd, role, config, log_path, parent, root = argv
+    sys.path.insert(0, root)
+    keep(int(fd), role, config, log_path, int(parent))
+
+
+def keep(fd: int, role: str, config: str, log_path: str, parent: int) -> None:
+    """Be the keeper of a new worker serving `fd` (module docstring); never returns. `parent`: the
+    process whose end ends this keeper's tree (the trainer, or the zygote that forked it)."""
     os.setsid()
     set_child_subreaper()
     worker = os.fork()
     if worker == 0:
-        sys.path.insert(0, root)
-        # isolation: the keeper itself imports no torch; only its forked worker loads the worker's modules
+        # isolation: the keeper itself imports no torch (unless a zygote did); its worker loads the worker's modules
         import json
         from multiprocessing.connection import Connection
         started = time.perf_counter()
         from dice.verifier.worker import serve
-        serve(Connection(int(fd)), role, json.loads(config), log_path, imported_s=time.perf_counter() - started)
+        serve(Connection(fd), role, json.loads(config), log_path, imported_s=time.perf_counter() - started)
         os._exit(0)
-    os.close(int(fd))   # the trainer reads EOF when the worker dies, not when the keeper does
+    os.close(fd)   # the trainer reads EOF when the worker dies, not when the keeper does
     while True:
         time.sleep(POLL_S)
-        if os.getppid() != int(parent):          # the trainer is gone
+        if os.getppid() != parent:          # the trainer (or the zygote) is gone
             kill_tree(os.getpid(), include_root=False)
             os._exit(1)
         for pid, status in reap():     # the worker, and orphans that a subreaper inherits

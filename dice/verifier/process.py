@@ -78,8 +78,8 @@ def describe_exit(exitcode: int | None) -> str:
 class WorkerProcess:
     """One worker process in a given role ("candidate" or "judge"), restarted on failure."""
 
-    def __init__(self, role: str, config: dict, log_path: Path):
-        self.role = role
+    def __init__(self, role: str, config: dict, log_path: Path, zygote=None):
+        self.role, self.zygote = role, zygote   # `zygote.Zygote`: fresh processes forked after the imports
         self.config = config
         self.log_path = Path(log_path)
         self.info: dict = {}  # what the worker reported when it became ready (e.g. GPU name)
@@ -100,7 +100,9 @@ class WorkerProcess:
         except FileNotFoundError:
             pass
         ours, theirs = socket.socketpair()
-        self._process = subprocess.Popen(
+        forked = self.zygote and self.zygote.spawn(os.dup(theirs.fileno()), self.role, json.dumps(self.config),
+                                                   str(self.log_path))
+        self._process = forked or subprocess.Popen(
             [sys.executable, str(KEEPER), str(theirs.fileno()), self.role, json.dumps(self.config),
              str(self.log_path), str(os.getpid()), PROJECT_ROOT],
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

@@ -67,7 +67,8 @@ from ..tasks.load import check_task_source
 from .build.pool import BuildPool
 from .calls import JUDGE_TIMEOUT_S, Clock, ask, failed, judge_call
 from .kernels import default_library_paths, library_kernel_names
-from .process import GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, close_all
+from .process import WORKER_ENV, GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, close_all
+from .zygote import Zygote
 from .isolation import reuse_problem
 from .plans import TrialPlans
 from .records import activity
@@ -124,7 +125,9 @@ class Verifier:
         self._config = config
         self._judges = [WorkerProcess("judge", config, self._log_dir / f"judge-{i}.log") for i in range(judges)]
         self._baseline: WorkerProcess | None = None   # started with the first timing (`_baseline_worker`)
-        self._workers = [WorkerProcess("candidate", config, self._log_dir / f"candidate-{i}.log")
+        # fresh candidate workers forked from a process that has imported their modules (`zygote`)
+        self._zygote = Zygote(WORKER_ENV)
+        self._workers = [WorkerProcess("candidate", config, self._log_dir / f"candidate-{i}.log", self._zygote)
                          for i in range(workers)]
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
         for i, worker in enumerate(self._workers):
@@ -153,6 +156,7 @@ class Verifier:
     def close(self) -> None:
         self._preparing.shutdown(wait=True, cancel_futures=True)   # a judge it still talks to is closed next
         close_all([*self._judges, *self._workers, *([self._baseline] if self._baseline is not None else [])])
+        self._zygote.close()      # after its keepers: its end ends theirs
         if self._prebuild is not None:
             self._prebuild.close()
         shutil.rmtree(self._log_dir, ignore_errors=True)
