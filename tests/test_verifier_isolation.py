@@ -132,3 +132,36 @@ def test_fresh_workers_are_forked_from_a_zygote_that_imported_their_modules(tmp_
     worker.wait_started()
     assert isinstance(worker._process, subprocess.Popen)
     worker.close()
+
+
+@pytest.mark.slow
+def test_a_memory_cap_left_by_one_candidate_does_not_meet_the_next(tmp_path):
+    """Process state (here an address-space cap a candidate sets on its worker) stays with that
+    candidate: its source is not plain, so the next candidate gets a fresh process."""
+    from dice.verifier import Verifier
+    from test_verifier import GOOD, RELU_TASK
+    capper = GOOD.replace("import torch\n", "import resource\nimport torch\n", 1).replace(
+        "        return x.clamp_min(0)\n", "        resource.setrlimit(resource.RLIMIT_AS, (1 << 20, resource.RLIM_INFINITY))\n"
+        "        return x.clamp_min(0)\n")
+    with Verifier(workers=1, judges=1, device="cpu", cache_dir=tmp_path) as verifier:
+        verifier.verify(RELU_TASK, capper, timing=False)
+        assert verifier.verify(RELU_TASK, GOOD, timing=False).correct
+
+
+def test_a_toolchain_artifact_is_used_only_as_its_trusted_build_made_it(tmp_path, monkeypatch):
+    """`toolchain.TRUSTED` set (a prebuild or a worker): an artifact folder is used when its files have
+    the digests the warm-up reported, and refused once any of them changed, or with no digests."""
+    from dice.verifier.build import toolchain
+    folder = tmp_path / "pch" / "key"
+    folder.mkdir(parents=True)
+    (folder / "prefix.h").write_text("#include <torch/extension.h>\n")
+    (folder / "ok").touch()
+    digests = toolchain.artifact_digests(tmp_path)
+    assert set(digests) == {"pch/key/prefix.h", "pch/key/ok"}
+    monkeypatch.setattr(toolchain, "TRUSTED", digests)
+    make = lambda f: pytest.fail("a process that runs candidate code built a toolchain artifact")  # noqa: E731
+    assert toolchain._locked_artifact(tmp_path / "pch", "key", make) == folder
+    (folder / "prefix.h").write_text("#define at planted\n")
+    assert toolchain._locked_artifact(tmp_path / "pch", "key", make) is None
+    monkeypatch.setattr(toolchain, "TRUSTED", {})
+    assert toolchain._locked_artifact(tmp_path / "pch", "key", make) is None
