@@ -165,3 +165,19 @@ def test_a_toolchain_artifact_is_used_only_as_its_trusted_build_made_it(tmp_path
     assert toolchain._locked_artifact(tmp_path / "pch", "key", make) is None
     monkeypatch.setattr(toolchain, "TRUSTED", {})
     assert toolchain._locked_artifact(tmp_path / "pch", "key", make) is None
+
+
+@pytest.mark.slow
+def test_a_load_with_the_toolchains_digests_is_not_taken_for_tampering(tmp_path):
+    """The worker sets `toolchain.TRUSTED` from each load request (the digests a GPU pool's warm-up
+    reported); that is the harness's own doing, not a candidate's change to the harness."""
+    from dice.verifier.process import WorkerProcess
+    from test_verifier import GOOD, RELU_TASK
+    import hashlib
+    worker = WorkerProcess("candidate", {"device": "cpu", "cache_dir": str(tmp_path), "reference_cache_gb": 1,
+                                         "build": None}, tmp_path / "worker.log")
+    task = {"task_src": RELU_TASK, "task_key": hashlib.sha256(RELU_TASK.encode()).hexdigest(), "precision": "strict"}
+    reply = worker.call({"op": "load", **task, "candidate_src": GOOD, "init_seed": 1, "programs": None,
+                         "toolchain": {"pch/key/ok": "0" * 64}}, timeout=120)
+    assert reply["status"] == "ok", reply
+    worker.close()

@@ -19,11 +19,13 @@ reach the interpreter, native memory or process-wide settings:
   method of the data model but `__init__` (a `__del__` runs during the next candidate).
 Any other candidate's worker is replaced by a fresh process after it (`Verifier._release`). What a
 plain candidate can still change: GPU memory through a wild pointer in its own kernels (all GPU
-code can), and the harness resets what torch exposes (`worker._restore_global_flags`).
+code can), and the worker resets the torch settings a candidate may change (`restore_global_flags`).
 """
 from __future__ import annotations
 
 import ast
+
+import torch
 
 from ..tasks.load import parse_python
 
@@ -98,3 +100,22 @@ def _own(expr: ast.AST, modules: set) -> bool:
     while isinstance(expr, (ast.Attribute, ast.Subscript, ast.Call, ast.Starred)):
         expr = expr.func if isinstance(expr, ast.Call) else expr.value
     return isinstance(expr, ast.Name) and expr.id not in modules
+
+
+def global_flags() -> dict:
+    """Process-wide torch settings a candidate may change; restored between candidates."""
+    return {"default_dtype": torch.get_default_dtype(),
+            "matmul_precision": torch.get_float32_matmul_precision(),
+            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+            "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "cudnn_deterministic": torch.backends.cudnn.deterministic}
+
+
+def restore_global_flags(flags: dict) -> None:
+    torch.set_default_dtype(flags["default_dtype"])
+    torch.set_float32_matmul_precision(flags["matmul_precision"])
+    torch.backends.cuda.matmul.allow_tf32 = flags["tf32_matmul"]
+    torch.backends.cudnn.allow_tf32 = flags["tf32_cudnn"]
+    torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
+    torch.backends.cudnn.deterministic = flags["cudnn_deterministic"]

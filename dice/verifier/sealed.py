@@ -20,14 +20,64 @@ from __future__ import annotations
 import os
 import statistics
 
-from .calls import Clock, ask, failed, judge_call
+from .calls import JUDGE_TIMEOUT_S, Clock, ask, failed, judge_call
 from .process import WorkerProcess
-from .results import TaskError, VerifyResult
+from .records import activity
+from .results import TaskError, VerifyOptions, VerifyResult
+from .speedup import Timing, calls_per_round, paired_rounds
+from .verdicts import kernel_verdict, unrecorded_problem
 
 IDLE_LIMIT_S = 2.0     # the GPU still busy this long after a call, with the worker stopped: invalid
 MIN_MS = 1e-4          # a call's time is at least this (a call shorter than the round trip's jitter)
 COMPARED = 0.25        # the share of timed calls whose outputs are compared
 PINGS = 15
+WARM_CALLS = 2         # untimed calls on each side before a timing's rounds
+
+
+def sealed_timing(worker: WorkerProcess, baseline: WorkerProcess, judge: WorkerProcess, request: dict, clock: Clock,
+                  opts: VerifyOptions, library: frozenset, budget_s: float) -> Timing | VerifyResult:
+    """A candidate's timing against its baseline (module docstring), both workers loaded, the GPU
+    lock held: the call runners prepared on the judge's slots (graph where both capture faithfully),
+    the timed path's kernel rule, then paired rounds; the Timing or the verdict that ended it."""
+    key = request["task_key"]
+    for method in ("graph", "eager"):
+        base = judge_call(judge, {"op": "timing_prepare", **request, "method": method})
+        ref = ask(baseline, {"op": "time_prepare", "method": method, "slots": base["slots"]["baseline"]},
+                  Clock(JUDGE_TIMEOUT_S), "timing the reference")
+        if ref["status"] != "ok":
+            raise TaskError(f"task {key[:12]}: the reference failed while timed: {ref['message']}; fix the task "
+                            "source")
+        prep = ask(worker, {"op": "time_prepare", "method": method, "slots": base["slots"]["candidate"]}, clock,
+                   "timing forward")
+        if prep["status"] != "ok":
+            return failed(prep, compiled=True, where="timing")
+        if prep["method"] == ref["method"] == method:
+            break
+    problem = kernel_verdict(activity(prep["records"]) if prep["records"] is not None else None, prep["own"],
+                             base["activity"], opts, library) or (
+        prep["records"] is not None and unrecorded_problem(prep["records"], worker.info.get("matched", [])))
+    if problem:
+        return VerifyResult("invalid", compiled=True, message=f"timed calls: {problem}")
+    for side, reply in (("baseline", ref), ("candidate", prep)):
+        if reply["outputs"] is not None:
+            shared = judge_call(judge, {"op": "timing_outputs", "task_key": key, "side": side,
+                                        "outputs": reply["outputs"]}, candidate_outputs=True)
+            if shared["status"] != "ok":
+                return failed(shared, compiled=True, where="timing")
+    calls = SealedCalls(worker, baseline, judge, key, round_trip(judge, key), clock)
+    worker.pause()
+    baseline.pause()
+    warm = calls.round(-WARM_CALLS, WARM_CALLS)      # untimed: one-time costs, and first comparisons
+    timed = warm if not isinstance(warm, tuple) else paired_rounds(calls.round, calls_per_round(base["ms"]),
+                                                                    budget_s)
+    if not isinstance(timed, Timing):
+        return timed
+    worker.resume()
+    done = ask(worker, {"op": "timing_done"}, clock, "timing forward")   # the checks the calls' replies skip
+    if done["status"] != "ok":
+        return failed(done, compiled=True, where="timing")
+    timed.method = method
+    return timed
 
 
 def round_trip(judge: WorkerProcess, task_key: str, pings: int = PINGS) -> float:

@@ -71,11 +71,10 @@ from .process import WORKER_ENV, GpuLock, WorkerDied, WorkerProcess, WorkerTimeo
 from .zygote import Zygote
 from .isolation import reuse_problem
 from .plans import TrialPlans
-from .records import activity
 from .results import TaskError, VerifyOptions, VerifyResult, static_check
-from .sealed import SealedCalls, round_trip
-from .speedup import BUDGET_S, PLAUSIBLE, Timing, calls_per_round, paired_rounds
-from .verdicts import kernel_verdict, trial_verdict, unrecorded_problem
+from .sealed import sealed_timing
+from .speedup import BUDGET_S, PLAUSIBLE, Timing
+from .verdicts import trial_verdict
 
 WORKERS_PER_JUDGE = 4         # a new task costs its judge 5 references; a known one 5 comparisons a candidate
 # a worker's or judge's CUDA context, libraries and buffers after verifying a while: 0.6-1.0 GiB each
@@ -86,7 +85,6 @@ NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is Fa
           "machine, or use Verifier(device='cpu') to exercise the pool with pure-PyTorch candidates")
 UNLOAD_TIMEOUT_S = 60.0
 PREBUILD_SLACK_S = 60.0       # past the prebuild's own time limit: its report is not awaited longer
-WARM_CALLS = 2                # untimed calls on each side before a timing's rounds
 REFERENCE_AS_CANDIDATE = "\n\nModelNew = Model\n"   # the task's source run by the baseline's worker
 
 
@@ -318,7 +316,8 @@ class Verifier:
                 raise TaskError(f"task {task['task_key'][:12]}: the reference did not load for timing: "
                                 f"{loaded['message']}; fix the task source")
             try:
-                return self._sealed_timing(worker, baseline, judge, request, clock, opts)
+                return sealed_timing(worker, baseline, judge, request, clock, opts, self._library_names(),
+                                     self.timing_budget_s)
             finally:
                 worker.resume()
                 baseline.resume()
@@ -344,48 +343,6 @@ class Verifier:
         if self._baseline is None:
             self._baseline = WorkerProcess("candidate", self._config, self._log_dir / "baseline.log")
         return self._baseline
-
-    def _sealed_timing(self, worker: WorkerProcess, baseline: WorkerProcess, judge: WorkerProcess, request: dict,
-                       clock: Clock, opts: VerifyOptions) -> Timing | VerifyResult:
-        key = request["task_key"]
-        for method in ("graph", "eager"):
-            base = judge_call(judge, {"op": "timing_prepare", **request, "method": method})
-            ref = ask(baseline, {"op": "time_prepare", "method": method, "slots": base["slots"]["baseline"]},
-                      Clock(JUDGE_TIMEOUT_S), "timing the reference")
-            if ref["status"] != "ok":
-                raise TaskError(f"task {key[:12]}: the reference failed while timed: {ref['message']}; fix the task "
-                                "source")
-            prep = ask(worker, {"op": "time_prepare", "method": method, "slots": base["slots"]["candidate"]}, clock,
-                       "timing forward")
-            if prep["status"] != "ok":
-                return failed(prep, compiled=True, where="timing")
-            if prep["method"] == ref["method"] == method:
-                break
-        problem = kernel_verdict(activity(prep["records"]) if prep["records"] is not None else None, prep["own"],
-                                 base["activity"], opts, self._library_names()) or (
-            prep["records"] is not None and unrecorded_problem(prep["records"], worker.info.get("matched", [])))
-        if problem:
-            return VerifyResult("invalid", compiled=True, message=f"timed calls: {problem}")
-        for side, reply in (("baseline", ref), ("candidate", prep)):
-            if reply["outputs"] is not None:
-                shared = judge_call(judge, {"op": "timing_outputs", "task_key": key, "side": side,
-                                            "outputs": reply["outputs"]}, candidate_outputs=True)
-                if shared["status"] != "ok":
-                    return failed(shared, compiled=True, where="timing")
-        calls = SealedCalls(worker, baseline, judge, key, round_trip(judge, key), clock)
-        worker.pause()
-        baseline.pause()
-        warm = calls.round(-WARM_CALLS, WARM_CALLS)      # untimed: one-time costs, and first comparisons
-        timed = warm if not isinstance(warm, tuple) else paired_rounds(calls.round, calls_per_round(base["ms"]),
-                                                                        self.timing_budget_s)
-        if not isinstance(timed, Timing):
-            return timed
-        worker.resume()
-        done = ask(worker, {"op": "timing_done"}, clock, "timing forward")   # the checks the calls' replies skip
-        if done["status"] != "ok":
-            return failed(done, compiled=True, where="timing")
-        timed.method = method
-        return timed
 
     # -- talking to workers -------------------------------------------------------------------
 

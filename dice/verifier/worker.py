@@ -35,12 +35,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import guard, harness as harness_module, judge, kernels, outputs, records, rules, timing, wire
+from . import guard, harness as harness_module, isolation, judge, kernels, outputs, records, rules, timing, wire
 from .build import cache, toolchain
 from .build.cache import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
 from .epilogues import unfuse_activations
 from .harness import (build_model, cuda_context_broken, describe_exception, init_device, load_module, load_task,
                       rewritten_in_place, trial_inputs)
+from .isolation import global_flags, restore_global_flags
 from .judge import JudgeHandler
 from .keeper import kill_tree, reap, set_child_subreaper
 from .kernels import CompiledKernels, gpu_activity, gpu_records, marker_name, matched_families
@@ -81,8 +82,9 @@ def serve(conn, role: str, config: dict, log_path: str, imported_s: float = 0.0)
     # bound now: a candidate that later replaces HarnessSnapshot.changed does not reach this call
     harness_changed = list
     if role == "candidate":
-        modules = (sys.modules[__name__], cache, guard, harness_module, judge, kernels, outputs, records, rules, timing,
-                   wire)
+        # (not `toolchain`: its TRUSTED digests are set by each load)
+        modules = (sys.modules[__name__], cache, guard, harness_module, isolation, judge, kernels, outputs, records,
+                   rules, timing, wire)
         harness_changed = guard.HarnessSnapshot(handler, modules, guard.install()).changed
     send = multiprocessing.connection.Connection.send
     send(conn, {**handler.info, "pid": os.getpid()})
@@ -140,7 +142,7 @@ class CandidateHandler:
                      "profiler_works": profiler_works, "provenance_works": not self.cuda or self.compiled.hooked,
                      "marker": marker_name() if self.cuda else "",
                      "matched": matched_families(self.device) if profiler_works else []}
-        self.flags = _global_flags()
+        self.flags = global_flags()
         torch.ones(1 << 18).sum(), torch.ones(64, 64) @ torch.ones(64, 64)   # torch's CPU thread pools start now
         self.threads = set(threading.enumerate())  # the harness's own; any other is a candidate's
         self.thread_count = _thread._count()
@@ -389,29 +391,10 @@ class CandidateHandler:
         self.pending, self.previous, self.earlier, self.model, self.task, self.runner = [], [], [], None, None, None
         for name in [m for m in sys.modules if m.startswith("dice_candidate_") or m == "dice_task"]:
             del sys.modules[name]
-        _restore_global_flags(self.flags)
+        restore_global_flags(self.flags)
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
-
-
-def _global_flags() -> dict:
-    """Process-wide torch settings a candidate may change; restored between candidates."""
-    return {"default_dtype": torch.get_default_dtype(),
-            "matmul_precision": torch.get_float32_matmul_precision(),
-            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-            "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-            "cudnn_benchmark": torch.backends.cudnn.benchmark,
-            "cudnn_deterministic": torch.backends.cudnn.deterministic}
-
-
-def _restore_global_flags(flags: dict) -> None:
-    torch.set_default_dtype(flags["default_dtype"])
-    torch.set_float32_matmul_precision(flags["matmul_precision"])
-    torch.backends.cuda.matmul.allow_tf32 = flags["tf32_matmul"]
-    torch.backends.cudnn.allow_tf32 = flags["tf32_cudnn"]
-    torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
-    torch.backends.cudnn.deterministic = flags["cudnn_deterministic"]
 
 
 def _memory(t: torch.Tensor) -> torch.Tensor:
