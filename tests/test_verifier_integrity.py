@@ -223,8 +223,24 @@ def test_integer_inputs_are_new_draws_on_every_trial_and_timed_call():
     pristine = make_inputs(task, 7, torch.device("cpu"), IMPORT_SUM)
     draws = call_draws(task, IMPORT_SUM, 7, torch.device("cpu"), pristine)
     assert len({int(timed_inputs(draws(k), 7, k)[0].sum()) for k in range(4)}) == 4
-    floats = load_task(RELU_TASK, "dice_test_relu")
-    assert call_draws(floats, RELU_TASK, 7, torch.device("cpu"), make_inputs(floats, 7, torch.device("cpu"))) is None
+
+
+
+def test_every_timed_call_draws_anew_so_no_sign_pattern_repeats():
+    """Issue #68, item 3: a cache keyed on any property of the inputs (here their signs, which a
+    jitter keeps) must meet a new key on every timed call, for a task drawing in get_inputs and for
+    one drawing once at import (imported anew for each call's draw)."""
+    fixed = RELU_TASK.replace("def get_inputs():\n    return [torch.randn(256, 1024)]",
+                              "X = torch.randn(256, 1024)\n\n\ndef get_inputs():\n    return [X]")
+    assert fixed != RELU_TASK
+    for source in (RELU_TASK, fixed):
+        task = load_task(source, "dice_test_signs")
+        pristine = make_inputs(task, 7, torch.device("cpu"), source)
+        draws = call_draws(task, source, 7, torch.device("cpu"), pristine)
+        signs = {tuple(timed_inputs(draws(k), 7, k)[0].reshape(-1)[:64].sign().tolist()) for k in range(6)}
+        assert len(signs) == 6, source
+        jittered = {tuple(timed_inputs(pristine, 7, k)[0].reshape(-1)[:64].sign().tolist()) for k in range(6)}
+        assert len(jittered) == 1              # jitter alone keeps one draw's signs: what the cache keyed on
 
 
 def test_complex_inputs_take_the_trials_structure():

@@ -35,10 +35,11 @@ their values in new places (a permutation per trial), so inputs stay in the task
 values are new draws on every trial and timed call (`make_inputs` with the task's source: the
 task imported anew under a seed of the trial's, so even integers drawn once at import change and
 an output that ignores their order, a sum or a histogram, cannot be recorded once and replayed).
-Timed calls use "timed" inputs from their own seeds (`timed_inputs`): no two timed calls see the
-same inputs, so outputs cached by value cannot beat the clock. For a task checked on "plain"
-inputs, timed calls permute every tensor instead ("permuted"); on "light" ones they are jittered
-without a heavy element ("jittered").
+Timed calls use "timed" inputs from their own seeds (`timed_inputs`), each call a draw of its own
+(`call_draws`: the task imported anew where it draws at import): no two timed calls see the same
+inputs, signs or large elements, so outputs cached on any property of them cannot beat the clock.
+For a task checked on "plain" inputs, timed calls permute every tensor instead ("permuted"); on
+"light" ones they are jittered without a heavy element ("jittered").
 """
 from __future__ import annotations
 
@@ -275,12 +276,26 @@ def faded(x: torch.Tensor, fade: float, g: torch.Generator) -> torch.Tensor:
 
 
 def call_draws(task: types.ModuleType, source: str, seed: int, device: torch.device, pristine: list):
-    """Where the timing draw `pristine` holds integer or boolean tensors, a function giving timed
-    call k its own draw (`make_inputs` under a seed from (seed, k)), so their values are new on
-    every call; else None (every call derives from `pristine`: new float values by jitter)."""
-    if not any(isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex()) for x in pristine):
+    """A function giving timed call k its own draw of get_inputs() under a seed from (seed, k), so
+    no property of the inputs (values, signs, which elements are large, integers' multiset) repeats
+    from call to call and an output cached on any of them answers a later call wrongly; a task that
+    draws at import (its get_inputs gives the timing draw's values again under another seed) is
+    imported anew for each call's draw. None for a task whose draws change shape or type (every
+    call then derives from `pristine`: new float values by jitter)."""
+    again = make_inputs(task, stable_seed(seed, "probe"), device, source)
+    if len(again) != len(pristine) or any(
+            isinstance(a, torch.Tensor) != isinstance(p, torch.Tensor)
+            or isinstance(a, torch.Tensor) and (a.shape, a.dtype) != (p.shape, p.dtype) for a, p in zip(again, pristine)):
         return None
-    return lambda call: make_inputs(task, stable_seed(seed, call), device, source)
+    at_import = all(not isinstance(a, torch.Tensor) or trusted.equal(a, p) for a, p in zip(again, pristine))
+
+    def one(call: int) -> list:
+        call_seed = stable_seed(seed, call)
+        if at_import:
+            return draw(load_task(source, "dice_task_draw", import_seed=stable_seed(call_seed, "import")), call_seed,
+                        device)
+        return make_inputs(task, call_seed, device, source)
+    return one
 
 
 def trial_inputs(task: types.ModuleType, seed: int, kind: str, device: torch.device, source: str | None = None) -> list:
