@@ -426,6 +426,13 @@ TIMING_ATTACKS = {
     "skips its kernel on every other timed call": candidate(
         EAGER_ONLY + TIMED + "self.calls += 1\nif timed and self.calls % 2:\n    return self.last\n"
         + OWN_RELU.replace("return y", "self.last = y\nreturn y"), init="self.calls, self.last = 0, None"),
+    # issue #68, item 3: an output cached by the inputs' sign pattern (here of the first 8 elements), answered
+    # from the 6th sighting on; every timed call is a draw of its own, so patterns do not repeat
+    "answers from a cache keyed on the sign pattern": candidate(
+        "key = tuple(x.reshape(-1)[:8].gt(0).tolist()) if not torch.autograd._profiler_enabled() else None\n"
+        "self.seen[key] = self.seen.get(key, 0) + 1\nif key is not None and self.seen[key] > 5 and key in self.memo:\n"
+        "    return self.memo[key].clone()\n" + OWN_RELU.replace("return y", "self.memo[key] = y\nreturn y"),
+        init="self.seen, self.memo = {}, {}"),
     # inputs out of reach: the task's get_inputs wrapped at import answers every draw of this process
     # from memory; any other input takes ten ReLUs, so a timed call it had seen would show as a gain
     "answers from every draw its process made": candidate(
