@@ -1,8 +1,8 @@
 """Train a DICE model: `python train.py --phase init|sft|infill|e2e [--model DIR --data FILE] [--out DIR] ...`.
 
 Every flag is a field of `dice.config.TrainConfig`; README lists them. With neither --model nor
---data, `--phase sft|infill|e2e` runs the embedded default (`dice.config.EMBEDDED`): the shipped
-dice-tiny on tasks `dice.taskgen` generates with a fixed seed, written into the run folder. The
+--data, `--phase sft|infill|e2e` runs the embedded default (`dice.config.DEFAULTS`' "PHASE embedded"
+rows, on `EMBEDDED_DATA`): the shipped dice-tiny on tasks `dice.taskgen` generates with a fixed seed, written into the run folder. The
 run folder defaults to a new `runs/<phase>-<time>/`. Under `torchrun --nproc_per_node N train.py
 ...` the model is sharded with FSDP2.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from dice.cli import fail_cleanly, usage_error
-from dice.config import EMBEDDED, RL_PHASES, config_from_args, with_embedded_defaults
+from dice.config import EMBEDDED_DATA, RL_PHASES, config_from_args, with_embedded_defaults
 from dice.errors import UsageError
 from dice.inputs import input_path, output_folder
 from dice.memory import check_fits, check_update_fits, kv_cache_bytes, micro_batch_bytes, parameter_bytes
@@ -173,7 +173,7 @@ def write_embedded_data(phase: str, out: Path) -> Path:
     a per-process temporary file, so processes under torchrun do not collide. The RL phases' tasks
     are a shipped file (`dice.config.EMBEDDED_RL_TASKS`), SFT's taskgen's train split (fixed seed)."""
     from dice.taskgen import generate_split   # lazy: ~3 s (it reads dice.verifier), only the embedded SFT draws
-    source = EMBEDDED[phase][1]
+    source = EMBEDDED_DATA[phase]
     if isinstance(source, Path):
         tasks = json.loads(source.read_text())
     else:

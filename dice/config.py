@@ -3,23 +3,25 @@
 Every field of `TrainConfig` is a `--flag` (`config_from_args`); CHOICES and RANGES bound the values
 (`validate`), HELP (`dice.config_help`) is the --help text, grouped by the phases that use a flag
 (PHASE_FLAGS: a flag given to a phase that does not use it is an error, not silently ignored).
-Defaults that depend on the phase (learning rate, loss normalisation, gradient clip) are filled in
-`__post_init__`; those that depend on the machine (SFT batch, row length and micro-batches per step:
-0 = auto) in `dice.sft.train_sft`. The defaults are the originals' (DESIGN.md §4, §7): AdamW betas
+
+Each default is set once. A field's default is its dataclass value; what a phase or the embedded run
+uses instead is the one table DEFAULTS (phase -> {field: value}), applied to the fields not given:
+a phase's row by `TrainConfig` itself, the embedded run's row on top by `with_embedded_defaults`
+(`phase_defaults` merges them). AUTO fields' 0 is "auto", resolved where the machine is known (SFT's
+row length and micro-batches per step: `dice.sft.train_sft.sft_sizes`; the RL update's budget:
+`dice.rl.update_memory`). The defaults are the originals' (DESIGN.md §4, §7): AdamW betas
 (0.9, 0.999) and SFT lr 1e-5 constant after warm-up (deadlykitten4/DICE
 `training/sft/llama_factory_sdar/examples/train_full_sdar/sdar_*_full.yaml`: `lr_scheduler_type:
-constant_with_warmup`), SDAR's per-micro-batch token mean for SFT, TraceRL's per-step L1
-normalisation, one optimiser step per 256 round rows, DICE's effective gradient clip and a fresh
-AdamW per step for RL (DICE's `training/RL/configs/rl_sdar_kernel_*.yaml`, DESIGN.md §7).
+constant_with_warmup`), SDAR's per-micro-batch token mean for SFT; for RL lr 1e-6, TraceRL's
+per-step L1 normalisation, one optimiser step per 256 round rows, DICE's effective gradient clip and
+a fresh AdamW per step (DICE's `training/RL/configs/rl_sdar_kernel_*.yaml`, DESIGN.md §7).
 
-The fields stay flat, one per flag, grouped by comments in --help's order: the parser, CHOICES,
-RANGES, HELP, EMBEDDED, RESUME_FIELDS and run.json all name a setting by its flag. What the RL code
-needs as one object is built from them: `sampling()` the rollouts' `Sampling`, and
+The fields stay flat, one per flag, in sections a reader scans: every phase's, training's, then the
+RL settings a researcher tunes (the step, the sampler, the objective, the reward) on one screen,
+then RL's machinery (memory, processes, evaluation), SFT's and init's. The parser, CHOICES, RANGES,
+HELP, DEFAULTS, RESUME_FIELDS and run.json all name a setting by its flag. What the RL code needs as
+one object is built from them: `sampling()` the rollouts' `Sampling`, and
 `dice.rl.rewards.rl_rewards` the reward with its verifier.
-
-EMBEDDED is what `python train.py --phase sft|infill|e2e` runs with neither --model nor --data:
-the shipped dice-tiny on tasks `dice.taskgen` generates with a fixed seed, short enough for a demo
-(minutes); every flag given still wins.
 """
 from __future__ import annotations
 
@@ -35,54 +37,82 @@ from .cli import ArgumentParser
 from .config_help import HELP
 from .errors import UsageError
 from .model.tokenizer import SPECIAL_TOKENS
-from .rl.packing import UPDATE_ROWS
 from .sampling.choice import REMASKING, Sampling
 
-# DICE's gradient is 1/32 of ours at the same loss (its 32 accumulation steps divide it twice: DESIGN.md §7),
-# so its clip of 1.0 (`max_grad_norm`, DeepSpeed's `gradient_clipping`) is 32 here
-RL_GRAD_CLIP = 32.0
+UPDATE_ROWS = ("response", "round")   # --update-rows (`dice.rl.packing`)
 
 
-@dataclass
+@dataclass(init=False)
 class TrainConfig:
     """Flags of `python train.py`: every field is a `--flag`; CHOICES and RANGES below bound their
-    values, HELP is their --help text (see also README)."""
-    # what runs, on what, into where
+    values, HELP is their --help text, DEFAULTS what a phase uses in place of a default (see also
+    README)."""
+    # ---- every phase: what runs, on what, into where
     phase: str = "sft"
     model: str = ""
     data: str = ""
     out: str = ""
-    # how long, in what batches (SFT; RL's batches are below)
-    steps: int = 0
-    epochs: float = 0.0
-    batch_size: int = 0
-    grad_accum: int = 0
-    # the optimiser and its schedule (dice.runtime: make_optimizer, lr_at)
-    lr: float = 0.0
-    schedule: str = "constant"
-    min_lr_ratio: float = 0.1
-    warmup: int = 0
-    warmup_ratio: float = 0.03
+    overwrite: bool = False
+    # ---- training (sft, infill, e2e): its length, the optimiser (dice.runtime: make_optimizer, lr_at), the loss
+    steps: int = 0                  # required with --data; SFT: or --epochs
+    lr: float = 1e-5
+    grad_clip: float = 1.0          # inf: none
+    loss_norm: str = "batch"        # SFT: batch | sample; RL: step | response (`validate`)
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    grad_clip: float = 0.0
-    # the loss, the row length, the precision
-    loss_norm: str = ""
-    max_len: int = 0
     dtype: str = "auto"
+    gradient_checkpointing: bool = False
+    attention: str = "auto"
+    seed: int = 0
     # the run folder (dice.runs)
     save_every: int = 0
     keep_checkpoints: int = 2
     resume: bool = False
-    overwrite: bool = False
-    # the seed, memory, SFT's records and masks
-    seed: int = 0
-    gradient_checkpointing: bool = False
+    # ---- BiC-RL (infill, e2e): what a researcher tunes, DESIGN.md §7 (lr, grad_clip, loss_norm: above, RL's in DEFAULTS)
+    # the step: which tasks, how many samples of each
+    tasks_per_step: int = 64
+    group_size: int = 16
+    task_order: str = "curriculum"
+    dynamic_sampling_rounds: int = 0
+    # the rollouts' sampler (`sampling()`) and response length
+    max_new_tokens: int = 4096
+    temperature: float = 1.0
+    remasking: str = "low_confidence_dynamic"
+    threshold: float = 0.9
+    steps_per_block: int = 4
+    # the objective (PPO-clip + k3, dice.rl.train_rl) and its optimiser steps
+    clip_eps: float = 0.2
+    kl_beta: float = 0.01
+    reference_model: bool = False
+    updates_per_step: int = 0       # 0: one per rows_per_update round rows
+    rows_per_update: int = 256
+    minibatch_order: str = "contiguous"
+    optimizer_state: str = "step"
+    # the reward (dice.rl.rewards.rl_rewards)
+    reward: str = "correct"
+    reward_rules: str = "strict"
+    verify_timeout: float = 15.0
+    # ---- BiC-RL's machinery: memory and processes (no result depends on them), evaluation, the prompt
+    rollout_batch: int = 64
+    update_tokens: int = 0          # AUTO: from the free GPU memory (dice.rl.update_memory)
+    update_rows: str = "response"
+    verifier_workers: int = 8
+    eval_every: int = 0
+    eval_data: str = ""
+    prompt_template: str = ""
+    # ---- SFT: data, batches, schedule
+    epochs: float = 0.0
+    batch_size: int = 1
+    grad_accum: int = 0             # AUTO: by the device and processes (dice.sft.train_sft.sft_sizes)
+    max_len: int = 0                # AUTO: by the device
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.1
+    warmup: int = 0                 # 0: warmup_ratio of the steps
+    warmup_ratio: float = 0.03
     sft_infill: bool = False
     sft_pad_targets: bool = False
-    attention: str = "auto"
-    # --phase init: a from-scratch model folder (tokenizer trained on --data, config, no weights)
+    # ---- --phase init: a from-scratch model folder (tokenizer trained on --data, config, no weights)
     vocab_size: int = 4096
     hidden_size: int = 256
     num_layers: int = 6
@@ -90,53 +120,19 @@ class TrainConfig:
     num_kv_heads: int = 2
     intermediate_size: int = 768
     block_size: int = 4
-    # BiC-RL (dice.rl.train_rl); the groups below keep the order of --help
-    # the step's tasks and samples
-    tasks_per_step: int = 64
-    task_order: str = "curriculum"
-    dynamic_sampling_rounds: int = 0
-    group_size: int = 16
-    # rollouts: the sampler (`sampling()`), its response length and batch
-    max_new_tokens: int = 4096
-    temperature: float = 1.0
-    remasking: str = "low_confidence_dynamic"
-    threshold: float = 0.9
-    steps_per_block: int = 4
-    rollout_batch: int = 64
-    # the update (dice.rl.packing, policy_loss); update_tokens 0: auto (dice.rl.update_memory)
-    update_tokens: int = 0
-    update_rows: str = "response"
-    updates_per_step: int = 0
-    rows_per_update: int = 256
-    minibatch_order: str = "contiguous"
-    optimizer_state: str = "step"
-    clip_eps: float = 0.2
-    kl_beta: float = 0.01
-    reference_model: bool = False
-    # the reward (dice.rl.rewards.rl_rewards)
-    reward: str = "correct"
-    reward_rules: str = "strict"
-    # the greedy evaluation
-    eval_every: int = 0
-    eval_data: str = ""
-    # the kernel verifier behind the reward and the evaluation
-    verifier_workers: int = 8
-    verify_timeout: float = 15.0
-    # the rollouts' prompt
-    prompt_template: str = ""
 
-    def __post_init__(self):
+    def __init__(self, **given):
+        """A field's value: as given, else its phase's (DEFAULTS), else the dataclass default; then
+        `validate`. (A written __init__: the generated one cannot tell a value given from a default.)"""
+        names = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            raise TypeError(f"TrainConfig has no field {unknown[0]!r}")
+        values = {f.name: f.default for f in dataclasses.fields(self)}
+        values |= phase_defaults(given.get("phase", values["phase"])) | given
+        for name in names:
+            setattr(self, name, values[name])
         self.validate()
-        rl = self.phase in RL_PHASES
-        if not self.lr:
-            self.lr = 1e-6 if rl else 1e-5
-        if not self.grad_clip:
-            self.grad_clip = RL_GRAD_CLIP if rl else 1.0
-        norms = ("step", "response") if rl else ("batch", "sample")
-        self.loss_norm = self.loss_norm or norms[0]
-        if self.loss_norm not in norms:
-            raise UsageError(f"--loss-norm for --phase {self.phase} must be one of {', '.join(norms)}, "
-                             f"not {self.loss_norm!r}")
 
     def sampling(self) -> Sampling:
         """The RL rollouts' sampler settings (--steps-per-block, --remasking, --threshold, --temperature)."""
@@ -145,7 +141,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Every value a run could not mean is a UsageError naming its flag: choices, RANGES, finite
-        floats, a model shape whose heads do not divide (--phase init), greedy RL rollouts."""
+        floats, a loss normalisation of another phase, a model shape whose heads do not divide
+        (--phase init), greedy RL rollouts."""
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise UsageError(f"--{_flag(name)} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
@@ -155,6 +152,10 @@ class TrainConfig:
                 raise UsageError(f"--{_flag(name)} must be a finite number, got {value}")
             if not _within(value, rule):
                 raise UsageError(f"--{_flag(name)} must be {'in ' * (rule[0] in '[(')}{rule}, got {value}")
+        norms = ("step", "response") if self.phase in RL_PHASES else ("batch", "sample")
+        if self.loss_norm not in norms:
+            raise UsageError(f"--loss-norm for --phase {self.phase} must be one of {', '.join(norms)}, "
+                             f"not {self.loss_norm!r}")
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
             raise UsageError(f"--hidden-size {self.hidden_size} / --num-heads {self.num_heads} must be a whole, even "
                              "head width (RoPE rotates pairs of its channels); change one of them")
@@ -190,9 +191,9 @@ CHOICES = {"phase": ("init", "sft", "infill", "e2e"), "dtype": ("auto", "bf16", 
            "optimizer_state": ("step", "run"), "update_rows": UPDATE_ROWS,
            "task_order": ("curriculum", "interleaved")}
 # the range of every number flag (`_within`); every float must be finite but those of ENDLESS
-RANGES = {"steps": ">= 0", "epochs": ">= 0", "batch_size": ">= 0", "grad_accum": ">= 0", "lr": ">= 0",
+RANGES = {"steps": ">= 0", "epochs": ">= 0", "batch_size": ">= 1", "grad_accum": ">= 0", "lr": "> 0",
           "min_lr_ratio": "[0, 1]", "warmup": ">= 0", "warmup_ratio": "[0, 1]", "weight_decay": ">= 0",
-          "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "grad_clip": ">= 0", "max_len": ">= 0",
+          "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "grad_clip": "> 0", "max_len": ">= 0",
           "save_every": ">= 0", "keep_checkpoints": ">= 0", "vocab_size": f">= {len(SPECIAL_TOKENS) + 256}",
           "hidden_size": ">= 2", "num_layers": ">= 1", "num_heads": ">= 1", "num_kv_heads": ">= 1",
           "intermediate_size": ">= 1", "block_size": ">= 1", "tasks_per_step": ">= 1", "group_size": ">= 1",
@@ -201,7 +202,8 @@ RANGES = {"steps": ">= 0", "epochs": ">= 0", "batch_size": ">= 0", "grad_accum":
           "dynamic_sampling_rounds": ">= 0", "kl_beta": ">= 0", "eval_every": ">= 0", "verifier_workers": ">= 1",
           "verify_timeout": "> 0", "seed": "[0, 4294967295]"}
 ENDLESS = ("grad_clip",)   # inf: no clipping
-AUTO = ("update_tokens",)   # whole-number flags whose 0 means auto: --help shows "auto", the flag takes it
+# whole-number flags whose 0 means auto, resolved where the machine is known: --help shows "auto", the flag takes it
+AUTO = ("update_tokens", "grad_accum", "max_len")
 # the flags only some phases use (every other flag: every phase but init); init uses INIT_FLAGS alone
 PHASE_FLAGS = {
     "init": ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
@@ -216,12 +218,29 @@ PHASE_FLAGS = {
 INIT_FLAGS = ("phase", "data", "out", "overwrite") + PHASE_FLAGS["init"]
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "dice-tiny"
+# DICE's gradient is 1/32 of ours at the same loss (its 32 accumulation steps divide it twice: DESIGN.md §7),
+# so its clip of 1.0 (`max_grad_norm`, DeepSpeed's `gradient_clipping`) is 32 here
+RL_GRAD_CLIP = 32.0
+# BiC-RL's own (DESIGN.md §7): DICE's AdamW lr, its clip in our units, TraceRL's normalisation
+_RL = {"lr": 1e-6, "grad_clip": RL_GRAD_CLIP, "loss_norm": "step"}
 # dice-tiny's recipe (its card); a rollout of a quarter of DICE's 64 x 16 samples takes an optimiser
 # step per a quarter of DICE's 256 trace rounds, so the ratio and KL act as in DICE; every step holds
 # the levels in their shares (--task-order interleaved; with EMBEDDED_RL_TASKS every step holds them all)
-_RL_DEMO = {"steps": 6, "tasks_per_step": 32, "group_size": 8, "max_new_tokens": 704, "lr": 1e-4,
-            "rows_per_update": 64, "rollout_batch": 256, "update_tokens": 65536, "verify_timeout": 5.0, "save_every": 2,
-            "verifier_workers": max(1, min(14, (os.cpu_count() or 4) - 2)), "task_order": "interleaved"}
+_RL_EMBEDDED = {"steps": 6, "tasks_per_step": 32, "group_size": 8, "max_new_tokens": 704, "lr": 1e-4,
+                "rows_per_update": 64, "rollout_batch": 256, "update_tokens": 65536, "verify_timeout": 5.0,
+                "save_every": 2, "verifier_workers": max(1, min(14, (os.cpu_count() or 4) - 2)),
+                "task_order": "interleaved"}
+# Every value that differs from its field's dataclass default, and where (tests/test_config.py lists
+# them): a phase's row applies to the fields a TrainConfig is not given; "PHASE embedded" is what
+# `python train.py --phase PHASE` runs with neither --model nor --data (dice-tiny on EMBEDDED_DATA, short
+# enough for a demo), on top of its phase's row, for the flags the command line does not give.
+DEFAULTS = {
+    "infill": _RL,
+    "e2e": _RL,
+    "sft embedded": {"steps": 30, "save_every": 10},
+    "infill embedded": _RL_EMBEDDED,
+    "e2e embedded": _RL_EMBEDDED,
+}
 # The RL phases' tasks, shipped: 32 tasks (13 level 1, 19 level 3) of the rl split of dice-tiny's
 # BiC-RL experiment (its card: `python -m dice.taskgen --valid 300 --heldout 440 --seed 0`, rl.json),
 # ids as there, each step all 32 (tasks_per_step): a reward shows learning where the tasks recur and
@@ -230,9 +249,13 @@ _RL_DEMO = {"steps": 6, "tasks_per_step": 32, "group_size": 8, "max_new_tokens":
 # reference only in its numbers (a miscopied constant, which lies in the infill middle too), never
 # from held-out or valid results; none is an SFT task (tests/test_embedded_rl_tasks.py)
 EMBEDDED_RL_TASKS = EMBEDDED_MODEL / "rl-tasks.json"
-# per phase: the flags' values, then (taskgen split, tasks drawn) or a task file; dice-tiny's card has its recipe
-EMBEDDED = {"sft": ({"steps": 30, "save_every": 10}, ("train", 200)),
-            "infill": (_RL_DEMO, EMBEDDED_RL_TASKS), "e2e": (_RL_DEMO, EMBEDDED_RL_TASKS)}
+# the embedded run's data per phase: (taskgen split, tasks drawn) or a task file
+EMBEDDED_DATA = {"sft": ("train", 200), "infill": EMBEDDED_RL_TASKS, "e2e": EMBEDDED_RL_TASKS}
+
+
+def phase_defaults(phase: str, embedded: bool = False) -> dict:
+    """The values `phase` (and with `embedded` its embedded run) gives the fields not given (DEFAULTS)."""
+    return DEFAULTS.get(phase, {}) | (DEFAULTS.get(f"{phase} embedded", {}) if embedded else {})
 
 
 def _group_of(name: str) -> str:
@@ -251,12 +274,13 @@ def _shown_default(name: str, phase: str | None) -> str:
         return "" if default is False or default == "" else f" (default: {default})"
     phases = {"sft": "sft", "e2e": "infill/e2e"} if phase is None else {phase: phase}
     used = {label: getattr(TrainConfig(phase=p), name) for p, label in phases.items()}
-    embedded = {label: EMBEDDED[p][0][name] for p, label in phases.items() if name in EMBEDDED[p][0]}
+    embedded = {label: DEFAULTS[f"{p} embedded"][name] for p, label in phases.items()
+                if name in DEFAULTS[f"{p} embedded"]}
 
     def shown(value) -> str:
         if name in AUTO and value == 0:
             return "auto"
-        return f"{value:g}" if isinstance(value, float) else str(value)
+        return f"{value:g}".replace("e-0", "e-") if isinstance(value, float) else str(value)   # 1e-5, as README
 
     def listed(values: dict) -> str:
         if len({shown(v) for v in values.values()}) == 1 and len(values) == len(phases):
@@ -326,14 +350,14 @@ def config_from_args(argv: list[str] | None = None) -> tuple[TrainConfig, set[st
         phases = next((p for p, names in PHASE_FLAGS.items() if unused[0] in names), "sft, infill, e2e")
         parser.error(f"--{_flag(unused[0])} is a flag of --phase {phases}, which --phase {args.phase} does not "
                      "use; drop it")
-    try:
-        return TrainConfig(**vars(args)), given
+    try:   # the fields not given take their phase's default (DEFAULTS), not the parser's
+        return TrainConfig(**{name: getattr(args, name) for name in given | {"phase"}}), given
     except ValueError as e:
         parser.error(str(e))
 
 
 def with_embedded_defaults(cfg: TrainConfig, given: set[str]) -> TrainConfig:
-    """`cfg` with the embedded default's model and flags (EMBEDDED) wherever the command line gave none."""
-    flags, _ = EMBEDDED[cfg.phase]
+    """`cfg` with the embedded run's model and its row of DEFAULTS wherever the command line gave none."""
+    recipe = phase_defaults(cfg.phase, embedded=True)
     return dataclasses.replace(cfg, model=str(EMBEDDED_MODEL),
-                               **{name: value for name, value in flags.items() if name not in given})
+                               **{name: value for name, value in recipe.items() if name not in given})

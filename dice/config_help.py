@@ -10,10 +10,10 @@ HELP = {
            "required for --phase init (the new model folder) and with --resume",
     "steps": "optimiser steps (SFT) or RL steps; required with --data (SFT: this or --epochs)",
     "epochs": "SFT passes over the data, when --steps is 0",
-    "batch_size": "SFT rows per process per micro-batch; 0 = 1 (DICE's per GPU); RL: --update-tokens",
-    "grad_accum": "SFT micro-batches per optimiser step; 0 = on CUDA 8 / processes (DICE's 8 rows a step: 8 GPUs "
-                  "x 1), on a CPU 1",
-    "lr": "peak learning rate; 0 = 1e-5 for SFT / 1e-6 for RL (DESIGN.md §4, §7)",
+    "batch_size": "SFT rows per process per micro-batch (DICE's 1 per GPU); RL: --update-tokens",
+    "grad_accum": "SFT micro-batches per optimiser step; auto (or 0): on CUDA 8 / processes (DICE's 8 rows a step: "
+                  "8 GPUs x 1), on a CPU 1",
+    "lr": "peak learning rate (DESIGN.md §4, §7)",
     "schedule": "SFT learning rate after the warm-up: constant (DICE's) or cosine to --min-lr-ratio",
     "min_lr_ratio": "--schedule cosine decays to this fraction of --lr",
     "warmup": "SFT: linear warm-up steps from lr 0; 0 = --warmup-ratio of the steps",
@@ -21,13 +21,13 @@ HELP = {
     "weight_decay": "AdamW weight decay of the matrices",
     "adam_beta1": "AdamW beta1",
     "adam_beta2": "AdamW beta2 (DICE/LLaMA-Factory: 0.999)",
-    "grad_clip": "gradient-norm clipping of the loss as defined here; 0 = 1.0 for SFT (DICE's), 32 for RL "
-                 "(DICE's 1.0 on its gradient, which is 1/32 of ours: DESIGN.md §7); inf: none",
+    "grad_clip": "gradient-norm clipping of the loss as defined here: SFT DICE's, RL DICE's 1.0 on its gradient, "
+                 "which is 1/32 of ours (DESIGN.md §7); inf: none",
     "loss_norm": "SFT: batch (SDAR: each micro-batch's masked-token CE/p sum over its response tokens) or "
                  "sample (a mean over samples); RL: step (TraceRL/DICE: each round's sum over the step's "
-                 "response width L1) or response (each response over its own length); default the first",
-    "max_len": "SFT row length in tokens (rounded down to the block size); 0 = 6144 on CUDA (DICE's cutoff_len), "
-               "1024 on a CPU",
+                 "response width L1) or response (each response over its own length)",
+    "max_len": "SFT row length in tokens (rounded down to the block size); auto (or 0): 6144 on CUDA (DICE's "
+               "cutoff_len), 1024 on a CPU",
     "dtype": "auto: bf16 autocast on CUDA, fp32 on CPU",
     "save_every": "write a checkpoint every N steps (0: only final/)",
     "keep_checkpoints": "checkpoints kept, newest first (0: all)",

@@ -261,7 +261,7 @@ def test_empty_task_file_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--phase", "sft", "--steps", "1", "--batch-size", "-1"], "--batch-size must be >= 0, got -1"),
+    (["--phase", "sft", "--steps", "1", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--phase", "sft", "--epochs", "-1"], "--epochs must be >= 0, got -1.0"),
     (["--phase", "e2e", "--steps", "1", "--remasking", "foo"], "--remasking: invalid choice: 'foo'"),
     (["--phase", "e2e", "--steps", "1", "--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
@@ -337,7 +337,7 @@ def test_bench_train_on_cpu_says_it_is_meant_for_a_gpu(capsys):
 
 @pytest.mark.parametrize("name, argv, shown", [
     ("sample", ["--help"], ["(default: 1024)", "(default: low_confidence_dynamic)", "~2.1x faster"]),
-    ("train", ["--help"], ["--lr LR", "(default: sft 1e-05, infill/e2e 1e-06", "{correct,speedup}",
+    ("train", ["--help"], ["--lr LR", "(default: sft 1e-5, infill/e2e 1e-6; embedded run", "{correct,speedup}",
                            "--steps STEPS", "(default: 0; embedded run (no --model/--data): sft 30, infill/e2e 6)"]),
     ("evaluate", ["--help"], ["default: 120)", "(default: 0 for one sample, else 1)"]),
     ("bench", ["train", "--help"], ["(default: 4096)"]),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dice import taskgen
-from dice.config import EMBEDDED, EMBEDDED_RL_TASKS, config_from_args, with_embedded_defaults
+from dice.config import EMBEDDED_DATA, EMBEDDED_RL_TASKS, config_from_args, with_embedded_defaults
 from dice.tasks.load import load_tasks, phase_tasks, step_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def write_embedded_data(phase: str, out: Path) -> Path:
 
 @pytest.mark.parametrize("phase", ["e2e", "infill"])
 def test_the_flagless_run_trains_on_exactly_the_listed_tasks(tmp_path, phase):
-    assert EMBEDDED[phase][1] == EMBEDDED_RL_TASKS and EMBEDDED_RL_TASKS.parent.name == "dice-tiny"
+    assert EMBEDDED_DATA[phase] == EMBEDDED_RL_TASKS and EMBEDDED_RL_TASKS.parent.name == "dice-tiny"
     assert [t["id"] for t in shipped()] == LISTED
     written = json.loads(write_embedded_data(phase, tmp_path).read_text())
     assert written == shipped()

@@ -151,12 +151,12 @@ BAD_CONFIGS = {"hidden_size": ("384", "hidden_size must be a whole number >= 1, 
 CASES = [
     # train.py: values no run could mean
     *[Case(f"train {flag} {value}", "train", f"{SFT} {flag} {value}", 2, message) for flag, value, message in [
-        ("--grad-clip", "-1", "--grad-clip must be >= 0, got -1.0"), ("--grad-clip", "nan", "--grad-clip must be a finite"),
+        ("--grad-clip", "0", "--grad-clip must be > 0, got 0.0"), ("--grad-clip", "nan", "--grad-clip must be a finite"),
         ("--warmup-ratio", "2", "--warmup-ratio must be in [0, 1], got 2.0"),
         ("--save-every", "-1", "--save-every must be >= 0"), ("--keep-checkpoints", "-2", "--keep-checkpoints must be >= 0"),
         ("--warmup", "-1", "--warmup must be >= 0"), ("--weight-decay", "-0.1", "--weight-decay must be >= 0"),
-        ("--lr", "-1", "--lr must be >= 0, got -1.0"), ("--lr", "nan", "--lr must be a finite number"),
-        ("--batch-size", "-1", "--batch-size must be >= 0"), ("--grad-accum", "-1", "--grad-accum must be >= 0"),
+        ("--lr", "0", "--lr must be > 0, got 0.0"), ("--lr", "nan", "--lr must be a finite number"),
+        ("--batch-size", "0", "--batch-size must be >= 1"), ("--grad-accum", "-1", "--grad-accum must be >= 0"),
         ("--max-len", "-5", "--max-len must be >= 0"), ("--max-len", "3", "--max-len 3 is below the block size 4"),
         ("--min-lr-ratio", "2", "--min-lr-ratio must be in [0, 1]"), ("--adam-beta2", "1", "--adam-beta2 must be in [0, 1)"),
         ("--seed", "-1", "--seed must be in [0, 4294967295]"), ("--epochs", "2", "--steps N and --epochs E both"),

@@ -187,7 +187,7 @@ def test_train_help_lists_a_phases_flags_alone(capsys, monkeypatch):
     whole, sft, init = help_of(), help_of("--phase", "sft"), help_of("--phase", "init")
     assert all(f"--phase {group}:" in whole for group in PHASE_FLAGS) and "training (--phase sft, infill, e2e):" in whole
     assert "--epochs" in sft and "--tasks-per-step" not in sft and "--vocab-size" not in sft
-    assert "(default: 1e-05)" in sft and "(default: 0; embedded run (no --model/--data): 30)" in sft
+    assert "(default: 1e-5)" in sft and "(default: 0; embedded run (no --model/--data): 30)" in sft
     assert "--vocab-size" in init and "--lr" not in init and "--data" in init
     assert len(sft.splitlines()) < len(whole.splitlines()) * 2 // 3
 

@@ -46,13 +46,12 @@ import torch
 import torch.distributed as dist
 
 from ..cli import at_least, in_range
-from ..config import TrainConfig
+from ..config import UPDATE_ROWS, TrainConfig
 from ..memory import MemoryShortage, check_fits, check_update_fits, kv_cache_bytes
 from ..model.sdar import SDAR
 from ..model.tokenizer import load_tokenizer
 from ..rl.groups import group_advantages, rank_slots, rollout
 from ..rl.old_logprobs import RolloutLogprobs
-from ..rl.packing import UPDATE_ROWS
 from ..rl.rewards import planned_verifier_bytes, rank_verifier
 from ..rl.rollout import OVERLAP, FullParameters, prompt_format, task_prompt_ids
 from ..rl.train_rl import policy_update, restart_moments

@@ -39,11 +39,10 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..config import UPDATE_ROWS
 from ..model.attention import flex_streams_mask, streams_mask
 from .rollout import Completion
 from .trace import Round, row_weights, trace_rounds
-
-UPDATE_ROWS = ("response", "round")
 
 
 @dataclass

@@ -47,18 +47,17 @@ DICE_SFT_ROW, DICE_SFT_ROWS_PER_STEP = 6144, 8
 
 
 def sft_sizes(cfg: TrainConfig, device: torch.device, world: int = 1) -> tuple[TrainConfig, str | None]:
-    """`cfg` with --batch-size, --max-len and --grad-accum resolved (0 = auto): on CUDA DICE's rows
-    of 6144 tokens, one per micro-batch, 8 / processes micro-batches (8 rows a step on 1, 2, 4 or 8
-    GPUs), so no example DICE trains is skipped; on a CPU 1 x 1024, one micro-batch, and the line
+    """`cfg` with --max-len and --grad-accum resolved (auto, 0): on CUDA DICE's rows of 6144 tokens
+    (one per micro-batch: --batch-size 1), 8 / processes micro-batches (8 rows a step on 1, 2, 4 or 8
+    GPUs), so no example DICE trains is skipped; on a CPU rows of 1024, one micro-batch, and the line
     that says so. A CPU builds dense masks and attention over the doubled row, memory ~ batch x
     (2 x length)^2: for dice-tiny 1 x 1024 takes about 1.5 GB, 8 x 2048 17 GB."""
     cuda = device.type == "cuda"
-    batch, length = cfg.batch_size or 1, cfg.max_len or (DICE_SFT_ROW if cuda else 1024)
+    length = cfg.max_len or (DICE_SFT_ROW if cuda else 1024)
     accum = cfg.grad_accum or (max(1, DICE_SFT_ROWS_PER_STEP // world) if cuda else 1)
-    picked = [f"--batch-size {batch}"] * (not cfg.batch_size) + [f"--max-len {length}"] * (not cfg.max_len)
-    note = None if cuda or not picked else (f"no CUDA GPU: {' '.join(picked)}, which fit in a few GB of memory "
-                                            "on a CPU (pass the flag to change it)")
-    return dataclasses.replace(cfg, batch_size=batch, max_len=length, grad_accum=accum), note
+    note = None if cuda or cfg.max_len else (f"no CUDA GPU: --max-len {length}, which fits in a few GB of memory "
+                                             "on a CPU (pass the flag to change it)")
+    return dataclasses.replace(cfg, max_len=length, grad_accum=accum), note
 
 
 def load_examples(cfg: TrainConfig, tok, row_len: int, one_shot: str | None, log, block_size: int = 1) -> list:
