@@ -109,8 +109,9 @@ def test_a_replaced_worker_rejoins_the_pool_once_started(tmp_path):
 @pytest.mark.slow
 def test_fresh_workers_are_forked_from_a_zygote_that_imported_their_modules(tmp_path):
     """A fresh process after every non-plain candidate is affordable: the zygote imports the
-    worker's modules once and forks each new keeper, whose worker then imports nothing; without a
-    zygote (it is gone) workers start from a new interpreter as before."""
+    worker's modules once and forks each new keeper, whose worker then imports nothing. A pool's
+    first workers start from new interpreters, in parallel; without a zygote (it is gone) every
+    fresh worker does."""
     import subprocess
 
     from dice.verifier.process import WORKER_ENV, WorkerProcess
@@ -119,16 +120,19 @@ def test_fresh_workers_are_forked_from_a_zygote_that_imported_their_modules(tmp_
     zygote = Zygote(WORKER_ENV)
     try:
         worker = WorkerProcess("candidate", config, tmp_path / "worker.log", zygote)
-        for _ in range(2):      # the first, then a fresh one after a restart
+        worker.wait_started()
+        assert isinstance(worker._process, subprocess.Popen)
+        for _ in range(2):      # fresh ones after restarts
+            worker.restart()
             worker.wait_started()
             assert isinstance(worker._process, Keeper), worker._process
             assert worker.info["startup_s"]["imports"] < 0.5, worker.info
             assert worker.call({"op": "timing_done"}, timeout=30)["status"] == "ok"
-            worker.restart()
         worker.close()
     finally:
         zygote.close()
     worker = WorkerProcess("candidate", config, tmp_path / "worker.log", zygote)
+    worker.restart()
     worker.wait_started()
     assert isinstance(worker._process, subprocess.Popen)
     worker.close()

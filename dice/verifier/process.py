@@ -91,17 +91,17 @@ class WorkerProcess:
         self._process = None
         self._conn = None
         self._ready = False
-        self._start()
+        self._start(first=True)   # a new interpreter: the pool starts in parallel, not behind the zygote
 
-    def _start(self) -> None:
+    def _start(self, first: bool = False) -> None:
         try:   # a dead worker may have left a FIFO or a link in its log's place: the next would block on it
             if not stat.S_ISREG(os.lstat(self.log_path).st_mode):
                 os.unlink(self.log_path)
         except FileNotFoundError:
             pass
         ours, theirs = socket.socketpair()
-        forked = self.zygote and self.zygote.spawn(os.dup(theirs.fileno()), self.role, json.dumps(self.config),
-                                                   str(self.log_path))
+        forked = not first and self.zygote and self.zygote.spawn(os.dup(theirs.fileno()), self.role,
+                                                                 json.dumps(self.config), str(self.log_path))
         self._process = forked or subprocess.Popen(
             [sys.executable, str(KEEPER), str(theirs.fileno()), self.role, json.dumps(self.config),
              str(self.log_path), str(os.getpid()), PROJECT_ROOT],
