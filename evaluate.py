@@ -45,7 +45,7 @@ from dice.memory import check_fits, kv_cache_bytes, parameter_bytes
 from dice.metrics import format_summary, summarize
 from dice.model.checkpoint import read_config
 from dice.protocols import DEFAULT_GENERATION, DICE_PROMPT_TOKENS, PROTOCOLS, VERIFY_FLAGS, decoding, verify_options
-from dice.rl.rollout import complete, load_prompt_template, prompt_format, task_prompt_ids
+from dice.sampling.completion import complete, load_prompt_template, prompt_format, task_prompt_ids
 from dice.sampling.sampler import REMASKING, Sampling
 from dice.tasks.load import load_tasks
 from dice.tasks.prompts import extract_code, keeps_skeleton

@@ -22,7 +22,7 @@ from dice.errors import UsageError
 from dice.inputs import input_path, output_file
 from dice.memory import check_fits, kv_cache_bytes, parameter_bytes
 from dice.model.checkpoint import read_config
-from dice.rl.rollout import complete, load_prompt_template, prompt_format, task_prompt_ids
+from dice.sampling.completion import complete, load_prompt_template, prompt_format, task_prompt_ids
 from dice.sampling.sampler import REMASKING, Engine, Sampling
 from dice.tasks.load import load_tasks
 

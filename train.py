@@ -31,8 +31,8 @@ from dice.rl.packing import group_bound
 from dice.rl.rewards import planned_verifier_bytes
 from dice.model.checkpoint import CheckpointError, read_config
 from dice.rl.train_rl import train_rl
-from dice.rl.rollout import load_prompt_template
 from dice.runs import RUN_ENTRIES, check_run_folder, latest_checkpoint
+from dice.sampling.completion import load_prompt_template
 from dice.sft.train_sft import INIT_ENTRIES, init_model_folder, sft_sizes, train_sft
 
 MODEL_GIVE = "pass --model DIR (a downloaded SDAR/DICE checkpoint, or a folder written by train.py)"

@@ -69,7 +69,8 @@ class TrainConfig:
     save_every: int = 0
     keep_checkpoints: int = 2
     resume: bool = False
-    # ---- BiC-RL (infill, e2e): what a researcher tunes, DESIGN.md §7 (lr, grad_clip, loss_norm: above, RL's in DEFAULTS)
+    # ---- BiC-RL (infill, e2e): what a researcher tunes, DESIGN.md §7 (and lr, grad_clip, loss_norm above:
+    # RL's values in DEFAULTS)
     # the step: which tasks, how many samples of each
     tasks_per_step: int = 64
     group_size: int = 16

@@ -268,7 +268,7 @@ def learnable_main(argv: list[str]) -> None:
 def rl_step_record(step: int, sampled, update: dict, rt, reward_kind: str, update_s: float, started: float) -> dict:
     """RL step `step`'s line of metrics.jsonl (`dice.rl.train_rl`; README lists the keys). The rates
     and means are over every rollout the step drew on all processes (`rt.all_sum`, the same order on
-    every rank); `sampled` is its `dice.rl.groups.StepRollout`, `update` what `policy_update` returned.
+    every rank); `sampled` is its `dice.rl.rollout.StepSamples`, `update` what `policy_update` returned.
     fast_1_pct (correct and speedup > 1) only under `--reward speedup`, the one reward that times;
     kernels_verified_per_s None when nothing was verified; update_tokens the update's micro-batch
     budget (`dice.rl.update_memory`); step_time_s since `started`."""

@@ -87,6 +87,31 @@ def test_one_step_on_a_tiny_model_with_the_python_reward(solutions, capsys):
     assert "references not checked (python reward)" in out
 
 
+@pytest.mark.slow
+def test_bench_rl_times_the_function_train_rl_runs(solutions, tmp_path, monkeypatch, capsys):
+    """Both `train_rl` and `bench rl` reach the rollouts and the update through one function,
+    `dice.rl.train_rl.rl_step` (issue 66: the bench built the step again from its parts)."""
+    import dice.rl.train_rl as train_module
+    from dice.bench import main
+    from dice.config import TrainConfig
+    from test_rl import TASKS, rl_model_folder
+
+    callers = []
+    for name in ("sample_step", "policy_update"):
+        def spy(*args, real=getattr(train_module, name), name=name, **kwargs):
+            callers.append((name, sys._getframe(1).f_code.co_name))
+            return real(*args, **kwargs)
+        monkeypatch.setattr(train_module, name, spy)
+    main(["rl", "--shape", str(TINY), "--solutions", str(solutions), "--tasks-per-step", "2", "--group-size", "2",
+          "--max-new-tokens", "8", "--reward", "python", "--broken", "0.5"])
+    assert "4 rollouts, 32 tokens" in capsys.readouterr().out
+    cfg = TrainConfig(phase="e2e", model=str(rl_model_folder(tmp_path / "model")), out=str(tmp_path / "run"),
+                      steps=1, tasks_per_step=2, group_size=2, max_new_tokens=8, rollout_batch=4)
+    train_module.train_rl(cfg, reward_fn=lambda tasks, completions: [float(len(c.tokens) % 2) for c in completions],
+                          tasks=TASKS)
+    assert callers == [("sample_step", "rl_step"), ("policy_update", "rl_step")] * 2
+
+
 def test_verifier_reward_without_a_gpu_is_one_line(solutions, capsys):
     from dice.bench import main
     with pytest.raises(SystemExit, match="--reward verifier needs a CUDA GPU; pass --reward python"):
@@ -227,7 +252,7 @@ def test_the_replayed_reward_gives_the_verifiers_memory_to_the_batch_sizing():
     of memory)."""
     from types import SimpleNamespace
     from dice.bench.replay import make_reward
-    from dice.rl.rollout import Completion
+    from dice.sampling.completion import Completion
 
     calls = []
     verifier = SimpleNamespace(gpu_bytes=lambda: 17 * 2**30,

@@ -57,7 +57,8 @@ def test_no_default_is_set_in_two_places():
     for path in [ROOT / "train.py", *(ROOT / "dice").rglob("*.py")]:
         text = path.read_text()
         filled |= set(re.findall(r"(?:=|return)\s+(?:cfg|self)\.(\w+) or\b", text))
-        filled |= {a for a, b in re.findall(r"if not (?:cfg|self)\.(\w+):\s*\n\s*(?:cfg|self)\.(\w+) =", text) if a == b}
+        filled |= {a for a, b in re.findall(r"if not (?:cfg|self)\.(\w+):\s*\n\s*(?:cfg|self)\.(\w+) =", text)
+                   if a == b}
     assert filled & DATACLASS.keys() == {"max_len", "grad_accum"} | zero_means.keys()
     for name, meaning in zero_means.items():
         assert meaning in HELP[name], name

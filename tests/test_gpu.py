@@ -123,17 +123,17 @@ def test_static_decoding_does_not_wait_on_the_gpu_per_step():
 @pytest.mark.slow   # FlexAttention compiles
 @pytest.mark.parametrize("dtype, atol", [("fp32", 1e-3), ("bf16", 0.1)])
 def test_old_log_probs_beside_the_reward_are_the_updates_own(dtype, atol):
-    """`dice.rl.old_logprobs` packs the responses its own way; through FlexAttention its log-probs
+    """`dice.rl.update.OldLogprobs` packs the responses its own way; through FlexAttention its log-probs
     equal those of the update's micro-batches (its plan's packing) to rounding: float32 as the
     flex/dense check above, bf16 autocast within its logits' rounding (1.7B layer shapes, 2 layers)."""
     import random
     from types import SimpleNamespace
 
     from dice.config import TrainConfig
-    from dice.rl.old_logprobs import RolloutLogprobs
-    from dice.rl.packing import packed_logprobs, update_plan
-    from dice.rl.rollout import Completion
+    from dice.rl.packing import packed_logprobs
+    from dice.rl.update import OldLogprobs, update_plan
     from dice.runtime import Runtime
+    from dice.sampling.completion import Completion
     model = random_model("1.7b", dtype=torch.float32, num_hidden_layers=2)
     rng, comps = random.Random(1), []
     for prompt_len, n in ((37, 90), (64, 41), (5, 150), (20, 300)):
@@ -141,7 +141,7 @@ def test_old_log_probs_beside_the_reward_are_the_updates_own(dtype, atol):
         comps.append(Completion(rng.choices(range(1000), k=prompt_len), rng.choices(range(1000), k=n), steps, "", None))
     cfg = TrainConfig(phase="e2e", out="unused", dtype=dtype, attention="flex", update_tokens=1024, updates_per_step=2)
     rt = Runtime(torch.device("cuda"))
-    old = RolloutLogprobs(model, cfg, rt, pad_id=0)
+    old = OldLogprobs(model, cfg, rt, pad_id=0)
     with torch.no_grad():
         old(comps, lambda: False)
         plan, _, _ = update_plan(comps, [1.0, -1.0, 0.5, -0.5], cfg, rt, 4, 151669, 0, True)
@@ -161,8 +161,8 @@ def test_flex_packed_update_rows_equal_dense():
     import random
 
     from dice.rl.packing import flex_length, group_rounds, pack, pad_batch, packed_logprobs
-    from dice.rl.rollout import Completion
-    from dice.rl.trace import trace_rounds
+    from dice.rl.update import trace_rounds
+    from dice.sampling.completion import Completion
     model = random_model("1.7b", dtype=torch.float32, num_hidden_layers=2)
     rng, comps = random.Random(0), []
     for prompt_len, n in ((37, 90), (64, 41), (5, 150)):

@@ -9,8 +9,8 @@ import torch
 from dice import load_model
 from dice.model.attention import streams_mask
 from dice.rl.packing import flex_length, group_rounds, micro_batches, pack, pad_batch, packed_logprobs, update_flops
-from dice.rl.rollout import Completion
-from dice.rl.trace import row_weights, trace_rounds
+from dice.rl.update import row_weights, trace_rounds
+from dice.sampling.completion import Completion
 from dice.sft.diffusion import doubled_logits
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"

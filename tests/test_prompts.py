@@ -203,7 +203,7 @@ def test_dice_chat_shape_is_dices_rollout_prompt():
 def test_sdar_and_dice_folders_are_asked_in_dices_shape_and_our_models_in_chatml():
     from types import SimpleNamespace
 
-    from dice.rl.rollout import prompt_format, task_prompt_ids
+    from dice.sampling.completion import prompt_format, task_prompt_ids
     from dice.tasks.load import Task
     sdar, ours = (SimpleNamespace(config=SimpleNamespace(extra=extra)) for extra in ({}, {"dice_one_shot": None}))
     assert (prompt_format(sdar).chat, prompt_format(sdar).one_shot) == ("dice", "load_inline")
@@ -243,7 +243,7 @@ def test_a_template_file_that_does_not_fit_is_one_line_naming_it(tmp_path):
     import sys
 
     from dice.errors import DataError
-    from dice.rl.rollout import load_prompt_template
+    from dice.sampling.completion import load_prompt_template
     good = tmp_path / "e2e.txt"
     good.write_text("<|im_start|>user\n{{pytorch_code}} <|im_end|>\n<|im_start|>assistant\n\n")
     assert load_prompt_template(str(good), infill=False) == good.read_text()
@@ -267,7 +267,7 @@ def test_a_template_file_that_does_not_fit_is_one_line_naming_it(tmp_path):
 
 @pytest.mark.slow
 def test_rl_rollouts_ask_with_the_template(tmp_path, monkeypatch):
-    import dice.rl.groups
+    import dice.rl.rollout
     import dice.rl.train_rl
     from dice.config import TrainConfig
 
@@ -283,7 +283,7 @@ def test_rl_rollouts_ask_with_the_template(tmp_path, monkeypatch):
         asked.extend(tok.decode(p) for p in prompts)
         raise Stop
 
-    monkeypatch.setattr(dice.rl.groups, "generate_and_score", capture)
+    monkeypatch.setattr(dice.rl.rollout, "generate_and_score", capture)
     cfg = TrainConfig(phase="e2e", model=str(rl_model_folder(tmp_path / "model")), out=str(tmp_path / "out"),
                       steps=1, tasks_per_step=1, group_size=2, prompt_template=str(template))
     with pytest.raises(Stop):

@@ -11,7 +11,7 @@ import torch
 
 from dice import load_model, load_tokenizer
 from dice.metrics import format_summary, summarize
-from dice.rl.rollout import Completion
+from dice.sampling.completion import Completion
 from dice.sampling.sampler import Sampling, choose_tokens, generate, select_positions
 from dice.verifier import VerifyResult
 

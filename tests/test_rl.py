@@ -13,11 +13,11 @@ import torch
 from dice import load_model
 import dice.rl.packing
 from dice.config import TrainConfig
-from dice.rl.packing import CompileClock, group_rounds, pack, packed_logprobs, update_plan
-from dice.rl.rollout import Completion
-from dice.rl.trace import row_weights, trace_rounds
-from dice.rl.groups import group_advantages
-from dice.rl.train_rl import policy_loss, policy_update, train_rl
+from dice.rl.packing import CompileClock, group_rounds, pack, packed_logprobs
+from dice.rl.rollout import group_advantages
+from dice.rl.train_rl import train_rl
+from dice.rl.update import policy_loss, policy_update, row_weights, trace_rounds, update_plan
+from dice.sampling.completion import Completion
 from dice.runs import RunFolderError
 from dice.runtime import Runtime
 from dice.sampling.sampler import Engine, Sampling, generate
@@ -230,13 +230,13 @@ def test_policy_update_loss_hand_computed(norm, expected, rows, update_tokens):
 def test_an_update_out_of_gpu_memory_says_which_flags_help(monkeypatch):
     """Out of memory (the H100 of 2026-12-06 beside 17 verifier processes) is one line naming the
     levers, not torch's traceback."""
-    import dice.rl.train_rl
+    import dice.rl.update
     from dice.errors import UserError
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 704.00 MiB.")
 
-    monkeypatch.setattr(dice.rl.train_rl, "_train_micro_batch", out_of_memory)
+    monkeypatch.setattr(dice.rl.update, "_train_micro_batch", out_of_memory)
     model = load_model(TINY)
     cfg = TrainConfig(phase="e2e", model=str(TINY), out="unused", update_tokens=16384, dtype="fp32")
     with pytest.raises(UserError, match=r"--update-tokens 8192 or turn on gradient checkpointing"):
@@ -481,7 +481,7 @@ def test_step_metrics_count_the_results_of_every_rollout_batch(tmp_path, monkeyp
     tasks are given to the verifier to prepare their references before the first scoring call."""
     from types import SimpleNamespace
 
-    import dice.rl.rollout
+    import dice.sampling.completion
     from dice.rl.rewards import verifier_reward
 
     class AllCorrect:
@@ -494,7 +494,7 @@ def test_step_metrics_count_the_results_of_every_rollout_batch(tmp_path, monkeyp
             AllCorrect.calls += 1
             return [SimpleNamespace(compiled=True, correct=True, speedup=2.0) for _ in pairs]
 
-    monkeypatch.setattr(dice.rl.rollout, "extract_code", lambda text: "code")   # any code block
+    monkeypatch.setattr(dice.sampling.completion, "extract_code", lambda text: "code")   # any code block
     cfg = TrainConfig(phase="e2e", model=str(rl_model_folder(tmp_path / "model")), out=str(tmp_path / "out"),
                       steps=1, tasks_per_step=2, group_size=4, rollout_batch=4, max_new_tokens=8, reward="speedup")
     train_rl(cfg, reward_fn=verifier_reward(AllCorrect(), "e2e", kind="speedup"), tasks=TASKS[:2])
@@ -510,7 +510,7 @@ def test_two_process_gloo_rl_matches_one_process(tmp_path):
     """Rollouts are seeded by task slot and eval task i by i, so 1 and 2 processes see the same
     first step and the same evaluations; under FSDP every process joins the evaluation (rank 0
     alone deadlocked in the parameter all-gathers). A resume on another process count is refused in
-    one line (a step's optimiser steps group each process's rows, `dice.rl.packing.update_plan`)."""
+    one line (a step's optimiser steps group each process's rows, `dice.rl.update.update_plan`)."""
     model = rl_model_folder(tmp_path / "model")
     script = str(Path(__file__).parent / "fixtures" / "rl_run.py")
     one = run_bounded([sys.executable, script, str(model), str(tmp_path / "one")], timeout=300)
@@ -538,7 +538,8 @@ def test_two_process_gloo_rl_matches_one_process(tmp_path):
     with pytest.raises(RunFolderError) as refused:   # one process resuming the two processes' run
         rl_run.run(str(model), str(tmp_path / "two"), steps=3, resume=True)
     assert "torchrun --nproc_per_node: the run was started with 2, this one has 1; resume with torchrun " \
-           "--nproc_per_node 2, or start a new run in another --out" in str(refused.value) and "\n" not in str(refused.value)
+           "--nproc_per_node 2, or start a new run in another --out" in str(refused.value)
+    assert "\n" not in str(refused.value)
 
 
 def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():
@@ -591,9 +592,11 @@ def test_every_reward_scores_a_batch_prepares_tasks_and_reports_its_gpu_memory()
         Reward()(tasks, comps)
 
     calls = []
-    verifier = SimpleNamespace(gpu_bytes=lambda: 3 * 2**30, prepare=lambda srcs, **kw: calls.append(("prepare", srcs, kw)),
+    verifier = SimpleNamespace(gpu_bytes=lambda: 3 * 2**30,
+                               prepare=lambda srcs, **kw: calls.append(("prepare", srcs, kw)),
                                map=lambda pairs, **kw: calls.append(("map", pairs)) or [None] * len(pairs))
-    for reward, program in ((VerifierReward(verifier, "e2e"), "GENERATED"), (ReplayedReward(verifier, "e2e"), "REFERENCE")):
+    for reward, program in ((VerifierReward(verifier, "e2e"), "GENERATED"),
+                            (ReplayedReward(verifier, "e2e"), "REFERENCE")):
         calls.clear()
         reward.prepare(tasks)
         assert reward(tasks, comps) == Scores([0.0], [None]) and reward.gpu_bytes() == 3 * 2**30

@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling in BiC-RL (`--dynamic-sampling-rounds`, dice.rl.groups `sample_step`): hand-worked
+"""DAPO's dynamic sampling in BiC-RL (`--dynamic-sampling-rounds`, dice.rl.rollout `sample_step`): hand-worked
 draws on a stubbed rollout (one process and two), then tiny CPU runs with a Python reward that is
 constant on some tasks: those groups are dropped and replaced, the update sees only the others,
 the counts reach metrics.jsonl, a resume continues the task stream, and the run ends with its plot."""
@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 
-import dice.rl.groups
+import dice.rl.rollout
 import dice.rl.train_rl
 from dice.config import TrainConfig, config_from_args
-from dice.rl.groups import sample_step
+from dice.rl.rollout import sample_step
 from dice.rl.train_rl import train_rl
 from dice.runs import RunFolderError
 from dice.runtime import Runtime
@@ -23,11 +23,11 @@ AGREE = {"t0", "t2", "t3", "t5", "t6"}     # the stub's groups of these tasks ar
 
 
 def stub_rollout(monkeypatch):
-    """`dice.rl.groups.rollout` replaced: group rewards 1, 1, ... for AGREE, else 0, 1, 0, ...; returns the
+    """`dice.rl.rollout.sample_groups` replaced: group rewards 1, 1, ... for AGREE, else 0, 1, 0, ...; returns the
     (slots, task names) of every call."""
     calls, lock = [], threading.Lock()
 
-    def rollout(model, tok, tasks, slots, cfg, reward_fn, seed, infill, fmt=None, while_scoring=None):
+    def sample_groups(model, tok, tasks, slots, cfg, reward, seed, infill, fmt=None, while_scoring=None, options=None):
         with lock:
             calls.append((list(slots), [t.name for t in tasks]))
         rewards = [1.0 if t.name in AGREE else float(j % 2) for t in tasks for j in range(cfg.group_size)]
@@ -36,7 +36,7 @@ def stub_rollout(monkeypatch):
             while_scoring(completions, lambda: True)
         return (completions, rewards, [None] * len(rewards),
                 {"generate_s": 1.0, "verify_s": 2.0, "verify_wait_s": 0.0, "rollout_batch": len(rewards)})
-    monkeypatch.setattr(dice.rl.groups, "rollout", rollout)
+    monkeypatch.setattr(dice.rl.rollout, "sample_groups", sample_groups)
     return calls
 
 
@@ -63,16 +63,17 @@ def test_dropped_groups_are_replaced_by_the_next_tasks(monkeypatch, rounds, draw
     assert calls == [([0, 1, 2, 3], ["t0", "t1", "t2", "t3"]), ([4, 5, 6], ["t4", "t5", "t6"]),
                      ([7, 8], ["t7", "t8"])][:ran]                     # slot d: the d-th task drawn
     assert len(sampled.rewards) == len(sampled.advantages) == len(sampled.completions) == 2 * drawn
-    assert sampled.timing == {"generate_s": ran * 1.0, "verify_s": ran * 2.0}
+    assert sampled.timing == {"generate_s": ran * 1.0, "verify_s": ran * 2.0, "verify_wait_s": 0.0,
+                              "rollout_batch": 2 * len(calls[-1][0])}      # summed seconds, the last round's batch
 
 
 def test_each_rounds_old_log_probs_count_its_responses_from_the_rounds_before(monkeypatch):
-    """The pass beside a round's reward (`dice.rl.old_logprobs`) numbers its responses as the update
+    """The pass beside a round's reward (`dice.rl.update.OldLogprobs`) numbers its responses as the update
     does, after those of the rounds before: rounds of 4, 3 and 2 tasks of 2 samples."""
     stub_rollout(monkeypatch)
     seen = []
     sample_step(None, None, ORDERED, 0, step_config(2), None, Runtime(torch.device("cpu")), seed=0, infill=False,
-                rollout_logprobs=lambda completions, finished, offset: seen.append((offset, completions[0])))
+                old_logprobs=lambda completions, finished, offset: seen.append((offset, completions[0])))
     assert seen == [(0, "t0/0"), (8, "t4/0"), (14, "t7/0")]
 
 
@@ -195,7 +196,8 @@ def test_a_resumed_run_draws_the_tasks_the_unbroken_run_drew(tmp_path):
              reward_fn=even_constant([]), tasks=TASKS)
     # --optimizer-state step (the default) forgets AdamW's moments before every update: none are saved
     assert torch.load(cut / "checkpoints" / "step_000001" / "trainer_state.pt")["optimizer"]["state"] == {}
-    with pytest.raises(RunFolderError, match="--dynamic-sampling-rounds: the run was started with 2, this one has 1; resume with --dynamic-sampling-rounds 2"):
+    with pytest.raises(RunFolderError, match="--dynamic-sampling-rounds: the run was started with 2, this one has 1; "
+                                             "resume with --dynamic-sampling-rounds 2"):
         train_rl(tiny_config(folder, cut, steps=2, dynamic_sampling_rounds=1, resume=True),
                  reward_fn=even_constant([]), tasks=TASKS)
     train_rl(tiny_config(folder, cut, steps=2, dynamic_sampling_rounds=2, resume=True, save_every=1),

@@ -1,4 +1,4 @@
-"""The update's old log-probs computed beside the reward's tail (`dice.rl.old_logprobs`): each round's
+"""The update's old log-probs computed beside the reward's tail (`dice.rl.update.OldLogprobs`): each round's
 against its own doubled row, stopping once the reward is in, and an update that uses them equal to
 one that computes them itself; `generate_and_score` runs the pass after the last token."""
 import copy
@@ -11,11 +11,10 @@ import torch
 
 from dice import load_model
 from dice.config import TrainConfig
-from dice.rl.old_logprobs import RolloutLogprobs
-from dice.rl.rollout import Completion, generate_and_score
-from dice.rl.trace import trace_rounds
-from dice.rl.train_rl import policy_update
+from dice.rl.rollout import generate_and_score
+from dice.rl.update import OldLogprobs, policy_update, trace_rounds
 from dice.runtime import Runtime
+from dice.sampling.completion import Completion
 from dice.sft.diffusion import doubled_logits
 from test_packing import COMPLETIONS, MASK, TINY   # tails, blocks of 1 to 4 rounds, a 2-token response
 
@@ -44,7 +43,7 @@ def round_row_logprobs(model, c: Completion, rnd) -> torch.Tensor:
 @pytest.mark.parametrize("budget", [12, 10**6])
 def test_each_rounds_old_log_probs_are_its_own_doubled_rows(budget):
     model = load_model(TINY)
-    old = RolloutLogprobs(model, config(update_tokens=budget), CPU, pad_id=0)
+    old = OldLogprobs(model, config(update_tokens=budget), CPU, pad_id=0)
     old(COMPLETIONS, lambda: False, offset=5)
     rounds = {(5 + k, rnd.index): (c, rnd) for k, c in enumerate(COMPLETIONS)
               for rnd in trace_rounds(c.step_map, len(c.prompt_ids), 4, c.tail_step_map)}
@@ -56,10 +55,10 @@ def test_each_rounds_old_log_probs_are_its_own_doubled_rows(budget):
 
 def test_the_pass_stops_once_the_reward_is_in():
     model = load_model(TINY)
-    done = RolloutLogprobs(model, config(update_tokens=12), CPU, pad_id=0)
+    done = OldLogprobs(model, config(update_tokens=12), CPU, pad_id=0)
     done(COMPLETIONS, lambda: True)
     assert done.values == {}
-    old = RolloutLogprobs(model, config(update_tokens=12), CPU, pad_id=0)
+    old = OldLogprobs(model, config(update_tokens=12), CPU, pad_id=0)
     answers = iter([False, False, True])   # on entry, before the first micro-batch, before the second
     old(COMPLETIONS, lambda: next(answers))
     computed = len(old.values)
@@ -85,12 +84,12 @@ def test_an_update_on_them_equals_one_that_computes_them(budget, stop_after):
     for model, beside in zip(models, (False, True)):
         old = None
         if beside:
-            old = RolloutLogprobs(model, cfg, CPU, pad_id=0)
+            old = OldLogprobs(model, cfg, CPU, pad_id=0)
             answers = iter([False] * (1 + (stop_after or 99)) + [True] * 99)   # entry, then per micro-batch
             old(COMPLETIONS, lambda: next(answers))
         optimizer = torch.optim.SGD(model.parameters(), lr=lr)
         out.append(policy_update(model, None, copy.deepcopy(COMPLETIONS), advantages, cfg, CPU, optimizer, 0,
-                                 rollout_logprobs=old))
+                                 old_logprobs=old))
     for key in ("loss", "clip_fraction", "grad_norm", "kl"):
         assert out[1][key] == pytest.approx(out[0][key], rel=GRAD_RTOL, abs=1e-7), key
     assert out[0]["clip_fraction"] > 0   # the second step moved the ratio: the old log-probs mattered

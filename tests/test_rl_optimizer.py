@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import dice.rl.packing
 import dice.rl.train_rl
+import dice.rl.update
 from dice import load_model
 from dice.config import RL_GRAD_CLIP, TrainConfig
-from dice.rl.packing import minibatches
-from dice.rl.rollout import Completion
-from dice.rl.train_rl import policy_update, restart_moments, train_rl
+from dice.rl.train_rl import train_rl
+from dice.rl.update import minibatches, policy_update, restart_moments
+from dice.sampling.completion import Completion
 from dice.runtime import Runtime
 
 from test_rl import TASKS, rl_model_folder
@@ -50,8 +50,8 @@ def test_policy_update_steps_on_whole_responses(monkeypatch):
     """Two responses of 3 round rows each and --rows-per-update 3: two optimiser steps, the first on
     response 0's three rounds, the second on response 1's."""
     seen = []
-    real = dice.rl.packing.group_rounds
-    monkeypatch.setattr(dice.rl.packing, "group_rounds", lambda items, *args: seen.append([k for k, _, _ in items])
+    real = dice.rl.update.group_rounds
+    monkeypatch.setattr(dice.rl.update, "group_rounds", lambda items, *args: seen.append([k for k, _, _ in items])
                         or real(items, *args))
     model = load_model(TINY)
     prompt = list(range(10, 17))

@@ -101,18 +101,20 @@ def test_generation_copy_is_bf16_on_cuda_only_and_keeps_tied_weights():
 
 
 def _rollout_with(monkeypatch, events: list, reward_fn, auto_batch: bool, generate_and_score):
-    """`dice.rl.groups.rollout` of two tasks x 2 samples with the model's parts replaced: `events`
+    """`dice.rl.rollout.sample_groups` of two tasks x 2 samples with the model's parts replaced: `events`
     records the order of the reward's preparation, the batch's sizing and the generation."""
-    import dice.rl.groups as groups
-    monkeypatch.setattr(groups, "task_prompt_ids", lambda tok, task, **kw: [1, 2, 3])
-    monkeypatch.setattr(groups, "generation_copy", lambda model, dtype: model)
-    monkeypatch.setattr(groups, "auto_rollout_batch", lambda model, lens, new, others: events.append(f"size {others}") or 3)
-    monkeypatch.setattr(groups, "generate_and_score", generate_and_score)
+    import dice.rl.rollout as rollout
+    monkeypatch.setattr(rollout, "task_prompt_ids", lambda tok, task, **kw: [1, 2, 3])
+    monkeypatch.setattr(rollout, "generation_copy", lambda model, dtype: model)
+    monkeypatch.setattr(rollout, "auto_rollout_batch",
+                        lambda model, lens, new, others: events.append(f"size {others}") or 3)
+    monkeypatch.setattr(rollout, "generate_and_score", generate_and_score)
     cfg = SimpleNamespace(group_size=2, dtype="auto", rollout_batch=64, max_new_tokens=8, verifier_workers=2,
                           sampling=lambda: None)
     model = torch.nn.Linear(1, 1)
     tasks = [SimpleNamespace(name="a"), SimpleNamespace(name="b")]
-    return groups.rollout(model, None, tasks, [0, 1], cfg, reward_fn, 0, False, auto_batch=auto_batch, fmt=object())
+    return rollout.sample_groups(model, None, tasks, [0, 1], cfg, reward_fn, 0, False, fmt=object(),
+                                 options=rollout.RolloutOptions(auto_batch=auto_batch))
 
 
 def test_the_rollout_batch_is_sized_with_room_for_the_verifiers_processes(monkeypatch):

@@ -17,9 +17,9 @@ from dice.memory import GIB, MemoryShortage, check_update_fits, update_fixed_byt
 from dice.model.checkpoint import read_config
 from dice.model.sdar import sdar_shape
 from dice.rl.packing import group_bound, largest_group
-from dice.rl.rollout import Completion
-from dice.rl.train_rl import policy_update
+from dice.rl.update import policy_update
 from dice.rl.update_memory import UpdateTokens, auto_update_tokens
+from dice.sampling.completion import Completion
 from dice.runtime import Runtime
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"

@@ -106,10 +106,10 @@ def test_save_solutions_overwrite_replaces_a_tasks_samples_whole(tmp_path):
 
 
 def test_sample_overwrite_replaces_the_out_file(tmp_path, monkeypatch, capsys):
-    import dice.rl.rollout
+    import dice.sampling.completion
     sample = command("sample")
     monkeypatch.setattr(sample, "complete", lambda model, tok, prompts, **kw: [
-        dice.rl.rollout.Completion(list(prompts[0]), [], [], "", "class ModelNew: pass")])
+        dice.sampling.completion.Completion(list(prompts[0]), [], [], "", "class ModelNew: pass")])
     out = tmp_path / "kernel.py"
     out.write_text("the user's kernel")
     sample.main(["--prompt", str(EXAMPLE), "--out", str(out), "--device", "cpu", "--overwrite"])
@@ -120,11 +120,11 @@ def test_sample_overwrite_replaces_the_out_file(tmp_path, monkeypatch, capsys):
 def test_evaluate_out_on_a_cpu_lists_the_generated_programs_as_unverified(tmp_path, monkeypatch, capsys):
     """--out was not written at all on a CPU; now it lists every program, unverified, and dice.metrics
     says so instead of comparing it."""
-    import dice.rl.rollout
+    import dice.sampling.completion
     from dice.cli import fail_cleanly
     from dice.metrics import main as metrics
     monkeypatch.setattr(command("evaluate"), "complete", lambda model, tok, prompts, **kw: [
-        dice.rl.rollout.Completion(list(p), [], [], "", "code") for p in prompts])
+        dice.sampling.completion.Completion(list(p), [], [], "", "code") for p in prompts])
     tasks, out = tmp_path / "kb" / "level1", tmp_path / "results.json"
     tasks.mkdir(parents=True)
     for name in ("1_A", "2_B"):

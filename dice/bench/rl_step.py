@@ -3,15 +3,14 @@
 DICE's RL configs: 64 tasks x 16 samples a step, up to 4,096 new tokens, block 4, 4 steps per block,
 dynamic remasking at 0.9, temperature 1, a binary compiled-and-correct reward; the defaults here are
 a smaller step (8 x 8) that finishes within the bench budget, `--tasks-per-step 64 --group-size 16`
-is DICE's. The step runs the training code itself (`dice.rl.groups.rollout`, `group_advantages`,
-`policy_update`) on a random-weight SDAR-shaped model (float32 master weights, bf16 autocast,
-AdamW, as `train.py`), with two stand-ins for what a random model cannot do (`dice.bench.replay`):
-each rollout replays a reference program the verifier calls correct (a `--broken` share broken)
+is DICE's. The step is the function training runs, `dice.rl.train_rl.rl_step`, on a random-weight
+SDAR-shaped model (float32 master weights, bf16 autocast, AdamW, as `train.py`), with two stand-ins
+for what a random model cannot do (`dice.bench.replay`): each rollout replays a reference program the verifier calls correct (a `--broken` share broken)
 and stops at that program's length in tokens, so generation, verification and the update meet
 DICE-shaped work.
 
 AdamW's moments do not exist during the rollouts: under DICE's `--optimizer-state step` they live for
-one update (`dice.rl.train_rl.restart_moments`), which makes them, as in every `train.py` step. Times:
+one update (`dice.rl.update.restart_moments`), which makes them, as in every `train.py` step. Times:
 generate (the generating thread), verify (time with a reward call running, mostly hidden behind
 generation), verify exposed (scoring left after the last token), update (the TraceRL update as a later
 step runs it: its time less compile s), with its micro-batches' budget (update tokens: `--update-tokens`
@@ -21,14 +20,14 @@ second against the H200's measured bf16 rate, and compile s (what the update's f
 beyond steady ones, `dice.rl.packing.CompileClock`: FlexAttention compiles once per process for the
 update's one micro-batch shape, so a `--compare`'s second step compiles nothing and shows 0). The
 update's old log-probs are computed beside the reward's tail where it leaves time
-(`dice.rl.old_logprobs`): in update s only what was left. The bound
+(`dice.rl.update.OldLogprobs`): in update s only what was left. The bound
 is the largest of generate, verify and update. `--baseline` runs the step as it ran before the rounds
 of a response shared one clean stream (`--update-rows round`: one doubled row per round, in the same
 token-sized micro-batches); `--compare` runs the baseline and then the given settings in one process
 (fresh program salts, so both build cold).
 
 Under `torchrun --nproc_per_node N` the step runs as `train.py`'s RL runs it on N GPUs: the policy
-sharded with FSDP2, each process rolling out the groups of its task slots (`dice.rl.groups.rank_slots`)
+sharded with FSDP2, each process rolling out the groups of its task slots (`dice.rl.rollout.rank_slots`)
 and verifying them on its own GPU with its share of `--workers` (`dice.rl.rewards.rank_verifier`), the
 update over all processes. Rank 0 checks the references and prints; the time columns are the
 slowest process's, and each process's generate, verify and update seconds follow in rank order.
@@ -50,13 +49,12 @@ from ..config import UPDATE_ROWS, TrainConfig
 from ..memory import MemoryShortage, check_fits, check_update_fits, kv_cache_bytes
 from ..model.sdar import SDAR
 from ..model.tokenizer import load_tokenizer
-from ..rl.groups import group_advantages, rank_slots, rollout
-from ..rl.old_logprobs import RolloutLogprobs
 from ..rl.rewards import planned_verifier_bytes, rank_verifier
-from ..rl.rollout import OVERLAP, FullParameters, prompt_format, task_prompt_ids
-from ..rl.train_rl import policy_update, restart_moments
+from ..rl.rollout import OVERLAP, FullParameters, RolloutOptions, rank_slots
+from ..rl.train_rl import Learner, rl_step
 from ..rl.update_memory import UpdateTokens
 from ..runtime import make_optimizer, setup_runtime, shard
+from ..sampling.completion import prompt_format, task_prompt_ids
 from ..tasks.load import curriculum, load_tasks, step_tasks
 from ..verifier import Verifier
 from .common import BF16_FLOPS, BudgetSpent
@@ -162,27 +160,22 @@ class PoolLoad:
         return self.text
 
 
-def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: TrainConfig, rt, optimizer, reward,
-             tokens: UpdateTokens | None, prompt_len: int, bench, gather, load=lambda: "") -> tuple[dict, str]:
-    """One timed step with the levers `s`: (its table row, a line of verdicts and update counts).
-    tokens: the update's budget (`dice.rl.update_memory`), planned before the first rollout for the
-    longest replayed response after a prompt of `prompt_len`; None: no update (--skip-update).
-    load(): text the progress line ends with (`PoolLoad`).
-    Under torchrun each process rolls out the groups of its task slots (`dice.rl.groups.rank_slots`, as
-    `train.py`), inside `gather` (`dice.rl.rollout.FullParameters`), and the update runs over all of them."""
+def run_step(s: Settings, learner: Learner, owners: list, lengths: list[int], chosen: list, base: TrainConfig, rt,
+             prompt_len: int, bench, load=lambda: "") -> tuple[dict, str]:
+    """One timed step with the levers `s`: (its table row, a line of verdicts and update counts). The
+    step is `dice.rl.train_rl.rl_step`, as `train.py` runs it, on the `chosen` tasks, whose samples
+    replay the programs of `owners` (task k's group in order) at `lengths`. learner.tokens: the
+    update's budget (`dice.rl.update_memory`), planned before the first rollout for the longest
+    replayed response after a prompt of `prompt_len`; None: no update (--skip-update). load(): text
+    the progress line ends with (`PoolLoad`). Under torchrun each process rolls out the groups of
+    its task slots (`dice.rl.rollout.rank_slots`), and the update runs over all of them."""
     cfg = dataclasses.replace(base, attention=s.attention, update_rows=s.update_rows,
                               rollout_batch=s.rollout_batch if isinstance(s.rollout_batch, int) else base.rollout_batch)
     cuda = rt.device.type == "cuda"
     name = "baseline" if s == BASELINE else "step"
     group = cfg.group_size
-    if tokens is not None:   # a step whose update cannot fit is refused now, not after its rollouts
-        tokens.before_rollouts(cfg, prompt_len, max(lengths))
-    mine = [k * group + j for k in rank_slots(0, len(owners) // group, rt) for j in range(group)]
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    model.eval()
+    if learner.tokens is not None:   # a step whose update cannot fit is refused now, not after its rollouts
+        learner.tokens.before_rollouts(cfg, prompt_len, max(lengths))
     generated = []   # the log keeps the moment the last rollout is generated as a line of its own
 
     def show(made: int, scored: int, n: int) -> None:
@@ -191,36 +184,26 @@ def run_step(s: Settings, model, tok, owners: list, lengths: list[int], base: Tr
             generated.append(n)
         bench.progress(f"{name}: rollouts generated {made}/{n}, verified {scored}/{n}{load()}", force=last)
 
-    # one-member groups: rollout k carries its own program; slot k's seed equals the grouped one's
-    old = None if tokens is None else RolloutLogprobs(model, cfg, rt, tok.pad_token_id, tokens)
-    with torch.no_grad(), gather or contextlib.nullcontext():
-        completions, rewards, results, timing = rollout(
-            model, tok, [owners[k] for k in mine], mine, dataclasses.replace(cfg, group_size=1), reward,
-            seed=cfg.seed * 100_003 * 10_007, infill=cfg.phase == "infill", overlap=s.overlap,
-            low_precision=s.rollout_dtype == "bf16", auto_batch=s.rollout_batch == "auto",
-            lengths=[lengths[k] for k in mine],
-            progress=show, while_scoring=old)
-    # compiling the old log-probs' forward, if it came first there, is compile s, not step s
-    old_compile_s = old.compile_s if old else 0.0
-    rollout_s = time.perf_counter() - start - old_compile_s
-    advantages = group_advantages(rewards, group)
-    model.train()
-    t0 = time.perf_counter()
-    update = {} if tokens is None else policy_update(
-        model, None, completions, advantages, cfg, rt, optimizer, tok.pad_token_id,
-        progress=lambda done, total: bench.progress(f"{name}: update micro-batches", done, total),
-        rollout_logprobs=old, tokens=tokens)
-    restart_moments(optimizer, cfg.optimizer_state)
+    replay = [list(zip(owners[k * group:(k + 1) * group], lengths[k * group:(k + 1) * group]))
+              for k in range(len(chosen))]
+    rollouts = RolloutOptions(overlap=s.overlap, low_precision=s.rollout_dtype == "bf16",
+                              auto_batch=s.rollout_batch == "auto", replay=replay, progress=show)
     if cuda:
         torch.cuda.synchronize()
-    update_s = time.perf_counter() - t0 - update.get("compile_s", 0.0)
-    compile_s = update.get("compile_s", 0.0) + old_compile_s
-    verified = [r for r in results if r is not None]
+        torch.cuda.reset_peak_memory_stats()
+    done = rl_step(learner, cfg, rt, chosen, 0, 0, rollouts=rollouts, update=learner.tokens is not None,
+                   update_progress=lambda k, total: bench.progress(f"{name}: update micro-batches", k, total))
+    update, samples = done.update, done.samples
+    # compiling, in the update or in the old log-probs' forward if it came first there, is compile s, not step s
+    compile_s = update.get("compile_s", 0.0) + done.logprobs_compile_s
+    rollout_s, update_s = done.rollout_s - done.logprobs_compile_s, done.update_s - update.get("compile_s", 0.0)
+    timing = samples.timing
+    verified = [r for r in samples.results if r is not None]
     ranks = _all_gather(rt, {"generate": timing["generate_s"], "verify": timing["verify_s"],
                              "verify exposed": timing["verify_wait_s"], "update": update_s,
-                             "step": rollout_s + update_s, "rollouts": len(completions), "reward": sum(rewards),
-                             "tokens": sum(len(c.tokens) for c in completions), "verified": len(verified),
-                             "verdicts": collections.Counter(r.status for r in verified),
+                             "step": rollout_s + update_s, "rollouts": len(samples.completions),
+                             "reward": sum(samples.rewards), "tokens": sum(len(c.tokens) for c in samples.completions),
+                             "verified": len(verified), "verdicts": collections.Counter(r.status for r in verified),
                              "peak": torch.cuda.max_memory_allocated() if cuda else 0})
     row = _row(s, rt, timing["rollout_batch"], ranks, update, compile_s)
     return row, _summary(row["run"], ranks, update)
@@ -307,7 +290,7 @@ def bench_rl(args, bench) -> None:
         chosen = step_tasks(correct, 0, args.tasks_per_step)
         tok_dir, tok, model, prompts = _tokenizer_and_model(args, config, rt, chosen)
         _check_rollout_memory(args, config, rt, len(rank_slots(0, len(chosen), rt)), prompts)
-        gather = None
+        gather = contextlib.nullcontext()
         if rt.world > 1:
             shard(model)
             gather = FullParameters(model)
@@ -329,8 +312,9 @@ def bench_rl(args, bench) -> None:
             if i == 0 and rt.main:
                 _describe(args, config, rt, chosen, replay, prompts, lengths, tok_dir, verdicts)
             reward = make_reward(args.reward, verifier, {t.solution: k for t, k in replay}, args.verify_timeout)
-            row, line = run_step(settings, model, tok, owners, lengths, base, rt, optimizer, reward, tokens,
-                                 max(map(len, prompts)), bench, gather, PoolLoad(verifier))
+            learner = Learner(model, tok, optimizer, reward, tokens, gather=gather)
+            row, line = run_step(settings, learner, owners, lengths, chosen, base, rt, max(map(len, prompts)), bench,
+                                 PoolLoad(verifier))
             if rt.main:
                 bench.row(row)
                 lines.append(line)

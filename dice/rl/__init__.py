@@ -1,15 +1,14 @@
 """BiC-RL: DICE's two-phase TraceRL (DESIGN.md §7; arXiv 2602.11715, Gen-Verse/dLLM-RL).
 
-One step, in the order `train_rl` runs it:
+One step (`train_rl.rl_step`) reads in three modules, top to bottom: `rollout`, then `update`,
+called from `train_rl`; the others are what they call.
 
 | module | |
 | --- | --- |
-| `rollout` | prompts -> completions with their step maps (which denoising round wrote each token) |
-| `rewards` | completions -> rewards: the verifier's verdicts (`rl_rewards`), or a function of your own |
-| `groups` | a step's groups: each task's rollouts, their rewards and group advantages, DAPO's dynamic sampling |
-| `trace` | TraceRL's trace rounds of a response and their weights |
-| `packing` | a response's rounds beside one clean stream, token-sized micro-batches, their log-probabilities |
-| `old_logprobs` | the rollout policy's log-probs of the update's loss tokens, computed while the reward finishes |
+| `train_rl` | `rl_step`, the step `train.py` runs and `python -m dice.bench rl` times; `train_rl`, the loop: the run folder, the log, the checkpoint, the evaluation |
+| `rollout` | the rollout side: a step's tasks and groups (DAPO's dynamic sampling), generation with the reward scoring beside it, the advantages |
+| `update` | the update side: TraceRL's trace rounds, the plan of optimiser steps, the old log-probs beside the reward's tail, the PPO-clip + k3 loss |
+| `rewards` | the reward's interface (`Reward`: score a batch, `prepare` a step's tasks, `gpu_bytes`), a Python reward, the verifier's |
+| `packing` | the update's tensor plumbing: a response's rounds beside one clean stream, token-sized micro-batches, their log-probabilities |
 | `update_memory` | the update's micro-batch budget, planned from the GPU memory free when it starts |
-| `train_rl` | `train_rl`: a step's groups, the PPO-clip + k3 update, the log, the checkpoint |
 """

@@ -13,7 +13,7 @@ needs only the blocks that hold its round's loss tokens (no other token of the c
 a response of n tokens whose block b trains in R_b rounds costs n + sum_b R_b |b| tokens, not
 2 n R. `update_rows="round"` builds the rows one per round, the whole sequence in x_t, as SFT's
 doubled row [x_t ; x_0] (and the update before the shared stream): the per-round path, for
-comparison. Each round row's loss tokens keep the weight `dice.rl.trace.row_weights` gave that row.
+comparison. Each round row's loss tokens keep the weight `dice.rl.update.row_weights` gave that row.
 
 Micro-batches hold at most `budget` tokens (every copy counted, padding not): groups are placed
 largest first into the first micro-batch with room (first-fit decreasing), and a group too large
@@ -25,12 +25,11 @@ once per shape, compiles in a process's first update and not after (`CompileCloc
 seconds); the dense path gives every
 group its own row, unpadded, since a dense mask grows with the square of the row.
 
-An RL step's update (`update_plan`, called by `dice.rl.train_rl.policy_update`) cuts its round rows into
-the optimiser steps' `minibatches` and each step's rows into these micro-batches.
+An RL step's update (`dice.rl.update.update_plan`) cuts its round rows into the optimiser steps'
+minibatches and each step's rows into these micro-batches; this module is its tensor plumbing.
 """
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -41,8 +40,16 @@ import torch.nn.functional as F
 
 from ..config import UPDATE_ROWS
 from ..model.attention import flex_streams_mask, streams_mask
-from .rollout import Completion
-from .trace import Round, row_weights, trace_rounds
+from ..sampling.completion import Completion
+
+
+@dataclass
+class Round:
+    """One trace round of a response (`dice.rl.update.trace_rounds`): what its noisy copy masks and
+    where its loss counts."""
+    masked: list[int]      # positions (in prompt + response) that are MASK in the noisy copy
+    loss: list[int]        # positions whose loss counts (unmasked at this round's step)
+    index: int             # r: the response's round rows in order
 
 
 @dataclass
@@ -139,10 +146,10 @@ class PackedBatch:
     all [B, L]; per loss token (in `loss_at` order, row-major) its target (the clean token), weight
     and advantage. `tokens` and `visible_pairs` count the real tokens and the (query, key) pairs the
     mask lets attend (`update_flops`); `rounds` names the loss tokens' rounds in that order: (response
-    k, round index, loss tokens) each (`dice.rl.old_logprobs`). Padding goes on along the position grid as sample -1 in
-    stream 1: no real token sees it, and a padding token sees only its own block of padding (every
-    row keeps a visible key; the FlexAttention mask visits one tile per tile of padding, not the
-    triangle a clean stream of padding would cost)."""
+    k, round index, loss tokens) each (`dice.rl.update.OldLogprobs`). Padding goes on along the
+    position grid as sample -1 in stream 1: no real token sees it, and a padding token sees only its
+    own block of padding (every row keeps a visible key; the FlexAttention mask visits one tile per
+    tile of padding, not the triangle a clean stream of padding would cost)."""
     ids: torch.Tensor
     position_ids: torch.Tensor
     stream: torch.Tensor
@@ -250,7 +257,7 @@ def packed_logprobs(model, batch: PackedBatch, use_flex: bool | None = None) -> 
     """log p(target | its noisy copy and the clean past) at every loss token, in `loss_at` order: [N].
 
     use_flex (None: on CUDA) attends through the block-sparse FlexAttention mask, over the batch as
-    given: `update_plan` pads the update's micro-batches to `flex_length`."""
+    given: `dice.rl.update.update_plan` pads the update's micro-batches to `flex_length`."""
     device = next(model.parameters()).device
     if use_flex is None:
         use_flex = device.type == "cuda"
@@ -280,7 +287,7 @@ FLEX_MET: set = set()
 class CompileClock:
     """The seconds an update spent compiling (`compile_s`). Compiled FlexAttention and its block
     masks (`dice.model.attention`) compile once per process for each shape and pass (a no-grad forward;
-    a forward and backward), and an update's micro-batches come in one shape (`update_plan`), so a
+    a forward and backward), and an update's micro-batches come in one shape (`dice.rl.update.update_plan`), so a
     process's first update compiles and later ones do not. `run` times each micro-batch to its end
     on the device; one whose (pass, shape) is new to `met` counts its time beyond the median time
     per token of this update's other micro-batches of that pass, or with none to compare its whole
@@ -318,68 +325,6 @@ class CompileClock:
         return extra
 
 
-# ---------------------------------------------------------------- an RL step's update plan (DESIGN.md §7)
-
-def minibatches(items: list, updates: int, order: str = "contiguous", seed: int = 0) -> list[list]:
-    """The round rows of each of a step's `updates` optimiser steps (DESIGN.md §7).
-
-    `items` come in rollout order: response by response, each response's rounds in order. contiguous
-    (DICE): they are cut into `updates` consecutive runs whose sizes differ by at most one, so a
-    step trains every round of a few responses, as DICE's 256-row chunks do (`train/rl_sdar.py`: a
-    DataLoader without a sampler over rows built response by response, one optimiser step per 32
-    accumulation steps of 8 processes); DICE drops the last N mod 256 rows' gradient (no step
-    follows them), here every row trains. shuffle: the same cut after a permutation seeded by
-    `seed`, so every step mixes responses and rounds of the whole rollout."""
-    if order == "shuffle":
-        items = [items[i] for i in torch.randperm(len(items), generator=torch.Generator().manual_seed(seed))]
-    base, extra = divmod(len(items), updates)
-    bounds = [u * base + min(u, extra) for u in range(updates + 1)]
-    return [items[bounds[u]:bounds[u + 1]] for u in range(updates)]
-
-
 def uses_flex(cfg, device: torch.device) -> bool:
     """Whether the update's masks are FlexAttention's: `--attention flex`, or auto on CUDA."""
     return {"flex": True, "dense": False}.get(cfg.attention, device.type == "cuda")
-
-
-def round_items(completions, ks, block_size: int, offset: int = 0) -> list[tuple[int, Completion, Round]]:
-    """(offset + k, completion k, round) for every trace round of the responses `ks`, response by
-    response, each one's rounds in order: the update's round rows."""
-    return [(offset + k, completions[k], rnd) for k in ks
-            for rnd in trace_rounds(completions[k].step_map, len(completions[k].prompt_ids), block_size,
-                                    completions[k].tail_step_map)]
-
-
-def update_plan(completions, advantages, cfg, rt, block_size: int, mask_id: int, pad_id: int, use_flex: bool,
-                seed: int = 0) -> tuple[list[list[PackedBatch]], int, int]:
-    """The update's micro-batches, per optimiser step (`dice.rl.train_rl`'s docstring; this module's): the kept
-    responses' trace rounds as round rows, split into U optimiser steps (U = `updates_per_step`, or
-    with 0 one per `rows_per_update` round rows of all processes, as in DICE; step u holds each
-    process's u-th run of rows, `minibatches`, shuffled with seed + rank under `--minibatch-order
-    shuffle`), each step's rows weighted by `row_weights` and packed into micro-batches of
-    `update_tokens` tokens. Returns (the micro-batches of every step, the responses and the round
-    rows of all processes). Under FSDP every backward is a collective, so each rank runs as many
-    micro-batches as the busiest rank, padding with empty ones. use_flex: each micro-batch is one
-    row padded to `dice.rl.packing.flex_length`, so every micro-batch of every step has the shape
-    [1, update_tokens] but for a group over the budget ([1, m x update_tokens], m the fewest
-    budgets that hold it); otherwise one unpadded row per group, as the dense mask wants."""
-    kept = [k for k, a in enumerate(advantages) if a is not None and completions[k].tokens]
-    n_responses = int(rt.all_sum(len(kept)))
-    items = round_items(completions, kept, block_size)
-    n_rows = int(rt.all_sum(len(items)))
-    if n_responses == 0:
-        return [], 0, 0
-    U = cfg.updates_per_step or max(1, math.ceil(n_rows / cfg.rows_per_update))
-    width = int(rt.all_max(max((len(completions[k].tokens) for k in kept), default=0)))   # L1
-    plan = []
-    for step in minibatches(items, U, cfg.minibatch_order, seed + rt.rank):
-        weights = row_weights(step, cfg.loss_norm, width=width, rows=int(rt.all_sum(len(step))),
-                              responses=n_responses, updates=U)
-        groups = group_rounds(step, weights, cfg.update_rows, block_size, cfg.update_tokens)
-        batches = [pack([chunk] if use_flex else [[g] for g in chunk], mask_id, pad_id, advantages)
-                   for chunk in micro_batches(groups, cfg.update_tokens)]
-        batches += [empty_batch(block_size, pad_id)] * (int(rt.all_max(len(batches))) - len(batches))
-        if use_flex:
-            batches = [pad_batch(b, flex_length(b.ids.shape[1], cfg.update_tokens)) for b in batches]
-        plan.append(batches)
-    return plan, n_responses, n_rows

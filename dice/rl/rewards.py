@@ -26,7 +26,7 @@ import torch
 from ..protocols import DICE_REWARD
 from ..tasks.load import Task
 from ..tasks.prompts import keeps_skeleton
-from .rollout import Completion
+from ..sampling.completion import Completion
 
 
 @dataclass

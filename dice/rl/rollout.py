@@ -1,131 +1,274 @@
-"""From kernel tasks to generated programs: prompt ids, batched generation, code extraction, and
-the BiC-RL rollout machinery that overlaps generation with scoring.
+"""The rollout side of a BiC-RL step (DESIGN.md §7): the step's tasks, `group_size` samples of each,
+their rewards and group advantages, read top to bottom in the order the step runs them.
 
-One path used by `sample.py`, `evaluate.py` and BiC-RL rollouts (DESIGN.md §5, §6): the prompt
-comes from `dice.tasks.prompts` in the model's `prompt_format` (the one-shot example style a model was
-trained with is recorded in its config.json as `dice_one_shot`; DICE/SDAR folders lack the key and
-get KernelBench's load_inline example in DICE's RL chat shape), or from a user's template
-(`load_prompt_template`), the token ids and step maps come straight from the sampler and are kept, never
-re-tokenised, together with the sampler's last-block tail after the cut that the TraceRL replay
-needs (DESIGN.md §7).
-
-A rollout step (`generate_and_score`, called by `dice.rl.groups.rollout`) keeps the GPU generating while
-the verifier works: every finished sequence goes to the reward at once, from a bf16 copy of the
-policy (`generation_copy`) in batches as large as the KV caches leave room for
-(`auto_rollout_batch`); `python -m dice.bench rl` measures it.
+`sample_step` draws the step's tasks in rounds (`--dynamic-sampling-rounds`: DAPO's dynamic sampling
+draws new tasks in place of groups whose rewards all agree); `sample_groups` turns a round's tasks
+into prompts and seeds and asks the reward (`dice.rl.rewards.Reward`) to prepare them; then
+`generate_and_score` keeps the GPU generating while the reward works: every block's finished
+sequences go to the reward at once, on scoring threads (`_Scorer`), from a bf16 copy of the policy
+(`generation_copy`) in batches as large as the KV caches leave room for (`auto_rollout_batch`).
+The task -> prompt -> completion path itself is `dice.sampling.completion`'s; `python -m dice.bench
+rl` measures this one through `dice.rl.train_rl.rl_step`.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
-from ..errors import DataError, read_text
-from ..memory import gpu_memory, kv_cache_bytes
+from ..memory import gpu_memory, kv_cache_bytes, out_of_memory
 from ..model.sdar import SDAR
-from ..sampling.sampler import CachedForward, Engine, Generated, Sampling, generate
-from ..tasks.load import Task
-from ..tasks.prompts import PromptFormat, extract_code, template_problem
+from ..sampling.completion import Completion, complete, prompt_format, task_prompt_ids
+from ..sampling.sampler import CachedForward, Sampling
+from ..tasks.load import Task, tasks_at
+from ..tasks.prompts import PromptFormat
+from .rewards import Reward
 
 OVERLAP = ("stream", "batch", "none")
 # of the free GPU memory that `auto_rollout_batch` plans the sampler into at most; the rest is for
 # the allocator's fragments and the judges' reference outputs (cached up to 4 GiB each), beside
 # the memory set aside for the verifier's processes themselves
 MEMORY_SHARE = 0.8
+SUMMED = ("generate_s", "verify_s", "verify_wait_s")   # a step's seconds, over its rollout rounds
 
 
-def one_shot_style(model) -> str | None:
-    return model.config.extra.get("dice_one_shot", "load_inline")
+@dataclasses.dataclass
+class RolloutOptions:
+    """How a step's rollouts run beyond TrainConfig: train.py runs the defaults, `python -m dice.bench
+    rl` measures the others."""
+    overlap: str = "stream"         # when the reward scores (`generate_and_score`)
+    low_precision: bool = True      # sample from `generation_copy`; False: the model itself
+    auto_batch: bool = False        # the batch from the free GPU memory (`auto_rollout_batch`), not --rollout-batch
+    # per slot (the d-th task the step draws), each sample's (owner the reward scores, forced response length):
+    # the programs `python -m dice.bench rl` replays
+    replay: list[list[tuple[Task, int]]] | None = None
+    progress: Callable[[int, int, int], None] | None = None   # (generated, scored, total), as sequences finish
 
 
-def prompt_format(model, template: str | None = None, chat: str | None = None) -> PromptFormat:
-    """The prompt a model is asked in: its one-shot style, DICE's RL chat shape for SDAR/DICE folders
-    (no `dice_one_shot` in config.json: DICE's checkpoints were reinforced on it) and ChatML for
-    models made here, unless `chat` is given; a user's `template` text replaces all of it."""
-    default_chat = "dice" if "dice_one_shot" not in model.config.extra else "chatml"
-    return PromptFormat(one_shot_style(model), chat or default_chat, template)
+@dataclasses.dataclass
+class StepSamples:
+    """One RL step's samples (`sample_step`): this process's completions, rewards, verifier results
+    and advantages in draw order; the counts are all processes'."""
+    completions: list
+    rewards: list[float]
+    results: list
+    advantages: list[float | None]
+    timing: dict        # SUMMED over the rounds; the last round's rollout_batch
+    drawn: int = 0      # tasks rolled out
+    dropped: int = 0    # of them, groups whose rewards all agreed (no advantage: they train nothing)
+    rounds: int = 0     # rollout rounds run
 
 
-def load_prompt_template(path: str, infill: bool, flag: str = "--prompt-template") -> str:
-    """The text of a prompt template file (`dice.tasks.prompts.template_problem`): the model's whole input,
-    read as it is (a newline is a newline, not `\\n`); one that does not fit is a DataError naming
-    the file and the fix."""
-    if not Path(path).is_file():
-        raise DataError(f"{flag} {path}: no such file; pass a text file holding the whole prompt with "
-                        "{{pytorch_code}} where the task goes")
-    text = read_text(path)
-    problem = template_problem(text, infill)
-    if problem:
-        raise DataError(f"{flag} {path}: {problem}")
-    return text
-
-
-def task_prompt_ids(tokenizer, task: Task, *, infill: bool = False, fmt: PromptFormat = PromptFormat()) -> list[int]:
-    """Prompt ids asking for a ModelNew for `task` (with its skeleton when `infill`) in `fmt`."""
-    if infill and task.prefix is None:
-        raise ValueError(f"task {task.name} has no prefix/middle/suffix split, so it cannot be an infilling task")
-    return tokenizer.encode(fmt.text(task.source, task.prefix if infill else None, task.suffix if infill else None))
-
-
-@dataclass
-class Completion:
-    prompt_ids: list[int]
-    tokens: list[int]           # generated ids, eos kept when hit
-    step_map: list[int]         # denoising step at which each token was unmasked
-    text: str                   # decoded response without the eos token
-    code: str | None            # the first fenced code block, if any
-    # the last block's positions after the cut: never part of the response, but the sampler saw
-    # them while it denoised that block (GenerationResult.tail_tokens)
-    tail_tokens: list[int] = field(default_factory=list)
-    tail_step_map: list[int] = field(default_factory=list)
-
-
-def _completion(tokenizer, prompt: Sequence[int], g: Generated) -> Completion:
-    body = g.tokens[:-1] if g.tokens and g.tokens[-1] in tokenizer.eos_token_ids else g.tokens
-    text = tokenizer.decode(body)
-    return Completion(list(prompt), g.tokens, g.step_map, text, extract_code(text), g.tail_tokens, g.tail_step_map)
-
-
-def complete(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-             sampling: Sampling = Sampling(), engine: Engine = Engine(), batch_size: int = 64,
-             seed: int | Sequence[int] = 0, progress: Callable[[int], None] | None = None,
-             lengths: Sequence[int] | None = None, on_done: Callable[[int, Completion], None] | None = None,
-             stop_at_eos: bool = True) -> list[Completion]:
-    """Generate for every prompt in batches of `batch_size` (prompts sorted by length for tighter
-    batches; the sampler is batch-invariant and prompt i always uses its own seed, seed + i or
-    seed[i], so the grouping does not change any result). max_new_tokens, sampling, engine,
-    progress: `generate`'s. lengths: per prompt, the sampler's forced response length (`generate`).
-    on_done(i, completion): called as prompt i finishes, before that block's `progress` call.
-    stop_at_eos=False: every prompt runs to max_new_tokens (DICE's evaluation scripts,
-    `evaluate.py --dice-scripts`)."""
-    seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed + i for i in range(len(prompts))]
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    out: list[Completion | None] = [None] * len(prompts)
-    done = 0
-    for start in range(0, len(order), batch_size):
-        chunk = order[start:start + batch_size]
-        report = None if progress is None else (lambda n, base=done: progress(base + n))
-
-        def finished(row: int, generated: Generated, chunk=chunk) -> None:
-            out[chunk[row]] = _completion(tokenizer, prompts[chunk[row]], generated)
-            if on_done is not None:
-                on_done(chunk[row], out[chunk[row]])
-
-        eos = tokenizer.eos_token_ids if stop_at_eos else ()
-        result = generate(model, [prompts[i] for i in chunk], max_new_tokens=max_new_tokens, sampling=sampling,
-                          eos_token_ids=eos, seed=[seeds[i] for i in chunk], engine=engine,
-                          lengths=None if lengths is None else [lengths[i] for i in chunk], progress=report,
-                          on_finish=finished)
-        done += result.num_tokens
+def sample_step(model, tok, ordered: list[Task], first: int, cfg, reward: Reward, rt, seed: int, infill: bool,
+                fmt: PromptFormat | None = None, old_logprobs=None,
+                options: RolloutOptions = RolloutOptions()) -> StepSamples:
+    """A step's rollouts: `tasks_per_step` tasks of `ordered` from position `first` on (`sample_groups`),
+    then, with `--dynamic-sampling-rounds N`, up to N more rounds, each drawing the next tasks, one
+    for every group of the round before whose rewards all agreed, until no group of a round agrees
+    (DAPO's dynamic sampling, arXiv 2503.14476 §3.2: keep sampling until the batch holds only groups
+    with an advantage; DAPO over-samples a fixed batch and cuts the surplus, here a round draws
+    exactly the groups missing, so no group that teaches is thrown away). The d-th task the step
+    draws fills slot d (its samples' seeds, `sample_groups`), the slots of a round spread over the
+    processes as in the first, so the draws and seeds depend on (seed, step, slot) alone.
+    old_logprobs (`dice.rl.update.OldLogprobs`) runs beside each round's reward tail."""
+    out = StepSamples([], [], [], [], {})
+    count = cfg.tasks_per_step
+    while count and out.rounds <= cfg.dynamic_sampling_rounds:
+        drawn = tasks_at(ordered, first + out.drawn, count)
+        slots = rank_slots(out.drawn, count, rt)
+        beside = None if old_logprobs is None else functools.partial(old_logprobs, offset=len(out.completions))
+        completions, rewards, results, timing = sample_groups(model, tok, [drawn[k - out.drawn] for k in slots],
+                                                              slots, cfg, reward, seed=seed, infill=infill, fmt=fmt,
+                                                              while_scoring=beside, options=options)
+        advantages = group_advantages(rewards, cfg.group_size)
+        count = int(rt.all_sum(advantages[::cfg.group_size].count(None)))
+        out.completions += completions
+        out.rewards += rewards
+        out.results += results
+        out.advantages += advantages
+        out.timing = ({key: out.timing.get(key, 0.0) + timing[key] for key in SUMMED}
+                      | {"rollout_batch": timing["rollout_batch"]})
+        out.drawn, out.dropped, out.rounds = out.drawn + len(drawn), out.dropped + count, out.rounds + 1
     return out
 
 
-# ---------------------------------------------------------------- BiC-RL rollouts
+def rank_slots(first: int, count: int, rt) -> list[int]:
+    """This process's share of the slots first .. first + count - 1 of a step's tasks: every
+    world-th from its rank on. A slot fixes its task and its samples' seeds (`sample_groups`), so the
+    split changes which process generates a group, never the group."""
+    return list(range(first, first + count))[rt.rank::rt.world]
+
+
+def group_advantages(rewards: Sequence[float], group_size: int) -> list[float | None]:
+    """(R - mean_g) / std_g per group of `group_size` consecutive rewards (population std);
+    None for every member of a group whose rewards are all equal (the group is dropped)."""
+    out: list[float | None] = []
+    for g in range(0, len(rewards), group_size):
+        group = rewards[g:g + group_size]
+        mean, std = statistics.fmean(group), statistics.pstdev(group)
+        out += [None] * len(group) if std == 0 else [(r - mean) / std for r in group]
+    return out
+
+
+def sample_groups(model, tok, tasks: list[Task], slots: list[int], cfg, reward: Reward, seed: int, infill: bool, *,
+                  fmt: PromptFormat | None = None, while_scoring=None, options: RolloutOptions = RolloutOptions()):
+    """Generate `group_size` responses per task and reward them while generation goes on
+    (`generate_and_score`; overlap "stream": each block's finished responses go to the reward at once,
+    up to `verifier_workers` calls at a time). Sample j of the task in slot k of the step uses seed
+    seed + k * group_size + j, so rollouts do not depend on how tasks are spread over processes.
+    Responses come from `generation_copy` (bf16 on CUDA under bf16 autocast) in batches of
+    `rollout_batch`, or as many as fit in memory (`options`, `auto_rollout_batch`); a replayed
+    sample (`options.replay`) is scored as its owner and stops at its length. while_scoring runs
+    beside the reward's tail (`generate_and_score`; `dice.rl.update.OldLogprobs`). Returns
+    (completions, rewards, results, timings): `results` are the verifier results of every
+    completion, in order (None where the reward has none, see `Scores`); timings also name the
+    rollout batch used. fmt: the prompt format (None: the model's, `prompt_format`)."""
+    prompts, owners, seeds, lengths = [], [], [], []
+    fmt = fmt or prompt_format(model)
+    for t, k in zip(tasks, slots):
+        ids = task_prompt_ids(tok, t, infill=infill, fmt=fmt)
+        samples = options.replay[k] if options.replay else [(t, None)] * cfg.group_size
+        prompts += [ids] * cfg.group_size
+        owners += [owner for owner, _ in samples]
+        lengths += [length for _, length in samples]
+        seeds += [seed + k * cfg.group_size + j for j in range(cfg.group_size)]
+    reward.prepare(list(tasks))    # the verifier's reward: the tasks' references computed while generating
+    policy = generation_copy(model, cfg.dtype) if options.low_precision else model
+    size = cfg.rollout_batch
+    if options.auto_batch:   # with room for the verifier's processes beside the sampler
+        size = auto_rollout_batch(policy, [len(p) for p in prompts], cfg.max_new_tokens, reward.gpu_bytes())
+    try:
+        completions, rewards, results, timings = generate_and_score(
+            policy, tok, prompts, owners, seeds, reward, batch_size=size, max_new_tokens=cfg.max_new_tokens,
+            sampling=cfg.sampling(), overlap=options.overlap, lanes=cfg.verifier_workers,
+            lengths=lengths if options.replay else None, progress=options.progress, while_scoring=while_scoring)
+    except torch.OutOfMemoryError:
+        raise out_of_memory("the rollouts", next(policy.parameters()).device,
+                            f"a rollout batch of {size} sequences", f"--rollout-batch {max(size // 2, 1)}") from None
+    return completions, rewards, results, {**timings, "rollout_batch": size}
+
+
+def generate_and_score(model, tokenizer, prompts: Sequence[Sequence[int]], owners: Sequence, seeds: Sequence[int],
+                       score: Callable, *, batch_size: int, max_new_tokens: int, sampling: Sampling = Sampling(),
+                       overlap: str = "stream", lanes: int = 1, lengths: Sequence[int] | None = None,
+                       progress: Callable[[int, int, int], None] | None = None, while_scoring: Callable | None = None):
+    """Completions for `prompts` (generated `batch_size` at a time, `max_new_tokens` and `sampling`
+    as in `generate`) scored by `score(owners, completions)`, which returns a `dice.rl.rewards.Scores`
+    for the owners (tasks) and completions it is given.
+
+    overlap: "stream" scores every block's newly finished sequences as one call on a pool of
+    `lanes` threads (the verifier's workers) while the batch goes on, so the verifier starts on
+    the first finished rollout, not on the batch's last; "batch" scores each rollout batch as one
+    call once it is generated, one call at a time, while the next batch generates (the earlier
+    way); "none" scores everything after the last batch (no overlap; for measurements).
+    progress(generated, scored, total) is called as sequences finish and as scoring calls return
+    (from the scoring threads too). while_scoring(completions, finished) runs once the last batch is
+    generated, beside the scoring left (`dice.rl.update.OldLogprobs`: finished() is true once it is done).
+    Returns (completions, rewards, results, timings), in prompt
+    order; timings: generate_s (the generating thread), verify_s (time with a scoring call
+    running) and verify_wait_s (scoring left after the last batch: the part generation did not hide)."""
+    if overlap not in OVERLAP:
+        raise ValueError(f"overlap must be one of {OVERLAP}, got {overlap!r}")
+    n = len(prompts)
+    completions: list = [None] * n
+    counts, lock = [0, 0], threading.Lock()
+
+    def count(which: int, k: int) -> None:
+        with lock:
+            counts[which] += k
+            if progress is not None:
+                progress(counts[0], counts[1], n)
+
+    scorer = _Scorer(score, lanes if overlap == "stream" else 1, on_scored=lambda k: count(1, k))
+    generate_s = 0.0
+    try:
+        for start in range(0, n, batch_size):
+            batch, pending = list(range(start, min(n, start + batch_size))), []
+
+            def finished(j: int, completion: Completion, batch=batch, pending=pending) -> None:
+                completions[batch[j]] = completion
+                pending.append(batch[j])
+                count(0, 1)
+
+            def flush(_positions: int, pending=pending) -> None:
+                if pending:
+                    scorer.submit(pending, owners, completions)
+                    pending.clear()
+
+            t0 = time.perf_counter()
+            complete(model, tokenizer, [prompts[i] for i in batch], max_new_tokens=max_new_tokens, sampling=sampling,
+                     batch_size=len(batch), seed=[seeds[i] for i in batch],
+                     progress=flush if overlap == "stream" else None,
+                     lengths=None if lengths is None else [lengths[i] for i in batch], on_done=finished)
+            generate_s += time.perf_counter() - t0
+            if overlap == "batch":
+                scorer.submit(batch, owners, completions)
+        if overlap == "none":
+            scorer.submit(list(range(n)), owners, completions)
+        t0 = time.perf_counter()
+        if while_scoring is not None:
+            while_scoring(completions, scorer.finished)
+        rewards, results = scorer.collect(n)
+        wait_s = max(0.0, scorer.last_end - t0)   # the reward's own tail, not while_scoring's
+    finally:
+        scorer.close()
+    return completions, rewards, results, {"generate_s": generate_s, "verify_s": scorer.busy_s,
+                                           "verify_wait_s": wait_s}
+
+
+class _Scorer:
+    """Scoring calls on `lanes` background threads; `busy_s` is the time with at least one running."""
+
+    def __init__(self, score: Callable, lanes: int, on_scored: Callable[[int], None] | None = None):
+        self.score, self.calls, self.on_scored = score, [], on_scored
+        self.pool = ThreadPoolExecutor(max_workers=max(1, lanes), thread_name_prefix="dice-score")
+        self.lock, self.running, self.since, self.busy_s = threading.Lock(), 0, 0.0, 0.0
+        self.last_end = 0.0   # when the last scoring call so far returned
+
+    def submit(self, indices: list[int], owners: Sequence, completions: list) -> None:
+        args = ([owners[i] for i in indices], [completions[i] for i in indices])
+        self.calls.append((list(indices), self.pool.submit(self._run, *args)))
+
+    def _run(self, owners, completions):
+        with self.lock:
+            if self.running == 0:
+                self.since = time.perf_counter()
+            self.running += 1
+        try:
+            scores = self.score(owners, completions)
+        finally:
+            with self.lock:
+                self.running -= 1
+                self.last_end = time.perf_counter()
+                if self.running == 0:
+                    self.busy_s += self.last_end - self.since
+        if self.on_scored is not None:
+            self.on_scored(len(completions))
+        return scores
+
+    def finished(self) -> bool:
+        """Whether every scoring call submitted so far has returned."""
+        return all(call.done() for _, call in self.calls)
+
+    def collect(self, n: int) -> tuple[list[float], list]:
+        rewards, results = [0.0] * n, [None] * n
+        for indices, call in self.calls:
+            scores = call.result()
+            for i, reward, result in zip(indices, scores.rewards, scores.results or [None] * len(indices)):
+                rewards[i], results[i] = reward, result
+        return rewards, results
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+# ---------------------------------------------------------------- the policy that samples, and its batch
 
 def generation_copy(model, dtype: str):
     """The model to sample rollouts from. On CUDA, when the update runs under bf16 autocast
@@ -215,117 +358,3 @@ def auto_rollout_batch(model, prompt_lens: Sequence[int], max_new_tokens: int, o
     available, in_use = gpu_memory(first.device)
     budget = min(MEMORY_SHARE * available, available - max(0, others_bytes - in_use))
     return max(1, min(len(prompt_lens), int(budget // per_sequence)))
-
-
-class _Scorer:
-    """Scoring calls on `lanes` background threads; `busy_s` is the time with at least one running."""
-
-    def __init__(self, score: Callable, lanes: int, on_scored: Callable[[int], None] | None = None):
-        self.score, self.calls, self.on_scored = score, [], on_scored
-        self.pool = ThreadPoolExecutor(max_workers=max(1, lanes), thread_name_prefix="dice-score")
-        self.lock, self.running, self.since, self.busy_s = threading.Lock(), 0, 0.0, 0.0
-        self.last_end = 0.0   # when the last scoring call so far returned
-
-    def submit(self, indices: list[int], owners: Sequence, completions: list) -> None:
-        args = ([owners[i] for i in indices], [completions[i] for i in indices])
-        self.calls.append((list(indices), self.pool.submit(self._run, *args)))
-
-    def _run(self, owners, completions):
-        with self.lock:
-            if self.running == 0:
-                self.since = time.perf_counter()
-            self.running += 1
-        try:
-            scores = self.score(owners, completions)
-        finally:
-            with self.lock:
-                self.running -= 1
-                self.last_end = time.perf_counter()
-                if self.running == 0:
-                    self.busy_s += self.last_end - self.since
-        if self.on_scored is not None:
-            self.on_scored(len(completions))
-        return scores
-
-    def finished(self) -> bool:
-        """Whether every scoring call submitted so far has returned."""
-        return all(call.done() for _, call in self.calls)
-
-    def collect(self, n: int) -> tuple[list[float], list]:
-        rewards, results = [0.0] * n, [None] * n
-        for indices, call in self.calls:
-            scores = call.result()
-            for i, reward, result in zip(indices, scores.rewards, scores.results or [None] * len(indices)):
-                rewards[i], results[i] = reward, result
-        return rewards, results
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-def generate_and_score(model, tokenizer, prompts: Sequence[Sequence[int]], owners: Sequence, seeds: Sequence[int],
-                       score: Callable, *, batch_size: int, max_new_tokens: int, sampling: Sampling = Sampling(),
-                       overlap: str = "stream", lanes: int = 1, lengths: Sequence[int] | None = None,
-                       progress: Callable[[int, int, int], None] | None = None, while_scoring: Callable | None = None):
-    """Completions for `prompts` (generated `batch_size` at a time, `max_new_tokens` and `sampling`
-    as in `generate`) scored by `score(owners, completions)`, which returns a `dice.rl.rewards.Scores`
-    for the owners (tasks) and completions it is given.
-
-    overlap: "stream" scores every block's newly finished sequences as one call on a pool of
-    `lanes` threads (the verifier's workers) while the batch goes on, so the verifier starts on
-    the first finished rollout, not on the batch's last; "batch" scores each rollout batch as one
-    call once it is generated, one call at a time, while the next batch generates (the earlier
-    way); "none" scores everything after the last batch (no overlap; for measurements).
-    progress(generated, scored, total) is called as sequences finish and as scoring calls return
-    (from the scoring threads too). while_scoring(completions, finished) runs once the last batch is
-    generated, beside the scoring left (`dice.rl.old_logprobs`: finished() is true once it is done).
-    Returns (completions, rewards, results, timings), in prompt
-    order; timings: generate_s (the generating thread), verify_s (time with a scoring call
-    running) and verify_wait_s (scoring left after the last batch: the part generation did not hide)."""
-    if overlap not in OVERLAP:
-        raise ValueError(f"overlap must be one of {OVERLAP}, got {overlap!r}")
-    n = len(prompts)
-    completions: list = [None] * n
-    counts, lock = [0, 0], threading.Lock()
-
-    def count(which: int, k: int) -> None:
-        with lock:
-            counts[which] += k
-            if progress is not None:
-                progress(counts[0], counts[1], n)
-
-    scorer = _Scorer(score, lanes if overlap == "stream" else 1, on_scored=lambda k: count(1, k))
-    generate_s = 0.0
-    try:
-        for start in range(0, n, batch_size):
-            batch, pending = list(range(start, min(n, start + batch_size))), []
-
-            def finished(j: int, completion: Completion, batch=batch, pending=pending) -> None:
-                completions[batch[j]] = completion
-                pending.append(batch[j])
-                count(0, 1)
-
-            def flush(_positions: int, pending=pending) -> None:
-                if pending:
-                    scorer.submit(pending, owners, completions)
-                    pending.clear()
-
-            t0 = time.perf_counter()
-            complete(model, tokenizer, [prompts[i] for i in batch], max_new_tokens=max_new_tokens, sampling=sampling,
-                     batch_size=len(batch), seed=[seeds[i] for i in batch],
-                     progress=flush if overlap == "stream" else None,
-                     lengths=None if lengths is None else [lengths[i] for i in batch], on_done=finished)
-            generate_s += time.perf_counter() - t0
-            if overlap == "batch":
-                scorer.submit(batch, owners, completions)
-        if overlap == "none":
-            scorer.submit(list(range(n)), owners, completions)
-        t0 = time.perf_counter()
-        if while_scoring is not None:
-            while_scoring(completions, scorer.finished)
-        rewards, results = scorer.collect(n)
-        wait_s = max(0.0, scorer.last_end - t0)   # the reward's own tail, not while_scoring's
-    finally:
-        scorer.close()
-    return completions, rewards, results, {"generate_s": generate_s, "verify_s": scorer.busy_s,
-                                           "verify_wait_s": wait_s}

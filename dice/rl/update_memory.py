@@ -2,8 +2,8 @@
 (DESIGN.md §7), as `dice.rl.rollout.auto_rollout_batch` sizes the rollout batch.
 
 `--update-tokens` 0 (auto, the default) asks at the start of every update, and of the old log-probs'
-pass beside the reward's tail that shares its micro-batches' shape (`dice.rl.old_logprobs`), what this
-process can take on the GPU (`dice.memory.gpu_memory`: by then the rollouts' KV caches are freed into
+pass beside the reward's tail that shares its micro-batches' shape (`dice.rl.update.OldLogprobs`),
+what this process can take on the GPU (`dice.memory.gpu_memory`: by then the rollouts' KV caches are freed into
 its allocator, and the float32 weights and the old log-probs are allocated). The plan
 (`dice.memory.plan_update_tokens`) sets aside what the update will allocate and has not yet: every
 parameter's gradient where it is None (4 bytes a float32 parameter: each optimiser step sets them to
@@ -76,7 +76,7 @@ def auto_update_tokens(model, cfg, others_bytes: int = 0, optimizer=None, longes
 
 class UpdateTokens:
     """An RL run's update micro-batch budget, asked with the step's config at the start of every update
-    (`policy_update`; the old log-probs' pass, which shares the micro-batches' shape: `for_forwards`):
+    (`dice.rl.update.policy_update`; the old log-probs' pass, which shares the micro-batches' shape: `for_forwards`):
     `--update-tokens` as given, or auto (`auto_update_tokens`, for the largest group of the step's
     completions), keeping the last budget while it still fits and holds that group, so that compiled
     FlexAttention meets one shape a run and compiles again only where the memory shrank. Under

@@ -27,10 +27,10 @@ from ..errors import DataError
 from ..model.checkpoint import INDEX, SINGLE
 from ..model.sdar import ModelConfig
 from ..model.tokenizer import load_tokenizer, train_tokenizer
-from ..rl.rollout import one_shot_style
 from ..runs import (TOKENIZER_FILES, MetricsLog, check_resume, check_run_folder, checkpoint_step, digest, make_logger,
                     progress_line, resume, run_settings, save_checkpoint, save_final, start_run)
 from ..runtime import build_model, lr_at, make_optimizer, row_generator, setup_runtime
+from ..sampling.completion import one_shot_style
 from ..tasks.prompts import thinks
 from .data import RowStream, collate, read_records, record_texts, tokenize_records, with_pad_targets
 from .diffusion import count_samples, diffusion_loss
