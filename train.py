@@ -2,13 +2,13 @@
 
 Every flag is a field of `dice.config.TrainConfig`; README lists them. With neither --model nor
 --data, `--phase sft|infill|e2e` runs the embedded default (`dice.config.DEFAULTS`' "PHASE embedded"
-rows, on `EMBEDDED_DATA`): the shipped dice-tiny on tasks `dice.taskgen` generates with a fixed seed, written into the run folder. The
-run folder defaults to a new `runs/<phase>-<time>/`. Under `torchrun --nproc_per_node N train.py
+rows, on `EMBEDDED_DATA`): the shipped dice-tiny on tasks `dice.taskgen` generates with a fixed seed,
+written into the run folder. The run folder defaults to a new `runs/<phase>-<time>/`. Under `torchrun --nproc_per_node N train.py
 ...` the model is sharded with FSDP2.
 
 Before any work or write, the validation layer checks the flags (`TrainConfig.validate`, then
 `check_usage`: exit status 2), the machine (`check_machine`), every input and output path
-(`check_paths`: the rules of `dice.inputs` and of run folders, `dice.runs.check_run_folder`)
+(`check_paths`: the rules of `dice.inputs` and of run folders, `dice.run_folder.check_run_folder`)
 and whether the sizes can fit in memory (`check_memory`, `dice.memory`).
 """
 import functools
@@ -31,7 +31,7 @@ from dice.rl.packing import group_bound
 from dice.rl.rewards import planned_verifier_bytes
 from dice.model.checkpoint import CheckpointError, read_config
 from dice.rl.train_rl import train_rl
-from dice.runs import RUN_ENTRIES, check_run_folder, latest_checkpoint
+from dice.run_folder import RUN_ENTRIES, check_run_folder, latest_checkpoint
 from dice.sampling.completion import load_prompt_template
 from dice.sft.train_sft import INIT_ENTRIES, init_model_folder, sft_sizes, train_sft
 

@@ -65,7 +65,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     attention: str = "auto"
     seed: int = 0
-    # the run folder (dice.runs)
+    # the run folder (dice.run_folder)
     save_every: int = 0
     keep_checkpoints: int = 2
     resume: bool = False

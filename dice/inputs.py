@@ -7,7 +7,7 @@ Outputs: nothing the user made is overwritten. A command writes a file (`output_
 of entries of a folder (`output_folder`, e.g. taskgen's four .json files, a run folder's
 `final/`, `metrics.jsonl`, ...) only where nothing is yet: an existing file it would write, or an
 existing entry of a folder it would replace, is refused unless `--overwrite` (which replaces
-those entries and nothing else), as a run folder refuses an earlier run (`dice.runs`). An
+those entries and nothing else), as a run folder refuses an earlier run (`dice.run_folder`). An
 output is also refused when it is, or lies inside, one of the command's inputs (a task file, a
 KernelBench or model folder), when the path is of the wrong kind (a folder where a file is
 written or the reverse), when its folder does not exist, and when that folder is not writable.

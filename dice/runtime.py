@@ -1,5 +1,6 @@
-"""What every training phase shares: devices and FSDP2, the model on them, the optimiser and its
-schedule, and the rows' random streams; run folders (checkpoints, resume, metrics) are `dice.runs`.
+"""What every training phase shares: the processes and devices it trains on (torchrun, FSDP2), the
+model on them, the optimiser and its schedule, and the rows' random streams; a run's folder
+(checkpoints, resume, metrics) is `dice.run_folder`.
 
 Randomness is a function of (seed, step, global row), never of a running generator, so a run
 resumed from step k continues exactly as the unbroken run would; where the process count shapes a

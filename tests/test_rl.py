@@ -18,7 +18,7 @@ from dice.rl.rollout import group_advantages
 from dice.rl.train_rl import train_rl
 from dice.rl.update import policy_loss, policy_update, row_weights, trace_rounds, update_plan
 from dice.sampling.completion import Completion
-from dice.runs import RunFolderError
+from dice.run_folder import RunFolderError
 from dice.runtime import Runtime
 from dice.sampling.sampler import Engine, Sampling, generate
 from dice.tasks.load import Task

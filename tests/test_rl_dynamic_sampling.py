@@ -13,7 +13,7 @@ import dice.rl.train_rl
 from dice.config import TrainConfig, config_from_args
 from dice.rl.rollout import sample_step
 from dice.rl.train_rl import train_rl
-from dice.runs import RunFolderError
+from dice.run_folder import RunFolderError
 from dice.runtime import Runtime
 from dice.tasks.load import Task
 from test_rl import TASKS, rl_model_folder

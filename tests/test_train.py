@@ -135,7 +135,7 @@ TINY = ROOT / "tests" / "fixtures" / "tiny-sdar"
 def saver(tmp_path):
     """save(step, keep) writes checkpoint `step` of a tiny model into tmp_path/out, as one process."""
     from dice.config import TrainConfig
-    from dice.runs import save_checkpoint
+    from dice.run_folder import save_checkpoint
     from dice.runtime import Runtime, make_optimizer
     model = load_model(TINY)
     optimizer = make_optimizer(model, TrainConfig(lr=1e-5))
@@ -149,7 +149,7 @@ def step_folders(out):
 
 
 def test_pruning_goes_by_step_number_and_keeps_the_checkpoint_just_written(tmp_path):
-    from dice.runs import resume
+    from dice.run_folder import resume
     out, model, optimizer, save = saver(tmp_path)
     save(999_999)
     save(1_000_000, keep=1)      # sorts before step_999999 by name
@@ -175,7 +175,7 @@ def test_an_existing_step_folder_is_replaced_by_the_new_checkpoint(tmp_path):
 
 def test_resume_with_latest_naming_a_missing_checkpoint_is_an_error(tmp_path):
     from dice.model.checkpoint import CheckpointError
-    from dice.runs import resume
+    from dice.run_folder import resume
     out, model, optimizer, save = saver(tmp_path)
     save(4)
     (out / "checkpoints" / "latest").write_text("step_000008")

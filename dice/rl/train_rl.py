@@ -33,8 +33,8 @@ from ..metrics import rl_progress_fields, rl_step_record
 from ..model.checkpoint import load_model
 from ..model.tokenizer import load_tokenizer
 from ..plot import plot_run
-from ..runs import (MetricsLog, check_resume, check_run_folder, checkpoint_step, make_logger, progress_line, resume,
-                    run_settings, save_checkpoint, save_final, start_run)
+from ..run_folder import (MetricsLog, check_resume, check_run_folder, checkpoint_step, make_logger, progress_line,
+                          resume, run_settings, save_checkpoint, save_final, start_run)
 from ..runtime import build_model, make_optimizer, setup_runtime
 from ..sampling.completion import complete, load_prompt_template, prompt_format, task_prompt_ids
 from ..tasks.load import Task, load_tasks, phase_tasks

@@ -2,7 +2,7 @@
 
 The loop: rows of packed examples from a reproducible stream (`dice.sft.data.RowStream`), each row
 noised with its own generator (seed, step, row), the doubled-sequence loss (`dice.sft.diffusion`),
-AdamW with warm-up (`dice.runtime`), checkpoints and metrics through `dice.runs`.
+AdamW with warm-up (`dice.runtime`), checkpoints and metrics through `dice.run_folder`.
 
 A step's loss, as LLaMA-Factory/HF Trainer run SDAR with gradient accumulation and DDP:
 `--loss-norm batch` (default) is the mean over the step's micro-batches (all processes) of SDAR's
@@ -27,8 +27,8 @@ from ..errors import DataError
 from ..model.checkpoint import INDEX, SINGLE
 from ..model.sdar import ModelConfig
 from ..model.tokenizer import load_tokenizer, train_tokenizer
-from ..runs import (TOKENIZER_FILES, MetricsLog, check_resume, check_run_folder, checkpoint_step, digest, make_logger,
-                    progress_line, resume, run_settings, save_checkpoint, save_final, start_run)
+from ..run_folder import (TOKENIZER_FILES, MetricsLog, check_resume, check_run_folder, checkpoint_step, digest,
+                          make_logger, progress_line, resume, run_settings, save_checkpoint, save_final, start_run)
 from ..runtime import build_model, lr_at, make_optimizer, row_generator, setup_runtime
 from ..sampling.completion import one_shot_style
 from ..tasks.prompts import thinks

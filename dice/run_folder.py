@@ -1,5 +1,6 @@
-"""Run folders: checkpoints written atomically and resumed exactly, the settings a resume must
-match, the metrics log and the progress line (DESIGN.md §4, §7; the devices they run on: `dice.runtime`).
+"""A run's folder: checkpoints written atomically and resumed exactly, the settings a resume must
+match (run.json), the metrics log and the progress line (DESIGN.md §4, §7; the processes and devices
+a run trains on: `dice.runtime`).
 
 Run directory layout (`--out DIR`):
     DIR/metrics.jsonl                 one JSON object per optimiser step
