@@ -142,11 +142,10 @@ def rank_verifier(workers: int, device: torch.device) -> dict:
 
 def planned_verifier_bytes(workers: int, device: torch.device) -> int:
     """The GPU memory this process's Verifier (`rank_verifier`'s share of `workers`) will hold once it
-    has verified a while (`Verifier.gpu_bytes`: its workers and judges), known before it starts: the
+    has verified a while (`Verifier.gpu_bytes`: its workers, judges and baseline), known before it starts: the
     memory checks of train.py and bench rl set it aside."""
-    from ..verifier.verifier import PROCESS_GPU_BYTES, WORKERS_PER_JUDGE   # lazy: as `rl_rewards`
-    mine = rank_verifier(workers, device)["workers"]
-    return (mine + max(1, mine // WORKERS_PER_JUDGE)) * PROCESS_GPU_BYTES
+    from ..verifier.verifier import pool_gpu_bytes   # lazy: as `rl_rewards`
+    return pool_gpu_bytes(rank_verifier(workers, device)["workers"])
 
 
 def rl_rewards(cfg, rt, reward_fn: "Reward | Callable | None") -> tuple[object | None, Reward, Reward]:

@@ -81,6 +81,13 @@ WORKERS_PER_JUDGE = 4         # a new task costs its judge 5 references; a known
 # (17 processes beside an RL step, one H100, 2026-12-06); ~0.2 GiB just after start-up
 PROCESS_GPU_BYTES = 2 ** 30
 
+def pool_gpu_bytes(workers: int, judges: int | None = None) -> int:
+    """What a pool's processes hold on the GPU once they have verified a while: PROCESS_GPU_BYTES for
+    each worker, each judge (default: one per WORKERS_PER_JUDGE workers) and the baseline's worker."""
+    judges = max(1, workers // WORKERS_PER_JUDGE) if judges is None else judges
+    return (workers + judges + 1) * PROCESS_GPU_BYTES
+
+
 NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is False); run on a GPU "
           "machine, or use Verifier(device='cpu') to exercise the pool with pure-PyTorch candidates")
 UNLOAD_TIMEOUT_S = 60.0
@@ -163,7 +170,7 @@ class Verifier:
         """The GPU memory its processes hold once they have verified a while: PROCESS_GPU_BYTES each
         (a trainer sizing its rollout batch sets aside what they do not hold yet,
         `dice.rl.rollout.auto_rollout_batch`)."""
-        return (len(self._judges) + len(self._workers) + 1) * PROCESS_GPU_BYTES if self.cuda else 0   # + the baseline's
+        return pool_gpu_bytes(len(self._workers), len(self._judges)) if self.cuda else 0
 
     def prepare(self, task_srcs: Iterable[str], **options) -> list[Future]:
         """Compute the references of these tasks' trials now, in the background, for candidates
