@@ -185,3 +185,33 @@ def test_a_load_with_the_toolchains_digests_is_not_taken_for_tampering(tmp_path)
                          "toolchain": {"pch/key/ok": "0" * 64}}, timeout=120)
     assert reply["status"] == "ok", reply
     worker.close()
+
+
+@pytest.mark.slow
+def test_a_worker_forked_from_a_broken_zygote_is_started_anew(tmp_path):
+    """Where a worker forked from the zygote cannot start (CUDA after a fork, say), the pool stops
+    forking and starts that worker, and every later one, from a new interpreter."""
+    import os
+    import subprocess
+
+    from dice.verifier.process import WorkerProcess
+    from dice.verifier.zygote import Keeper
+
+    class DeadZygote:
+        broken, ended = False, {}
+
+        def spawn(self, fd, role, config, log):
+            os.close(fd)                        # the worker's end: the trainer reads EOF at once
+            self.ended[2**22 + 1] = 0
+            return None if self.broken else Keeper(2**22 + 1, self)
+
+        def forked(self, process):
+            return isinstance(process, Keeper)
+
+    zygote = DeadZygote()
+    worker = WorkerProcess("candidate", {"device": "cpu", "cache_dir": str(tmp_path), "reference_cache_gb": 1,
+                                         "build": None}, tmp_path / "worker.log", zygote)
+    worker.restart()
+    worker.wait_started()
+    assert zygote.broken and isinstance(worker._process, subprocess.Popen) and worker.ready
+    worker.close()

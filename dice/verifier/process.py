@@ -239,13 +239,20 @@ class WorkerProcess:
             self._await_start()
 
     def _await_start(self) -> None:
-        if not self._ready:
-            try:
-                self.info = self._receive(STARTUP_TIMEOUT_S, log_start=0)
-            except (WorkerTimeout, WorkerDied) as exc:
+        if self._ready:
+            return
+        try:
+            self.info = self._receive(STARTUP_TIMEOUT_S, log_start=0)
+        except (WorkerTimeout, WorkerDied) as exc:
+            if not (self.zygote and self.zygote.forked(self._process)):
                 raise RuntimeError(f"the verifier's {self.role} worker failed to start ({exc}); "
                                    f"its full log is {self.log_path}") from None
-            self._ready = True
+            self.zygote.broken = True      # a worker forked from it cannot start here: new interpreters from now on
+            self._kill()
+            self._start()
+            self._await_start()
+            return
+        self._ready = True
 
     def _receive(self, timeout: float, log_start: int, sent: float | None = None) -> dict:
         if not self._conn.poll(max(timeout, 0.0)):

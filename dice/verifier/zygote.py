@@ -72,11 +72,19 @@ class Zygote:
         self._socket, self._lock, self._replies = ours, threading.Lock(), []
         self._reply = threading.Condition()
         self.ended: dict[int, int] = {}
+        self.broken = False     # set by a worker forked from it that failed to start
         threading.Thread(target=self._read, daemon=True, name="dice-zygote-reader").start()
+
+    def forked(self, process) -> bool:
+        return isinstance(process, Keeper) and process._zygote is self
 
     def spawn(self, fd: int, role: str, config: str, log: str) -> Keeper | None:
         """A keeper forked by the zygote serving `fd` (closed here either way), or None when the
-        zygote is not there (it failed to start, or found itself running more than one thread)."""
+        zygote is not there (it failed to start, or found itself running more than one thread) or a
+        worker forked from it failed to start."""
+        if self.broken:
+            os.close(fd)
+            return None
         with self._lock:
             try:
                 socket.send_fds(self._socket, [json.dumps({"role": role, "config": config, "log": log}).encode()
