@@ -256,7 +256,8 @@ class Verifier:
         clock = Clock(opts.timeout_s) if opts.rules == "dice" else None
         load = {"op": "load", **task, "candidate_src": candidate_src, "init_seed": init_seed,
                 "programs": str(programs) if programs else None,
-                "toolchain": self._prebuild.toolchain() if self._prebuild is not None else None}
+                "toolchain": (None if self._prebuild is None else self._prebuild.toolchain() if programs is not None
+                              else self._prebuild.toolchain_now())}
         reply = ask(worker, load, clock or Clock(opts.compile_timeout_s), "loading the candidate module")
         if reply["status"] != "ok":  # the module imported if the failure came after that
             return failed(reply, compiled=reply["status"] in ("invalid", "runtime_error"))

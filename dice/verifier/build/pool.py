@@ -133,6 +133,17 @@ class BuildPool:
         except FuturesTimeout:
             return {}
 
+    def toolchain_now(self) -> dict | None:
+        """As `toolchain`, without waiting: the digests if the warm-up has reported, else {} (the
+        shared cache's artifacts trusted by none of this candidate's builds). For a candidate with
+        no load_inline program found in its source: it builds nothing the warm-up would speed up,
+        so it does not wait ~30 s for it (a build it starts some other way trusts nothing shared)."""
+        if self._warm is None:
+            return None
+        if not self._warm.done():
+            return {}
+        return self._warm.result().get("toolchain") or {}
+
     def _send(self, request: dict) -> Future:
         done: Future = Future()
         request = {**request, "root": str(self.root), "capability": self.capability, "build": self.build,
