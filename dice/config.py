@@ -39,7 +39,7 @@ from .errors import UsageError
 from .model.tokenizer import SPECIAL_TOKENS
 from .sampling.choice import REMASKING, Sampling
 
-UPDATE_ROWS = ("response", "round")   # --update-rows (`dice.rl.packing`)
+UPDATE_ROWS = ("response", "round")   # --update-rows (`dice.model.packing`)
 
 
 @dataclass(init=False)

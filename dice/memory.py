@@ -35,7 +35,7 @@ UPDATE_SHARE = 0.9
 UPDATE_TOKENS_MAX = 16384
 UPDATE_TOKENS_CPU = 16384     # `--update-tokens` auto on a CPU, where there is no device memory to plan
 # an update micro-batch's loss tokens are at most half its tokens: each sits in one noisy copy and
-# once more in its response's clean stream (`dice.rl.packing`)
+# once more in its response's clean stream (`dice.model.packing`)
 LOSS_SHARE = 0.5
 FLEX_TILE = 128               # FlexAttention's block: an automatic budget is a whole number of them
 
@@ -86,7 +86,7 @@ def micro_batch_bytes(config, rows: int, length: int, dense_attention: bool) -> 
 
 def update_token_bytes(config, gradient_checkpointing: bool, element_size: int = 2,
                        loss_share: float = LOSS_SHARE) -> int:
-    """Bytes one token of an RL update micro-batch holds at the backward's peak (`dice.rl.packing`:
+    """Bytes one token of an RL update micro-batch holds at the backward's peak (`dice.model.packing`:
     a FlexAttention forward and backward with float32 master weights; element_size 2 under bf16
     autocast, 4 in float32). With h hidden, q = heads x head_dim, k = kv_heads x head_dim, I the MLP
     width, H heads, K kv_heads, a = element_size, each layer keeps for the backward:
@@ -145,7 +145,7 @@ def plan_update_tokens(available: int, unheld: int, fixed: int, per_token: int, 
     other processes, the verifier's, do not hold yet), `fixed` bytes set aside and `per_token` bytes
     a token, rounded down to `granule` and at most UPDATE_TOKENS_MAX, but never below `longest` (the
     largest group of rounds the step packs, rounded up to `granule`), so that no micro-batch passes
-    the budget (`dice.rl.packing.flex_length`) and FlexAttention meets one shape."""
+    the budget (`dice.model.packing.flex_length`) and FlexAttention meets one shape."""
     room = min(UPDATE_SHARE * available, available - unheld) - fixed
     fits = int(max(room, 0) // per_token)
     least = max(granule, -(-longest // granule) * granule)

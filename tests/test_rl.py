@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dice import load_model
-import dice.rl.packing
+import dice.model.packing
 from dice.config import TrainConfig
-from dice.rl.packing import CompileClock, group_rounds, pack, packed_logprobs
+from dice.model.packing import CompileClock, group_rounds, pack, packed_logprobs
 from dice.rl.rollout import group_advantages
 from dice.rl.train_rl import train_rl
 from dice.rl.update import policy_loss, policy_update, row_weights, trace_rounds, update_plan
@@ -369,7 +369,7 @@ def test_flex_plan_gives_the_dense_plans_log_probs_in_the_same_order_fp64():
 
 
 class FakeTime:
-    """`time` for dice.rl.packing whose clock moves only when a timed micro-batch says how long it took."""
+    """`time` for dice.model.packing whose clock moves only when a timed micro-batch says how long it took."""
     now = 0.0
 
     def perf_counter(self) -> float:
@@ -381,7 +381,7 @@ class FakeTime:
 
 def test_compile_clock_counts_a_new_shapes_micro_batches_beyond_the_steady_ones(monkeypatch):
     fake, met, cpu = FakeTime(), set(), torch.device("cpu")
-    monkeypatch.setattr(dice.rl.packing, "time", fake)
+    monkeypatch.setattr(dice.model.packing, "time", fake)
     one, two = (SimpleNamespace(ids=torch.zeros(1, n)) for n in (8, 16))
     first = CompileClock(met, cpu)
     for kind, seconds in (("forward", 3.0), ("forward", 1.0), ("train", 9.0), ("train", 2.0), ("train", 2.5)):

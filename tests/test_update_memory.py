@@ -16,7 +16,7 @@ from dice.config import TrainConfig
 from dice.memory import GIB, MemoryShortage, check_update_fits, update_fixed_bytes, update_token_bytes
 from dice.model.checkpoint import read_config
 from dice.model.sdar import sdar_shape
-from dice.rl.packing import group_bound, largest_group
+from dice.model.packing import group_bound, largest_group
 from dice.rl.update import policy_update
 from dice.rl.update_memory import UpdateTokens, auto_update_tokens
 from dice.sampling.completion import Completion

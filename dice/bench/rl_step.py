@@ -15,9 +15,9 @@ generate (the generating thread), verify (time with a reward call running, mostl
 generation), verify exposed (scoring left after the last token), update (the TraceRL update as a later
 step runs it: its time less compile s), with its micro-batches' budget (update tokens: `--update-tokens`
 auto plans it from the GPU memory free, `dice.rl.update_memory`, after refusing before the first rollout
-a step whose update cannot fit) and its model FLOPs (`dice.rl.packing.update_flops`) per
+a step whose update cannot fit) and its model FLOPs (`dice.model.packing.update_flops`) per
 second against the H200's measured bf16 rate, and compile s (what the update's first micro-batches took
-beyond steady ones, `dice.rl.packing.CompileClock`: FlexAttention compiles once per process for the
+beyond steady ones, `dice.model.packing.CompileClock`: FlexAttention compiles once per process for the
 update's one micro-batch shape, so a `--compare`'s second step compiles nothing and shows 0). The
 update's old log-probs are computed beside the reward's tail where it leaves time
 (`dice.rl.update.OldLogprobs`): in update s only what was left. The bound

@@ -1,7 +1,8 @@
 """BiC-RL: DICE's two-phase TraceRL (DESIGN.md §7; arXiv 2602.11715, Gen-Verse/dLLM-RL).
 
 One step (`train_rl.rl_step`) reads in three modules, top to bottom: `rollout`, then `update`,
-called from `train_rl`; the others are what they call.
+called from `train_rl`; the others are what they call (the update's micro-batches are
+`dice.model.packing`'s).
 
 | module | |
 | --- | --- |
@@ -9,6 +10,5 @@ called from `train_rl`; the others are what they call.
 | `rollout` | the rollout side: a step's tasks and groups (DAPO's dynamic sampling), generation with the reward scoring beside it, the advantages |
 | `update` | the update side: TraceRL's trace rounds, the plan of optimiser steps, the old log-probs beside the reward's tail, the PPO-clip + k3 loss |
 | `rewards` | the reward's interface (`Reward`: score a batch, `prepare` a step's tasks, `gpu_bytes`), a Python reward, the verifier's |
-| `packing` | the update's tensor plumbing: a response's rounds beside one clean stream, token-sized micro-batches, their log-probabilities |
 | `update_memory` | the update's micro-batch budget, planned from the GPU memory free when it starts |
 """

@@ -10,7 +10,7 @@ z-score advantages A = (R - mean_g) / std_g, dropping groups whose rewards are a
 (`--dynamic-sampling-rounds N`, DAPO's dynamic sampling, draws the next tasks in their place, up to
 N more rounds a step, and a step starts where the one before stopped drawing). The update
 (`dice.rl.update`): every kept response's trace rounds, cut into optimiser steps of
-`--rows-per-update` round rows and packed into micro-batches (`dice.rl.packing`), each optimiser
+`--rows-per-update` round rows and packed into micro-batches (`dice.model.packing`), each optimiser
 step's PPO-clip + k3 loss against the rollout policy's log-probs. `train_rl` runs the steps: the
 run folder, the metrics.jsonl line (`dice.metrics.rl_step_record`), the checkpoint, and a greedy
 evaluation before every `--eval-every`-th step and at the end.

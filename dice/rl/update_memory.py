@@ -23,7 +23,7 @@ import torch
 
 from ..memory import (FLEX_TILE, GIB, UPDATE_TOKENS_CPU, MemoryShortage, gpu_memory, plan_update_tokens,
                       update_fixed_bytes, update_token_bytes)
-from .packing import group_bound, largest_group
+from ..model.packing import group_bound, largest_group
 
 CHECKPOINTING = "turn on gradient checkpointing (train.py --gradient-checkpointing, bench rl --grad-ckpt)"
 
@@ -46,7 +46,7 @@ def auto_update_tokens(model, cfg, others_bytes: int = 0, optimizer=None, longes
     """The largest update micro-batch budget (tokens) that fits on the GPU now (module docstring,
     `dice.memory.plan_update_tokens`): a whole number of FlexAttention tiles (and of blocks), at most
     UPDATE_TOKENS_MAX and never below `longest`, the largest group of rounds the step packs
-    (`dice.rl.packing.largest_group`). others_bytes: what the verifier's processes hold once they
+    (`dice.model.packing.largest_group`). others_bytes: what the verifier's processes hold once they
     have verified a while (`Verifier.gpu_bytes`); the part not in use yet is set aside. Where not
     even that group fits, a MemoryShortage naming gradient checkpointing and --max-new-tokens.
     On a CPU: UPDATE_TOKENS_CPU."""
