@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dice import load_model
-from dice.rl.rollout import auto_rollout_batch, bf16_copy, generate_and_score, generation_copy
+from dice.memory import auto_rollout_batch
+from dice.rl.rollout import bf16_copy, generate_and_score, generation_copy
 from dice.sampling.sampler import Engine, Sampling, generate
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
@@ -147,13 +148,13 @@ def test_auto_rollout_batch_sets_aside_what_the_verifier_does_not_hold_yet(monke
     """The 8B rollouts of 2026-12-06 (one H100) ran out of memory at the batch that 70% of the free
     memory held (then the rule): the verifier's 17 processes, ~0.2 GiB each when the batch was sized, grew to ~0.8
     GiB each. Sequences of 1 GiB, 31 GiB available: with 2.4 of the verifier's 17 GiB in use the
-    batch is what 31 - 14.6 GiB holds; with all 17 in use, MEMORY_SHARE (80%) of the 31."""
-    import dice.rl.rollout as rollout
-    monkeypatch.setattr(rollout, "rollout_sequence_bytes", lambda *a: 2**30)
+    batch is what 31 - 14.6 GiB holds; with all 17 in use, ROLLOUT_SHARE (80%) of the 31."""
+    import dice.memory as memory
+    monkeypatch.setattr(memory, "rollout_sequence_bytes", lambda *a: 2**30)
     param = SimpleNamespace(device=torch.device("cuda", 0), element_size=lambda: 2)
     model = SimpleNamespace(parameters=lambda: iter([param]), config=None)
     for in_use, batch in ((2.4, 16), (17, 24), (20, 24)):
-        monkeypatch.setattr(rollout, "gpu_memory", lambda device: (31 * 2**30, int(in_use * 2**30)))
+        monkeypatch.setattr(memory, "gpu_memory", lambda device: (31 * 2**30, int(in_use * 2**30)))
         assert auto_rollout_batch(model, [800] * 64, 4096, others_bytes=17 * 2**30) == batch
     assert auto_rollout_batch(model, [800] * 8, 4096, others_bytes=17 * 2**30) == 8     # no more than the prompts
 
@@ -166,7 +167,7 @@ def test_a_rollout_sequences_memory_by_hand_and_against_the_8b_measured():
     shape's rollouts at batch 13 (prompts of 820 tokens, 4,096 new) peaked at 56.3 GiB beside
     45.8 GiB of float32 and bf16 weights (one H100, 2026-12-06): 0.81 GiB a sequence."""
     from dice.bench.training import model_config
-    from dice.rl.rollout import rollout_sequence_bytes
+    from dice.memory import rollout_sequence_bytes
     tiny = SimpleNamespace(block_size=4, num_hidden_layers=2, num_key_value_heads=1, head_dim=4, vocab_size=10,
                            intermediate_size=8, hidden_size=4)
     assert rollout_sequence_bytes(tiny, 5, 8, 2) == 512 + 416 + 1360 + 560

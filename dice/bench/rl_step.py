@@ -14,7 +14,7 @@ one update (`dice.rl.update.restart_moments`), which makes them, as in every `tr
 generate (the generating thread), verify (time with a reward call running, mostly hidden behind
 generation), verify exposed (scoring left after the last token), update (the TraceRL update as a later
 step runs it: its time less compile s), with its micro-batches' budget (update tokens: `--update-tokens`
-auto plans it from the GPU memory free, `dice.rl.update_memory`, after refusing before the first rollout
+auto plans it from the GPU memory free, `dice.memory.UpdateTokens`, after refusing before the first rollout
 a step whose update cannot fit) and its model FLOPs (`dice.model.packing.update_flops`) per
 second against the H200's measured bf16 rate, and compile s (what the update's first micro-batches took
 beyond steady ones, `dice.model.packing.CompileClock`: FlexAttention compiles once per process for the
@@ -46,13 +46,12 @@ import torch.distributed as dist
 
 from ..cli import at_least, in_range
 from ..config import UPDATE_ROWS, TrainConfig
-from ..memory import MemoryShortage, check_fits, check_update_fits, kv_cache_bytes
+from ..memory import MemoryShortage, UpdateTokens, check_fits, check_update_fits, kv_cache_bytes
 from ..model.sdar import SDAR
 from ..model.tokenizer import load_tokenizer
 from ..rl.rewards import planned_verifier_bytes, rank_verifier
 from ..rl.rollout import OVERLAP, FullParameters, RolloutOptions, rank_slots
 from ..rl.train_rl import Learner, rl_step
-from ..rl.update_memory import UpdateTokens
 from ..runtime import make_optimizer, setup_runtime, shard
 from ..sampling.completion import prompt_format, task_prompt_ids
 from ..tasks.load import curriculum, load_tasks, step_tasks
@@ -165,7 +164,7 @@ def run_step(s: Settings, learner: Learner, owners: list, lengths: list[int], ch
     """One timed step with the levers `s`: (its table row, a line of verdicts and update counts). The
     step is `dice.rl.train_rl.rl_step`, as `train.py` runs it, on the `chosen` tasks, whose samples
     replay the programs of `owners` (task k's group in order) at `lengths`. learner.tokens: the
-    update's budget (`dice.rl.update_memory`), planned before the first rollout for the longest
+    update's budget (`dice.memory.UpdateTokens`), planned before the first rollout for the longest
     replayed response after a prompt of `prompt_len`; None: no update (--skip-update). load(): text
     the progress line ends with (`PoolLoad`). Under torchrun each process rolls out the groups of
     its task slots (`dice.rl.rollout.rank_slots`), and the update runs over all of them."""

@@ -10,5 +10,4 @@ called from `train_rl`; the others are what they call (the update's micro-batche
 | `rollout` | the rollout side: a step's tasks and groups (DAPO's dynamic sampling), generation with the reward scoring beside it, the advantages |
 | `update` | the update side: TraceRL's trace rounds, the plan of optimiser steps, the old log-probs beside the reward's tail, the PPO-clip + k3 loss |
 | `rewards` | the reward's interface (`Reward`: score a batch, `prepare` a step's tasks, `gpu_bytes`), a Python reward, the verifier's |
-| `update_memory` | the update's micro-batch budget, planned from the GPU memory free when it starts |
 """

@@ -6,7 +6,7 @@ draws new tasks in place of groups whose rewards all agree); `sample_groups` tur
 into prompts and seeds and asks the reward (`dice.rl.rewards.Reward`) to prepare them; then
 `generate_and_score` keeps the GPU generating while the reward works: every block's finished
 sequences go to the reward at once, on scoring threads (`_Scorer`), from a bf16 copy of the policy
-(`generation_copy`) in batches as large as the KV caches leave room for (`auto_rollout_batch`).
+(`generation_copy`) in batches as large as the KV caches leave room for (`dice.memory.auto_rollout_batch`).
 The task -> prompt -> completion path itself is `dice.sampling.completion`'s; `python -m dice.bench
 rl` measures this one through `dice.rl.train_rl.rl_step`.
 """
@@ -22,19 +22,15 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..memory import gpu_memory, kv_cache_bytes, out_of_memory
+from ..memory import auto_rollout_batch, out_of_memory
 from ..model.sdar import SDAR
 from ..sampling.completion import Completion, complete, prompt_format, task_prompt_ids
-from ..sampling.sampler import CachedForward, Sampling
+from ..sampling.sampler import Sampling
 from ..tasks.load import Task, tasks_at
 from ..tasks.prompts import PromptFormat
 from .rewards import Reward
 
 OVERLAP = ("stream", "batch", "none")
-# of the free GPU memory that `auto_rollout_batch` plans the sampler into at most; the rest is for
-# the allocator's fragments and the judges' reference outputs (cached up to 4 GiB each), beside
-# the memory set aside for the verifier's processes themselves
-MEMORY_SHARE = 0.8
 SUMMED = ("generate_s", "verify_s", "verify_wait_s")   # a step's seconds, over its rollout rounds
 
 
@@ -325,36 +321,3 @@ class FullParameters:
         for m in self.modules:
             m.reshard()
             m.set_reshard_after_forward(True)
-
-
-def rollout_sequence_bytes(config, prompt_len: int, max_new_tokens: int, element_size: int) -> int:
-    """GPU memory one rollout sequence takes in the sampler: every layer's keys and values and the
-    sampler's row state (`dice.memory.kv_cache_bytes`) for its prompt + max_new_tokens (the sampler
-    allocates the whole length up front, DESIGN.md §5);
-    its share of a step's logits work: float32 copies of a block's [block, vocab] logits in the
-    token choice, and a logits buffer in each CUDA graph the sampler captures (one per KV_BUCKET
-    of cache length); and, while a batch's prompts are prefilled in one forward, a layer's
-    activations for its prompt: the MLP's gate, up, their SiLU and product (4 x intermediate)
-    and ~6 hidden-sized vectors a token."""
-    c, bs = config, config.block_size
-    length = (prompt_len // bs + 1 + -(-max_new_tokens // bs)) * bs
-    kv = kv_cache_bytes(c, 1, length, element_size)
-    logits = bs * c.vocab_size
-    scratch = 8 * logits * 4 + (length // CachedForward.KV_BUCKET + 1) * logits * element_size
-    prefill = prompt_len * (4 * c.intermediate_size + 6 * c.hidden_size) * element_size
-    return kv + scratch + prefill
-
-
-def auto_rollout_batch(model, prompt_lens: Sequence[int], max_new_tokens: int, others_bytes: int = 0) -> int:
-    """The largest rollout batch whose sampler state (`rollout_sequence_bytes` a sequence) fits
-    in MEMORY_SHARE of what this process can take on the GPU, and leaves room for what the
-    verifier's processes (others_bytes: `dice.verifier.Verifier.gpu_bytes`) do not hold yet: they
-    grow from ~0.2 GiB each at start-up to ~1 GiB once they have verified (17 GiB beside a
-    14-worker reward). On a CPU: every prompt in one batch."""
-    first = next(model.parameters())
-    if first.device.type != "cuda":
-        return len(prompt_lens)
-    per_sequence = rollout_sequence_bytes(model.config, max(prompt_lens), max_new_tokens, first.element_size())
-    available, in_use = gpu_memory(first.device)
-    budget = min(MEMORY_SHARE * available, available - max(0, others_bytes - in_use))
-    return max(1, min(len(prompt_lens), int(budget // per_sequence)))

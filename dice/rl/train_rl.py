@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from ..errors import DataError
+from ..memory import UpdateTokens
 from ..metrics import rl_progress_fields, rl_step_record
 from ..model.checkpoint import load_model
 from ..model.tokenizer import load_tokenizer
@@ -42,7 +43,6 @@ from ..tasks.prompts import PromptFormat
 from .rewards import Reward, Scores, rl_rewards
 from .rollout import FullParameters, RolloutOptions, StepSamples, sample_step
 from .update import OldLogprobs, policy_update, restart_moments
-from .update_memory import UpdateTokens
 
 # what a resumed RL run must keep (besides the tasks and the model)
 RESUME_FIELDS = ("phase", "seed", "tasks_per_step", "group_size", "max_new_tokens", "temperature", "remasking",
@@ -57,7 +57,7 @@ RESUME_FIELDS = ("phase", "seed", "tasks_per_step", "group_size", "max_new_token
 @dataclasses.dataclass
 class Learner:
     """What every step of a run uses: the policy, its tokenizer and optimiser, the reward, the update's
-    micro-batch budget (`dice.rl.update_memory.UpdateTokens`; None: no update), the frozen reference
+    micro-batch budget (`dice.memory.UpdateTokens`; None: no update), the frozen reference
     (--reference-model), the rollouts' prompt format (None: the model's) and the context generation
     runs in (under FSDP every parameter gathered: `dice.rl.rollout.FullParameters`)."""
     model: torch.nn.Module

@@ -54,11 +54,10 @@ from typing import Sequence
 
 import torch
 
-from ..memory import out_of_memory
+from ..memory import CHECKPOINTING, UpdateTokens, out_of_memory
 from ..model.packing import (CompileClock, PackedBatch, Round, empty_batch, flex_length, group_rounds, micro_batches,
                              pack, pad_batch, packed_logprobs, update_flops, uses_flex)
 from ..sampling.completion import Completion
-from .update_memory import CHECKPOINTING, UpdateTokens
 
 
 # ---------------------------------------------------------------- trace rounds
