@@ -318,7 +318,7 @@ class UpdateTokens:
         return self.last
 
 
-# ---------------------------------------------------------------- what does not fit: refused before, named after
+# ---------------------------------------------------------------- refusals, and the out-of-memory error
 
 def check_update_fits(config, device: torch.device, *, tokens: int, longest: int, gradient_checkpointing: bool,
                       autocast: bool, processes: int, others: int, flags: dict[str, str]) -> None:

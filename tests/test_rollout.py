@@ -8,7 +8,8 @@ import torch
 
 from dice import load_model
 from dice.memory import auto_rollout_batch
-from dice.rl.rollout import bf16_copy, generate_and_score, generation_copy
+from dice.rl.rollout import generate_and_score
+from dice.sampling.completion import bf16_copy, generation_copy
 from dice.sampling.sampler import Engine, Sampling, generate
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"

@@ -50,10 +50,10 @@ from ..memory import MemoryShortage, UpdateTokens, check_fits, check_update_fits
 from ..model.sdar import SDAR
 from ..model.tokenizer import load_tokenizer
 from ..rl.rewards import planned_verifier_bytes, rank_verifier
-from ..rl.rollout import OVERLAP, FullParameters, RolloutOptions, rank_slots
+from ..rl.rollout import OVERLAP, RolloutOptions, rank_slots
 from ..rl.train_rl import Learner, rl_step
 from ..runtime import make_optimizer, setup_runtime, shard
-from ..sampling.completion import prompt_format, task_prompt_ids
+from ..sampling.completion import FullParameters, prompt_format, task_prompt_ids
 from ..tasks.load import curriculum, load_tasks, step_tasks
 from ..verifier import Verifier
 from .common import BF16_FLOPS, BudgetSpent
@@ -219,7 +219,7 @@ def _row(s: Settings, rt, batch: int, ranks: list[dict], update: dict, compile_s
     bound = max(parts, key=parts.get)
     verified, tokens = sum(r["verified"] for r in ranks), sum(r["tokens"] for r in ranks)
     flops_s = update.get("flops", 0.0) / max(top["update"], 1e-9)
-    # a sharded policy samples from its float32 weights (`dice.rl.rollout.generation_copy`)
+    # a sharded policy samples from its float32 weights (`dice.sampling.completion.generation_copy`)
     dtype = s.rollout_dtype if cuda and rt.world == 1 else "fp32"
     masks = "dense" if s.attention == "dense" or not cuda else "flex"
     processes = f", {rt.world} processes" if rt.world > 1 else ""

@@ -37,11 +37,11 @@ from ..plot import plot_run
 from ..run_folder import (MetricsLog, check_resume, check_run_folder, checkpoint_step, make_logger, progress_line,
                           resume, run_settings, save_checkpoint, save_final, start_run)
 from ..runtime import build_model, make_optimizer, setup_runtime
-from ..sampling.completion import complete, load_prompt_template, prompt_format, task_prompt_ids
+from ..sampling.completion import FullParameters, complete, load_prompt_template, prompt_format, task_prompt_ids
 from ..tasks.load import Task, load_tasks, phase_tasks
 from ..tasks.prompts import PromptFormat
 from .rewards import Reward, Scores, rl_rewards
-from .rollout import FullParameters, RolloutOptions, StepSamples, sample_step
+from .rollout import RolloutOptions, StepSamples, sample_step
 from .update import OldLogprobs, policy_update, restart_moments
 
 # what a resumed RL run must keep (besides the tasks and the model)
@@ -59,7 +59,7 @@ class Learner:
     """What every step of a run uses: the policy, its tokenizer and optimiser, the reward, the update's
     micro-batch budget (`dice.memory.UpdateTokens`; None: no update), the frozen reference
     (--reference-model), the rollouts' prompt format (None: the model's) and the context generation
-    runs in (under FSDP every parameter gathered: `dice.rl.rollout.FullParameters`)."""
+    runs in (under FSDP every parameter gathered: `dice.sampling.completion.FullParameters`)."""
     model: torch.nn.Module
     tok: object
     optimizer: torch.optim.Optimizer
