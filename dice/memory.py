@@ -44,6 +44,7 @@ import torch
 
 from .errors import UserError
 from .model.packing import group_bound, largest_group
+from .runtime import rank_verifier
 from .sampling.sampler import CachedForward
 
 GIB = 2 ** 30
@@ -108,6 +109,14 @@ def parameter_bytes(config, bytes_per_parameter: int, processes: int = 1) -> int
 def micro_batch_bytes(config, rows: int, length: int, dense_attention: bool) -> int:
     """A training micro-batch's float32 logits, and the dense attention bias on a CPU."""
     return rows * length * config.vocab_size * 4 + (rows * length * length * 4 if dense_attention else 0)
+
+
+def planned_verifier_bytes(workers: int, device: torch.device) -> int:
+    """The GPU memory this process's Verifier (`dice.runtime.rank_verifier`'s share of `workers`) will
+    hold once it has verified a while (`Verifier.gpu_bytes`: its workers, judges and baseline), known
+    before it starts: the memory checks of train.py and bench rl set it aside."""
+    from .verifier.verifier import pool_gpu_bytes   # lazy: importing this module skips dice.verifier's imports
+    return pool_gpu_bytes(rank_verifier(workers, device)["workers"])
 
 
 # ---------------------------------------------------------------- the rollout batch

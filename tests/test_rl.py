@@ -605,7 +605,7 @@ def test_every_reward_scores_a_batch_prepares_tasks_and_reports_its_gpu_memory()
 
 
 def test_each_torchrun_process_verifies_on_its_own_gpu_with_its_share_of_the_workers(monkeypatch):
-    from dice.rl.rewards import rank_verifier
+    from dice.runtime import rank_verifier
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert rank_verifier(14, torch.device("cuda", 2)) == {"workers": 3, "device": "cuda:2"}
     assert rank_verifier(2, torch.device("cuda", 3)) == {"workers": 1, "device": "cuda:3"}

@@ -28,7 +28,7 @@ token-sized micro-batches); `--compare` runs the baseline and then the given set
 
 Under `torchrun --nproc_per_node N` the step runs as `train.py`'s RL runs it on N GPUs: the policy
 sharded with FSDP2, each process rolling out the groups of its task slots (`dice.rl.rollout.rank_slots`)
-and verifying them on its own GPU with its share of `--workers` (`dice.rl.rewards.rank_verifier`), the
+and verifying them on its own GPU with its share of `--workers` (`dice.runtime.rank_verifier`), the
 update over all processes. Rank 0 checks the references and prints; the time columns are the
 slowest process's, and each process's generate, verify and update seconds follow in rank order.
 """
@@ -46,13 +46,13 @@ import torch.distributed as dist
 
 from ..cli import at_least, in_range
 from ..config import UPDATE_ROWS, TrainConfig
-from ..memory import MemoryShortage, UpdateTokens, check_fits, check_update_fits, kv_cache_bytes
+from ..memory import (MemoryShortage, UpdateTokens, check_fits, check_update_fits, kv_cache_bytes,
+                      planned_verifier_bytes)
 from ..model.sdar import SDAR
 from ..model.tokenizer import load_tokenizer
-from ..rl.rewards import planned_verifier_bytes, rank_verifier
 from ..rl.rollout import OVERLAP, RolloutOptions, rank_slots
 from ..rl.train_rl import Learner, rl_step
-from ..runtime import make_optimizer, setup_runtime, shard
+from ..runtime import make_optimizer, rank_verifier, setup_runtime, shard
 from ..sampling.completion import FullParameters, prompt_format, task_prompt_ids
 from ..tasks.load import curriculum, load_tasks, step_tasks
 from ..verifier import Verifier
@@ -278,7 +278,7 @@ def _from_main(rt, value):
 def bench_rl(args, bench) -> None:
     """`python -m dice.bench rl` (module docstring): build, replay, run the step(s), print the table.
     Under `torchrun --nproc_per_node N` (one process per GPU, gloo on a CPU: `dice.runtime`) the
-    policy is sharded with FSDP2 and each process verifies on its own GPU (`dice.rl.rewards.rank_verifier`),
+    policy is sharded with FSDP2 and each process verifies on its own GPU (`dice.runtime.rank_verifier`),
     as `train.py` runs RL; rank 0 checks the references and prints."""
     rt = setup_runtime()
     config, tasks = _checked_inputs(args, rt)

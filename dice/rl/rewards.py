@@ -11,19 +11,17 @@ the task's prefix and suffix), else 0, judged by our verifier's strict check or 
 DICE's own. A reward that changes what is verified (`python -m dice.bench rl` replays reference
 programs) subclasses `VerifierReward` and overrides `program`, so it keeps `prepare` and
 `gpu_bytes`. `rl_rewards` gives an RL run its reward and its evaluation's, each process with a
-Verifier of its own (`rank_verifier`).
+Verifier of its own (`dice.runtime.rank_verifier`).
 """
 from __future__ import annotations
 
 import math
-import os
 import sys
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from ..protocols import DICE_REWARD
+from ..runtime import rank_verifier
 from ..tasks.load import Task
 from ..tasks.prompts import keeps_skeleton
 from ..sampling.completion import Completion
@@ -130,22 +128,6 @@ def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = 
 def _warn_broken_task(index: int, error: ValueError) -> None:
     """A task whose own reference fails scores 0 for that sample (its result is None)."""
     print(f"warning: skipping a broken task: {error}", file=sys.stderr)
-
-
-def rank_verifier(workers: int, device: torch.device) -> dict:
-    """This process's Verifier arguments: its own GPU (under torchrun rank r trains on cuda:r, and its
-    rollouts' kernels run there too) and its share of `--verifier-workers`, which counts the
-    workers of the whole host (LOCAL_WORLD_SIZE processes share its cores)."""
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return {"workers": max(1, workers // local), "device": str(device) if device.type == "cuda" else "cuda"}
-
-
-def planned_verifier_bytes(workers: int, device: torch.device) -> int:
-    """The GPU memory this process's Verifier (`rank_verifier`'s share of `workers`) will hold once it
-    has verified a while (`Verifier.gpu_bytes`: its workers, judges and baseline), known before it starts: the
-    memory checks of train.py and bench rl set it aside."""
-    from ..verifier.verifier import pool_gpu_bytes   # lazy: as `rl_rewards`
-    return pool_gpu_bytes(rank_verifier(workers, device)["workers"])
 
 
 def rl_rewards(cfg, rt, reward_fn: "Reward | Callable | None") -> tuple[object | None, Reward, Reward]:
