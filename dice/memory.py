@@ -18,21 +18,22 @@ stops a run that would fit (one that passes can still run out later, in memory n
   micro-batch of one response of --max-new-tokens, which any step may bring.
 Free memory: CUDA's free device memory; on a CPU MemAvailable, or less where a cgroup limit says so.
 
-The rollout batch (`auto_rollout_batch`, bench rl's auto batch): as many sequences of
-`rollout_sequence_bytes` as ROLLOUT_SHARE of what this process can take holds, beside the verifier's
-processes. The update's budget (`UpdateTokens`): `--update-tokens` 0 (auto, the default) asks at the
+Both planned sizes leave room for the verifier's processes (`planned_verifier_bytes` before they
+start, `Verifier.gpu_bytes` once they run). The rollout batch (`auto_rollout_batch`, bench rl's auto
+batch): as many sequences of `rollout_sequence_bytes` as ROLLOUT_SHARE of what this process can take
+holds. The update's budget (`UpdateTokens`): `--update-tokens` 0 (auto, the default) asks at the
 start of every update, and of the old log-probs' pass beside the reward's tail that shares its
 micro-batches' shape (`dice.rl.update.OldLogprobs`), what this process can take on the GPU
 (`gpu_memory`: by then the rollouts' KV caches are freed into its allocator, and the float32 weights
 and the old log-probs are allocated). The plan (`plan_update_tokens`) sets aside what the update
 will allocate and has not yet: every parameter's gradient where it is None (4 bytes a float32
 parameter: each optimiser step sets them to None), AdamW's two moments where the optimiser holds no
-state for it (8 bytes: `--optimizer-state step` drops them after every update, `restart_moments`,
-and the first optimiser step makes them again), the bf16 weight copies and a gradient's casts
-(`update_fixed_bytes`), and what the verifier's processes do not hold yet; the rest,
-`update_token_bytes` a token, is the budget. The plan counts FlexAttention's masks (CUDA's default);
-`--attention dense` on a GPU adds [rows, L, L] masks it does not count. On a CPU there is no device
-memory to plan: UPDATE_TOKENS_CPU.
+state for it (8 bytes: `--optimizer-state step` drops them after every update,
+`dice.rl.update.restart_moments`, and the first optimiser step makes them again), the bf16 weight
+copies and a gradient's casts (`update_fixed_bytes`), and what the verifier's processes do not hold
+yet; the rest, `update_token_bytes` a token, is the budget. The plan counts FlexAttention's masks
+(CUDA's default); `--attention dense` on a GPU adds [rows, L, L] masks it does not count. On a CPU
+there is no device memory to plan: UPDATE_TOKENS_CPU.
 """
 from __future__ import annotations
 
