@@ -26,10 +26,10 @@ from dice.cli import fail_cleanly, usage_error
 from dice.config import EMBEDDED_DATA, RL_PHASES, config_from_args, with_embedded_defaults
 from dice.errors import UsageError
 from dice.inputs import input_path, output_folder
-from dice.memory import check_fits, check_update_fits, kv_cache_bytes, micro_batch_bytes, parameter_bytes
-from dice.rl.packing import group_bound
-from dice.rl.rewards import planned_verifier_bytes
+from dice.memory import (check_fits, check_update_fits, kv_cache_bytes, micro_batch_bytes, parameter_bytes,
+                         planned_verifier_bytes)
 from dice.model.checkpoint import CheckpointError, read_config
+from dice.model.packing import group_bound
 from dice.rl.train_rl import train_rl
 from dice.run_folder import RUN_ENTRIES, check_run_folder, latest_checkpoint
 from dice.sampling.completion import load_prompt_template

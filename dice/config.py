@@ -9,7 +9,7 @@ uses instead is the one table DEFAULTS (phase -> {field: value}), applied to the
 a phase's row by `TrainConfig` itself, the embedded run's row on top by `with_embedded_defaults`
 (`phase_defaults` merges them). AUTO fields' 0 is "auto", resolved where the machine is known (SFT's
 row length and micro-batches per step: `dice.sft.train_sft.sft_sizes`; the RL update's budget:
-`dice.rl.update_memory`). The defaults are the originals' (DESIGN.md §4, §7): AdamW betas
+`dice.memory.UpdateTokens`). The defaults are the originals' (DESIGN.md §4, §7): AdamW betas
 (0.9, 0.999) and SFT lr 1e-5 constant after warm-up (deadlykitten4/DICE
 `training/sft/llama_factory_sdar/examples/train_full_sdar/sdar_*_full.yaml`: `lr_scheduler_type:
 constant_with_warmup`), SDAR's per-micro-batch token mean for SFT; for RL lr 1e-6, TraceRL's
@@ -21,7 +21,7 @@ RL settings a researcher tunes (the step, the sampler, the objective, the reward
 then RL's machinery (memory, processes, evaluation), SFT's and init's. The parser, CHOICES, RANGES,
 HELP, DEFAULTS, RESUME_FIELDS and run.json all name a setting by its flag. What the RL code needs as
 one object is built from them: `sampling()` the rollouts' `Sampling`, and
-`dice.rl.rewards.rl_rewards` the reward with its verifier.
+`dice.rl.rollout.rl_rewards` the reward with its verifier.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from .errors import UsageError
 from .model.tokenizer import SPECIAL_TOKENS
 from .sampling.choice import REMASKING, Sampling
 
-UPDATE_ROWS = ("response", "round")   # --update-rows (`dice.rl.packing`)
+UPDATE_ROWS = ("response", "round")   # --update-rows (`dice.model.packing`)
 
 
 @dataclass(init=False)
@@ -90,13 +90,13 @@ class TrainConfig:
     rows_per_update: int = 256
     minibatch_order: str = "contiguous"
     optimizer_state: str = "step"
-    # the reward (dice.rl.rewards.rl_rewards)
+    # the reward (dice.rl.rollout.rl_rewards)
     reward: str = "correct"
     reward_rules: str = "strict"
     verify_timeout: float = 15.0
     # ---- BiC-RL's machinery: memory and processes (no result depends on them), evaluation, the prompt
     rollout_batch: int = 64
-    update_tokens: int = 0          # AUTO: from the free GPU memory (dice.rl.update_memory)
+    update_tokens: int = 0          # AUTO: from the free GPU memory (dice.memory.UpdateTokens)
     update_rows: str = "response"
     verifier_workers: int = 8
     eval_every: int = 0

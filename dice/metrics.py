@@ -271,7 +271,7 @@ def rl_step_record(step: int, sampled, update: dict, rt, reward_kind: str, updat
     every rank); `sampled` is its `dice.rl.rollout.StepSamples`, `update` what `policy_update` returned.
     fast_1_pct (correct and speedup > 1) only under `--reward speedup`, the one reward that times;
     kernels_verified_per_s None when nothing was verified; update_tokens the update's micro-batch
-    budget (`dice.rl.update_memory`); step_time_s since `started`."""
+    budget (`dice.memory.UpdateTokens`); step_time_s since `started`."""
     results, timing = sampled.results, sampled.timing
     n = rt.all_sum(len(sampled.rewards))
     tokens = rt.all_sum(sum(len(c.tokens) for c in sampled.completions))

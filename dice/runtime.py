@@ -1,6 +1,7 @@
-"""What every training phase shares: the processes and devices it trains on (torchrun, FSDP2), the
-model on them, the optimiser and its schedule, and the rows' random streams; a run's folder
-(checkpoints, resume, metrics) is `dice.run_folder`.
+"""What every training phase shares: the processes and devices it trains on (torchrun, FSDP2; each
+process's share of the verifier, `rank_verifier`), the model on them, the optimiser and its
+schedule, and the rows' random streams; a run's folder (checkpoints, resume, metrics) is
+`dice.run_folder`.
 
 Randomness is a function of (seed, step, global row), never of a running generator, so a run
 resumed from step k continues exactly as the unbroken run would; where the process count shapes a
@@ -80,6 +81,14 @@ def _shut_down_process_group() -> None:
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def rank_verifier(workers: int, device: torch.device) -> dict:
+    """This process's Verifier arguments: its own GPU (under torchrun rank r trains on cuda:r, and its
+    rollouts' kernels run there too) and its share of `--verifier-workers`, which counts the
+    workers of the whole host (LOCAL_WORLD_SIZE processes share its cores)."""
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return {"workers": max(1, workers // local), "device": str(device) if device.type == "cuda" else "cuda"}
 
 
 def build_model(cfg: TrainConfig, rt: Runtime, log) -> SDAR:

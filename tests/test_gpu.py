@@ -130,7 +130,7 @@ def test_old_log_probs_beside_the_reward_are_the_updates_own(dtype, atol):
     from types import SimpleNamespace
 
     from dice.config import TrainConfig
-    from dice.rl.packing import packed_logprobs
+    from dice.model.packing import packed_logprobs
     from dice.rl.update import OldLogprobs, update_plan
     from dice.runtime import Runtime
     from dice.sampling.completion import Completion
@@ -160,7 +160,7 @@ def test_flex_packed_update_rows_equal_dense():
     need head_dim >= 64 in practice; forward only)."""
     import random
 
-    from dice.rl.packing import flex_length, group_rounds, pack, pad_batch, packed_logprobs
+    from dice.model.packing import flex_length, group_rounds, pack, pad_batch, packed_logprobs
     from dice.rl.update import trace_rounds
     from dice.sampling.completion import Completion
     model = random_model("1.7b", dtype=torch.float32, num_hidden_layers=2)

@@ -1,4 +1,4 @@
-"""The RL update's forwards (dice.rl.packing): a response's trace rounds beside one clean stream give
+"""The RL update's forwards (dice.model.packing): a response's trace rounds beside one clean stream give
 every loss token the log-prob and gradient of its own doubled round row (fp64, CPU)."""
 import itertools
 from pathlib import Path
@@ -8,7 +8,7 @@ import torch
 
 from dice import load_model
 from dice.model.attention import streams_mask
-from dice.rl.packing import flex_length, group_rounds, micro_batches, pack, pad_batch, packed_logprobs, update_flops
+from dice.model.packing import flex_length, group_rounds, micro_batches, pack, pad_batch, packed_logprobs, update_flops
 from dice.rl.update import row_weights, trace_rounds
 from dice.sampling.completion import Completion
 from dice.sft.diffusion import doubled_logits

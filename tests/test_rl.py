@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dice import load_model
-import dice.rl.packing
+import dice.model.packing
 from dice.config import TrainConfig
-from dice.rl.packing import CompileClock, group_rounds, pack, packed_logprobs
+from dice.model.packing import CompileClock, group_rounds, pack, packed_logprobs
 from dice.rl.rollout import group_advantages
 from dice.rl.train_rl import train_rl
 from dice.rl.update import policy_loss, policy_update, row_weights, trace_rounds, update_plan
@@ -369,7 +369,7 @@ def test_flex_plan_gives_the_dense_plans_log_probs_in_the_same_order_fp64():
 
 
 class FakeTime:
-    """`time` for dice.rl.packing whose clock moves only when a timed micro-batch says how long it took."""
+    """`time` for dice.model.packing whose clock moves only when a timed micro-batch says how long it took."""
     now = 0.0
 
     def perf_counter(self) -> float:
@@ -381,7 +381,7 @@ class FakeTime:
 
 def test_compile_clock_counts_a_new_shapes_micro_batches_beyond_the_steady_ones(monkeypatch):
     fake, met, cpu = FakeTime(), set(), torch.device("cpu")
-    monkeypatch.setattr(dice.rl.packing, "time", fake)
+    monkeypatch.setattr(dice.model.packing, "time", fake)
     one, two = (SimpleNamespace(ids=torch.zeros(1, n)) for n in (8, 16))
     first = CompileClock(met, cpu)
     for kind, seconds in (("forward", 3.0), ("forward", 1.0), ("train", 9.0), ("train", 2.0), ("train", 2.5)):
@@ -482,7 +482,7 @@ def test_step_metrics_count_the_results_of_every_rollout_batch(tmp_path, monkeyp
     from types import SimpleNamespace
 
     import dice.sampling.completion
-    from dice.rl.rewards import verifier_reward
+    from dice.rl.rollout import verifier_reward
 
     class AllCorrect:
         calls, prepared = 0, []
@@ -545,7 +545,7 @@ def test_two_process_gloo_rl_matches_one_process(tmp_path):
 def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():
     from types import SimpleNamespace
 
-    from dice.rl.rewards import verifier_reward
+    from dice.rl.rollout import verifier_reward
 
     class FakeVerifier:
         """map reports a task whose reference crashes as the real one does with on_broken_task."""
@@ -571,14 +571,14 @@ def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():
 
 
 def test_every_reward_scores_a_batch_prepares_tasks_and_reports_its_gpu_memory():
-    """One interface (`dice.rl.rewards.Reward`): a plain function's floats become Scores without
+    """One interface (`dice.rl.rollout.Reward`): a plain function's floats become Scores without
     results and its Scores pass as they are, with nothing to prepare and no GPU memory; the
     verifier's reward asks its verifier for both, and a reward that only changes the program it
     verifies (`dice.bench.replay.ReplayedReward`) keeps them."""
     from types import SimpleNamespace
 
     from dice.bench.replay import ReplayedReward
-    from dice.rl.rewards import PythonReward, Reward, Scores, VerifierReward, as_reward
+    from dice.rl.rollout import PythonReward, Reward, Scores, VerifierReward, as_reward
 
     tasks = [Task("a", 1, "SRC", solution="REFERENCE")]
     comps = [Completion([1], [2], [1], "", "GENERATED")]
@@ -605,7 +605,7 @@ def test_every_reward_scores_a_batch_prepares_tasks_and_reports_its_gpu_memory()
 
 
 def test_each_torchrun_process_verifies_on_its_own_gpu_with_its_share_of_the_workers(monkeypatch):
-    from dice.rl.rewards import rank_verifier
+    from dice.runtime import rank_verifier
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert rank_verifier(14, torch.device("cuda", 2)) == {"workers": 3, "device": "cuda:2"}
     assert rank_verifier(2, torch.device("cuda", 3)) == {"workers": 1, "device": "cuda:3"}

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from dice import load_model
-from dice.rl.rollout import auto_rollout_batch, bf16_copy, generate_and_score, generation_copy
+from dice.memory import auto_rollout_batch
+from dice.rl.rollout import generate_and_score
+from dice.sampling.completion import bf16_copy, generation_copy
 from dice.sampling.sampler import Engine, Sampling, generate
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-sdar"
@@ -120,7 +122,7 @@ def _rollout_with(monkeypatch, events: list, reward_fn, auto_batch: bool, genera
 def test_the_rollout_batch_is_sized_with_room_for_the_verifiers_processes(monkeypatch):
     """The reward's processes' GPU memory (`Verifier.gpu_bytes`) reaches the batch's sizing; a
     given batch is used as it is."""
-    from dice.rl.rewards import Reward
+    from dice.rl.rollout import Reward
     events = []
 
     class Busy(Reward):
@@ -147,13 +149,13 @@ def test_auto_rollout_batch_sets_aside_what_the_verifier_does_not_hold_yet(monke
     """The 8B rollouts of 2026-12-06 (one H100) ran out of memory at the batch that 70% of the free
     memory held (then the rule): the verifier's 17 processes, ~0.2 GiB each when the batch was sized, grew to ~0.8
     GiB each. Sequences of 1 GiB, 31 GiB available: with 2.4 of the verifier's 17 GiB in use the
-    batch is what 31 - 14.6 GiB holds; with all 17 in use, MEMORY_SHARE (80%) of the 31."""
-    import dice.rl.rollout as rollout
-    monkeypatch.setattr(rollout, "rollout_sequence_bytes", lambda *a: 2**30)
+    batch is what 31 - 14.6 GiB holds; with all 17 in use, ROLLOUT_SHARE (80%) of the 31."""
+    import dice.memory as memory
+    monkeypatch.setattr(memory, "rollout_sequence_bytes", lambda *a: 2**30)
     param = SimpleNamespace(device=torch.device("cuda", 0), element_size=lambda: 2)
     model = SimpleNamespace(parameters=lambda: iter([param]), config=None)
     for in_use, batch in ((2.4, 16), (17, 24), (20, 24)):
-        monkeypatch.setattr(rollout, "gpu_memory", lambda device: (31 * 2**30, int(in_use * 2**30)))
+        monkeypatch.setattr(memory, "gpu_memory", lambda device: (31 * 2**30, int(in_use * 2**30)))
         assert auto_rollout_batch(model, [800] * 64, 4096, others_bytes=17 * 2**30) == batch
     assert auto_rollout_batch(model, [800] * 8, 4096, others_bytes=17 * 2**30) == 8     # no more than the prompts
 
@@ -166,7 +168,7 @@ def test_a_rollout_sequences_memory_by_hand_and_against_the_8b_measured():
     shape's rollouts at batch 13 (prompts of 820 tokens, 4,096 new) peaked at 56.3 GiB beside
     45.8 GiB of float32 and bf16 weights (one H100, 2026-12-06): 0.81 GiB a sequence."""
     from dice.bench.training import model_config
-    from dice.rl.rollout import rollout_sequence_bytes
+    from dice.memory import rollout_sequence_bytes
     tiny = SimpleNamespace(block_size=4, num_hidden_layers=2, num_key_value_heads=1, head_dim=4, vocab_size=10,
                            intermediate_size=8, hidden_size=4)
     assert rollout_sequence_bytes(tiny, 5, 8, 2) == 512 + 416 + 1360 + 560
@@ -179,7 +181,7 @@ def test_rollouts_out_of_gpu_memory_say_which_flag_helps(monkeypatch):
     """Out of memory while generating is one line naming --rollout-batch at half the batch, not
     torch's traceback (the bench's 4B and 8B rollouts beside 17 verifier processes, 2026-12-06)."""
     from dice.errors import UserError
-    from dice.rl.rewards import PythonReward
+    from dice.rl.rollout import PythonReward
 
     def generate(*args, **kw):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 850.00 MiB.")

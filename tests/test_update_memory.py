@@ -10,15 +10,14 @@ import pytest
 import torch
 
 import dice.memory as memory
-import dice.rl.update_memory as update_memory
 from dice import load_model
 from dice.config import TrainConfig
-from dice.memory import GIB, MemoryShortage, check_update_fits, update_fixed_bytes, update_token_bytes
+from dice.memory import (GIB, MemoryShortage, UpdateTokens, auto_update_tokens, check_update_fits, update_fixed_bytes,
+                         update_token_bytes)
 from dice.model.checkpoint import read_config
+from dice.model.packing import group_bound, largest_group
 from dice.model.sdar import sdar_shape
-from dice.rl.packing import group_bound, largest_group
 from dice.rl.update import policy_update
-from dice.rl.update_memory import UpdateTokens, auto_update_tokens
 from dice.sampling.completion import Completion
 from dice.runtime import Runtime
 
@@ -95,9 +94,9 @@ class Param:
 
 def fake_gpu(monkeypatch, available_gib: float, in_use_gib: float, per_token: int = 4 * 2**20,
              fixed: int = 2 * GIB) -> None:
-    monkeypatch.setattr(update_memory, "gpu_memory", lambda device: (int(available_gib * GIB), int(in_use_gib * GIB)))
-    monkeypatch.setattr(update_memory, "update_token_bytes", lambda *a: per_token)
-    monkeypatch.setattr(update_memory, "update_fixed_bytes", lambda *a: fixed)
+    monkeypatch.setattr(memory, "gpu_memory", lambda device: (int(available_gib * GIB), int(in_use_gib * GIB)))
+    monkeypatch.setattr(memory, "update_token_bytes", lambda *a: per_token)
+    monkeypatch.setattr(memory, "update_fixed_bytes", lambda *a: fixed)
 
 
 def test_auto_update_tokens_sets_aside_the_state_to_come_and_the_verifiers_memory(monkeypatch):
@@ -143,7 +142,7 @@ def test_the_runs_budget_is_kept_while_it_fits_and_given_ones_are_used_as_given(
     N is N, asked of no plan."""
     plans = iter([8192, 10240, 6144, 7168, 4096])
     asked = []
-    monkeypatch.setattr(update_memory, "auto_update_tokens",
+    monkeypatch.setattr(memory, "auto_update_tokens",
                         lambda model, cfg, others, optimizer, longest, processes: asked.append(longest) or next(plans))
     model = SimpleNamespace(config=SimpleNamespace(block_size=4), parameters=lambda: iter([Param(1)]))
     tokens = UpdateTokens(model, None, CPU, others=lambda: 17 * GIB)

@@ -14,10 +14,10 @@ one update (`dice.rl.update.restart_moments`), which makes them, as in every `tr
 generate (the generating thread), verify (time with a reward call running, mostly hidden behind
 generation), verify exposed (scoring left after the last token), update (the TraceRL update as a later
 step runs it: its time less compile s), with its micro-batches' budget (update tokens: `--update-tokens`
-auto plans it from the GPU memory free, `dice.rl.update_memory`, after refusing before the first rollout
-a step whose update cannot fit) and its model FLOPs (`dice.rl.packing.update_flops`) per
+auto plans it from the GPU memory free, `dice.memory.UpdateTokens`, after refusing before the first rollout
+a step whose update cannot fit) and its model FLOPs (`dice.model.packing.update_flops`) per
 second against the H200's measured bf16 rate, and compile s (what the update's first micro-batches took
-beyond steady ones, `dice.rl.packing.CompileClock`: FlexAttention compiles once per process for the
+beyond steady ones, `dice.model.packing.CompileClock`: FlexAttention compiles once per process for the
 update's one micro-batch shape, so a `--compare`'s second step compiles nothing and shows 0). The
 update's old log-probs are computed beside the reward's tail where it leaves time
 (`dice.rl.update.OldLogprobs`): in update s only what was left. The bound
@@ -28,7 +28,7 @@ token-sized micro-batches); `--compare` runs the baseline and then the given set
 
 Under `torchrun --nproc_per_node N` the step runs as `train.py`'s RL runs it on N GPUs: the policy
 sharded with FSDP2, each process rolling out the groups of its task slots (`dice.rl.rollout.rank_slots`)
-and verifying them on its own GPU with its share of `--workers` (`dice.rl.rewards.rank_verifier`), the
+and verifying them on its own GPU with its share of `--workers` (`dice.runtime.rank_verifier`), the
 update over all processes. Rank 0 checks the references and prints; the time columns are the
 slowest process's, and each process's generate, verify and update seconds follow in rank order.
 """
@@ -46,15 +46,14 @@ import torch.distributed as dist
 
 from ..cli import at_least, in_range
 from ..config import UPDATE_ROWS, TrainConfig
-from ..memory import MemoryShortage, check_fits, check_update_fits, kv_cache_bytes
+from ..memory import (MemoryShortage, UpdateTokens, check_fits, check_update_fits, kv_cache_bytes,
+                      planned_verifier_bytes)
 from ..model.sdar import SDAR
 from ..model.tokenizer import load_tokenizer
-from ..rl.rewards import planned_verifier_bytes, rank_verifier
-from ..rl.rollout import OVERLAP, FullParameters, RolloutOptions, rank_slots
+from ..rl.rollout import OVERLAP, RolloutOptions, rank_slots
 from ..rl.train_rl import Learner, rl_step
-from ..rl.update_memory import UpdateTokens
-from ..runtime import make_optimizer, setup_runtime, shard
-from ..sampling.completion import prompt_format, task_prompt_ids
+from ..runtime import make_optimizer, rank_verifier, setup_runtime, shard
+from ..sampling.completion import FullParameters, prompt_format, task_prompt_ids
 from ..tasks.load import curriculum, load_tasks, step_tasks
 from ..verifier import Verifier
 from .common import BF16_FLOPS, BudgetSpent
@@ -165,7 +164,7 @@ def run_step(s: Settings, learner: Learner, owners: list, lengths: list[int], ch
     """One timed step with the levers `s`: (its table row, a line of verdicts and update counts). The
     step is `dice.rl.train_rl.rl_step`, as `train.py` runs it, on the `chosen` tasks, whose samples
     replay the programs of `owners` (task k's group in order) at `lengths`. learner.tokens: the
-    update's budget (`dice.rl.update_memory`), planned before the first rollout for the longest
+    update's budget (`dice.memory.UpdateTokens`), planned before the first rollout for the longest
     replayed response after a prompt of `prompt_len`; None: no update (--skip-update). load(): text
     the progress line ends with (`PoolLoad`). Under torchrun each process rolls out the groups of
     its task slots (`dice.rl.rollout.rank_slots`), and the update runs over all of them."""
@@ -220,7 +219,7 @@ def _row(s: Settings, rt, batch: int, ranks: list[dict], update: dict, compile_s
     bound = max(parts, key=parts.get)
     verified, tokens = sum(r["verified"] for r in ranks), sum(r["tokens"] for r in ranks)
     flops_s = update.get("flops", 0.0) / max(top["update"], 1e-9)
-    # a sharded policy samples from its float32 weights (`dice.rl.rollout.generation_copy`)
+    # a sharded policy samples from its float32 weights (`dice.sampling.completion.generation_copy`)
     dtype = s.rollout_dtype if cuda and rt.world == 1 else "fp32"
     masks = "dense" if s.attention == "dense" or not cuda else "flex"
     processes = f", {rt.world} processes" if rt.world > 1 else ""
@@ -279,7 +278,7 @@ def _from_main(rt, value):
 def bench_rl(args, bench) -> None:
     """`python -m dice.bench rl` (module docstring): build, replay, run the step(s), print the table.
     Under `torchrun --nproc_per_node N` (one process per GPU, gloo on a CPU: `dice.runtime`) the
-    policy is sharded with FSDP2 and each process verifies on its own GPU (`dice.rl.rewards.rank_verifier`),
+    policy is sharded with FSDP2 and each process verifies on its own GPU (`dice.runtime.rank_verifier`),
     as `train.py` runs RL; rank 0 checks the references and prints."""
     rt = setup_runtime()
     config, tasks = _checked_inputs(args, rt)

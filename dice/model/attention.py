@@ -99,7 +99,7 @@ def flex_block_diffusion_mask(position_ids: torch.Tensor, block_size: int,
 
 _compiled_flex = None
 # Compiled FlexAttention compiles once per shape and grad mode. The RL update meets [1, budget]
-# and rarely a multiple (`dice.rl.packing.flex_length`), SFT its rows, benches several settings in one
+# and rarely a multiple (`dice.model.packing.flex_length`), SFT its rows, benches several settings in one
 # process: dynamo's default of 8 recompiles could be reached, after which every new shape would run
 # the uncompiled kernel, which materialises the full score matrix.
 FLEX_RECOMPILES = 64

@@ -1,20 +1,38 @@
 """The rollout side of a BiC-RL step (DESIGN.md §7): the step's tasks, `group_size` samples of each,
-their rewards and group advantages, read top to bottom in the order the step runs them.
+their rewards and group advantages, read top to bottom in the order the step runs them; then the
+rewards that score them.
 
 `sample_step` draws the step's tasks in rounds (`--dynamic-sampling-rounds`: DAPO's dynamic sampling
 draws new tasks in place of groups whose rewards all agree); `sample_groups` turns a round's tasks
-into prompts and seeds and asks the reward (`dice.rl.rewards.Reward`) to prepare them; then
-`generate_and_score` keeps the GPU generating while the reward works: every block's finished
-sequences go to the reward at once, on scoring threads (`_Scorer`), from a bf16 copy of the policy
-(`generation_copy`) in batches as large as the KV caches leave room for (`auto_rollout_batch`).
-The task -> prompt -> completion path itself is `dice.sampling.completion`'s; `python -m dice.bench
-rl` measures this one through `dice.rl.train_rl.rl_step`.
+into prompts and seeds and asks the reward (`Reward`) to prepare them; then `generate_and_score`
+keeps the GPU generating while the reward works: every block's finished sequences go to the reward
+at once, on scoring threads (`_Scorer`), from a bf16 copy of the policy
+(`dice.sampling.completion.generation_copy`) in batches as large as the KV caches leave room for
+(`dice.memory.auto_rollout_batch`). The task -> prompt -> completion path itself is
+`dice.sampling.completion`'s; `python -m dice.bench rl` measures this one through
+`dice.rl.train_rl.rl_step`.
+
+The rewards: one small interface, and the kernel verifier as one. A reward is a `Reward`:
+`reward(tasks, completions)` scores a batch (`Scores`: one reward per completion, and the verifier
+results behind them); `prepare(tasks)` is told a step's tasks before their rollouts, so a verifier
+computes their references while the sampler runs; `gpu_bytes()` is the GPU memory its processes
+hold once busy, which the rollout batch and the update's micro-batches set aside when they are
+sized from the free memory. `PythonReward` turns any function `fn(tasks, completions) -> list of
+floats or Scores` into one (it prepares nothing and holds no GPU memory); `VerifierReward` is
+DICE's: 1 for a kernel that compiles and is correct (infill: and keeps the task's prefix and
+suffix), else 0, judged by our verifier's strict check or (`rules="dice"`) by DICE's own. A reward
+that changes what is verified (`python -m dice.bench rl` replays reference programs) subclasses
+`VerifierReward` and overrides `program`, so it keeps `prepare` and `gpu_bytes`. `rl_rewards` gives
+an RL run its reward and its evaluation's, each process with a Verifier of its own
+(`dice.runtime.rank_verifier`).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import statistics
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,19 +40,15 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..memory import gpu_memory, kv_cache_bytes, out_of_memory
-from ..model.sdar import SDAR
-from ..sampling.completion import Completion, complete, prompt_format, task_prompt_ids
-from ..sampling.sampler import CachedForward, Sampling
+from ..memory import auto_rollout_batch, out_of_memory
+from ..protocols import DICE_REWARD
+from ..runtime import rank_verifier
+from ..sampling.completion import Completion, complete, generation_copy, prompt_format, task_prompt_ids
+from ..sampling.sampler import Sampling
 from ..tasks.load import Task, tasks_at
-from ..tasks.prompts import PromptFormat
-from .rewards import Reward
+from ..tasks.prompts import PromptFormat, keeps_skeleton
 
 OVERLAP = ("stream", "batch", "none")
-# of the free GPU memory that `auto_rollout_batch` plans the sampler into at most; the rest is for
-# the allocator's fragments and the judges' reference outputs (cached up to 4 GiB each), beside
-# the memory set aside for the verifier's processes themselves
-MEMORY_SHARE = 0.8
 SUMMED = ("generate_s", "verify_s", "verify_wait_s")   # a step's seconds, over its rollout rounds
 
 
@@ -64,6 +78,8 @@ class StepSamples:
     dropped: int = 0    # of them, groups whose rewards all agreed (no advantage: they train nothing)
     rounds: int = 0     # rollout rounds run
 
+
+# ---------------------------------------------------------------- the step's groups and their advantages
 
 def sample_step(model, tok, ordered: list[Task], first: int, cfg, reward: Reward, rt, seed: int, infill: bool,
                 fmt: PromptFormat | None = None, old_logprobs=None,
@@ -154,12 +170,14 @@ def sample_groups(model, tok, tasks: list[Task], slots: list[int], cfg, reward: 
     return completions, rewards, results, {**timings, "rollout_batch": size}
 
 
+# ---------------------------------------------------------------- generation, with the reward scoring beside it
+
 def generate_and_score(model, tokenizer, prompts: Sequence[Sequence[int]], owners: Sequence, seeds: Sequence[int],
                        score: Callable, *, batch_size: int, max_new_tokens: int, sampling: Sampling = Sampling(),
                        overlap: str = "stream", lanes: int = 1, lengths: Sequence[int] | None = None,
                        progress: Callable[[int, int, int], None] | None = None, while_scoring: Callable | None = None):
     """Completions for `prompts` (generated `batch_size` at a time, `max_new_tokens` and `sampling`
-    as in `generate`) scored by `score(owners, completions)`, which returns a `dice.rl.rewards.Scores`
+    as in `generate`) scored by `score(owners, completions)`, which returns a `Scores`
     for the owners (tasks) and completions it is given.
 
     overlap: "stream" scores every block's newly finished sequences as one call on a pool of
@@ -268,93 +286,122 @@ class _Scorer:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-# ---------------------------------------------------------------- the policy that samples, and its batch
+# ---------------------------------------------------------------- the rewards
 
-def generation_copy(model, dtype: str):
-    """The model to sample rollouts from. On CUDA, when the update runs under bf16 autocast
-    (`--dtype auto` or `bf16`), a bf16 copy of the float32 master weights: a decoding forward
-    reads half the bytes, multiplies on bf16 tensor cores (float32 products run several times
-    slower) and keeps a bf16 KV cache, so twice the rollouts fit a batch. Only sampling sees the
-    rounding: the update recomputes every log-prob with the master weights (DESIGN.md §7).
-    Elsewhere (CPU, `--dtype fp32`, weights already bf16, FSDP-sharded parameters) the model itself."""
-    first = next(model.parameters())
-    if first.device.type != "cuda" or dtype == "fp32" or first.dtype != torch.float32 or _sharded(model):
-        return model
-    return bf16_copy(model)
+@dataclasses.dataclass
+class Scores:
+    """What a reward returns: one reward per completion, and the verifier's results behind them
+    (None for a completion it never ran: no code block, a dropped skeleton, a broken task), or
+    `results=None` for a reward without a verifier."""
+    rewards: list[float]
+    results: list | None = None
 
 
-def bf16_copy(model) -> SDAR:
-    """An inference copy of `model` with every weight in bf16 (tied weights stay one tensor)."""
-    with torch.device("meta"):
-        copy = SDAR(model.config)
-    converted: dict[int, torch.Tensor] = {}
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if tensor.data_ptr() not in converted:
-            converted[tensor.data_ptr()] = tensor.detach().to(torch.bfloat16)
-        state[name] = converted[tensor.data_ptr()]
-    copy.load_state_dict(state, assign=True)
-    return copy.tie_weights().eval().requires_grad_(False)
+class Reward:
+    """What an RL step asks of a reward (module docstring); the base prepares nothing and holds no
+    GPU memory."""
+
+    def __call__(self, tasks: list[Task], completions: list[Completion]) -> Scores:
+        raise NotImplementedError
+
+    def prepare(self, tasks: list[Task]) -> None:
+        """Told a step's tasks before their rollouts: work that needs the tasks alone starts here."""
+
+    def gpu_bytes(self) -> int:
+        """The GPU memory this reward's processes hold once busy (set aside when a batch is sized)."""
+        return 0
 
 
-def _sharded(model) -> bool:
-    """Whether FSDP2 sharded `model` (its parameters are DTensors)."""
-    try:   # lazy: a second of start-up for sample.py / train.py, and absent from torch builds without distributed
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return any(isinstance(p, DTensor) for p in model.parameters())
+class PythonReward(Reward):
+    """A reward computed in this process by `fn(tasks, completions)`, which returns a list of floats
+    (Scores without results) or Scores."""
+
+    def __init__(self, fn: Callable[[list[Task], list[Completion]], "Scores | list[float]"]):
+        self.fn = fn
+
+    def __call__(self, tasks: list[Task], completions: list[Completion]) -> Scores:
+        out = self.fn(tasks, completions)
+        return out if isinstance(out, Scores) else Scores([float(r) for r in out])
 
 
-class FullParameters:
-    """Generation calls layers directly (not the root forward), so under FSDP2 every module's
-    parameters are gathered for the whole rollout and resharded afterwards."""
-
-    def __init__(self, model):
-        from torch.distributed.fsdp import FSDPModule   # lazy: a second of start-up, and only torchrun runs need it
-        self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        with torch.no_grad():   # FSDP initialises lazily, from a forward of the root module
-            model(torch.zeros(1, model.config.block_size, dtype=torch.long, device=next(model.parameters()).device))
-
-    def __enter__(self):
-        for m in self.modules:
-            m.set_reshard_after_forward(False)
-            m.unshard()
-
-    def __exit__(self, *exc):
-        for m in self.modules:
-            m.reshard()
-            m.set_reshard_after_forward(True)
+def as_reward(reward: "Reward | Callable") -> Reward:
+    """`reward` as a Reward: a plain function becomes a PythonReward (`train_rl(cfg, reward_fn=...)`)."""
+    return reward if isinstance(reward, Reward) else PythonReward(reward)
 
 
-def rollout_sequence_bytes(config, prompt_len: int, max_new_tokens: int, element_size: int) -> int:
-    """GPU memory one rollout sequence takes in the sampler: every layer's keys and values and the
-    sampler's row state (`dice.memory.kv_cache_bytes`) for its prompt + max_new_tokens (the sampler
-    allocates the whole length up front, DESIGN.md §5);
-    its share of a step's logits work: float32 copies of a block's [block, vocab] logits in the
-    token choice, and a logits buffer in each CUDA graph the sampler captures (one per KV_BUCKET
-    of cache length); and, while a batch's prompts are prefilled in one forward, a layer's
-    activations for its prompt: the MLP's gate, up, their SiLU and product (4 x intermediate)
-    and ~6 hidden-sized vectors a token."""
-    c, bs = config, config.block_size
-    length = (prompt_len // bs + 1 + -(-max_new_tokens // bs)) * bs
-    kv = kv_cache_bytes(c, 1, length, element_size)
-    logits = bs * c.vocab_size
-    scratch = 8 * logits * 4 + (length // CachedForward.KV_BUCKET + 1) * logits * element_size
-    prefill = prompt_len * (4 * c.intermediate_size + 6 * c.hidden_size) * element_size
-    return kv + scratch + prefill
+class VerifierReward(Reward):
+    """Reward through the kernel verifier: 1 if compiled and correct (infill: and the program keeps
+    the task's prefix and suffix), else 0; kind "speedup" adds 0.5 * clamp(log2 speedup, 0, 2).
+    `options` are the verifier's (`verifier_options`), `timing` whether it times."""
+
+    def __init__(self, verifier, phase: str, kind: str = "correct", timing: bool = False,
+                 options: dict | None = None):
+        self.verifier, self.phase, self.kind = verifier, phase, kind
+        self.timing = timing or kind == "speedup"
+        self.options = verifier_options() if options is None else options
+
+    def program(self, task: Task, completion: Completion) -> str | None:
+        """The program verified for `completion` of `task`: the code it generated."""
+        return completion.code
+
+    def __call__(self, tasks: list[Task], completions: list[Completion]) -> Scores:
+        pairs, index = [], []
+        for i, (t, c) in enumerate(zip(tasks, completions)):
+            code = self.program(t, c)
+            if code is None or (self.phase == "infill" and not keeps_skeleton(code, t.prefix, t.suffix)):
+                continue
+            pairs.append((t.source, code))
+            index.append(i)
+        verified = self.verifier.map(pairs, on_broken_task=_warn_broken_task, timing=self.timing, **self.options)
+        by_item = dict(zip(index, verified))
+        results = [by_item.get(i) for i in range(len(tasks))]
+        rewards = []
+        for r in results:
+            value = float(r is not None and r.correct)
+            if value and self.kind == "speedup" and r.speedup:
+                value += 0.5 * min(max(math.log2(r.speedup), 0.0), 2.0)
+            rewards.append(value)
+        return Scores(rewards, results)
+
+    def prepare(self, tasks: list[Task]) -> None:
+        """The tasks' reference outputs, computed by the verifier while the rollouts generate."""
+        self.verifier.prepare([t.source for t in tasks], timing=self.timing, **self.options)
+
+    def gpu_bytes(self) -> int:
+        """The verifier's workers and judges (`Verifier.gpu_bytes`), asked when a batch is sized."""
+        return self.verifier.gpu_bytes()
 
 
-def auto_rollout_batch(model, prompt_lens: Sequence[int], max_new_tokens: int, others_bytes: int = 0) -> int:
-    """The largest rollout batch whose sampler state (`rollout_sequence_bytes` a sequence) fits
-    in MEMORY_SHARE of what this process can take on the GPU, and leaves room for what the
-    verifier's processes (others_bytes: `dice.verifier.Verifier.gpu_bytes`) do not hold yet: they
-    grow from ~0.2 GiB each at start-up to ~1 GiB once they have verified (17 GiB beside a
-    14-worker reward). On a CPU: every prompt in one batch."""
-    first = next(model.parameters())
-    if first.device.type != "cuda":
-        return len(prompt_lens)
-    per_sequence = rollout_sequence_bytes(model.config, max(prompt_lens), max_new_tokens, first.element_size())
-    available, in_use = gpu_memory(first.device)
-    budget = min(MEMORY_SHARE * available, available - max(0, others_bytes - in_use))
-    return max(1, min(len(prompt_lens), int(budget // per_sequence)))
+def verifier_options(rules: str = "strict", trials: int = 3, timeout_s: float = 60.0) -> dict:
+    """The verifier's options under the reward's rules: "strict" (ours: `trials` structured trials at
+    the strict precision, the strict kernel rule, `timeout_s`) or "dice" (DICE's own check,
+    `protocols.DICE_REWARD`: one trial on the inputs as drawn, allclose at 1e-2, no kernel rule,
+    300 s with the build; the verifier's attack tests pass it)."""
+    return dict(DICE_REWARD) if rules == "dice" else {"trials": trials, "timeout_s": timeout_s}
+
+
+def verifier_reward(verifier, phase: str, kind: str = "correct", timing: bool = False, trials: int = 3,
+                    timeout_s: float = 60.0, rules: str = "strict") -> VerifierReward:
+    """The verifier's reward as train.py's flags ask it (--reward, --reward-rules, --verify-timeout)."""
+    return VerifierReward(verifier, phase, kind, timing, verifier_options(rules, trials, timeout_s))
+
+
+def _warn_broken_task(index: int, error: ValueError) -> None:
+    """A task whose own reference fails scores 0 for that sample (its result is None)."""
+    print(f"warning: skipping a broken task: {error}", file=sys.stderr)
+
+
+def rl_rewards(cfg, rt, reward_fn: "Reward | Callable | None") -> tuple[object | None, Reward, Reward]:
+    """An RL run's (verifier, reward, evaluation reward). A given `reward_fn` is both (`as_reward`),
+    without a verifier; otherwise this process's Verifier gives the phase's `--reward` under `--reward-rules`
+    and, for `--eval-every`, the end-to-end correct reward timed (fast_1), under the strict rules."""
+    if reward_fn is not None:
+        reward = as_reward(reward_fn)
+        return None, reward, reward
+    # read when a run starts: a run with its own reward skips dice.verifier's import (torch.utils.cpp_extension),
+    # and the Verifier is the one dice.verifier holds then (tests' fake_verifier swaps it)
+    from ..verifier import Verifier
+    verifier = Verifier(**rank_verifier(cfg.verifier_workers, rt.device))
+    reward = verifier_reward(verifier, cfg.phase, cfg.reward, timing=cfg.reward == "speedup",
+                             timeout_s=cfg.verify_timeout, rules=cfg.reward_rules)
+    return verifier, reward, verifier_reward(verifier, "e2e", "correct", timing=True, timeout_s=cfg.verify_timeout)

@@ -1,16 +1,16 @@
 """BiC-RL: TraceRL rollouts -> verifier rewards -> policy update, in two phases (DESIGN.md §7).
 
 One RL step (`rl_step`, the function `train.py` runs and `python -m dice.bench rl` times) reads in
-three modules, top to bottom. The rollouts (`dice.rl.rollout`): take `tasks_per_step` tasks in
-curriculum order (ascending level, wrapping; or with `--task-order interleaved` every level in its
-share each step: `dice.tasks.load.curriculum`), sample `group_size` responses each with the
-block-diffusion sampler, reward each (`dice.rl.rewards`: 1 if the kernel compiles and is correct; in
-the `infill` phase also only if the program keeps the given prefix and suffix), and form group
-z-score advantages A = (R - mean_g) / std_g, dropping groups whose rewards are all equal
+three modules of dice/rl/, top to bottom. The rollouts (`dice.rl.rollout`): take `tasks_per_step`
+tasks in curriculum order (ascending level, wrapping; or with `--task-order interleaved` every level
+in its share each step: `dice.tasks.load.curriculum`), sample `group_size` responses each with the
+block-diffusion sampler, reward each (`VerifierReward` there: 1 if the kernel compiles and is
+correct; in the `infill` phase also only if the program keeps the given prefix and suffix), and form
+group z-score advantages A = (R - mean_g) / std_g, dropping groups whose rewards are all equal
 (`--dynamic-sampling-rounds N`, DAPO's dynamic sampling, draws the next tasks in their place, up to
 N more rounds a step, and a step starts where the one before stopped drawing). The update
 (`dice.rl.update`): every kept response's trace rounds, cut into optimiser steps of
-`--rows-per-update` round rows and packed into micro-batches (`dice.rl.packing`), each optimiser
+`--rows-per-update` round rows and packed into micro-batches (`dice.model.packing`), each optimiser
 step's PPO-clip + k3 loss against the rollout policy's log-probs. `train_rl` runs the steps: the
 run folder, the metrics.jsonl line (`dice.metrics.rl_step_record`), the checkpoint, and a greedy
 evaluation before every `--eval-every`-th step and at the end.
@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from ..errors import DataError
+from ..memory import UpdateTokens
 from ..metrics import rl_progress_fields, rl_step_record
 from ..model.checkpoint import load_model
 from ..model.tokenizer import load_tokenizer
@@ -36,13 +37,11 @@ from ..plot import plot_run
 from ..run_folder import (MetricsLog, check_resume, check_run_folder, checkpoint_step, make_logger, progress_line,
                           resume, run_settings, save_checkpoint, save_final, start_run)
 from ..runtime import build_model, make_optimizer, setup_runtime
-from ..sampling.completion import complete, load_prompt_template, prompt_format, task_prompt_ids
+from ..sampling.completion import FullParameters, complete, load_prompt_template, prompt_format, task_prompt_ids
 from ..tasks.load import Task, load_tasks, phase_tasks
 from ..tasks.prompts import PromptFormat
-from .rewards import Reward, Scores, rl_rewards
-from .rollout import FullParameters, RolloutOptions, StepSamples, sample_step
+from .rollout import Reward, RolloutOptions, Scores, StepSamples, rl_rewards, sample_step
 from .update import OldLogprobs, policy_update, restart_moments
-from .update_memory import UpdateTokens
 
 # what a resumed RL run must keep (besides the tasks and the model)
 RESUME_FIELDS = ("phase", "seed", "tasks_per_step", "group_size", "max_new_tokens", "temperature", "remasking",
@@ -57,9 +56,9 @@ RESUME_FIELDS = ("phase", "seed", "tasks_per_step", "group_size", "max_new_token
 @dataclasses.dataclass
 class Learner:
     """What every step of a run uses: the policy, its tokenizer and optimiser, the reward, the update's
-    micro-batch budget (`dice.rl.update_memory.UpdateTokens`; None: no update), the frozen reference
+    micro-batch budget (`dice.memory.UpdateTokens`; None: no update), the frozen reference
     (--reference-model), the rollouts' prompt format (None: the model's) and the context generation
-    runs in (under FSDP every parameter gathered: `dice.rl.rollout.FullParameters`)."""
+    runs in (under FSDP every parameter gathered: `dice.sampling.completion.FullParameters`)."""
     model: torch.nn.Module
     tok: object
     optimizer: torch.optim.Optimizer
@@ -209,7 +208,7 @@ def _evaluate(run: RLRun, cfg, rt, log, reward: Reward, gather, at_step: int, la
 def train_rl(cfg, reward_fn: Reward | Callable | None = None, tasks: list[Task] | None = None,
              eval_tasks: list[Task] | None = None) -> Path:
     """BiC-RL phase `cfg.phase` ("infill" or "e2e"); `reward_fn` replaces the kernel verifier (tests,
-    other rewards): a `dice.rl.rewards.Reward`, or any `reward_fn(tasks, completions)` returning a
+    other rewards): a `dice.rl.rollout.Reward`, or any `reward_fn(tasks, completions)` returning a
     list of floats or Scores (a `PythonReward`). Returns the final model folder.
 
     Each step: `rl_step`, then the log and the checkpoint; a greedy evaluation before every

@@ -7,7 +7,7 @@ was unmasked. For each block (on the absolute grid, the prompt's tail included) 
 step values s_1 < s_2 < ... are its rounds; round r replays the state the sampler saw at that
 block's r-th step: tokens unmasked at step >= s_r are MASK, earlier ones clean, and the loss
 counts the tokens unmasked at s_r. Blocks never see each other's noisy copies, so round r of
-every block shares one round row: a response has max_b(#rounds) rows (`dice.rl.packing` lays them
+every block shares one round row: a response has max_b(#rounds) rows (`dice.model.packing` lays them
 out beside one clean stream, in micro-batches of `--update-tokens`). The sampler denoises whole
 blocks and then cuts the response, so the last block's positions after the cut (the completion's
 tail) were context at each of that block's steps: they join the replay in the same MASK-or-clean
@@ -54,11 +54,10 @@ from typing import Sequence
 
 import torch
 
-from ..memory import out_of_memory
+from ..memory import CHECKPOINTING, UpdateTokens, out_of_memory
+from ..model.packing import (CompileClock, PackedBatch, Round, empty_batch, flex_length, group_rounds, micro_batches,
+                             pack, pad_batch, packed_logprobs, update_flops, uses_flex)
 from ..sampling.completion import Completion
-from .packing import (CompileClock, PackedBatch, Round, empty_batch, flex_length, group_rounds, micro_batches, pack,
-                      pad_batch, packed_logprobs, update_flops, uses_flex)
-from .update_memory import CHECKPOINTING, UpdateTokens
 
 
 # ---------------------------------------------------------------- trace rounds
@@ -139,7 +138,7 @@ def update_plan(completions, advantages, cfg, rt, block_size: int, mask_id: int,
     `update_tokens` tokens. Returns (the micro-batches of every step, the responses and the round
     rows of all processes). Under FSDP every backward is a collective, so each rank runs as many
     micro-batches as the busiest rank, padding with empty ones. use_flex: each micro-batch is one
-    row padded to `dice.rl.packing.flex_length`, so every micro-batch of every step has the shape
+    row padded to `dice.model.packing.flex_length`, so every micro-batch of every step has the shape
     [1, update_tokens] but for a group over the budget ([1, m x update_tokens], m the fewest
     budgets that hold it); otherwise one unpadded row per group, as the dense mask wants."""
     kept = [k for k, a in enumerate(advantages) if a is not None and completions[k].tokens]
@@ -225,7 +224,7 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     log-probs, taken before the first (those `old_logprobs` computed while the reward finished,
     `OldLogprobs`, and the rest here). progress(done, total) follows the micro-batches. kl and
     clip_fraction are means over every loss token of all processes; flops is the update's model
-    FLOPs (`dice.rl.packing.update_flops`), all processes'; compile_s the seconds it spent compiling
+    FLOPs (`dice.model.packing.update_flops`), all processes'; compile_s the seconds it spent compiling
     FlexAttention (`CompileClock`; the slowest process's): a process's first update, 0 after;
     grad_norm the whole gradient's norm before clipping, the mean over the optimiser steps;
     update_tokens the micro-batches' budget."""

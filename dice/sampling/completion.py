@@ -7,6 +7,10 @@ key and get KernelBench's load_inline example in DICE's RL chat shape), or from 
 (`load_prompt_template`); `complete` generates in batches, and each `Completion` keeps the token ids
 and step maps straight from the sampler, never re-tokenised, together with the sampler's last-block
 tail after the cut that the TraceRL replay needs (DESIGN.md §7).
+
+The weights generation reads: RL's rollouts sample from `generation_copy`, a bf16 copy of the
+float32 master weights on CUDA; under FSDP2 generation (rollouts and evaluation alike) runs inside
+`FullParameters`, every parameter gathered, since the sampler calls the layers, not the root forward.
 """
 from __future__ import annotations
 
@@ -14,7 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+import torch
+
 from ..errors import DataError, read_text
+from ..model.sdar import SDAR
 from ..tasks.load import Task
 from ..tasks.prompts import PromptFormat, extract_code, template_problem
 from .sampler import Engine, Generated, Sampling, generate
@@ -104,3 +111,62 @@ def complete(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_toke
                           on_finish=finished)
         done += result.num_tokens
     return out
+
+
+# ---------------------------------------------------------------- the weights generation reads
+
+def generation_copy(model, dtype: str):
+    """The model to sample rollouts from. On CUDA, when the update runs under bf16 autocast
+    (`--dtype auto` or `bf16`), a bf16 copy of the float32 master weights: a decoding forward
+    reads half the bytes, multiplies on bf16 tensor cores (float32 products run several times
+    slower) and keeps a bf16 KV cache, so twice the rollouts fit a batch. Only sampling sees the
+    rounding: the update recomputes every log-prob with the master weights (DESIGN.md §7).
+    Elsewhere (CPU, `--dtype fp32`, weights already bf16, FSDP-sharded parameters) the model itself."""
+    first = next(model.parameters())
+    if first.device.type != "cuda" or dtype == "fp32" or first.dtype != torch.float32 or _sharded(model):
+        return model
+    return bf16_copy(model)
+
+
+def bf16_copy(model) -> SDAR:
+    """An inference copy of `model` with every weight in bf16 (tied weights stay one tensor)."""
+    with torch.device("meta"):
+        copy = SDAR(model.config)
+    converted: dict[int, torch.Tensor] = {}
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in converted:
+            converted[tensor.data_ptr()] = tensor.detach().to(torch.bfloat16)
+        state[name] = converted[tensor.data_ptr()]
+    copy.load_state_dict(state, assign=True)
+    return copy.tie_weights().eval().requires_grad_(False)
+
+
+def _sharded(model) -> bool:
+    """Whether FSDP2 sharded `model` (its parameters are DTensors)."""
+    try:   # lazy: a second of start-up for sample.py / train.py, and absent from torch builds without distributed
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+class FullParameters:
+    """Generation calls layers directly (not the root forward), so under FSDP2 every module's
+    parameters are gathered for the whole rollout and resharded afterwards."""
+
+    def __init__(self, model):
+        from torch.distributed.fsdp import FSDPModule   # lazy: a second of start-up, and only torchrun runs need it
+        self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        with torch.no_grad():   # FSDP initialises lazily, from a forward of the root module
+            model(torch.zeros(1, model.config.block_size, dtype=torch.long, device=next(model.parameters()).device))
+
+    def __enter__(self):
+        for m in self.modules:
+            m.set_reshard_after_forward(False)
+            m.unshard()
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            m.reshard()
+            m.set_reshard_after_forward(True)

@@ -169,7 +169,7 @@ class Verifier:
     def gpu_bytes(self) -> int:
         """The GPU memory its processes hold once they have verified a while: PROCESS_GPU_BYTES each
         (a trainer sizing its rollout batch sets aside what they do not hold yet,
-        `dice.rl.rollout.auto_rollout_batch`)."""
+        `dice.memory.auto_rollout_batch`)."""
         return pool_gpu_bytes(len(self._workers), len(self._judges)) if self.cuda else 0
 
     def prepare(self, task_srcs: Iterable[str], **options) -> list[Future]:

@@ -1,5 +1,5 @@
-"""The TraceRL update's forwards: a response's trace rounds beside one clean stream, packed into
-micro-batches sized by tokens (DESIGN.md §7).
+"""The model's packed training input for BiC-RL's update: a response's trace rounds beside one clean
+stream, packed into micro-batches sized by tokens, and their log-probabilities (DESIGN.md §7).
 
 TraceRL trains every round r of a response on a row of its own, the sequence beside a noisy copy
 x_t^r (deadlykitten4/DICE `training/RL/train/rl_sdar.py`, `one_round_vectorized`: [x_0 ; x_t^r]),
@@ -22,11 +22,12 @@ FlexAttention path a micro-batch is one row of packed groups (samples never see 
 mask skips the tiles between them) padded to a fixed length (`flex_length`: the budget, or for a
 group over it the smallest multiple of the budget), so that compiled FlexAttention, which compiles
 once per shape, compiles in a process's first update and not after (`CompileClock` counts those
-seconds); the dense path gives every
-group its own row, unpadded, since a dense mask grows with the square of the row.
+seconds); the dense path gives every group its own row, unpadded, since a dense mask grows with the
+square of the row.
 
 An RL step's update (`dice.rl.update.update_plan`) cuts its round rows into the optimiser steps'
-minibatches and each step's rows into these micro-batches; this module is its tensor plumbing.
+minibatches and each step's rows into these micro-batches; this module is its tensor plumbing, and
+the sizes its budget is planned from (`group_bound`, `dice.memory.UpdateTokens`).
 """
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config import UPDATE_ROWS
-from ..model.attention import flex_streams_mask, streams_mask
 from ..sampling.completion import Completion
+from .attention import flex_streams_mask, streams_mask
 
 
 @dataclass
