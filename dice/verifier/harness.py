@@ -60,6 +60,7 @@ from .rules import trusted
 TASK_IMPORT_SEED = 0            # module-level randomness of a task is the same in every process
 TRIAL_KINDS = ("iid", "spiked", "hot", "scaled", "spiked")   # trials 1-5; later trials are "iid"
 HEAVY_KINDS = ("spiked", "scaled", "timed")                    # kinds that also get a heavy element (`with_heavy`)
+DOMINATED_KINDS = ("hot",) + HEAVY_KINDS   # one element decides most of a sum (`precision.SERIAL_DOMINATED`)
 JITTER = 2**-3
 HOT_FADE, HOT_DRAWS = 2**-8, 8
 SPIKE, SPIKE_EVERY = 64.0, 4096

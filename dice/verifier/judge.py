@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 from .epilogues import activation_kernels, gemm_operands
-from .harness import (build_model, call_draws, cuda_context_broken, describe_exception, init_device, load_task,
-                      make_inputs, nbytes, timed_inputs, trial_inputs)
+from .harness import (DOMINATED_KINDS, build_model, call_draws, cuda_context_broken, describe_exception, init_device,
+                      load_task, make_inputs, nbytes, timed_inputs, trial_inputs)
 from .kernels import gpu_activity
 from .outputs import aliased_outputs, compare_outputs, fingerprint, flatten, modified_inputs, shared_outputs
-from .precision import (EXACT, in_precision, is_exact_float, loosest, math_flags, model_in, own_error, reduction_terms,
-                        tolerances, unit)
+from .precision import (EXACT, SERIAL, SERIAL_DOMINATED, in_precision, is_exact_float, loosest, math_flags, model_in,
+                        own_error, reduction_terms, tolerances, unit)
 from .rules import trusted
 from .timing import Slots, flush_l2
 from .wire import import_tensor
@@ -299,12 +299,13 @@ class JudgeHandler:
         return reference
 
     def _own_error(self, model: nn.Module, originals: list, inputs: list, outputs: list, request: dict) -> list | None:
-        """Per output (worst, relative, terms) for the strict rule (`precision.tolerances`): the
+        """Per output (worst, relative, terms, s) for the strict rule (`precision.tolerances`): the
         reference's own rounding error (`precision.own_error`: a float32 output against the same
         Model in float64, a float64 output from the Model in float32 scaled to float64's roundoff),
         (0, 0) where the Model does not run in the other precision (tensors made inside forward),
-        and how many input elements each output element summarises (`precision.reduction_terms`).
-        None under "dice" or without an output the strict rule holds to its own precision."""
+        how many input elements each output element summarises (`precision.reduction_terms`) and the
+        share s of a serial sum's worst case allowed on this trial's kind (`precision.SERIAL_DOMINATED`
+        where one element dominates, else `SERIAL`). None under "dice" or without an output the strict rule holds to its own precision."""
         if request["precision"] != "strict" or not any(is_exact_float(t) for t in outputs):
             return None
         values = [x if o is None else o for o, x in zip(originals, inputs)]
@@ -320,7 +321,8 @@ class JudgeHandler:
             other = runs.get(_other(e.dtype)) if is_exact_float(e) else None
             ratio = 1.0 if _other(e.dtype) == torch.float64 else unit(torch.float64) / unit(torch.float32)
             found = own_error(e, other[i] if other is not None and i < len(other) else None, ratio)
-            errors.append((*found, reduction_terms(values, e)))
+            share = SERIAL_DOMINATED if request["kind"] in DOMINATED_KINDS else SERIAL
+            errors.append((*found, reduction_terms(values, e), share))
         return errors
 
     def _model_in(self, model: nn.Module, request: dict, dtype: torch.dtype) -> nn.Module:
