@@ -192,6 +192,7 @@ def test_one_step_with_the_verifier_on_the_gpu(tmp_path, capsys, monkeypatch):
           "--max-new-tokens", "8", "--workers", "2", "--broken", "0.5", "--attention", "dense"])
     out = capsys.readouterr().out
     assert "references checked: correct 1" in out and "verdicts compile_error=1 correct=1" in out
+    assert f"kept in {tmp_path / 'cache' / 'bench-rl-references.json'} (delete it" in out
     assert list(json.loads((tmp_path / "cache" / "bench-rl-references.json").read_text()).values()) == ["correct"]
 
 

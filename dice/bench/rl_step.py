@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -57,8 +58,8 @@ from ..sampling.completion import FullParameters, prompt_format, task_prompt_ids
 from ..tasks.load import curriculum, load_tasks, step_tasks
 from ..verifier import Verifier
 from .common import BF16_FLOPS, BudgetSpent
-from .replay import (BROKEN, CHARS_PER_TOKEN, SDAR_TOKENIZER, ReplayTokenizer, correct_references, make_reward,
-                     replay_programs, tokenizer_folder)
+from .replay import (BROKEN, CHARS_PER_TOKEN, REFERENCE_VERDICTS, SDAR_TOKENIZER, ReplayTokenizer, correct_references,
+                     make_reward, replay_programs, tokenizer_folder)
 from .training import model_config, train_shape
 
 
@@ -309,7 +310,8 @@ def bench_rl(args, bench) -> None:
             owners = [t for t, _ in replay]
             lengths = [min(args.max_new_tokens, len(tok.encode(f"```python\n{t.solution}\n```")) + 1) for t in owners]
             if i == 0 and rt.main:
-                _describe(args, config, rt, chosen, replay, prompts, lengths, tok_dir, verdicts)
+                kept = Path(verifier.cache_dir) / REFERENCE_VERDICTS if verifier is not None else None
+                _describe(args, config, rt, chosen, replay, prompts, lengths, tok_dir, verdicts, kept)
             reward = make_reward(args.reward, verifier, {t.solution: k for t, k in replay}, args.verify_timeout)
             learner = Learner(model, tok, optimizer, reward, tokens, gather=gather)
             row, line = run_step(settings, learner, owners, lengths, chosen, base, rt, max(map(len, prompts)), bench,
@@ -393,12 +395,13 @@ def _tokenizer_and_model(args, config, rt, chosen):
     return tok_dir, tok, model, prompts
 
 
-def _describe(args, config, rt, chosen, replay, prompts, lengths, tok_dir, verdicts) -> None:
+def _describe(args, config, rt, chosen, replay, prompts, lengths, tok_dir, verdicts, kept: Path | None) -> None:
     kinds = collections.Counter("load_inline" if "load_inline" in t.solution else "CuPy" if "cupy" in t.solution
                                 else "other" for t in chosen)
     where = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "CPU"
     counted = f"tokenizer {tok_dir}" if tok_dir else f"an estimate of {CHARS_PER_TOKEN} chars a token"
-    checked = (f"references checked: {', '.join(f'{k} {v}' for k, v in sorted(verdicts.items()))}" if verdicts
+    checked = (f"references checked: {', '.join(f'{k} {v}' for k, v in sorted(verdicts.items()))}, their verdicts "
+               f"kept in {kept} (delete it to check them again)" if verdicts
                else "references not checked (python reward)")
     print(f"\nrl bench: random SDAR {args.shape} ({config.num_parameters() / 1e9:.2f}B parameters), {where}; "
           f"{len(chosen)} tasks x {args.group_size} = {len(replay)} rollouts of {args.solutions} "
