@@ -110,7 +110,7 @@ def prebuilt_programs(request):
         builds.submit({})
         yield builds
         return
-    from dice.verifier.build.pool import BuildPool
+    from dice.verifier.inline_build.pool import BuildPool
     selected = [item for item in request.session.items if "gpu" in item.keywords]
     wanted = wanted_builds(selected)
     builds.pools["fast"] = BuildPool(request.getfixturevalue("gpu_cache"), build="fast")

@@ -16,14 +16,14 @@ import torch.utils.cpp_extension as cpp_extension
 
 from dice.bench.build_cost import CPU_ONLY_LIBRARIES
 from dice.tasks.prompts import EXAMPLE_LOAD_INLINE
-from dice.verifier.build import cache as build_module
-from dice.verifier.build.cache import BuildCache, BuildError
-from dice.verifier.build.cxx import normalise
-from dice.verifier.build.fast import CompiledUnits, FastBuildFailed, SharedCompileError
-from dice.verifier.build.toolchain import (CompilerSlots, Flags, dispatcher, lazy_names, namespace_scope_names,
+from dice.verifier.inline_build import cache as build_module
+from dice.verifier.inline_build.cache import BuildCache, BuildError
+from dice.verifier.inline_build.cxx import normalise
+from dice.verifier.inline_build.fast import CompiledUnits, FastBuildFailed, SharedCompileError
+from dice.verifier.inline_build.toolchain import (CompilerSlots, Flags, dispatcher, lazy_names, namespace_scope_names,
                                           precompiled_header)
-from dice.verifier.build.inline import Unsplittable, split_program
-from dice.verifier.build.torch_inline import cuda_cu, main_cpp, recorded_calls
+from dice.verifier.inline_build.inline import Unsplittable, split_program
+from dice.verifier.inline_build.torch_inline import cuda_cu, main_cpp, recorded_calls
 
 from conftest import Occupancy, run_in_threads
 
@@ -150,7 +150,7 @@ def test_dict_functions_and_prototype_kernels():
 def test_shared_errors_are_names_declared_nowhere():
     """Hand-made compiler lines: an undeclared name torch's headers and the program do not
     declare is torch's error too; one they declare, and our own shims' names, are not."""
-    from dice.verifier.build.fast import shared_error
+    from dice.verifier.inline_build.fast import shared_error
     names, declared = frozenset({"min", "Tensor"}), frozenset({"helper"})
     assert shared_error('cuda.cu(9): error: identifier "idx2" is undefined', names, declared)
     assert shared_error("main.cpp:2:1: error: \u2018Tensr\u2019 in namespace \u2018torch\u2019 does not name a type",
@@ -164,7 +164,7 @@ def test_shared_errors_are_names_declared_nowhere():
 def test_names_in_an_initializer_are_used_not_declared():
     """`= name` only uses name: a program whose initializer names an undeclared identifier has a
     compile error torch's build shares (a verdict, not a torch rebuild)."""
-    from dice.verifier.build.cxx import items, tokenize
+    from dice.verifier.inline_build.cxx import items, tokenize
     source = ("__device__ int flag = undeclared_name;\n__device__ float table[2] = {0.f, other};\n"
               "constexpr int N = 4, M = N + K;\nint plain;\nusing Alias = float;\n")
     declared = set().union(*(item.declared for item in items(tokenize(source))))
@@ -397,7 +397,7 @@ def test_a_unit_built_by_several_programs_at_once_is_compiled_once(tmp_path):
 
 
 def test_a_failed_toolchain_artifact_is_tried_again_later_not_for_ever(tmp_path, monkeypatch):
-    from dice.verifier.build import toolchain
+    from dice.verifier.inline_build import toolchain
     tries = []
 
     def make(folder: Path) -> bool:
@@ -418,7 +418,7 @@ def test_torch_macros_are_read_in_a_process_without_stdin(tmp_path, cuda_home):
     """The prebuild children ran with fd 0 closed, where nvcc fails ("Failed to preprocess host
     compiler properties") and every build then took torch's ~60 s way."""
     script = (f"import os, torch.utils.cpp_extension as ce\nce.CUDA_HOME = '/usr/local/cuda'\nos.close(0)\n"
-              f"from pathlib import Path\nfrom dice.verifier.build.toolchain import Flags, torch_macros\n"
+              f"from pathlib import Path\nfrom dice.verifier.inline_build.toolchain import Flags, torch_macros\n"
               f"flags = Flags(dict.fromkeys(['extra_cflags', 'extra_cuda_cflags', 'extra_ldflags', "
               f"'extra_include_paths']), 'ext', (9, 0))\nprint(len(torch_macros(Path({str(tmp_path)!r}), flags)))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -556,7 +556,7 @@ def shared_cache(tmp_path_factory):
 
 def _compile_only(tmp_path, call: dict, root: Path, binding: str = "pybind"):
     """The fast build of one call with `binding`, linked without the CUDA libraries the CPU wheel lacks."""
-    from dice.verifier.build import fast
+    from dice.verifier.inline_build import fast
     arguments, flags = _cpu_flags(root, call)
     return fast.fast_build(arguments, "ext", tmp_path, root, (9, 0), CompilerSlots(root), flags=flags,
                                 binding=binding)
@@ -610,7 +610,7 @@ def test_a_lean_device_unit_compiles_to_the_same_code_and_falls_back_when_it_fai
     """Without <algorithm>, cuda_fp16.h and cuda_bf16.h a unit that names nothing of theirs gives
     the same PTX as with them; a unit that needs them (here every unit counts as naming nothing) fails lean and
     builds from the full unit, as torch's build would."""
-    from dice.verifier.build import fast
+    from dice.verifier.inline_build import fast
     many = dict(name="many", cpp_sources=CPP, cuda_sources=MANY, functions=["run"])
     (tmp_path / "m").mkdir()
     library, report = _compile_only(tmp_path / "m", many, shared_cache, "dispatch")
@@ -645,7 +645,7 @@ def test_build_pool_prebuilds_into_the_cache(pool_cache):
     """A BuildPool child builds (here: a C++-only extension, which takes torch's path) into the
     cache the workers use, so a later BuildCache.load_inline imports it without building; a
     candidate that hangs is killed at the timeout."""
-    from dice.verifier.build.pool import BuildPool
+    from dice.verifier.inline_build.pool import BuildPool
     program = f"from torch.utils.cpp_extension import load_inline\n{PLUS}\nraise SystemExit('not reached')\n"
     with BuildPool(pool_cache, processes=2, timeout_s=600, capability=(9, 0)) as pool:
         report = pool.submit(program).result()
@@ -669,7 +669,7 @@ def test_warming_builds_the_toolchain_before_the_first_program(tmp_path, cuda_ho
     """`BuildCache.warm` (what `BuildPool.warm` runs in a build child) builds the precompiled headers
     and the names the fast build reads, so that the first program compiles none of them (here: no
     compiler may run for them afterwards)."""
-    from dice.verifier.build import toolchain
+    from dice.verifier.inline_build import toolchain
     root = tmp_path / "torch_extensions"
     BuildCache(root, capability=(9, 0), build="fast").warm()
     flags = Flags(dict.fromkeys(["extra_cflags", "extra_cuda_cflags", "extra_ldflags", "extra_include_paths"]), "ext",
@@ -686,7 +686,7 @@ def test_warming_builds_the_toolchain_before_the_first_program(tmp_path, cuda_ho
 def test_build_pool_warms_in_a_child(tmp_path):
     """`BuildPool.warm` reaches a build child's `BuildCache.warm`: on a machine with a CUDA torch it
     reports "warmed"; with this CPU wheel, which knows no CUDA toolkit, the fast build's flags fail."""
-    from dice.verifier.build.pool import BuildPool
+    from dice.verifier.inline_build.pool import BuildPool
     with BuildPool(tmp_path, processes=1, timeout_s=600, capability=(9, 0)) as pool:
         report = pool.warm().result()
     assert report["status"] == "warmed" or (torch.version.cuda is None and report["status"] == "error" and
@@ -696,7 +696,7 @@ def test_build_pool_warms_in_a_child(tmp_path):
 def test_build_pool_builds_at_a_lower_cpu_priority(tmp_path):
     """Compilers yield the CPU to the threads that keep the GPU busy: a build child (and so every
     compiler it starts) runs at niceness BUILD_NICE, or its owner's where that is higher."""
-    from dice.verifier.build.pool import BUILD_NICE, BuildPool
+    from dice.verifier.inline_build.pool import BUILD_NICE, BuildPool
     with BuildPool(tmp_path, processes=1, timeout_s=60, capability=(9, 0)) as pool:
         report = pool.submit("import os  # load_inline\nraise RuntimeError(os.nice(0))").result()
     assert report["status"] == "error", report
@@ -706,7 +706,7 @@ def test_build_pool_builds_at_a_lower_cpu_priority(tmp_path):
 def test_the_build_server_forks_its_children_from_a_single_thread(tmp_path):
     """A fork copies only the calling thread, so a lock another thread held then stays held in the
     child for ever: the server that forks every build runs one thread (counted in /proc)."""
-    from dice.verifier.build.pool import BuildPool
+    from dice.verifier.inline_build.pool import BuildPool
     with BuildPool(tmp_path, processes=1, timeout_s=60, capability=(9, 0)) as pool:
         pool.submit("import os  # load_inline\nraise RuntimeError('ok')").result()     # the server is up
         threads = os.listdir(f"/proc/{pool._server.pid}/task")
@@ -714,7 +714,7 @@ def test_the_build_server_forks_its_children_from_a_single_thread(tmp_path):
 
 
 GUARDLESS_OWNER = '''import sys
-from dice.verifier.build.pool import BuildPool
+from dice.verifier.inline_build.pool import BuildPool
 open(sys.argv[2], "a").write("ran\\n")       # once per execution of this script
 program = ("import os, time\\nfrom torch.utils.cpp_extension import load_inline\\n"
            "if os.fork() == 0:\\n    os.setsid()\\n    if os.fork() == 0:\\n"
@@ -751,7 +751,7 @@ def test_build_pool_needs_no_main_guard_and_ends_what_a_candidate_started(tmp_pa
 
 
 HANGING_PREBUILD_OWNER = '''import sys, time
-from dice.verifier.build.pool import BuildPool
+from dice.verifier.inline_build.pool import BuildPool
 pool = BuildPool(sys.argv[1], processes=1, timeout_s=600, capability=(9, 0))
 pool.submit("open(%r, 'w').write('x')\\nwhile True: pass  # load_inline" % sys.argv[2])
 time.sleep(600)
@@ -891,7 +891,7 @@ def test_only_a_candidate_with_load_inline_programs_waits_for_the_toolchain(tmp_
     `toolchain_now` answers at once, with the warm-up's digests once reported and {} (the shared
     artifacts trusted by no build of that candidate) while it runs; `toolchain` waits for them."""
     from concurrent.futures import Future
-    from dice.verifier.build.pool import BuildPool
+    from dice.verifier.inline_build.pool import BuildPool
     with BuildPool(tmp_path, processes=1, timeout_s=60, capability=(9, 0)) as pool:
         assert pool.toolchain_now() is None and pool.toolchain() is None      # no warm-up: nothing to trust
         pool._warm = Future()

@@ -55,7 +55,7 @@ def test_anything_that_can_reach_past_its_own_objects_gets_a_fresh_process_after
 PLANTER = '''import torch
 import torch.nn as nn
 from pathlib import Path
-from dice.verifier.build.cache import BuildCache
+from dice.verifier.inline_build.cache import BuildCache
 
 root = Path({root!r})
 cache = BuildCache(root, capability=None)
@@ -155,7 +155,7 @@ def test_a_memory_cap_left_by_one_candidate_does_not_meet_the_next(tmp_path):
 def test_a_toolchain_artifact_is_used_only_as_its_trusted_build_made_it(tmp_path, monkeypatch):
     """`toolchain.TRUSTED` set (a prebuild or a worker): an artifact folder is used when its files have
     the digests the warm-up reported, and refused once any of them changed, or with no digests."""
-    from dice.verifier.build import toolchain
+    from dice.verifier.inline_build import toolchain
     folder = tmp_path / "pch" / "key"
     folder.mkdir(parents=True)
     (folder / "prefix.h").write_text("#include <torch/extension.h>\n")

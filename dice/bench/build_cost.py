@@ -31,12 +31,12 @@ import torch.utils.cpp_extension as cpp_extension
 
 from ..cli import at_least
 from ..tasks.load import load_tasks
-from ..verifier.build import fast, toolchain
-from ..verifier.build.cache import BuildCache
-from ..verifier.build.fast import FastBuildFailed, SharedCompileError
-from ..verifier.build.inline import Unsplittable
-from ..verifier.build.toolchain import CompilerSlots, Flags
-from ..verifier.build.torch_inline import recorded_calls
+from ..verifier.inline_build import fast, toolchain
+from ..verifier.inline_build.cache import BuildCache
+from ..verifier.inline_build.fast import FastBuildFailed, SharedCompileError
+from ..verifier.inline_build.inline import Unsplittable
+from ..verifier.inline_build.toolchain import CompilerSlots, Flags
+from ..verifier.inline_build.torch_inline import recorded_calls
 from .replay import BROKEN, replay_programs
 
 CPU_ONLY_LIBRARIES = ("-lc10_cuda", "-ltorch_cuda")

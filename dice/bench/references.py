@@ -19,7 +19,7 @@ from types import SimpleNamespace
 from ..errors import DataError, read_text
 from ..tasks.load import load_tasks
 from ..verifier import Verifier
-from ..verifier.build.pool import BuildPool
+from ..verifier.inline_build.pool import BuildPool
 
 from .common import BudgetSpent, build_way
 

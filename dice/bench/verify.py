@@ -3,7 +3,7 @@
 `bench_verify(args)`: kernels verified per minute for the same elementwise tasks written as CuPy
 (NVRTC) and as load_inline (nvcc) candidates: CuPy with a cold pool (worker start-up and NVRTC
 compiles included) and a warm one, with and without timing; load_inline built each way
-(`--build`, default both: torch's load_inline, and the split build of `verifier.build.fast`) with
+(`--build`, default both: torch's load_inline, and the split build of `verifier.inline_build.fast`) with
 a warm pool and a cold then warm build cache (the fast build also with its precompiled header
 already made, and prebuilt by a `pool.BuildPool` before verifying); the warm no-timing CuPy
 row again with one judge (the default is one per 4 workers); and load_inline evaluated KernelBench's way, one fresh Python process
@@ -32,7 +32,7 @@ import torch
 
 from ..cli import ArgumentParser, at_least, fail_cleanly
 from ..verifier import Verifier
-from ..verifier.build.pool import BuildPool
+from ..verifier.inline_build.pool import BuildPool
 
 from .common import BenchRun, BudgetSpent, add_run_arguments, build_way
 from .references import check_reference_solutions, compare_builds

@@ -64,7 +64,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..tasks.load import check_task_source
-from .build.pool import BuildPool
+from .inline_build.pool import BuildPool
 from .calls import JUDGE_TIMEOUT_S, Clock, ask, failed, judge_call
 from .kernels import default_library_paths, library_kernel_names
 from .process import WORKER_ENV, GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, close_all

@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from . import guard, harness as harness_module, isolation, judge, kernels, outputs, records, rules, timing, wire
-from .build import cache, toolchain
-from .build.cache import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
+from .inline_build import cache, toolchain
+from .inline_build.cache import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
 from .epilogues import unfuse_activations
 from .harness import (build_model, cuda_context_broken, describe_exception, init_device, load_module, load_task,
                       rewritten_in_place, trial_inputs)

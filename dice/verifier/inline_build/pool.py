@@ -9,7 +9,7 @@ extensions at once however many cores are idle. `BuildPool` compiles ahead of th
 submitted candidate is imported in a child process with `load_inline` replaced by the workers'
 own `BuildCache.load_inline` (same cache folder, same key), stopped by a private exception once
 its load_inline calls are built. The children are forked by a build server, `python -m
-dice.verifier.build.pool`, started with `subprocess` (so the caller's script is never imported
+dice.verifier.inline_build.pool`, started with `subprocess` (so the caller's script is never imported
 again: no `__main__` guard is needed) with no GPU visible, which has imported torch once (a child
 costs no torch import) and runs at a lower CPU priority (`BUILD_NICE`: compilers take idle cores and
 yield contended ones to the threads that keep the GPU busy). Each child leads its own session and is killed
@@ -163,7 +163,8 @@ class BuildPool:
     def _started(self) -> subprocess.Popen:
         if self._server is None:
             env = {**os.environ, **SERVER_ENV}
-            self._server = subprocess.Popen([sys.executable, "-m", "dice.verifier.build.pool", str(self.processes)],
+            self._server = subprocess.Popen([sys.executable, "-m", "dice.verifier.inline_build.pool",
+                                             str(self.processes)],
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
             threading.Thread(target=self._read, args=(self._server,), daemon=True,
                              name="dice-prebuild-reader").start()
