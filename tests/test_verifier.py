@@ -424,7 +424,9 @@ def test_pool_survives_hangs_crashes_and_exceptions(cpu_verifier):
     cases = {
         "correct": (GOOD, "correct", ""),
         "wrong": (candidate("return x.clamp_min(0.5)"), "incorrect", "elements differ"),
-        "hang": (candidate("import time\ntime.sleep(600)"), "timeout", "time limit"),
+        # where it hung, from the stacks the worker wrote on SIGUSR1 just before it was killed
+        "hang": (candidate("import time\ntime.sleep(600)"), "timeout",
+                 "its worker was killed; it was in forward (candidate.py:"),
         "exit": (candidate("import os\nos._exit(3)"), "runtime_error", "exited with code 3"),
         "segfault": (candidate("import ctypes\nreturn ctypes.string_at(0)"), "runtime_error", "SIGSEGV"),
         "raises": (candidate("return x / undefined_name"), "runtime_error", "candidate.py line"),
@@ -714,3 +716,23 @@ def test_a_verifier_closes_its_workers_one_by_one_where_python_refuses_threads(t
     verifier.close()
     monkeypatch.undo()
     assert processes and not any(p.poll() is None for p in processes)
+
+
+def test_stuck_frames_reads_the_main_threads_innermost_frames_from_a_faulthandler_dump():
+    """The format faulthandler writes (CPython's `Python/traceback.c`): the last dump's current
+    thread, innermost first, as "f (file:line)"; nothing without a dump."""
+    from dice.verifier.process import stuck_frames
+    dump = """noise
+Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.12/threading.py", line 359 in wait
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/tmp/x/candidate.py", line 12 in forward
+  File "/work/dice/verifier/harness.py", line 88 in run_forward
+  File "/work/dice/verifier/worker.py", line 140 in run
+  File "/work/dice/verifier/worker.py", line 100 in serve
+  File "/work/dice/verifier/keeper.py", line 147 in keep
+"""
+    assert stuck_frames(dump, frames=3) == ("forward (candidate.py:12) <- run_forward (harness.py:88) <- "
+                                            "run (worker.py:140)")
+    assert stuck_frames("a candidate's own output\n") == ""

@@ -34,9 +34,10 @@ def ask(worker: WorkerProcess, request: dict, clock: Clock, doing: str) -> dict:
             return {"status": "invalid", "message": f"the worker's reply to {request['op']!r} {problem}: "
                     "the candidate tampered with the verifier"}
         reply["message"] = reply.get("message", "")[:MESSAGE_CHARS]
-    except WorkerTimeout:
+    except WorkerTimeout as exc:
+        where = f"; it was in {exc.where}" if exc.where else ""
         return {"status": "timeout", "message": f"the candidate did not finish {doing} in the {limit:.0f} s "
-                "left of its time limit (hang, deadlock or very slow kernel); its worker was killed"}
+                f"left of its time limit (hang, deadlock or very slow kernel); its worker was killed{where}"}
     except WorkerDied as exc:
         tail = f"; last output:\n{log_summary(exc.log_tail)}" if exc.log_tail else ""
         return {"status": "runtime_error", "message": f"the worker process {describe_exit(exc.exitcode)} "

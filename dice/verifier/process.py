@@ -45,6 +45,7 @@ PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 STARTUP_TIMEOUT_S = 300.0  # importing torch + cupy and creating a CUDA context on a busy host
 LOG_TAIL_LINES = 40
 LOG_TAIL_BYTES = 64 * 2**10    # of a dead worker's log, read back into the parent
+STACK_DUMP_S = 0.5             # for a worker that does not answer to write its stacks (`_stack_dump`)
 REPLY_MAX_BYTES = 2**30        # a longer reply is treated as the worker's death
 # CuPy keeps compiled kernels in the process, not in ~/.cupy/kernel_cache, which every worker
 # shares: a file one candidate planted under another's kernel would be loaded for it (DESIGN.md §8.4)
@@ -52,7 +53,12 @@ WORKER_ENV = {"CUPY_CACHE_IN_MEMORY": "1"}
 
 
 class WorkerTimeout(Exception):
-    """The worker did not answer before the deadline; it was killed and replaced."""
+    """The worker did not answer before the deadline; it was killed and replaced. `where`: the
+    innermost frames of its main thread just before (`stuck_frames`), or ""."""
+
+    def __init__(self, message: str, where: str = ""):
+        self.where = where
+        super().__init__(message)
 
 
 class WorkerDied(Exception):
@@ -256,9 +262,10 @@ class WorkerProcess:
 
     def _receive(self, timeout: float, log_start: int, sent: float | None = None) -> dict:
         if not self._conn.poll(max(timeout, 0.0)):
+            where = self._stack_dump(log_start) if self._ready else ""
             self._kill()
             self._start()
-            raise WorkerTimeout(f"no answer within {timeout:.0f} s")
+            raise WorkerTimeout(f"no answer within {timeout:.0f} s", where)
         try:
             data = self._conn.recv_bytes(REPLY_MAX_BYTES)
         except (EOFError, OSError):
@@ -275,6 +282,17 @@ class WorkerProcess:
             return {"status": "invalid", "message": f"the {self.role} worker sent a reply that is not plain data "
                     f"({str(reply)[:200]}); the candidate tampered with the verifier"}
         return reply
+
+    def _stack_dump(self, log_start: int) -> str:
+        """Where a started worker that does not answer is: SIGUSR1 makes it write its threads'
+        Python stacks to its log (`worker.serve` registers faulthandler for it), read back here
+        (`stuck_frames`). A candidate may have replaced the handler: then nothing, or its own text."""
+        try:
+            os.kill(self.info["pid"], signal.SIGUSR1)
+        except (KeyError, TypeError, OSError):
+            return ""
+        time.sleep(STACK_DUMP_S)
+        return stuck_frames(self._log_tail(log_start))
 
     def _died(self, log_start: int) -> WorkerDied:
         try:   # the keeper exits with the worker's status once it has ended what the worker left
@@ -354,6 +372,23 @@ def _state(pid: int) -> str | None:
             return f.read().rsplit(b")", 1)[1].split()[0].decode()
     except (OSError, IndexError):
         return None
+
+
+def stuck_frames(log_tail: str, frames: int = 4) -> str:
+    """The innermost `frames` frames of the main thread in the last faulthandler dump of a log
+    ("Current thread ... (most recent call first):" and its "File ..., line N in f" lines), each
+    as "f (file.py:N)", innermost first; "" without a dump."""
+    lines = log_tail.splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith("Current thread ")]
+    if not heads:
+        return ""
+    found = []
+    for line in lines[heads[-1] + 1:]:
+        match = re.match(r'\s+File "(.+)", line (\d+) in (\S+)', line)
+        if not match or len(found) == frames:
+            break
+        found.append(f"{match[3]} ({Path(match[1]).name}:{match[2]})")
+    return " <- ".join(found)
 
 
 def log_summary(log_tail: str, max_lines: int = 8) -> str:
