@@ -171,3 +171,15 @@ def test_bench_builds_says_what_the_solutions_file_lacks(tmp_path):
     with pytest.raises(SystemExit, match=r"s.json: none of its 1 cuda_code programs builds a CUDA extension with "
                                          r"torch's load_inline, the builds this command times"):
         bench_builds(args, BenchRun("builds"))
+
+
+def test_bench_verifys_grouped_row_sends_each_task_as_an_rl_group_of_new_sources():
+    """`grouped`: 35 kernels in groups of 16 are 3 tasks (16, 16, 3 kernels), every kernel a new
+    source whose constants are its task's."""
+    from dice.bench.verify import CUPY_CANDIDATE, grouped
+    pairs = grouped(35, 16, "s")
+    tasks = [task for task, _ in pairs]
+    assert [tasks.count(t) for t in dict.fromkeys(tasks)] == [16, 16, 3]
+    assert len({CUPY_CANDIDATE.format(**f) for _, f in pairs}) == 35
+    for task, fields in pairs:
+        assert f"x * {fields['scale']} + {fields['shift']}" in task

@@ -2,7 +2,9 @@
 
 `bench_verify(args)`: kernels verified per minute for the same elementwise tasks written as CuPy
 (NVRTC) and as load_inline (nvcc) candidates: CuPy with a cold pool (worker start-up and NVRTC
-compiles included) and a warm one, with and without timing; load_inline built each way
+compiles included) and a warm one, with and without timing, and untimed in groups as an RL step
+sends them (`--group-size` samples of each task, every one a new source: the task's references are
+computed once for its group); load_inline built each way
 (`--build`, default both: torch's load_inline, and the split build of `verifier.inline_build.fast`) with
 a warm pool and a cold then warm build cache (the fast build also with its precompiled header
 already made, and prebuilt by a `pool.BuildPool` before verifying); the warm no-timing CuPy
@@ -148,6 +150,13 @@ def variants(n: int, salt: str) -> list[tuple[str, dict]]:
     return out
 
 
+def grouped(n: int, group: int, salt: str) -> list[tuple[str, dict]]:
+    """n (task source, template fields) pairs as an RL step's groups: each task `group` times, each
+    time a kernel of a new source computing that task."""
+    tasks = variants(-(-n // group), salt)
+    return [(task, {**fields, "tag": f"{fields['tag']}_{j}"}) for task, fields in tasks for j in range(group)][:n]
+
+
 def _row(run, label: str, n: int, results: list, seconds: float, complete: bool, judge_busy: float | None = None,
          judge_ops: dict | None = None) -> dict:
     """One throughput row: kernels finished per minute of the row's time; the judges' busy share
@@ -181,6 +190,7 @@ def bench_verify(args, run) -> None:
     scratch = tempfile.mkdtemp(prefix="dice-bench-verify-")
     os.environ["CUPY_CACHE_DIR"] = os.path.join(scratch, "cupy")  # workers inherit it: cold NVRTC
     cupy = {k: [(task, CUPY_CANDIDATE.format(**f)) for task, f in variants(n_cupy, salt + k)] for k in "abcd"}
+    cupy["g"] = [(task, CUPY_CANDIDATE.format(**f)) for task, f in grouped(n_cupy, args.group_size, salt + "g")]
     start = time.perf_counter()
     timing = not args.skip_timed
     with Verifier(workers=workers, cache_dir=os.path.join(scratch, "cache")) as verifier:
@@ -188,6 +198,8 @@ def bench_verify(args, run) -> None:
         _map_row(run, verifier, f"cupy, cold pool ({workers} workers, {judges}), {'timing' if timing else 'no timing'}",
                  cupy["a"], started=start, timing=timing)
         _map_row(run, verifier, "cupy, warm pool, no timing (RL reward)", cupy["c"], timing=False)
+        _map_row(run, verifier, f"cupy, warm pool, no timing, groups of {args.group_size} (an RL step's)", cupy["g"],
+                 timing=False)
         if timing:
             _map_row(run, verifier, "cupy, warm pool, timing", cupy["b"])
     for build in BUILDS[args.build] if n_inline else ():
@@ -243,6 +255,8 @@ def main(argv=None) -> None:
     parser.add_argument("--workers", type=at_least(1), default=8, help="verifier worker processes")
     parser.add_argument("--kernels", type=at_least(1), default=32, help="CuPy kernels per CuPy row")
     parser.add_argument("--inline-kernels", type=at_least(1), default=4, help="load_inline kernels per load_inline row")
+    parser.add_argument("--group-size", type=at_least(1), default=16,
+                        help="kernels per task in the grouped row (DICE's RL step: 16)")
     parser.add_argument("--skip-one-process", action="store_true", help="skip the KernelBench-way row")
     parser.add_argument("--skip-timed", action="store_true", help="verify without timing only (the RL reward's way)")
     parser.add_argument("--check", metavar="JSON", help="instead verify the reference solutions in a DICE JSON file")
