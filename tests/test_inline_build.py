@@ -888,13 +888,13 @@ def test_build_cache_builds_and_reloads_the_generic_binding(tmp_path, cuda_home,
 
 def test_only_a_candidate_with_load_inline_programs_waits_for_the_toolchain(tmp_path):
     """The first CuPy candidate waited ~40 s on an H100 for a precompiled header it never uses:
-    `toolchain_now` answers at once, with the warm-up's digests once reported and {} (the shared
-    artifacts trusted by no build of that candidate) while it runs; `toolchain` waits for them."""
+    `toolchain(wait=False)` answers at once, with the warm-up's digests once reported and {} (the
+    shared artifacts trusted by no build of that candidate) while it runs; `toolchain()` waits for them."""
     from concurrent.futures import Future
     from dice.verifier.inline_build.pool import BuildPool
     with BuildPool(tmp_path, processes=1, timeout_s=60, capability=(9, 0)) as pool:
-        assert pool.toolchain_now() is None and pool.toolchain() is None      # no warm-up: nothing to trust
+        assert pool.toolchain(wait=False) is None and pool.toolchain() is None      # no warm-up: nothing to trust
         pool._warm = Future()
-        assert pool.toolchain_now() == {}
+        assert pool.toolchain(wait=False) == {}
         pool._warm.set_result({"status": "warmed", "toolchain": {"pch": "digest"}})
-        assert pool.toolchain_now() == {"pch": "digest"} == pool.toolchain()
+        assert pool.toolchain(wait=False) == {"pch": "digest"} == pool.toolchain()

@@ -45,8 +45,7 @@ def sealed_timing(worker: WorkerProcess, baseline: WorkerProcess, judge: WorkerP
         ref = ask(baseline, {"op": "time_prepare", "method": method, "slots": base["slots"]["baseline"]},
                   Clock(JUDGE_TIMEOUT_S), "timing the reference")
         if ref["status"] != "ok":
-            raise TaskError(f"task {key[:12]}: the reference failed while timed: {ref['message']}; fix the task "
-                            "source")
+            raise reference_failed(key, ref)
         prep = ask(worker, {"op": "time_prepare", "method": method, "slots": base["slots"]["candidate"]}, clock,
                    "timing forward")
         if prep["status"] != "ok":
@@ -78,6 +77,11 @@ def sealed_timing(worker: WorkerProcess, baseline: WorkerProcess, judge: WorkerP
         return failed(done, compiled=True, where="timing")
     timed.method = method
     return timed
+
+
+def reference_failed(task_key: str, reply: dict) -> TaskError:
+    """The task's error for a reference that failed in the baseline's worker while timed."""
+    return TaskError(f"task {task_key[:12]}: the reference failed while timed: {reply['message']}; fix the task source")
 
 
 def round_trip(judge: WorkerProcess, task_key: str, pings: int = PINGS) -> float:
@@ -148,8 +152,7 @@ class SealedCalls:
         finally:
             worker.pause()
         if reply["status"] != "ok" and worker is self.baseline_worker:   # the reference's own failure: the task's
-            raise TaskError(f"task {self.key[:12]}: the reference failed while timed: {reply['message']}; fix the "
-                            "task source")
+            raise reference_failed(self.key, reply)
         if reply["status"] != "ok":
             return failed(reply, compiled=True, where="timing")
         waited = self._idle()

@@ -81,11 +81,16 @@ WORKERS_PER_JUDGE = 4         # a new task costs its judge 5 references; a known
 # (17 processes beside an RL step, one H100, 2026-12-06); ~0.2 GiB just after start-up
 PROCESS_GPU_BYTES = 2 ** 30
 
+
 def pool_gpu_bytes(workers: int, judges: int | None = None) -> int:
     """What a pool's processes hold on the GPU once they have verified a while: PROCESS_GPU_BYTES for
     each worker, each judge (default: one per WORKERS_PER_JUDGE workers) and the baseline's worker."""
-    judges = max(1, workers // WORKERS_PER_JUDGE) if judges is None else judges
-    return (workers + judges + 1) * PROCESS_GPU_BYTES
+    return (workers + (default_judges(workers) if judges is None else judges) + 1) * PROCESS_GPU_BYTES
+
+
+def default_judges(workers: int) -> int:
+    """One judge per WORKERS_PER_JUDGE workers, at least one."""
+    return max(1, workers // WORKERS_PER_JUDGE)
 
 
 NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is False); run on a GPU "
@@ -119,7 +124,7 @@ class Verifier:
         self.cuda = torch.device(device).type == "cuda"
         if self.cuda and not torch.cuda.is_available():
             raise RuntimeError(NO_GPU)
-        judges = max(1, workers // WORKERS_PER_JUDGE) if judges is None else judges
+        judges = default_judges(workers) if judges is None else judges
         if workers < 1 or judges < 1:
             raise ValueError(f"Verifier(workers={workers}, judges={judges}): need at least one of each")
         self.cache_dir = Path(cache_dir or os.environ.get("DICE_CACHE_DIR") or Path.home() / ".cache" / "dice")
@@ -256,8 +261,7 @@ class Verifier:
         clock = Clock(opts.timeout_s) if opts.rules == "dice" else None
         load = {"op": "load", **task, "candidate_src": candidate_src, "init_seed": init_seed,
                 "programs": str(programs) if programs else None,
-                "toolchain": (None if self._prebuild is None else self._prebuild.toolchain() if programs is not None
-                              else self._prebuild.toolchain_now())}
+                "toolchain": None if self._prebuild is None else self._prebuild.toolchain(wait=programs is not None)}
         reply = ask(worker, load, clock or Clock(opts.compile_timeout_s), "loading the candidate module")
         if reply["status"] != "ok":  # the module imported if the failure came after that
             return failed(reply, compiled=reply["status"] in ("invalid", "runtime_error"))

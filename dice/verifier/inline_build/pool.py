@@ -123,26 +123,19 @@ class BuildPool:
         self._warm = self._send({"candidate_src": None})
         return self._warm
 
-    def toolchain(self) -> dict | None:
+    def toolchain(self, wait: bool = True) -> dict | None:
         """The digests `warm` reported ({} if it failed or took too long), or None without a warm-up
-        (then builds trust the shared cache as they find it)."""
+        (then builds trust the shared cache as they find it). `wait=False`, for a candidate with no
+        load_inline program found in its source, which builds nothing the warm-up would speed up:
+        {} while the warm-up runs (a build it starts some other way trusts nothing shared)."""
         if self._warm is None:
             return None
+        if not wait and not self._warm.done():
+            return {}
         try:
             return self._warm.result(timeout=self.timeout_s).get("toolchain") or {}
         except FuturesTimeout:
             return {}
-
-    def toolchain_now(self) -> dict | None:
-        """As `toolchain`, without waiting: the digests if the warm-up has reported, else {} (the
-        shared cache's artifacts trusted by none of this candidate's builds). For a candidate with
-        no load_inline program found in its source: it builds nothing the warm-up would speed up,
-        so it does not wait ~30 s for it (a build it starts some other way trusts nothing shared)."""
-        if self._warm is None:
-            return None
-        if not self._warm.done():
-            return {}
-        return self._warm.result().get("toolchain") or {}
 
     def _send(self, request: dict) -> Future:
         done: Future = Future()
