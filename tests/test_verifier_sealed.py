@@ -24,10 +24,12 @@ class FakeProcess:
     def __init__(self, replies: dict, seconds: dict, log: list, name: str):
         self.replies, self.seconds, self.log, self.name = replies, seconds, log, name
         self.round_trip_s, self.role, self.stopped = 0.0, name, False
+        self.timeouts = []
 
     def call(self, request: dict, timeout: float) -> dict:
         assert not self.stopped, f"{self.name} asked {request['op']} while stopped"
         self.log.append((self.name, request["op"]))
+        self.timeouts.append(timeout)
         self.round_trip_s = self.seconds.get(request["op"], 0.0)
         return dict(self.replies.get(request["op"], {"status": "ok"}))
 
@@ -46,7 +48,7 @@ class FakeProcess:
         self.log.append((self.name, "restart"))
 
 
-def pair(worker_replies=None, waited=0.0, mismatch=None, worker_s=0.004, baseline_s=0.003):
+def pair(worker_replies=None, waited=0.0, mismatch=None, worker_s=0.004, baseline_s=0.003, clock_s=60.0):
     log = []
     worker = FakeProcess(worker_replies or {}, {"time_call": worker_s}, log, "worker")
     baseline = FakeProcess({}, {"time_call": baseline_s}, log, "baseline")
@@ -54,7 +56,7 @@ def pair(worker_replies=None, waited=0.0, mismatch=None, worker_s=0.004, baselin
                          "compare_call": {"status": "ok", "mismatch": mismatch}}, {}, log, "judge")
     worker.pause()
     baseline.pause()
-    return SealedCalls(worker, baseline, judge, "k" * 64, overhead_s=0.001, clock=Clock(60.0)), log
+    return SealedCalls(worker, baseline, judge, "k" * 64, overhead_s=0.001, clock=Clock(clock_s)), log
 
 
 def test_a_timed_call_is_the_trainers_clock_less_the_round_trip_whatever_the_worker_replies(monkeypatch):
@@ -77,6 +79,16 @@ def test_the_worker_runs_only_its_own_calls_and_never_holds_inputs_before_them(m
     assert log[2:] == [("judge", "timing_inputs"), ("baseline", "wake"), ("baseline", "time_call"),
                        ("baseline", "stop"), ("judge", "gpu_idle"), ("judge", "timing_inputs"), ("worker", "wake"),
                        ("worker", "time_call"), ("worker", "stop"), ("judge", "gpu_idle"), ("judge", "compare_call")]
+
+
+def test_the_baselines_calls_do_not_spend_the_candidates_time_limit(monkeypatch):
+    """A candidate with 0.5 s left waits at most that long for its own calls; the baseline's calls
+    (the task's reference, however slow) are waited for on a clock of their own."""
+    monkeypatch.setattr(sealed.os, "urandom", lambda n: b"\xff")
+    calls, _ = pair(clock_s=0.5)
+    calls.round(0, 3)
+    assert all(t <= 0.5 for t in calls.worker.timeouts)
+    assert min(calls.baseline_worker.timeouts) > 60.0
 
 
 def test_a_busy_gpu_after_the_call_is_invalid_and_a_wrong_output_incorrect(monkeypatch):

@@ -145,9 +145,11 @@ class SealedCalls:
         """Call `call` on `worker`: its inputs written (the other side may have modified them), the
         worker woken for its request alone, the GPU then seen idle."""
         self._judge("timing_inputs", call=call)
+        # the baseline's calls have a clock of their own: a slow reference must not shorten the candidate's limit
+        clock = self.clock if worker is self.worker else Clock(JUDGE_TIMEOUT_S)
         worker.resume()
         try:
-            reply = ask(worker, {"op": "time_call"}, self.clock, "timing forward")
+            reply = ask(worker, {"op": "time_call"}, clock, "timing forward")
             seconds = worker.round_trip_s
         finally:
             worker.pause()
