@@ -239,11 +239,15 @@ def test_the_pool_load_is_the_busy_seconds_over_the_interval(monkeypatch):
         def activity(self):
             return next(self.samples)
 
+        def worker_starts(self):
+            return "worker starts: 3 forked (median 1.2 s)"
+
     clock = iter([0.0, 4.0, 10.0])
     monkeypatch.setattr(rl_step.time, "perf_counter", lambda: next(clock))
     load = rl_step.PoolLoad(Pool(), every_s=5.0)
     assert load() == ""                                   # 4 s: too soon
-    assert load() == "; busy: workers 7.0/14, judges 2.5/3; prebuilds pending 9"
+    assert load() == ("; busy: workers 7.0/14, judges 2.5/3; prebuilds pending 9; "
+                      "worker starts: 3 forked (median 1.2 s)")
 
 
 def test_the_replayed_reward_gives_the_verifiers_memory_to_the_batch_sizing():

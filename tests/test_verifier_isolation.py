@@ -139,6 +139,56 @@ def test_fresh_workers_are_forked_from_a_zygote_that_imported_their_modules(tmp_
 
 
 @pytest.mark.slow
+def test_a_zygote_whose_imports_started_a_thread_says_so_and_workers_start_anew(tmp_path):
+    """A fork copies only the calling thread, so a zygote with another thread forks nothing; it
+    says why (on a GPU host every fresh worker then costs a new interpreter, ~9 s), and a restart
+    still gets a worker, a new interpreter. The thread here comes from a sitecustomize on the path."""
+    import os
+    import subprocess
+
+    from dice.verifier.process import WORKER_ENV, WorkerProcess
+    from dice.verifier.zygote import Zygote
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n")
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    config = {"device": "cpu", "cache_dir": str(tmp_path), "reference_cache_gb": 1, "build": None}
+    zygote = Zygote({**WORKER_ENV, "PYTHONPATH": path})
+    starts = []
+    try:
+        worker = WorkerProcess("candidate", config, tmp_path / "worker.log", zygote, starts)
+        worker.wait_started()
+        worker.restart()
+        worker.wait_started()
+        assert isinstance(worker._process, subprocess.Popen)
+        assert zygote.problem and "1 thread(s)" in zygote.problem, zygote.problem
+        assert [forked for forked, _ in starts] == [False, False]
+        worker.close()
+    finally:
+        zygote.close()
+
+
+@pytest.mark.slow
+def test_the_pool_reports_its_workers_starts_forked_after_a_non_plain_candidate(tmp_path):
+    """`Verifier.worker_starts`: the pool's first workers are new interpreters; the fresh worker
+    after a candidate that is not plain Python is forked from the zygote, and no problem is named."""
+    from dice.verifier import Verifier
+    from test_verifier import GOOD, RELU_TASK
+    native = "import os\n" + GOOD
+    with Verifier(workers=1, judges=1, device="cpu", cache_dir=tmp_path) as verifier:
+        assert verifier.verify(RELU_TASK, native, timing=False).correct
+        verifier._idle.put(verifier._idle.get(timeout=120))     # the replaced worker has started
+        since = len(verifier.starts)
+        assert verifier.verify(RELU_TASK, native, timing=False).correct
+        verifier._idle.put(verifier._idle.get(timeout=120))
+        summary = verifier.worker_starts()
+    assert summary.startswith("worker starts: 2 forked (median") and "1 new interpreters" in summary, summary
+    assert "zygote" not in summary, summary
+    assert verifier.worker_starts(since=since).startswith("worker starts: 1 forked"), verifier.worker_starts(since)
+
+
+@pytest.mark.slow
 def test_a_memory_cap_left_by_one_candidate_does_not_meet_the_next(tmp_path):
     """Process state (here an address-space cap a candidate sets on its worker) stays with that
     candidate: its source is not plain, so the next candidate gets a fresh process."""

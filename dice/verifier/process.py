@@ -84,7 +84,7 @@ def describe_exit(exitcode: int | None) -> str:
 class WorkerProcess:
     """One worker process in a given role ("candidate" or "judge"), restarted on failure."""
 
-    def __init__(self, role: str, config: dict, log_path: Path, zygote=None):
+    def __init__(self, role: str, config: dict, log_path: Path, zygote=None, starts: list | None = None):
         self.role, self.zygote = role, zygote   # `zygote.Zygote`: fresh processes forked after the imports
         self.config = config
         self.log_path = Path(log_path)
@@ -93,6 +93,8 @@ class WorkerProcess:
         self.busy_s = 0.0     # seconds spent answering requests (start-up excluded), over all restarts
         self.busy_by_op: collections.Counter = collections.Counter()   # the same per request op
         self.round_trip_s = 0.0   # the last call's seconds from sending the request to the reply's last byte
+        # (forked from the zygote, seconds until ready) per start; a list the pool's workers may share
+        self.starts: list[tuple[bool, float]] = [] if starts is None else starts
         self._lock = threading.Lock()
         self._process = None
         self._conn = None
@@ -105,6 +107,7 @@ class WorkerProcess:
                 os.unlink(self.log_path)
         except FileNotFoundError:
             pass
+        self._start_time = time.perf_counter()
         ours, theirs = socket.socketpair()
         forked = not first and self.zygote and self.zygote.spawn(os.dup(theirs.fileno()), self.role,
                                                                  json.dumps(self.config), str(self.log_path))
@@ -254,11 +257,14 @@ class WorkerProcess:
                 raise RuntimeError(f"the verifier's {self.role} worker failed to start ({exc}); "
                                    f"its full log is {self.log_path}") from None
             self.zygote.broken = True      # a worker forked from it cannot start here: new interpreters from now on
+            self.zygote.problem = f"a worker forked from it failed to start ({exc}); see {self.log_path}"
             self._kill()
             self._start()
             self._await_start()
             return
         self._ready = True
+        forked = bool(self.zygote and self.zygote.forked(self._process))
+        self.starts.append((forked, time.perf_counter() - self._start_time))
 
     def _receive(self, timeout: float, log_start: int, sent: float | None = None) -> dict:
         if not self._conn.poll(max(timeout, 0.0)):

@@ -53,6 +53,7 @@ import os
 import queue
 import secrets
 import shutil
+import statistics
 import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
@@ -137,8 +138,9 @@ class Verifier:
         self._baseline: WorkerProcess | None = None   # started with the first timing (`_baseline_worker`)
         # fresh candidate workers forked from a process that has imported their modules (`zygote`)
         self._zygote = Zygote(WORKER_ENV)
-        self._workers = [WorkerProcess("candidate", config, self._log_dir / f"candidate-{i}.log", self._zygote)
-                         for i in range(workers)]
+        self.starts: list[tuple[bool, float]] = []   # every candidate worker's start: `worker_starts`
+        self._workers = [WorkerProcess("candidate", config, self._log_dir / f"candidate-{i}.log", self._zygote,
+                                       self.starts) for i in range(workers)]
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
         for i, worker in enumerate(self._workers):
             # first recycles staggered over the pool: workers that share the load would all restart
@@ -388,6 +390,18 @@ class Verifier:
         for worker in [*self._judges, *self._workers]:
             total[worker.role].update(worker.busy_by_op)
         return {role: dict(ops) for role, ops in total.items()}
+
+    def worker_starts(self, since: int = 0) -> str:
+        """The candidate workers' starts after the first `since` (`len(self.starts)` earlier),
+        forked from the zygote or new interpreters, with their median seconds until ready, and why
+        the zygote forks none, if it does not."""
+        starts, parts = self.starts[since:], []
+        for forked, label in ((True, "forked"), (False, "new interpreters")):
+            seconds = [s for f, s in starts if f == forked]
+            if seconds:
+                parts.append(f"{len(seconds)} {label} (median {statistics.median(seconds):.1f} s)")
+        problem = self._zygote.problem
+        return f"worker starts: {', '.join(parts) or 'none'}" + (f"; {problem}" if problem else "")
 
     def _release(self, worker: WorkerProcess, fresh: bool) -> None:
         """Back to the pool, as a fresh process where the candidate may have left something behind

@@ -19,6 +19,7 @@ does for one started directly.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -73,6 +74,7 @@ class Zygote:
         self._reply = threading.Condition()
         self.ended: dict[int, int] = {}
         self.broken = False     # set by a worker forked from it that failed to start
+        self.problem: str | None = None   # why fresh workers are new interpreters (~9 s each on a GPU host)
         threading.Thread(target=self._read, daemon=True, name="dice-zygote-reader").start()
 
     def forked(self, process) -> bool:
@@ -114,7 +116,9 @@ class Zygote:
             *lines, buffered = (buffered + chunk).split(b"\n")
             for line in lines:
                 message = json.loads(line)
-                if "ended" in message:
+                if "problem" in message:
+                    self.problem = f"the zygote forks no workers: {message['problem']}"
+                elif "ended" in message:
                     self.ended[message["ended"]] = message["status"]
                 else:
                     with self._reply:
@@ -132,13 +136,18 @@ class Zygote:
 def serve(parent: int) -> None:
     """The zygote's loop (module docstring)."""
     control = socket.socket(fileno=0)
-    import dice.verifier.worker  # noqa: F401  what every worker imports, once
+    try:
+        import dice.verifier.worker  # noqa: F401  what every worker imports, once
+    except Exception as exc:
+        return _refuse(control, f"importing the worker's modules failed ({type(exc).__name__}: {exc})")
     try:
         import cupy  # noqa: F401
     except ImportError:
         pass
-    if len(os.listdir("/proc/self/task")) != 1:     # a fork would copy a thread's locks, not the thread
-        return
+    threads = os.listdir("/proc/self/task")
+    if len(threads) != 1:     # a fork would copy a thread's locks, not the thread
+        return _refuse(control, f"its imports started {len(threads) - 1} thread(s) ({_thread_names(threads)}); "
+                       "a fork copies only the calling thread")
     keepers, buffered = set(), b""
     while os.getppid() == parent:     # then out at once (`os._exit`: no teardown): the keepers end their trees
         ready, _, _ = select.select([control], [], [], POLL_S)
@@ -161,6 +170,20 @@ def serve(parent: int) -> None:
             os.close(fd)
             keepers.add(pid)
             control.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+
+
+def _refuse(control: socket.socket, problem: str) -> None:
+    """Tell the trainer why this zygote forks nothing (`Zygote.problem`), then end."""
+    with contextlib.suppress(OSError):
+        control.sendall(json.dumps({"problem": problem}).encode() + b"\n")
+
+
+def _thread_names(tids: list[str]) -> str:
+    names = []
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            names.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
+    return ", ".join(names)
 
 
 if __name__ == "__main__":
