@@ -4,6 +4,7 @@ budget (no new work past it, partial rows marked), results appended as they arri
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -183,3 +184,78 @@ def test_bench_verifys_grouped_row_sends_each_task_as_an_rl_group_of_new_sources
     assert len({CUPY_CANDIDATE.format(**f) for _, f in pairs}) == 35
     for task, fields in pairs:
         assert f"x * {fields['scale']} + {fields['shift']}" in task
+
+
+def _rules_args(tmp_path, **over):
+    from types import SimpleNamespace
+    fixture = Path(__file__).parent / "fixtures" / "verifier" / "dice_infilling_sample.json"
+    return SimpleNamespace(**{"solutions": str(fixture), "tasks_per_step": 64, "group_size": 3, "broken": 0.5,
+                              "workers": 2, "no_attacks": False, "seed": 0, **over})
+
+
+def test_bench_rules_judges_the_references_the_tests_candidates_and_a_replayed_step():
+    """The program sets of issue #68's table: every reference of the file, the GPU tests' attacks and
+    honest controls by name, and the step as `bench rl` replays it (2 tasks x 3 copies here), last."""
+    from dice.bench import reward_rules as rules
+    import test_verifier_gpu
+    import test_verifier_integrity_gpu
+    sets = rules.program_sets(_rules_args(None))
+    assert list(sets) == ["references", "attacks", "honest controls", "rollouts"]
+    assert [label.rsplit("/", 1)[1] for label, _, _ in sets["references"]] == [str(r["id"]) for r in json.loads(
+        (Path(__file__).parent / "fixtures" / "verifier" / "dice_infilling_sample.json").read_text())]
+    attacks = {label for label, _, _ in sets["attacks"]}
+    assert attacks == set(test_verifier_gpu.CHEATS) | set(test_verifier_integrity_gpu.ATTACKS)
+    assert len(sets["honest controls"]) == len(test_verifier_integrity_gpu.HONEST)
+    assert len(sets["rollouts"]) == 2 * 3 and sum("(ok)" in label for label, _, _ in sets["rollouts"]) == 3
+    assert list(rules.program_sets(_rules_args(None, no_attacks=True))) == ["references", "rollouts"]
+
+
+def test_bench_rules_counts_what_dices_reward_calls_correct_and_ours_does_not(monkeypatch, capsys):
+    """A fake pool: DICE's rule calls everything correct but a compile error; ours also refuses
+    every program of the first task. The table counts them: of the 2 references, 1 let through,
+    and the replayed copies of that task that compile; reasons grouped, numbers left out."""
+    from dice.bench import reward_rules as rules
+    from dice.verifier.results import VerifyResult
+
+    refused = json.loads((Path(__file__).parent / "fixtures" / "verifier" / "dice_infilling_sample.json")
+                         .read_text())[0]["pytorch_code"]   # ours refuses every program for this task
+
+    def verdict(task: str, program: str, rule: str) -> VerifyResult:
+        if "dice_bench_undeclared" in program:
+            return VerifyResult("compile_error", message="nvcc: error")
+        if rule == "strict" and task.strip() == refused.strip():
+            return VerifyResult("invalid", compiled=True, message="timed calls: 3 launches of torch's kernels (x)")
+        return VerifyResult("correct", compiled=True, correct=True, message="correct on 1 trials")
+
+    class Pool:
+        def __init__(self, workers):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def map(self, pairs, progress=None, on_broken_task=None, **options):
+            rule = "dice" if options.get("rules") == "dice" else "strict"
+            results = [verdict(task, program, rule) for task, program in pairs]
+            for i, r in enumerate(results):
+                progress(i, r)
+            return results
+
+    monkeypatch.setattr(rules, "Verifier", Pool)
+    args = _rules_args(None, no_attacks=True)
+    sets = rules.program_sets(args)
+    expected = {name: sum(verdict(t, p, "dice").correct and not verdict(t, p, "strict").correct
+                          for _, t, p in programs) for name, programs in sets.items()}
+    assert expected["references"] == 1 and expected["rollouts"] > 0
+    bench = BenchRun("rules")
+    rules.bench_rules(args, bench)
+    rows = {row["programs"]: row for row, _ in bench.rows}
+    for name, n in expected.items():
+        assert rows[name]["dice correct, strict not"] == n
+        assert rows[name]["by strict's reason"] == (f"{n} invalid: timed calls" if n else "-")
+    assert rows["references"]["judged by both"] == 2 and rows["rollouts"]["judged by both"] == 6
+    assert rules.reason(VerifyResult("incorrect", message="output 0: 12 of 4096 elements differ (max 3.5e-2)")) == \
+        "incorrect: output N"

@@ -1,4 +1,4 @@
-"""Benchmarks on random SDAR-shaped models (GPU): `python -m dice.bench sample|profile|fused|train|model|verify|stability|rl|builds|check`.
+"""Benchmarks on random SDAR-shaped models (GPU): `python -m dice.bench sample|profile|fused|train|model|verify|stability|rules|rl|builds|check`.
 
 Every number is a median over repeated runs after warm-up; each table names the roofline it is
 compared with (`common`: H200 HBM 4.8 TB/s, bf16 dense matmul 790 TFLOP/s). Current numbers, with
@@ -12,6 +12,7 @@ their commands and hardware: `dice/PERFORMANCE.md`.
 | `verify`, `references` | `verify` (verifier throughput), `verify --check` (reference solutions through the verifier) |
 | `build_cost` | `builds` (load_inline fast-build CPU per program, generic vs torch's binding; no GPU needed) |
 | `stability` | `stability` (honest candidates' speedups from fresh Verifiers: do they repeat?) |
+| `reward_rules` | `rules` (the same programs under DICE's reward and ours: what DICE's lets through, by reason) |
 | `rl_step`, `replay` | `rl` (one BiC-RL step, DICE's 64 x 16 on request: generate / verify / update seconds, update TFLOP/s, the bound; torchrun: FSDP2 over N GPUs) |
 | `suite` | `check` (the GPU test suite and the headline numbers above in one call, one table last) |
 """
@@ -24,7 +25,7 @@ import torch
 
 from ..cli import ArgumentParser, at_least
 from ..model.sdar import SDAR_SHAPES
-from . import build_cost, decode, fused_decode, rl_step, stability, suite, training
+from . import build_cost, decode, fused_decode, reward_rules, rl_step, stability, suite, training
 from .common import BenchRun, BudgetSpent, add_run_arguments
 from .training import train_shape
 from .verify import main as verify_main
@@ -68,6 +69,8 @@ def main(argv=None) -> None:
     build_cost.add_arguments(sub.add_parser("builds", help="load_inline fast-build CPU per program, generic vs torch's "
                                                        "binding (no GPU needed)"))
     stability.add_arguments(sub.add_parser("stability", help="the same candidates' speedups from fresh Verifiers"))
+    reward_rules.add_arguments(sub.add_parser("rules", help="the same programs judged by DICE's reward and ours: "
+                                                            "what DICE's lets through"))
     rl_step.add_arguments(sub.add_parser("rl", help="one BiC-RL step: generate / verify / update time, the bound"))
     # verify's flags live in bench_verify, which parses (and lists with --help) everything after "verify"
     sub.add_parser("verify", add_help=False, help="kernels verified per minute (CuPy vs load_inline), or --check")
@@ -83,6 +86,7 @@ def main(argv=None) -> None:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     benches = {"sample": decode.bench_sample, "profile": decode.bench_profile, "fused": fused_decode.bench_fused,
                "train": training.bench_train, "model": training.bench_model, "stability": stability.bench_stability,
+               "rules": reward_rules.bench_rules,
                "rl": rl_step.bench_rl, "builds": build_cost.bench_builds, "check": suite.bench_check}
     # rl (with --reward python) and builds (compiles only) run on a CPU too
     if not torch.cuda.is_available() and args.what not in ("train", "rl", "builds"):
