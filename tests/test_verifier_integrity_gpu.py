@@ -40,6 +40,8 @@ MANUAL_SOFTMAX_TASK = task("torch.exp(x - x.amax(-1, keepdim=True)) / torch.exp(
 SQUARES_TASK = task("(x * x).sum()", "torch.randn(1 << 20)")
 ATTENTION_TASK = task("torch.softmax(x @ x.transpose(-1, -2) / 8.0, -1) @ x", "torch.randn(8, 256, 64)")
 FLIP_TASK = task("torch.flip(x, [1])", "torch.randn(256, 1024)")
+SIGMOID_TASK = task("torch.sigmoid(x)", "torch.randn(256, 1024)")
+BOX_TASK = task("F.avg_pool2d(x, 3, stride=1, padding=1)", "torch.randn(1, 1, 512, 512)")
 TRIL_TASK = task("torch.tril(x)", "torch.randn(64, 64)")
 ROWS_TASK = task("x.mean(0, keepdim=True).relu().repeat(x.shape[0], 1)", "torch.randn(256, 1024)")
 FIXED_TASK = task("torch.relu(x) * 2", "X").replace("\n\nclass Model", "\nX = torch.randn(256, 1024)\n\n\nclass Model", 1)
@@ -286,6 +288,14 @@ ATTACKS = {
     "decoy torch.ops.aten": (RELU_TASK, candidate("noop(x)\nreturn torch.ops.aten.relu(x)"), "invalid"),
     "decoy cupy.matmul (cuBLAS)": (MATMUL_TASK, candidate(
         "noop(x)\nreturn torch.as_tensor(cp.matmul(cp.asarray(x), cp.asarray(x).T), device=x.device)"), "invalid"),
+    # a library built on CuPy compiles its own kernels, under names of its choosing (issue #68): library work
+    "cupyx special function beside an own kernel": (SIGMOID_TASK, candidate(
+        "noop(x)\nimport cupyx.scipy.special\nwith cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):\n"
+        "    y = cupyx.scipy.special.expit(cp.asarray(x))\nreturn torch.as_tensor(y, device=x.device)"), "invalid"),
+    "cupyx ndimage filter beside an own kernel": (BOX_TASK, candidate(
+        "noop(x)\nimport cupyx.scipy.ndimage as nd\nwith cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):\n"
+        "    y = nd.uniform_filter(cp.asarray(x[0, 0]), 3, mode='constant')\n"
+        "return torch.as_tensor(y, device=x.device).view(1, 1, *y.shape)"), "invalid"),
     "decoy numpy on the host": (RELU_TASK, candidate(
         "noop(x)\nreturn torch.from_numpy(np.maximum(x.cpu().numpy(), 0)).to(x.device)"), "invalid"),
     "decoy holding the task's Model": (RELU_TASK, candidate(
@@ -520,6 +530,10 @@ class ModelNew(nn.Module):
 PREBUILD = [INLINE_RELU, INLINE_MSE, INLINE_CUPTI]   # built from the session's start (conftest)
 HONEST = {
     "elementwise": (RELU_TASK, candidate(OWN_RELU)),
+    "an own cupy.ElementwiseKernel": (RELU_TASK, candidate(
+        "y = torch.empty_like(x)\nwith cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):\n"
+        "    RELU_EW(cp.asarray(x), cp.asarray(y))\nreturn y",
+        extra="RELU_EW = cp.ElementwiseKernel('float32 x', 'float32 y', 'y = x > 0 ? x : 0', 'own_relu_ew')")),
     "a persistent workspace recomputed every call": (RELU_TASK, candidate(
         "if self.work is None:\n    self.work = torch.empty_like(x)\n"
         "launch('relu', x.numel(), x.data_ptr(), self.work.data_ptr(), cp.int64(x.numel()))\nreturn self.work.clone()",

@@ -62,6 +62,37 @@ def test_a_gemm_kept_in_pytorch_with_an_own_epilogue_passes():
     assert problem({GEMM_B: 1, "splitKreduce_kernel": 1, "epilogue": 1}, {"epilogue"}, {GEMM_A: 1, RELU: 1}) is None
 
 
+def test_a_cupy_kernel_is_the_candidates_only_when_its_own_code_asked_for_it(tmp_path):
+    """`requested_by_candidate` on real call stacks: a library under CuPy's folders (here a stand-in
+    `cupy/compiler.py`) compiling for candidate.py's code is the candidate's; the same compile asked
+    for by a library on top of CuPy (a stand-in `cupyx/filters.py`, as cupyx.scipy.ndimage's
+    correlate compiles its own kernels) or by the harness is not."""
+    import sys
+    import types
+
+    from dice.verifier.harness import CANDIDATE_FILE
+    from dice.verifier.kernels import requested_by_candidate
+    folders = {name: tmp_path / "site" / name for name in ("cupy", "cupyx")}
+    sources = {"cupy": "def compile_with_cache(check):\n    return check()\n",
+               "cupyx": "def correlate(compile_with_cache, check):\n    return compile_with_cache(check)\n"}
+    modules = {}
+    for name, folder in folders.items():
+        folder.mkdir(parents=True)
+        path = folder / "lib.py"
+        path.write_text(sources[name])
+        modules[name] = types.ModuleType(name)
+        exec(compile(sources[name], str(path), "exec"), modules[name].__dict__)
+    skip = (str(folders["cupy"]) + "/",)
+    check = lambda: requested_by_candidate(sys._getframe(1), skip)   # noqa: E731  called where CuPy compiles
+    candidate = types.ModuleType("candidate")
+    exec(compile("def own(cupy, check):\n    return cupy.compile_with_cache(check)\n\n"
+                 "def through_cupyx(cupy, cupyx, check):\n    return cupyx.correlate(cupy.compile_with_cache, check)\n",
+                 CANDIDATE_FILE, "exec"), candidate.__dict__)
+    assert candidate.own(modules["cupy"], check) is True
+    assert candidate.through_cupyx(modules["cupy"], modules["cupyx"], check) is False
+    assert modules["cupy"].compile_with_cache(check) is False      # asked for by this file: the harness's
+
+
 def test_library_compute_the_reference_lacks_is_invalid():
     assert "library compute" in problem({"mine": 1, MAX: 1}, {"mine"}, {RELU: 1})
     assert "library compute" in problem({"mine": 1, ADD: 2}, {"mine"}, {ADD: 1, RELU: 1})   # more often

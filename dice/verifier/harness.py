@@ -88,6 +88,9 @@ def cuda_context_broken(device: torch.device) -> bool:
         return True
 
 
+CANDIDATE_FILE = "candidate.py"   # the file name a candidate's module runs under (its frames, its tracebacks)
+
+
 def load_module(source: str, filename: str, module_name: str) -> types.ModuleType:
     """Execute `source` as a fresh module; tracebacks then show its lines under `filename`."""
     code = compile(source, filename, "exec")
@@ -109,7 +112,7 @@ def load_task(source: str, module_name: str, import_seed: int = TASK_IMPORT_SEED
     return load_module(source, "task.py", module_name)
 
 
-def describe_exception(exc: BaseException, filename: str = "candidate.py") -> str:
+def describe_exception(exc: BaseException, filename: str = CANDIDATE_FILE) -> str:
     """`Type: message` (first lines) plus the deepest line of `filename` in the traceback."""
     lines = f"{type(exc).__name__}: {exc}".strip().splitlines()
     text = "\n".join(lines[:3])  # CUDA errors append generic debugging hints after these

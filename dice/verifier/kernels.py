@@ -9,8 +9,11 @@ launch with its device record, where the candidate's code does not run.
 the candidate actually compiled, read from the machine code, never from source text (a
 `__global__` declaration in a string that is never compiled names nothing):
 - CuPy: every cubin NVRTC (or nvcc) produced or CuPy loaded from its kernel cache, caught by
-  wrapping three functions of `cupy.cuda.compiler` (CuPy 14); CuPy's own generated kernels
-  (`cupy_*`, e.g. `cupy.exp`) are library code, not the candidate's;
+  wrapping three functions of `cupy.cuda.compiler` (CuPy 14), when the candidate's own code asked
+  for it (`requested_by_candidate`: the innermost Python frame outside CuPy is candidate.py); the
+  kernels CuPy generates for its own functions (`cupy_*`, e.g. `cupy.exp`) and those a library
+  built on CuPy compiles for its functions (cupyx's filters and special functions, named as the
+  library chose) are library code, not the candidate's;
 - load_inline and any other shared library the candidate built and loaded: the cubins embedded
   in `.so` files mapped into the process after the candidate started loading (`/proc/self/maps`),
   from the build cache or the temp folder only (torch's own libraries load lazily too).
@@ -24,12 +27,14 @@ import functools
 import os
 import re
 import struct
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 from . import records
+from .harness import CANDIDATE_FILE
 from .rules import HarnessTampered, is_library_name, trusted
 
 STO_CUDA_ENTRY = 0x10
@@ -335,10 +340,23 @@ def _mapped_libraries() -> set[str]:
         return set()
 
 
+def requested_by_candidate(frame, skip: tuple[str, ...]) -> bool:
+    """Whether `frame` (the caller of a CuPy compile) runs for the candidate's own code: the
+    innermost frame outside the folders `skip` (CuPy's packages and this file; CuPy's Cython code
+    makes no Python frames) is one of the candidate's module. A cupyx function between them, or
+    any other library, makes the kernel that library's."""
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename == CANDIDATE_FILE
+
+
 def _hook_cupy(record) -> bool:
-    """Wrap CuPy's compile and cache-load functions so that every cubin it loads is `record`ed."""
+    """Wrap CuPy's compile and cache-load functions so that every cubin it loads for the
+    candidate's own code (`requested_by_candidate`) is `record`ed."""
     try:   # CuPy is optional (the [gpu] extra): nothing to hook without it
+        import cupy
         import cupy.cuda.compiler as compiler
+        import cupy_backends
     except ImportError:
         return False
     nvrtc, nvcc, backend = (getattr(compiler, n, None) for n in
@@ -346,20 +364,27 @@ def _hook_cupy(record) -> bool:
     if nvrtc is None or nvcc is None or backend is None or not hasattr(backend, "load"):
         return False
     load = backend.load
+    # frames carry the path a module was imported by, which may run through a link
+    skip = tuple({os.path.dirname(path) + os.sep for m in (cupy, cupy_backends)
+                  for path in (m.__file__, os.path.realpath(m.__file__))} | {__file__, os.path.realpath(__file__)})
+
+    def own(binary) -> None:
+        if requested_by_candidate(sys._getframe(2), skip):
+            record(binary)
 
     def compiled_nvrtc(*args, **kwargs):
         out = nvrtc(*args, **kwargs)
-        record(out[0])
+        own(out[0])
         return out
 
     def compiled_nvcc(*args, **kwargs):
         out = nvcc(*args, **kwargs)
-        record(out)
+        own(out)
         return out
 
     def loaded(name):
         out = load(name)
-        record(out)
+        own(out)
         return out
     compiler._compile_using_nvrtc_no_warning, compiler.compile_using_nvcc, backend.load = (
         compiled_nvrtc, compiled_nvcc, loaded)

@@ -39,7 +39,7 @@ from . import guard, harness as harness_module, isolation, judge, kernels, outpu
 from .inline_build import cache, toolchain
 from .inline_build.cache import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
 from .epilogues import unfuse_activations
-from .harness import (build_model, cuda_context_broken, describe_exception, init_device, load_module, load_task,
+from .harness import (CANDIDATE_FILE, build_model, cuda_context_broken, describe_exception, init_device, load_module, load_task,
                       rewritten_in_place, trial_inputs)
 from .isolation import global_flags, restore_global_flags
 from .judge import JudgeHandler
@@ -168,7 +168,7 @@ class CandidateHandler:
         self.compiled.start([str(self.builds.programs)])
         self.loads += 1
         try:
-            module = load_module(request["candidate_src"], "candidate.py", f"dice_candidate_{self.loads}")
+            module = load_module(request["candidate_src"], CANDIDATE_FILE, f"dice_candidate_{self.loads}")
         except Exception as exc:
             return self._finish(self._load_error(exc))
         cls = getattr(module, "ModelNew", None)
