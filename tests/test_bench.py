@@ -259,3 +259,40 @@ def test_bench_rules_counts_what_dices_reward_calls_correct_and_ours_does_not(mo
     assert rows["references"]["judged by both"] == 2 and rows["rollouts"]["judged by both"] == 6
     assert rules.reason(VerifyResult("incorrect", message="output 0: 12 of 4096 elements differ (max 3.5e-2)")) == \
         "incorrect: output N"
+
+
+def test_bench_stability_logs_each_verifiers_speedups_as_they_come(monkeypatch, capsys):
+    """A run killed before its table (rows come at the end) still has every finished Verifier's
+    speedups in its log, one line each."""
+    from types import SimpleNamespace
+
+    from dice.bench import stability
+    from dice.verifier.results import VerifyResult
+
+    class Pool:
+        made = 0
+
+        def __init__(self, workers, cache_dir):
+            Pool.made += 1
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def map(self, pairs, progress=None, on_broken_task=None, **options):
+            results = [VerifyResult("correct", compiled=True, correct=True, speedup=1.0 + Pool.made / 10 + i / 100,
+                                    runtime_ms=1.0, baseline_ms=1.1, speedup_ci=(1.0, 1.3), timing="graph")
+                       for i in range(len(pairs))]
+            results[-1] = VerifyResult("incorrect", compiled=True)
+            for i, r in enumerate(results):
+                progress(i, r)
+            return results
+
+    monkeypatch.setattr(stability, "Verifier", Pool)
+    stability.bench_stability(SimpleNamespace(verifiers=2, workers=1), BenchRun("stability"))
+    err = capsys.readouterr().err
+    first = next(iter(stability.CASES))
+    assert f"verifier 1/2 speedups: {first} 1.100x" in err and f"verifier 2/2 speedups: {first} 1.200x" in err
+    assert f"{list(stability.CASES)[-1]} incorrect" in err

@@ -123,6 +123,10 @@ def bench_stability(args, bench) -> None:
             for name, result in zip(names, results):
                 if result is not None:
                     runs[name].append(result)
+            # each Verifier's speedups in the log as they come: a run cut short before its table keeps them
+            bench.progress(f"verifier {v + 1}/{args.verifiers} speedups: " + ", ".join(
+                f"{n} {r.speedup:.3f}x" if r is not None and r.correct else f"{n} {r.status if r else '-'}"
+                for n, r in zip(names, results)), force=True)
     finally:
         for name in names:
             bench.row(_stability_row(name, runs[name]), partial=len(runs[name]) < args.verifiers)
