@@ -8,7 +8,9 @@ Tasks: a KernelBench folder (level*/NN_Name.py), one task .py, or a DICE JSON fi
 1); `--solutions DIR` reads `DIR/<task name>.py` (or every .py in `DIR/<task name>/`);
 `--solutions reference` takes the JSON records' own `cuda_code`; `--save-solutions DIR` keeps
 what `--model` generated in that layout, so it can be verified again without generating. Prints
-and writes per-level compiled %, correct %, fast_p, geometric-mean speedup and pass@k.
+and writes per-level compiled %, correct %, fast_p, geometric-mean speedup and pass@k; where the
+tasks carry reference solutions, also how many programs copied them (`dice.tasks.copying`:
+structure and constants right, text only, so on any machine).
 
 `--infill` is DICE's kernel-infilling evaluation: tasks must carry a prefix/middle/suffix split
 (DICE .json), the prompt shows the skeleton (prefix and suffix around a gap), and a program that
@@ -47,6 +49,7 @@ from dice.model.checkpoint import read_config
 from dice.protocols import DEFAULT_GENERATION, DICE_PROMPT_TOKENS, PROTOCOLS, VERIFY_FLAGS, decoding, verify_options
 from dice.sampling.completion import complete, load_prompt_template, prompt_format, task_prompt_ids
 from dice.sampling.sampler import REMASKING, Sampling
+from dice.tasks.copying import copy_counts, format_copying
 from dice.tasks.load import load_tasks
 from dice.tasks.prompts import extract_code, keeps_skeleton
 
@@ -332,6 +335,9 @@ def main(argv=None) -> None:
         sys.exit(f"{NO_GPU}; pass --save-solutions DIR to generate the programs here and verify them later "
                  "with --solutions DIR on a GPU machine")
     pairs = read_solutions(args, tasks) if args.solutions else generate_solutions(args, tasks)
+    copying = copy_counts(pairs)   # text only: before any verdict, on any machine
+    if copying:
+        print(format_copying(copying))
     if not gpu:
         if args.solutions:
             sys.exit(f"{NO_GPU}; run this command on a GPU machine (its {len(pairs)} solutions were read fine)")
@@ -365,7 +371,7 @@ def main(argv=None) -> None:
     if args.out:
         records = [{"task": t.name, "level": t.level, **asdict(r)} for (t, _), r in zip(pairs, results)]
         Path(args.out).write_text(json.dumps({"summary": {k: asdict(v) for k, v in summary.items()},
-                                              "results": records}, indent=1))
+                                              "copying": copying, "results": records}, indent=1))
         print(f"wrote {args.out}", file=sys.stderr)
 
 

@@ -1,6 +1,7 @@
 """A synthetic kernel curriculum: KernelBench-format tasks with CuPy reference solutions.
 
-    python -m dice.taskgen --out DIR [--train 4000] [--valid 90] [--heldout 60] [--rl 600] [--seed 0] [--overwrite]
+    python -m dice.taskgen --out DIR [--train 4000] [--valid 90] [--heldout 60] [--rl 600] [--seed 0]
+                           [--constants few|wide] [--overwrite]
 
 writes DIR/train.json, DIR/valid.json, DIR/heldout.json and DIR/rl.json (never over existing files
 without --overwrite), DICE-style records (`id`, `level`, `ops`, `pytorch_code`, `cuda_code`,
@@ -8,7 +9,8 @@ without --overwrite), DICE-style records (`id`, `level`, `ops`, `pytorch_code`, 
 (prefix/middle/suffix, the middle being the CUDA source) and as end-to-end RL or evaluation tasks.
 
 Levels (as in KernelBench, easy to hard):
-  1  one elementwise op or activation, with varied shapes and constants;
+  1  one elementwise op or activation, with varied shapes and constants (`--constants wide`: drawn
+     per task from wide ranges, 3 significant digits, so a model can only copy them: issue #65);
   2  one reduction / normalisation / softmax along the last dimension;
   3  a fused chain of 2-4 ops: 2-4 elementwise ops, or 1-3 elementwise ops feeding a level-2 op.
 Every `forward` is written one op per line and every kernel mirrors it line by line, so the
@@ -54,11 +56,11 @@ from .verifier.precision import DICE_TOLERANCE
 
 SPLIT_FILES = ("train.json", "valid.json", "heldout.json", "rl.json")
 
-def _elementwise_lines(ops: list[str], rng: random.Random) -> tuple[list[str], list[str]]:
+def _elementwise_lines(ops: list[str], rng: random.Random, wide: bool = False) -> tuple[list[str], list[str]]:
     torch_lines, cuda_lines = [], []
     for op in ops:
         t, c, kind = ELEMENTWISE[op]
-        k = draw_constants(kind, rng)
+        k = draw_constants(kind, rng, wide)
         torch_lines.append(t.format(**k))
         cuda_lines.append(c.format(**k))
     return torch_lines, cuda_lines
@@ -127,13 +129,14 @@ def _shape(rng: random.Random, rows_op: bool) -> tuple[int, ...]:
     return (rows, cols)
 
 
-def make_task(rng: random.Random, level: int, ops: list[str] | None = None) -> dict:
-    """One task record of `level`; `ops` fixes the composition (else drawn at random)."""
+def make_task(rng: random.Random, level: int, ops: list[str] | None = None, wide: bool = False) -> dict:
+    """One task record of `level`; `ops` fixes the composition (else drawn at random); `wide`:
+    constants from wide ranges (`synthetic_ops.draw_wide`)."""
     if ops is None:
         ops = sample_composition(rng, level)
     row_op = ops[-1] if ops[-1] in ROW_OPS else None
     pre = ops[:-1] if row_op else ops
-    torch_lines, cuda_lines = _elementwise_lines(pre, rng)
+    torch_lines, cuda_lines = _elementwise_lines(pre, rng, wide)
     if row_op:
         torch_lines.append(ROW_OPS[row_op][0])
         middle, suffix = _row_solution(cuda_lines, row_op)
@@ -199,7 +202,7 @@ def one_value_matches(y: torch.Tensor, tol: float = DICE_TOLERANCE) -> bool:
 
 
 def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str], evaluation: bool,
-          drawn=lambda: None) -> list[dict]:
+          drawn=lambda: None, wide: bool = False) -> list[dict]:
     """Tasks at `levels` whose composition is (heldout) or is not (not heldout) a held-out one;
     a task whose PyTorch source is already in `seen`, or an evaluation task whose output one value
     matches (`passed_by_a_constant`), is dropped, so the count can fall short. `drawn()` is called
@@ -211,7 +214,7 @@ def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str], 
             ops = sample_composition(rng, level)
             if is_heldout_composition(ops) == heldout:
                 break
-        task = make_task(rng, level, ops)
+        task = make_task(rng, level, ops, wide)
         if task["pytorch_code"] not in seen and not (evaluation and passed_by_a_constant(task)):
             seen.add(task["pytorch_code"])
             tasks.append(task)
@@ -219,18 +222,19 @@ def _draw(rng: random.Random, levels: list[int], heldout: bool, seen: set[str], 
 
 
 def generate_split(n_train: int, n_valid: int, n_heldout: int, seed: int = 0, *, n_rl: int = 0,
-                   drawn=lambda: None) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
+                   drawn=lambda: None, constants: str = "few") -> tuple[list[dict], list[dict], list[dict], list[dict]]:
     """(train, valid, heldout, rl) task records, without a PyTorch source twice: train, valid and
     rl mix levels 30/30/40 (before de-duplication) over compositions free of held-out pairs, heldout
     is level 3 with one; no valid, heldout or rl task has an output one value matches (module
     docstring). rl is drawn last, so it changes none of the other three splits. `drawn()` is
-    called as each of the n_train + n_valid + n_heldout + n_rl draws starts (progress)."""
-    rng = random.Random(seed)
+    called as each of the n_train + n_valid + n_heldout + n_rl draws starts (progress). `constants`:
+    "few" (each op's few values, dice-tiny's curriculum) or "wide" (`synthetic_ops.draw_wide`)."""
+    rng, wide = random.Random(seed), constants == "wide"
     seen: set[str] = set()
-    train = _draw(rng, _level_mix(n_train), False, seen, evaluation=False, drawn=drawn)
-    valid = _draw(rng, _level_mix(n_valid), False, seen, evaluation=True, drawn=drawn)
-    heldout = _draw(rng, [3] * n_heldout, True, seen, evaluation=True, drawn=drawn)
-    rl = _draw(rng, _level_mix(n_rl), False, seen, evaluation=True, drawn=drawn)
+    train = _draw(rng, _level_mix(n_train), False, seen, evaluation=False, drawn=drawn, wide=wide)
+    valid = _draw(rng, _level_mix(n_valid), False, seen, evaluation=True, drawn=drawn, wide=wide)
+    heldout = _draw(rng, [3] * n_heldout, True, seen, evaluation=True, drawn=drawn, wide=wide)
+    rl = _draw(rng, _level_mix(n_rl), False, seen, evaluation=True, drawn=drawn, wide=wide)
     for split, tasks in (("train", train), ("valid", valid), ("heldout", heldout), ("rl", rl)):
         for i, t in enumerate(tasks):
             t["id"] = f"{split}-{i:05d}-L{t['level']}-{'-'.join(t['ops'])}"
@@ -263,6 +267,9 @@ def main(argv=None) -> None:
     p.add_argument("--heldout", type=at_least(0), default=60, help="held-out level-3 tasks drawn")
     p.add_argument("--rl", type=at_least(0), default=600, help="RL-phase tasks drawn (fewer after de-duplication)")
     p.add_argument("--seed", type=int, default=0, help="the same seed writes the same files")
+    p.add_argument("--constants", choices=("few", "wide"), default="few",
+                   help="each op's constants: few (a handful of values, dice-tiny's curriculum) or wide (drawn per "
+                   "task from wide ranges, so a model must copy them from the task)")
     p.add_argument("--overwrite", action="store_true", help="replace train.json, valid.json, heldout.json and "
                    "rl.json where --out holds them already")
     args = p.parse_args(argv)
@@ -283,7 +290,7 @@ def main(argv=None) -> None:
         line.update(f"drawing tasks: {done[0]}/{total} | {rate:.0f}/s | ETA {eta(total - done[0], rate)}")
 
     train, valid, heldout, rl = generate_split(args.train, args.valid, args.heldout, args.seed, n_rl=args.rl,
-                                               drawn=drawn)
+                                               drawn=drawn, constants=args.constants)
     line.close()
     out.mkdir(parents=True, exist_ok=True)
     for name, tasks in zip(SPLIT_FILES, (train, valid, heldout, rl)):

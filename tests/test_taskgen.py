@@ -93,3 +93,55 @@ def test_one_value_matches_as_a_brute_force_search_for_the_value():
         ends = torch.cat([y - s, y + s])
         brute = any(bool(((c - y).abs() <= s + 1e-6).all()) for c in ends)
         assert one_value_matches(y) == brute, y
+
+
+def _forward_constants(source: str) -> list[float]:
+    """The float constants of a task's forward, read from its Python syntax tree."""
+    forward = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    values = []
+    for node in ast.walk(forward):
+        if isinstance(node, ast.Constant) and isinstance(node.value, float):
+            negated = any(isinstance(p, ast.UnaryOp) and isinstance(p.op, ast.USub) and p.operand is node
+                          for p in ast.walk(forward))
+            values.append(-node.value if negated else node.value)
+    return values
+
+
+def test_wide_constants_are_drawn_per_task_and_mirrored_in_each_kernel():
+    """--constants wide: an op's constants take hundreds of values over a split (few: a handful),
+    with 3 significant digits, a scale away from 1; every constant of a task's forward is a float
+    literal of its kernel, by value (`copying.literals`), so the kernel mirrors the task."""
+    from dice.tasks.copying import literals
+    few = generate_split(300, 0, 0, seed=0)[0]
+    wide = generate_split(300, 0, 0, seed=0, constants="wide")[0]
+    distinct = {name: {c for t in tasks for c in _forward_constants(t["pytorch_code"])}
+                for name, tasks in (("few", few), ("wide", wide))}
+    assert len(distinct["few"]) < 40 and len(distinct["wide"]) > 150, {k: len(v) for k, v in distinct.items()}
+    for t in wide:
+        constants = _forward_constants(t["pytorch_code"])
+        assert all(float(f"{c:.3g}") == c for c in constants), t["pytorch_code"]
+        assert not literals("".join(f"{c}f " for c in constants)) - literals(t["cuda_code"]), t["id"]
+        if "scale" in t["ops"]:
+            assert all(abs(c - 1.0) >= 0.05 for c in constants if "x = x * " in t["pytorch_code"])
+
+
+def test_the_copying_diagnostic_tells_wrong_constants_from_wrong_structure():
+    """Against its task's reference: the reference itself (re-spaced too) is right on both counts;
+    one constant changed keeps the structure; a line dropped keeps the constants only if none of
+    them was on it; no program is neither."""
+    from dice.tasks.copying import copy_counts, copy_diagnostic, format_copying
+    from dice.tasks.load import Task
+    task = next(t for t in generate_split(200, 0, 0, seed=1, constants="wide")[0]
+                if t["ops"] == ["leaky_relu"] or t["ops"][:1] == ["leaky_relu"])
+    reference = task["cuda_code"]
+    slope = _forward_constants(task["pytorch_code"])[0]
+    assert copy_diagnostic(reference, reference) == (True, True)
+    assert copy_diagnostic(reference, reference.replace("    ", "  ")) == (True, True)
+    assert copy_diagnostic(reference, reference.replace(f"{slope}f", f"{slope + 0.01:.3g}f")) == (True, False)
+    dropped = "\n".join(line for line in reference.splitlines() if "v > 0.0f ?" not in line)
+    assert copy_diagnostic(reference, dropped) == (False, False)
+    assert copy_diagnostic(reference, None) == (False, False)
+    owner = Task(name="t", level=1, source=task["pytorch_code"], solution=reference)
+    counts = copy_counts([(owner, reference), (owner, dropped), (Task(name="u", level=1, source=""), "x")])
+    assert counts == {"tasks": 2, "structure": 1, "constants": 1, "both": 1}
+    assert "structure right 1 (50.0%)" in format_copying(counts)

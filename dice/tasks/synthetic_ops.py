@@ -136,7 +136,11 @@ __device__ float acc_dev_sum(const float* xr, int cols, float mu) {
 PREFIX = "import torch\nimport torch.nn as nn\nimport cupy as cp\n\n"
 
 
-def draw_constants(kind: str, rng: random.Random) -> dict:
+def draw_constants(kind: str, rng: random.Random, wide: bool = False) -> dict:
+    """An op's constants: from a few values each (`wide` False, the curriculum of dice-tiny), or
+    drawn from wide ranges to 3 significant digits (`draw_wide`)."""
+    if wide:
+        return draw_wide(kind, rng)
     if kind == "slope":
         return {"a": rng.choice([0.01, 0.02, 0.05, 0.1, 0.2, 0.3])}
     if kind == "alpha":
@@ -148,4 +152,27 @@ def draw_constants(kind: str, rng: random.Random) -> dict:
     if kind == "range":
         lo = rng.choice([-3.0, -2.0, -1.0, -0.5, 0.0])
         return {"lo": lo, "hi": lo + rng.choice([0.5, 1.0, 2.0, 4.0])}
+    return {}
+
+
+def draw_wide(kind: str, rng: random.Random) -> dict:
+    """Constants no model can recall, only copy (issue #65): each drawn per task from a wide range
+    and written with 3 significant digits; a scale keeps away from 1 and a shift from 0 (where the
+    op would be a no-op to the verifier's tolerance), a range is at least 0.25 wide."""
+    def sig3(v: float) -> float:
+        return float(f"{v:.3g}")
+
+    if kind == "slope":
+        return {"a": sig3(rng.uniform(0.01, 0.5))}
+    if kind == "alpha":
+        return {"a": sig3(rng.uniform(0.2, 3.0))}
+    if kind in ("scale", "shift"):
+        low = 0.1 if kind == "scale" else 0.05
+        while True:
+            a = sig3(rng.choice([-1, 1]) * rng.uniform(low, 4.0))
+            if kind == "shift" or abs(a - 1.0) >= 0.05:
+                return {"a": a}
+    if kind == "range":
+        lo = sig3(rng.uniform(-4.0, 0.5))
+        return {"lo": lo, "hi": sig3(lo + rng.uniform(0.25, 5.0))}
     return {}
