@@ -37,8 +37,9 @@ from dice.sft.train_sft import INIT_ENTRIES, init_model_folder, sft_sizes, train
 
 MODEL_GIVE = "pass --model DIR (a downloaded SDAR/DICE checkpoint, or a folder written by train.py)"
 # what names the fixes when the RL update cannot fit (`dice.memory.check_update_fits`)
-UPDATE_FLAGS = {"state": "train a smaller --model, or spread it over more GPUs (torchrun --nproc_per_node N: "
-                         "FSDP2 shards the weights, gradients and moments)",
+UPDATE_FLAGS = {"state": "train a smaller --model, keep its float32 state in host memory (--offload cpu), or spread "
+                         "it over more GPUs (torchrun --nproc_per_node N: FSDP2 shards the weights, gradients and "
+                         "moments)",
                 "workers": "--verifier-workers", "tokens": "--update-tokens", "checkpointing": "--gradient-checkpointing",
                 "length": "--max-new-tokens"}
 
@@ -126,7 +127,8 @@ def check_memory(cfg) -> None:
     config, world = read_config(cfg.model), int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    parts = {"float32 parameters, gradients and AdamW state": parameter_bytes(config, 16, world)}
+    offload = cfg.offload == "cpu"   # the float32 state in host memory: none of it on the device
+    parts = {"float32 parameters, gradients and AdamW state": 0 if offload else parameter_bytes(config, 16, world)}
     if cfg.phase == "sft":
         sized, _ = sft_sizes(cfg, device, world)
         if sized.max_len < config.block_size:
@@ -146,7 +148,8 @@ def check_memory(cfg) -> None:
         return
     update = functools.partial(check_update_fits, config, device, tokens=cfg.update_tokens, processes=world,
                                gradient_checkpointing=cfg.gradient_checkpointing, autocast=cfg.dtype != "fp32",
-                               others=planned_verifier_bytes(cfg.verifier_workers, device), flags=UPDATE_FLAGS)
+                               others=planned_verifier_bytes(cfg.verifier_workers, device), flags=UPDATE_FLAGS,
+                               offload=offload)
     update(longest=0)   # first what no rollout size fixes: the state leaves no room (the 4B on 80 GB)
     check_fits(parts, device, rollouts)
     bs = config.block_size   # then a micro-batch of one response of --max-new-tokens (its prompt not counted)

@@ -63,6 +63,7 @@ class TrainConfig:
     adam_beta2: float = 0.999
     dtype: str = "auto"
     gradient_checkpointing: bool = False
+    offload: str = "none"           # cpu: FSDP2 keeps the float32 state in host memory (dice.runtime.shard)
     attention: str = "auto"
     seed: int = 0
     # the run folder (dice.run_folder)
@@ -190,7 +191,7 @@ CHOICES = {"phase": ("init", "sft", "infill", "e2e"), "dtype": ("auto", "bf16", 
            "schedule": ("constant", "cosine"), "attention": ("auto", "flex", "dense"), "remasking": REMASKING,
            "reward": ("correct", "speedup"), "reward_rules": ("strict", "dice"), "minibatch_order": ("contiguous", "shuffle"),
            "optimizer_state": ("step", "run"), "update_rows": UPDATE_ROWS,
-           "task_order": ("curriculum", "interleaved")}
+           "task_order": ("curriculum", "interleaved"), "offload": ("none", "cpu")}
 # the range of every number flag (`_within`); every float must be finite but those of ENDLESS
 RANGES = {"steps": ">= 0", "epochs": ">= 0", "batch_size": ">= 1", "grad_accum": ">= 0", "lr": "> 0",
           "min_lr_ratio": "[0, 1]", "warmup": ">= 0", "warmup_ratio": "[0, 1]", "weight_decay": ">= 0",

@@ -37,6 +37,9 @@ HELP = {
                  "tokenizer",
     "seed": "seed of the initialisation, data order and noise",
     "gradient_checkpointing": "recompute each layer's forward in the backward pass (less memory)",
+    "offload": "where the float32 weights, gradients and AdamW moments live: none (the GPU) or cpu (FSDP2's CPU "
+               "offload, one process too: each layer's weights copied in as it runs, the optimiser steps on the CPU; "
+               "the 4B's RL on an 80 GB GPU)",
     "sft_infill": "also teach kernel records under the infilling prompt",
     "sft_pad_targets": "SFT: pad each example to a block multiple with pad tokens trained as its response's end "
                        "(DICE's LLaMA-Factory fork; the model learns to fill the last block; default: pads untrained)",

@@ -45,6 +45,7 @@ import torch
 
 from .errors import UserError
 from .model.packing import group_bound, largest_group
+from .model.sdar import compute_device
 from .runtime import rank_verifier
 from .sampling.sampler import CachedForward
 
@@ -227,14 +228,15 @@ def plan_update_tokens(available: int, unheld: int, fixed: int, per_token: int, 
 
 
 def unallocated_state_bytes(model, optimizer) -> int:
-    """The bytes of the gradients and AdamW moments the update will allocate and has not: a
+    """The GPU bytes of the gradients and AdamW moments the update will allocate and has not: a
     parameter's own size (this process's shard under FSDP2) for a gradient that is None, twice it
-    for moments the optimiser does not hold (optimizer None: none held)."""
+    for moments the optimiser does not hold (optimizer None: none held); none for a parameter in
+    host memory (`--offload cpu`: its gradient and moments are made there)."""
     total = 0
     for p in model.parameters():
-        if not p.requires_grad:
-            continue
         local = p.to_local() if hasattr(p, "to_local") else p   # an FSDP2 DTensor: this process's shard
+        if not p.requires_grad or local.device.type != "cuda":
+            continue
         size = local.numel() * local.element_size()
         total += size * ((p.grad is None) + 2 * (optimizer is None or not optimizer.state.get(p)))
     return total
@@ -248,8 +250,8 @@ def auto_update_tokens(model, cfg, others_bytes: int = 0, optimizer=None, longes
     have verified a while (`Verifier.gpu_bytes`); the part not in use yet is set aside. Where not
     even that group fits, a MemoryShortage naming gradient checkpointing and --max-new-tokens.
     On a CPU: UPDATE_TOKENS_CPU."""
-    first = next(model.parameters())
-    if first.device.type != "cuda":
+    first, device = next(model.parameters()), compute_device(model)
+    if device.type != "cuda":
         return UPDATE_TOKENS_CPU
     config = model.config
     autocast = cfg.dtype in ("auto", "bf16")   # `Runtime.autocast` on CUDA
@@ -257,7 +259,7 @@ def auto_update_tokens(model, cfg, others_bytes: int = 0, optimizer=None, longes
     # autocast copies float32 weights (the RL master weights); weights already bf16 are used as they are
     fixed = update_fixed_bytes(config, autocast and first.dtype == torch.float32, processes)
     fixed += unallocated_state_bytes(model, optimizer)
-    available, in_use = gpu_memory(first.device)
+    available, in_use = gpu_memory(device)
     unheld = max(0, others_bytes - in_use)
     granule = math.lcm(config.block_size, FLEX_TILE)
     tokens = plan_update_tokens(available, unheld, fixed, per_token, longest, granule)
@@ -266,7 +268,7 @@ def auto_update_tokens(model, cfg, others_bytes: int = 0, optimizer=None, longes
     fix = "lower --max-new-tokens" + ("" if cfg.gradient_checkpointing else f" or {CHECKPOINTING}")
     raise MemoryShortage(f"the RL update cannot hold a micro-batch of its longest response ({longest} tokens: the "
                          f"clean stream and one noisy copy, {longest * per_token / GIB:.1f} GiB) in the "
-                         f"{available / GIB:.1f} GiB this process can take on {first.device}, less "
+                         f"{available / GIB:.1f} GiB this process can take on {device}, less "
                          f"{fixed / GIB:.1f} GiB of gradients, AdamW moments and bf16 weight copies still to come"
                          + (f" and {unheld / GIB:.1f} GiB the verifier's processes do not hold yet" if unheld else "")
                          + f"; {fix}")
@@ -314,7 +316,7 @@ class UpdateTokens:
         if cfg.update_tokens:
             return cfg.update_tokens
         # asked on a GPU alone: a reward's stand-in on the CPU (tests) need not know the verifier's memory
-        cuda = next(self.model.parameters()).device.type == "cuda"
+        cuda = compute_device(self.model).type == "cuda"
         shortage, tokens = None, 0
         try:
             tokens = auto_update_tokens(self.model, cfg, self.others() if self.others and cuda else 0,
@@ -331,7 +333,7 @@ class UpdateTokens:
 # ---------------------------------------------------------------- refusals, and the out-of-memory error
 
 def check_update_fits(config, device: torch.device, *, tokens: int, longest: int, gradient_checkpointing: bool,
-                      autocast: bool, processes: int, others: int, flags: dict[str, str]) -> None:
+                      autocast: bool, processes: int, others: int, flags: dict[str, str], offload: bool = False) -> None:
     """Refuse, before any rollout, an RL update that cannot run on `device` (free now, before the
     model loads): float32 weights, gradients and AdamW moments (16 bytes a parameter; FSDP2 shards
     them over `processes`) and `update_fixed_bytes`, beside `others` bytes of the verifier's
@@ -342,9 +344,10 @@ def check_update_fits(config, device: torch.device, *, tokens: int, longest: int
     state leaves the plan no room for any micro-batch (which refuses every budget). The fix named:
     flags["state"] (the command's words for a smaller model or more GPUs; with fewer of
     flags["workers"] where that would make the room), or the first of auto flags["tokens"],
-    flags["checkpointing"], a lower flags["length"] that would fit."""
+    flags["checkpointing"], a lower flags["length"] that would fit. offload (`--offload cpu`): the
+    float32 weights, gradients and moments are in host memory, none of them on `device`."""
     free = free_bytes(device)
-    weights, state = parameter_bytes(config, 4, processes), parameter_bytes(config, 12, processes)
+    weights, state = (0, 0) if offload else (parameter_bytes(config, 4, processes), parameter_bytes(config, 12, processes))
     fixed = state + update_fixed_bytes(config, autocast, processes)
     granule = math.lcm(config.block_size, FLEX_TILE)
     least = max(granule, -(-longest // granule) * granule)

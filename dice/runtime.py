@@ -29,6 +29,7 @@ class Runtime:
     device: torch.device
     rank: int = 0
     world: int = 1
+    sharded: bool = False   # FSDP2 holds the model: several processes, or `--offload cpu` on one
 
     @property
     def main(self) -> bool:
@@ -57,21 +58,23 @@ class Runtime:
             dist.barrier()
 
 
-def setup_runtime() -> Runtime:
-    """One process per device under torchrun (NCCL on GPUs, gloo on CPU); plain otherwise."""
+def setup_runtime(offload: bool = False) -> Runtime:
+    """One process per device under torchrun (NCCL on GPUs, gloo on CPU); plain otherwise, but with
+    `offload` (FSDP2's CPU offload, which needs a process group) a group of this one process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    if world == 1 and not offload:
         return Runtime(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl")
-        device = torch.device("cuda", local)
-    else:
-        dist.init_process_group("gloo")
-        device = torch.device("cpu")
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    elif not dist.is_initialized():   # one process: an in-memory rendezvous (an earlier run of this process may have made it)
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     atexit.register(_shut_down_process_group)
-    return Runtime(device, dist.get_rank(), world)
+    return Runtime(device, dist.get_rank(), world, sharded=True)
 
 
 def _shut_down_process_group() -> None:
@@ -101,18 +104,28 @@ def build_model(cfg: TrainConfig, rt: Runtime, log) -> SDAR:
         log(f"{cfg.model} has config.json but no weights: starting from scratch (random init, seed {cfg.seed})")
         model = SDAR(read_config(cfg.model)).init_weights(seed=cfg.seed).to(rt.device)
     model.gradient_checkpointing = cfg.gradient_checkpointing
-    if rt.world > 1:
-        shard(model)
+    if rt.sharded:
+        shard(model, rt.device, offload=cfg.offload == "cpu")
+        log(f"FSDP2 over {rt.world} process{'es' * (rt.world > 1)}"
+            + (f"; the float32 weights, gradients and AdamW moments in host memory, copied to {rt.device} as "
+               "each layer runs (--offload cpu)" if cfg.offload == "cpu" else ""))
     return model.train()
 
 
-def shard(model: SDAR) -> SDAR:
+def shard(model: SDAR, device: torch.device | None = None, offload: bool = False) -> SDAR:
     """FSDP2 over the process group: every decoder layer is one unit (its parameters are gathered
-    just before it runs and freed after), the embedding, final norm and lm_head the root unit."""
-    from torch.distributed.fsdp import fully_shard   # lazy: ~1.5 s of start-up for train.py, sharded runs only
+    just before it runs and freed after), the embedding, final norm and lm_head the root unit.
+    offload: FSDP2's CPUOffloadPolicy: the float32 parameters, their gradients and so the AdamW
+    moments live in host memory (pinned on CUDA), each unit copied to `device` as it runs, and the
+    optimiser steps on the CPU (the 4B's 65.7 GiB of training state beside the rollouts on an 80 GB
+    GPU, issue #64); `model.compute_device` then names `device` (`dice.model.sdar.compute_device`)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard   # lazy: ~1.5 s of start-up
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     for layer in model.model.layers:
-        fully_shard(layer)
-    return fully_shard(model)
+        fully_shard(layer, offload_policy=policy)
+    if offload:
+        model.compute_device = device
+    return fully_shard(model, offload_policy=policy)
 
 
 def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:

@@ -195,7 +195,7 @@ def test_rl_with_fewer_tasks_per_step_than_processes_is_a_data_error(tmp_path, m
     from dice.rl.train_rl import train_rl
     from dice.config import TrainConfig
     from dice.runtime import Runtime
-    monkeypatch.setattr("dice.rl.train_rl.setup_runtime", lambda: Runtime(torch.device("cpu"), rank=0, world=2))
+    monkeypatch.setattr("dice.rl.train_rl.setup_runtime", lambda offload: Runtime(torch.device("cpu"), rank=0, world=2))
     cfg = TrainConfig(phase="e2e", model="unused", data="unused", out=str(tmp_path / "o"), steps=1, tasks_per_step=1)
     with pytest.raises(DataError, match="pass --tasks-per-step 2 or more") as caught:
         train_rl(cfg)

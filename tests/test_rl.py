@@ -542,6 +542,34 @@ def test_two_process_gloo_rl_matches_one_process(tmp_path):
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.slow
+def test_offload_on_one_process_trains_as_the_plain_run(tmp_path):
+    """`--offload cpu`: one process in a process group of its own, the model sharded by FSDP2 with
+    its CPUOffloadPolicy (here on the CPU, where the policy moves nothing: the path of the 4B on an
+    80 GB GPU, whose copies a GPU test would add), generation inside FullParameters, AdamW on
+    DTensors: the same rollouts, rewards and evaluations as the plain run, the same loss, and a
+    final model that loads."""
+    model = rl_model_folder(tmp_path / "model")
+    script = str(Path(__file__).parent / "fixtures" / "rl_run.py")
+    runs = {}
+    for name, extra in (("plain", []), ("offload", ["offload"])):
+        done = run_bounded([sys.executable, script, str(model), str(tmp_path / name), *extra], timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert ("in host memory" in done.stdout + done.stderr) == (name == "offload"), done.stdout
+        runs[name] = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    steps = {k: [r for r in v if "reward_mean" in r] for k, v in runs.items()}
+    evals = {k: [r for r in v if "eval_reward" in r] for k, v in runs.items()}
+    assert len(steps["plain"]) == len(steps["offload"]) == 2
+    for a, b in zip(steps["plain"], steps["offload"]):
+        for key in ("reward_mean", "mean_response_len", "groups_kept_pct", "correct_pct"):
+            assert a[key] == pytest.approx(b[key])
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+    assert len(evals["plain"]) == len(evals["offload"]) == 3
+    for a, b in zip(evals["plain"], evals["offload"]):
+        assert a.keys() == b.keys() and a == pytest.approx(b)
+    load_model(tmp_path / "offload" / "final")
+
+
 def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():
     from types import SimpleNamespace
 

@@ -198,7 +198,9 @@ def on_a_gpu_of(monkeypatch, free_gib: float) -> None:
 def test_the_4b_on_an_80_gb_gpu_is_refused_before_the_first_rollout(monkeypatch, tmp_path, capsys):
     """Its float32 weights, gradients and moments (65.7 GiB) and bf16 copies leave no room on 79 GiB:
     train.py's memory check (before the model loads) and bench rl's (before the references are checked)
-    say so in one line naming a smaller model or more GPUs; on a 141 GB GPU the state fits."""
+    say so in one line naming a smaller model, the CPU offload or more GPUs; on a 141 GB GPU the state
+    fits, and on the 80 GB one with --offload cpu (the state in host memory), beside the verifier and
+    a micro-batch of a 4,096-token response."""
     import importlib.util
     on_a_gpu_of(monkeypatch, 79.0)
     spec = importlib.util.spec_from_file_location("train_script", Path(__file__).resolve().parents[1] / "train.py")
@@ -207,14 +209,18 @@ def test_the_4b_on_an_80_gb_gpu_is_refused_before_the_first_rollout(monkeypatch,
     cfg = TrainConfig(phase="e2e", model=str(sdar_folder(tmp_path, "4b")), data="unused", steps=1,
                       gradient_checkpointing=True)
     with pytest.raises(MemoryShortage, match=r"float32 weights, gradients and AdamW moments 65\.7 GiB.*; train a "
-                                             r"smaller --model, or spread it over more GPUs \(torchrun"):
+                                             r"smaller --model, keep its float32 state in host memory \(--offload cpu\)"):
         train.check_memory(cfg)
+    train.check_memory(dataclasses.replace(cfg, offload="cpu"))
     from dice.bench import main
     with pytest.raises(SystemExit, match=r"^error: --shape 4b: the RL update needs .*--skip-update"):
         main(["rl", "--shape", "4b", "--solutions", "unused.json", "--grad-ckpt", "--update-tokens", "4096"])
     on_a_gpu_of(monkeypatch, 139.0)
     check_update_fits(sdar_shape("4b"), torch.device("cuda", 0), tokens=0, longest=0, gradient_checkpointing=True,
                       autocast=True, processes=1, others=10 * GIB, flags=FLAGS)
+    on_a_gpu_of(monkeypatch, 79.0)
+    check_update_fits(sdar_shape("4b"), torch.device("cuda", 0), tokens=0, longest=8192, gradient_checkpointing=True,
+                      autocast=True, processes=1, others=10 * GIB, flags=FLAGS, offload=True)
 
 
 def test_the_update_check_names_the_lever_that_fits(monkeypatch):

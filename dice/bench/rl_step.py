@@ -89,6 +89,9 @@ def add_arguments(p) -> None:
     p.add_argument("--update-rows", choices=UPDATE_ROWS, default="response",
                    help="response: a response's rounds share one clean stream; round: one doubled row per round")
     p.add_argument("--grad-ckpt", action="store_true", help="recompute each layer in the backward pass (4b: needed)")
+    p.add_argument("--offload", choices=("none", "cpu"), default="none",
+                   help="cpu: FSDP2 keeps the float32 weights, gradients and AdamW moments in host memory, one "
+                   "process too (the 4B on an 80 GB GPU); the optimiser steps on the CPU")
     p.add_argument("--workers", type=at_least(1), default=8, help="verifier worker processes (and concurrent reward calls)")
     p.add_argument("--broken", type=in_range(0, 1), default=BROKEN, help="share of rollouts whose program is broken")
     p.add_argument("--reward", choices=("verifier", "python"), default="verifier",
@@ -124,8 +127,9 @@ class Settings:
 
 BASELINE = Settings("stream", "auto", "bf16", "auto", "round")
 # what names the fixes when the update cannot fit (`dice.memory.check_update_fits`)
-UPDATE_FLAGS = {"state": "pass a smaller --shape, --skip-update to time its rollouts alone, or spread it over more "
-                         "GPUs (torchrun --nproc_per_node N: FSDP2 shards the weights, gradients and moments)",
+UPDATE_FLAGS = {"state": "pass a smaller --shape, --offload cpu (the float32 state in host memory), --skip-update to "
+                         "time its rollouts alone, or spread it over more GPUs (torchrun --nproc_per_node N: FSDP2 "
+                         "shards the weights, gradients and moments)",
                 "workers": "--workers", "tokens": "--update-tokens", "checkpointing": "--grad-ckpt",
                 "length": "--max-new-tokens"}
 
@@ -282,7 +286,7 @@ def bench_rl(args, bench) -> None:
     Under `torchrun --nproc_per_node N` (one process per GPU, gloo on a CPU: `dice.runtime`) the
     policy is sharded with FSDP2 and each process verifies on its own GPU (`dice.runtime.rank_verifier`),
     as `train.py` runs RL; rank 0 checks the references and prints."""
-    rt = setup_runtime()
+    rt = setup_runtime(offload=args.offload == "cpu")
     config, tasks = _checked_inputs(args, rt)
     verifier = Verifier(**rank_verifier(args.workers, rt.device)) if args.reward == "verifier" else None
     lines = []
@@ -292,8 +296,8 @@ def bench_rl(args, bench) -> None:
         tok_dir, tok, model, prompts = _tokenizer_and_model(args, config, rt, chosen)
         _check_rollout_memory(args, config, rt, len(rank_slots(0, len(chosen), rt)), prompts)
         gather = contextlib.nullcontext()
-        if rt.world > 1:
-            shard(model)
+        if rt.sharded:
+            shard(model, rt.device, offload=args.offload == "cpu")
             gather = FullParameters(model)
         base = TrainConfig(phase=args.phase, tasks_per_step=args.tasks_per_step, group_size=args.group_size,
                            max_new_tokens=args.max_new_tokens,
@@ -344,7 +348,7 @@ def _checked_inputs(args, rt) -> tuple:
             check_update_fits(config, rt.device, tokens=0 if args.update_tokens == "auto" else args.update_tokens,
                               longest=0, gradient_checkpointing=args.grad_ckpt, autocast=True, processes=rt.world,
                               others=planned_verifier_bytes(args.workers, rt.device) if args.reward == "verifier"
-                              else 0, flags=UPDATE_FLAGS)
+                              else 0, flags=UPDATE_FLAGS, offload=args.offload == "cpu")
         except MemoryShortage as e:
             _refuse(rt, f"error: --shape {args.shape}: {e}")
     tasks = [t for t in load_tasks(args.solutions) if t.solution and (args.phase == "e2e" or t.prefix is not None)]

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from ..config import UPDATE_ROWS
 from ..sampling.completion import Completion
 from .attention import flex_streams_mask, streams_mask
+from .sdar import compute_device
 
 
 @dataclass
@@ -259,7 +260,7 @@ def packed_logprobs(model, batch: PackedBatch, use_flex: bool | None = None) -> 
 
     use_flex (None: on CUDA) attends through the block-sparse FlexAttention mask, over the batch as
     given: `dice.rl.update.update_plan` pads the update's micro-batches to `flex_length`."""
-    device = next(model.parameters()).device
+    device = compute_device(model)
     if use_flex is None:
         use_flex = device.type == "cuda"
     to = lambda t: t.to(device, non_blocking=True)  # noqa: E731

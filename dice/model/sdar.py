@@ -162,6 +162,13 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def compute_device(model: nn.Module) -> torch.device:
+    """The device `model` computes on: where its parameters are, or, for a model whose float32
+    state FSDP2 keeps in host memory between uses (`dice.runtime.shard` with offload), the device
+    it was sharded for (`model.compute_device`)."""
+    return getattr(model, "compute_device", None) or next(model.parameters()).device
+
+
 class SDAR(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -41,6 +41,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..memory import auto_rollout_batch, out_of_memory
+from ..model.sdar import compute_device
 from ..protocols import DICE_REWARD
 from ..runtime import rank_verifier
 from ..sampling.completion import Completion, complete, generation_copy, prompt_format, task_prompt_ids
@@ -165,7 +166,7 @@ def sample_groups(model, tok, tasks: list[Task], slots: list[int], cfg, reward: 
             sampling=cfg.sampling(), overlap=options.overlap, lanes=cfg.verifier_workers,
             lengths=lengths if options.replay else None, progress=options.progress, while_scoring=while_scoring)
     except torch.OutOfMemoryError:
-        raise out_of_memory("the rollouts", next(policy.parameters()).device,
+        raise out_of_memory("the rollouts", compute_device(policy),
                             f"a rollout batch of {size} sequences", f"--rollout-batch {max(size // 2, 1)}") from None
     return completions, rewards, results, {**timings, "rollout_batch": size}
 

@@ -213,7 +213,7 @@ def train_rl(cfg, reward_fn: Reward | Callable | None = None, tasks: list[Task] 
 
     Each step: `rl_step`, then the log and the checkpoint; a greedy evaluation before every
     `--eval-every`-th step and at the end."""
-    rt = setup_runtime()
+    rt = setup_runtime(offload=cfg.offload == "cpu")
     log = make_logger(rt)
     run = open_run(cfg, rt, log, tasks, eval_tasks)
     total = cfg.steps
@@ -222,7 +222,7 @@ def train_rl(cfg, reward_fn: Reward | Callable | None = None, tasks: list[Task] 
     # of --max-new-tokens, so that one no step could hold is refused before the first rollout
     tokens = UpdateTokens(run.model, run.optimizer, rt, reward.gpu_bytes)
     # generation calls the layers, not the root forward: under FSDP every parameter is gathered first
-    gather = FullParameters(run.model) if rt.world > 1 else contextlib.nullcontext()
+    gather = FullParameters(run.model) if rt.sharded else contextlib.nullcontext()
     learner = Learner(run.model, run.tok, run.optimizer, reward, tokens, run.ref_model, run.fmt, gather)
     evaluate = functools.partial(_evaluate, run, cfg, rt, log, eval_reward, gather)
     log(f"BiC-RL {cfg.phase}: {len(run.ordered)} tasks (levels {sorted({t.level for t in run.ordered}, key=str)}), "

@@ -57,6 +57,7 @@ import torch
 from ..memory import CHECKPOINTING, UpdateTokens, out_of_memory
 from ..model.packing import (CompileClock, PackedBatch, Round, empty_batch, flex_length, group_rounds, micro_batches,
                              pack, pad_batch, packed_logprobs, update_flops, uses_flex)
+from ..model.sdar import compute_device
 from ..sampling.completion import Completion
 
 
@@ -184,7 +185,7 @@ class OldLogprobs:
     def __call__(self, completions: list, finished, offset: int = 0) -> None:
         if self.rt.world > 1 or finished():
             return
-        config, device = self.model.config, next(self.model.parameters()).device
+        config, device = self.model.config, compute_device(self.model)
         use_flex = uses_flex(self.cfg, device)
         items = round_items(completions, [k for k, c in enumerate(completions) if c is not None and c.tokens],
                             config.block_size, offset)
@@ -229,7 +230,7 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     grad_norm the whole gradient's norm before clipping, the mean over the optimiser steps;
     update_tokens the micro-batches' budget."""
     config = model.config
-    device = next(model.parameters()).device
+    device = compute_device(model)
     use_flex = uses_flex(cfg, device)
     kept = [c for c, a in zip(completions, advantages) if a is not None]
     budget = (tokens or UpdateTokens(model, optimizer, rt))(cfg, kept)
@@ -253,7 +254,7 @@ def _run_plan(model, ref_model, plan, n_responses: int, n_rows: int, cfg, rt, op
               old_logprobs) -> dict:
     """`policy_update`'s passes over its plan: the old log-probs (with U > 1), then each optimiser
     step's micro-batches, its clip and its step."""
-    config, device = model.config, next(model.parameters()).device
+    config, device = model.config, compute_device(model)
     clock = CompileClock.for_masks(use_flex, device)
     U, total = len(plan), sum(map(len, plan))
     flops = sum(update_flops(config, b) for step in plan for b in step)

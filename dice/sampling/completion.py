@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import DataError, read_text
-from ..model.sdar import SDAR
+from ..model.sdar import SDAR, compute_device
 from ..tasks.load import Task
 from ..tasks.prompts import PromptFormat, extract_code, template_problem
 from .sampler import Engine, Generated, Sampling, generate
@@ -159,7 +159,7 @@ class FullParameters:
         from torch.distributed.fsdp import FSDPModule   # lazy: a second of start-up, and only torchrun runs need it
         self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         with torch.no_grad():   # FSDP initialises lazily, from a forward of the root module
-            model(torch.zeros(1, model.config.block_size, dtype=torch.long, device=next(model.parameters()).device))
+            model(torch.zeros(1, model.config.block_size, dtype=torch.long, device=compute_device(model)))
 
     def __enter__(self):
         for m in self.modules:

@@ -45,6 +45,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..model.attention import block_causal_mask
+from ..model.sdar import compute_device
 from .choice import (REMASKING, Sampling, choose_tokens, greedy_choice,  # noqa: F401 (re-exported)
                      row_seeds, select_positions, tokens_per_step, uniform_noise, unmask)
 
@@ -286,7 +287,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sa
     generate (BiC-RL rollouts, DESIGN.md §7).
     """
     _check_arguments(model, prompts, max_new_tokens, lengths)
-    cfg, device, started = model.config, next(model.parameters()).device, time.perf_counter()
+    cfg, device, started = model.config, compute_device(model), time.perf_counter()
     bs, schedule = cfg.block_size, tokens_per_step(cfg.block_size, sampling.steps_per_block)
     rows = Rows(prompts, bs, max_new_tokens, cfg.mask_token_id, row_seeds(seed, len(prompts)), device, lengths)
     step, forwards = _make_step(model, rows, engine, greedy=sampling.temperature == 0)

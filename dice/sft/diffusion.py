@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model.attention import block_diffusion_mask, flex_block_diffusion_mask
+from ..model.sdar import compute_device
 
 EPS = 1e-3
 
@@ -90,7 +91,7 @@ def diffusion_loss(model, batch: dict, generators: list[torch.Generator], mask_t
               for i, g in enumerate(generators)]
     noisy, masked, p = (torch.cat(t) for t in zip(*noised))
     weights = token_weights(batch["loss_mask"], batch["sample_ids"], p, norm)[masked]
-    device = next(model.parameters()).device
+    device = compute_device(model)
     to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
     logits = doubled_logits(model, to(noisy), to(batch["input_ids"]), to(batch["position_ids"]),
                             to(batch["sample_ids"]), to(masked), use_flex)

@@ -83,7 +83,7 @@ def load_examples(cfg: TrainConfig, tok, row_len: int, one_shot: str | None, log
 
 def train_sft(cfg: TrainConfig) -> Path:
     """Masked block-diffusion SFT (DESIGN.md §4); returns the final model folder."""
-    rt = setup_runtime()
+    rt = setup_runtime(offload=cfg.offload == "cpu")
     log = make_logger(rt)
     out = Path(cfg.out)
     check_run_folder(out, cfg.resume, cfg.overwrite)
