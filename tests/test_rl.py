@@ -570,6 +570,33 @@ def test_offload_on_one_process_trains_as_the_plain_run(tmp_path):
     load_model(tmp_path / "offload" / "final")
 
 
+BF16_COPY_UNDER_FSDP = """
+import torch, torch.distributed as dist
+from dice import load_model
+from dice.runtime import shard
+from dice.sampling.completion import FullParameters, bf16_copy
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+model = load_model("dice/assets/dice-tiny", device="cpu", dtype=torch.float32)
+ids = torch.randint(0, 900, (2, 8), generator=torch.Generator().manual_seed(0))
+plain = bf16_copy(model)(ids)
+shard(model, torch.device("cpu"), offload=True)
+with FullParameters(model):
+    sharded = bf16_copy(model)(ids)
+assert torch.equal(plain, sharded), (plain - sharded).abs().max()
+print("equal")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_the_rollouts_bf16_copy_of_an_fsdp_model_is_the_plain_models():
+    """Under FSDP2 (torchrun, --offload cpu) the rollouts' bf16 copy is made inside FullParameters
+    from the gathered weights (the state_dict would give the shards): the same bits as the copy of
+    the unsharded model."""
+    done = run_bounded([sys.executable, "-c", BF16_COPY_UNDER_FSDP], timeout=120)
+    assert done.returncode == 0 and "equal" in done.stdout, done.stderr
+
+
 def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():
     from types import SimpleNamespace
 

@@ -10,7 +10,8 @@ tail after the cut that the TraceRL replay needs (DESIGN.md §7).
 
 The weights generation reads: RL's rollouts sample from `generation_copy`, a bf16 copy of the
 float32 master weights on CUDA; under FSDP2 generation (rollouts and evaluation alike) runs inside
-`FullParameters`, every parameter gathered, since the sampler calls the layers, not the root forward.
+`FullParameters`, every parameter gathered, since the sampler calls the layers, not the root forward
+(the bf16 copy is then made from the gathered weights).
 """
 from __future__ import annotations
 
@@ -121,34 +122,32 @@ def generation_copy(model, dtype: str):
     reads half the bytes, multiplies on bf16 tensor cores (float32 products run several times
     slower) and keeps a bf16 KV cache, so twice the rollouts fit a batch. Only sampling sees the
     rounding: the update recomputes every log-prob with the master weights (DESIGN.md §7).
-    Elsewhere (CPU, `--dtype fp32`, weights already bf16, FSDP-sharded parameters) the model itself."""
+    Under FSDP2 (torchrun, `--offload cpu`) the copy is made inside `FullParameters`, from the
+    gathered weights. Elsewhere (CPU, `--dtype fp32`, weights already bf16) the model itself."""
     first = next(model.parameters())
-    if first.device.type != "cuda" or dtype == "fp32" or first.dtype != torch.float32 or _sharded(model):
+    if compute_device(model).type != "cuda" or dtype == "fp32" or first.dtype != torch.float32:
         return model
     return bf16_copy(model)
 
 
 def bf16_copy(model) -> SDAR:
-    """An inference copy of `model` with every weight in bf16 (tied weights stay one tensor)."""
+    """An inference copy of `model` with every weight in bf16, on the device its weights are on now
+    (tied weights stay one tensor). Read from the module's registered tensors, which under FSDP2
+    are the gathered ones inside `FullParameters` (its state_dict would give the shards)."""
     with torch.device("meta"):
         copy = SDAR(model.config)
+    wanted = copy.state_dict().keys()
+    tensors = {**dict(model.named_buffers(remove_duplicate=False)),
+               **dict(model.named_parameters(remove_duplicate=False))}
     converted: dict[int, torch.Tensor] = {}
     state = {}
-    for name, tensor in model.state_dict().items():
+    for name in wanted:
+        tensor = tensors[name]
         if tensor.data_ptr() not in converted:
             converted[tensor.data_ptr()] = tensor.detach().to(torch.bfloat16)
         state[name] = converted[tensor.data_ptr()]
     copy.load_state_dict(state, assign=True)
     return copy.tie_weights().eval().requires_grad_(False)
-
-
-def _sharded(model) -> bool:
-    """Whether FSDP2 sharded `model` (its parameters are DTensors)."""
-    try:   # lazy: a second of start-up for sample.py / train.py, and absent from torch builds without distributed
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 class FullParameters:
