@@ -2,6 +2,7 @@
 candidate per attack class, each not `correct`, and honest controls that stay `correct`.
 
 `pytest -m gpu tests/test_verifier_integrity_gpu.py` (CuPy candidates: no C++ builds)."""
+import os
 from pathlib import Path
 
 import pytest
@@ -589,6 +590,24 @@ def test_honest_controls_stay_correct(timed, name):
     result = timed[f"honest: {name}"]
     assert result.correct, (name, result)
     assert result.speedup_ci[0] <= result.speedup <= result.speedup_ci[1]
+
+
+REPEATS = int(os.environ.get("DICE_HONEST_REPEATS", "0"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not REPEATS, reason="DICE_HONEST_REPEATS=N verifies every honest control N more times "
+                                        "(issue #68: the same verdict 10 runs of 10)")
+def test_every_honest_control_is_correct_in_every_repeat(verifier):
+    """Each repeat a `map` of every honest control with timing; a flicker names the control, the run
+    and the verdict's message."""
+    names = list(HONEST)
+    flickers = []
+    for run in range(REPEATS):
+        for name, result in zip(names, verifier.map([HONEST[n] for n in names], timing=True, seed=7000 + run)):
+            if not result.correct:
+                flickers.append(f"run {run + 1}: {name}: {result.status}: {result.message[:200]}")
+    assert not flickers, f"{len(flickers)} of {REPEATS * len(names)} verdicts not correct:\n" + "\n".join(flickers)
 
 
 def test_the_kernelbench_rule_accepts_a_decoy_the_strict_rule_rejects(verifier):
