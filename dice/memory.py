@@ -117,7 +117,7 @@ def planned_verifier_bytes(workers: int, device: torch.device) -> int:
     """The GPU memory this process's Verifier (`dice.runtime.rank_verifier`'s share of `workers`) will
     hold once it has verified a while (`Verifier.gpu_bytes`: its workers, judges and baseline), known
     before it starts: the memory checks of train.py and bench rl set it aside."""
-    from .verifier.verifier import pool_gpu_bytes   # lazy: importing this module skips dice.verifier's imports
+    from .verifier.pool_costs import pool_gpu_bytes   # lazy: importing this module skips dice.verifier's imports
     return pool_gpu_bytes(rank_verifier(workers, device)["workers"])
 
 

@@ -231,6 +231,8 @@ def test_two_processes_share_the_step_and_update_as_one(solutions, capsys):
 def test_the_pool_load_is_the_busy_seconds_over_the_interval(monkeypatch):
     """Between two samples 10 s apart the 14 workers answered for 70 s in all and the 3 judges for
     25 s: on average 7.0 and 2.5 busy; the text holds until the next interval has passed."""
+    from types import SimpleNamespace
+
     import dice.bench.rl_step as rl_step
 
     class Pool:
@@ -242,12 +244,14 @@ def test_the_pool_load_is_the_busy_seconds_over_the_interval(monkeypatch):
         def worker_starts(self):
             return "worker starts: 3 forked (median 1.2 s)"
 
+        stats = SimpleNamespace(stage_times=lambda: "median on the worker 0.50 s")
+
     clock = iter([0.0, 4.0, 10.0])
     monkeypatch.setattr(rl_step.time, "perf_counter", lambda: next(clock))
     load = rl_step.PoolLoad(Pool(), every_s=5.0)
     assert load() == ""                                   # 4 s: too soon
     assert load() == ("; busy: workers 7.0/14, judges 2.5/3; prebuilds pending 9; "
-                      "worker starts: 3 forked (median 1.2 s)")
+                      "worker starts: 3 forked (median 1.2 s); median on the worker 0.50 s")
 
 
 def test_the_replayed_reward_gives_the_verifiers_memory_to_the_batch_sizing():

@@ -120,7 +120,7 @@ def test_workers_replaced_after_non_plain_candidates_are_forked_from_the_zygote(
     on a GPU host too those are forked from the zygote (a new interpreter there costs ~9 s a
     candidate: `bench verify`'s load_inline rows and `bench rl` print the starts)."""
     assert verifier._zygote.problem is None, verifier.worker_starts()
-    assert any(forked for forked, _ in verifier.starts), verifier.worker_starts()
+    assert any(forked for forked, _ in verifier.stats.starts), verifier.worker_starts()
 
 
 def test_correct_cupy_kernel_passes_with_a_speedup(verifier):

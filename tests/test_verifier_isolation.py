@@ -179,7 +179,7 @@ def test_the_pool_reports_its_workers_starts_forked_after_a_non_plain_candidate(
     with Verifier(workers=1, judges=1, device="cpu", cache_dir=tmp_path) as verifier:
         assert verifier.verify(RELU_TASK, native, timing=False).correct
         verifier._idle.put(verifier._idle.get(timeout=120))     # the replaced worker has started
-        since = len(verifier.starts)
+        since = len(verifier.stats.starts)
         assert verifier.verify(RELU_TASK, native, timing=False).correct
         verifier._idle.put(verifier._idle.get(timeout=120))
         summary = verifier.worker_starts()

@@ -145,8 +145,9 @@ def build_policy(config, device, grad_ckpt: bool, seed: int) -> SDAR:
 
 class PoolLoad:
     """The verifier pool's load for the progress line, over the last `every_s` seconds or more: how
-    many workers and judges were busy on average (of how many), the prebuilds not yet reported, and
-    the workers started so far (`Verifier.worker_starts`); where the reward's time goes while a step runs."""
+    many workers and judges were busy on average (of how many), the prebuilds not yet reported, the
+    workers started so far (`Verifier.worker_starts`) and a candidate's median seconds in its stages
+    (`Verifier.stats`); where the reward's time goes while a step runs."""
 
     def __init__(self, verifier, every_s: float = 5.0):
         self.verifier, self.every_s, self.text = verifier, every_s, ""
@@ -160,7 +161,7 @@ class PoolLoad:
         if now - then >= self.every_s:
             self.text = (f"; busy: workers {(workers_s - workers_s0) / (now - then):.1f}/{workers}, judges "
                          f"{(judges_s - judges_s0) / (now - then):.1f}/{judges}; prebuilds pending {builds}; "
-                         f"{self.verifier.worker_starts()}")
+                         f"{self.verifier.worker_starts()}; {self.verifier.stats.stage_times() or 'no candidate yet'}")
             self.last = (now, (workers, workers_s, judges, judges_s, builds))
         return self.text
 
@@ -327,7 +328,7 @@ def bench_rl(args, bench) -> None:
                 print(line, file=sys.stderr, flush=True)
     finally:
         if verifier is not None:
-            lines.append(verifier.worker_starts())
+            lines.append(f"{verifier.worker_starts()}; {verifier.stats.stage_times() or 'no candidate verified'}")
             verifier.close()
         if rt.main:
             print("\n".join(lines))

@@ -158,11 +158,12 @@ def grouped(n: int, group: int, salt: str) -> list[tuple[str, dict]]:
 
 
 def _row(run, label: str, n: int, results: list, seconds: float, complete: bool, judge_busy: float | None = None,
-         judge_ops: dict | None = None, starts: str = "", worker_ops: dict | None = None) -> dict:
+         judge_ops: dict | None = None, starts: str = "", worker_ops: dict | None = None, stages: str = "") -> dict:
     """One throughput row: kernels finished per minute of the row's time; the judges' busy share
     and their seconds per request op (which of their jobs bounds them), the candidate workers'
     seconds per op (start-ups not included); the workers started in it (a load_inline candidate's
-    is replaced after it: forked, ~1 s, or a new interpreter, ~9 s)."""
+    is replaced after it: forked, ~1 s, or a new interpreter, ~9 s); a candidate's median seconds
+    in its stages (`Verifier.stats`: the prebuild, waiting for a worker, on it)."""
     done = [r for r in results if r is not None]
     statuses = collections.Counter(r.status for r in done)
     return run.row({"mode": label, "kernels": f"{len(done)}" if complete else f"{len(done)}/{n}",
@@ -170,7 +171,8 @@ def _row(run, label: str, n: int, results: list, seconds: float, complete: bool,
                     "judge busy": "-" if judge_busy is None else f"{100 * judge_busy:.0f}%",
                     "judge s by op": _by_op(judge_ops), "worker s by op": _by_op(worker_ops),
                     "verdicts": " ".join(f"{k}={v}" for k, v in sorted(statuses.items())),
-                    "worker starts": starts.removeprefix("worker starts: ") or "-"}, partial=not complete)
+                    "worker starts": starts.removeprefix("worker starts: ") or "-",
+                    "stages": stages.removeprefix("median ") or "-"}, partial=not complete)
 
 
 def _by_op(seconds: dict | None) -> str:
@@ -180,14 +182,14 @@ def _by_op(seconds: dict | None) -> str:
 
 def _map_row(run, verifier: Verifier, label: str, pairs: list, started: float | None = None, **options) -> dict:
     """Verify `pairs` and add their row; `started`: the row's clock started earlier (a cold pool)."""
-    busy, ops, starts = verifier.judge_busy_s, verifier.busy_by_op(), len(verifier.starts)
+    busy, ops, (starts, stages) = verifier.judge_busy_s, verifier.busy_by_op(), verifier.stats.marks()
     results, seconds, complete = run.verify_map(verifier, pairs, label, **options)
     total = seconds if started is None else time.perf_counter() - started
     after = verifier.busy_by_op()
     spent = {role: {op: s - ops[role].get(op, 0.0) for op, s in after[role].items()} for role in after}
     return _row(run, label, len(pairs), results, total, complete,
                 (verifier.judge_busy_s - busy) / total / verifier.judges, spent["judge"],
-                verifier.worker_starts(since=starts), spent["candidate"])
+                verifier.worker_starts(since=starts), spent["candidate"], verifier.stats.stage_times(stages))
 
 
 def bench_verify(args, run) -> None:

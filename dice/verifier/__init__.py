@@ -27,6 +27,7 @@
 | `outputs` | the tensor rules: exact bits, inputs modified, aliasing, fingerprints, the comparison with the reference |
 | `keeper` | the process above every worker: child subreaper, parent-death watch, tree kills |
 | `zygote` | fresh candidate workers forked from a process that imported their modules once |
+| `pool_costs` | a pool's GPU memory and judges; where its time goes (worker starts, each candidate's stages) |
 | `inline_build/` | load_inline: the build cache, the fast split build, the CPU prebuild pool (DESIGN.md §8.5; map in its `__init__.py`) |
 """
 import atexit

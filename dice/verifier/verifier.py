@@ -53,9 +53,9 @@ import os
 import queue
 import secrets
 import shutil
-import statistics
 import tempfile
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import replace
@@ -69,6 +69,7 @@ from .inline_build.pool import BuildPool
 from .calls import JUDGE_TIMEOUT_S, Clock, ask, failed, judge_call
 from .kernels import default_library_paths, library_kernel_names
 from .process import WORKER_ENV, GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, close_all
+from .pool_costs import PoolStats, default_judges, pool_gpu_bytes
 from .zygote import Zygote
 from .isolation import reuse_problem
 from .plans import TrialPlans
@@ -76,23 +77,6 @@ from .results import TaskError, VerifyOptions, VerifyResult, static_check
 from .sealed import sealed_timing
 from .speedup import BUDGET_S, PLAUSIBLE, Timing
 from .verdicts import trial_verdict
-
-WORKERS_PER_JUDGE = 4         # a new task costs its judge 5 references; a known one 5 comparisons a candidate
-# a worker's or judge's CUDA context, libraries and buffers after verifying a while: 0.6-1.0 GiB each
-# (17 processes beside an RL step, one H100, 2026-12-06); ~0.2 GiB just after start-up
-PROCESS_GPU_BYTES = 2 ** 30
-
-
-def pool_gpu_bytes(workers: int, judges: int | None = None) -> int:
-    """What a pool's processes hold on the GPU once they have verified a while: PROCESS_GPU_BYTES for
-    each worker, each judge (default: one per WORKERS_PER_JUDGE workers) and the baseline's worker."""
-    return (workers + (default_judges(workers) if judges is None else judges) + 1) * PROCESS_GPU_BYTES
-
-
-def default_judges(workers: int) -> int:
-    """One judge per WORKERS_PER_JUDGE workers, at least one."""
-    return max(1, workers // WORKERS_PER_JUDGE)
-
 
 NO_GPU = ("kernel verification needs a CUDA GPU (torch.cuda.is_available() is False); run on a GPU "
           "machine, or use Verifier(device='cpu') to exercise the pool with pure-PyTorch candidates")
@@ -138,9 +122,9 @@ class Verifier:
         self._baseline: WorkerProcess | None = None   # started with the first timing (`_baseline_worker`)
         # fresh candidate workers forked from a process that has imported their modules (`zygote`)
         self._zygote = Zygote(WORKER_ENV)
-        self.starts: list[tuple[bool, float]] = []   # every candidate worker's start: `worker_starts`
+        self.stats = PoolStats()   # how the workers started, each candidate's stages (`pool_costs`)
         self._workers = [WorkerProcess("candidate", config, self._log_dir / f"candidate-{i}.log", self._zygote,
-                                       self.starts) for i in range(workers)]
+                                       self.stats.starts) for i in range(workers)]
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
         for i, worker in enumerate(self._workers):
             # first recycles staggered over the pool: workers that share the load would all restart
@@ -242,15 +226,21 @@ class Verifier:
         # its builds in a folder of its own: nothing another candidate built or planted is loaded for it
         programs = (self.cache_dir / "torch_extensions" / "candidates" / secrets.token_hex(16)
                     if "load_inline" in candidate_src else None)
+        started = time.perf_counter()
         built = self._prebuild.submit(candidate_src, programs) if self._prebuild is not None and programs else None
         plan = self._plans.plan(task_src, opts)   # while it builds, and before a worker is taken: a slow judge holds none
         if built is not None:   # a report only: on a failure, or none in the prebuild's time limit, the worker builds
             with contextlib.suppress(FuturesTimeout):
                 built.result(timeout=self._prebuild.timeout_s + PREBUILD_SLACK_S)
+            self.stats.add("prebuild", time.perf_counter() - started)
+        waited = time.perf_counter()
         worker = self._idle.get()
+        taken = time.perf_counter()
+        self.stats.add("waiting for a worker", taken - waited)
         try:
             return self._run_candidate(worker, plan, candidate_src, opts, programs)
         finally:
+            self.stats.add("on the worker", time.perf_counter() - taken)
             self._release(worker, fresh=reuse_problem(candidate_src) is not None)
             if programs is not None:
                 shutil.rmtree(programs, ignore_errors=True)
@@ -392,16 +382,9 @@ class Verifier:
         return {role: dict(ops) for role, ops in total.items()}
 
     def worker_starts(self, since: int = 0) -> str:
-        """The candidate workers' starts after the first `since` (`len(self.starts)` earlier),
-        forked from the zygote or new interpreters, with their median seconds until ready, and why
+        """The candidate workers' starts after the first `since` (`pool_costs.PoolStats`), and why
         the zygote forks none, if it does not."""
-        starts, parts = self.starts[since:], []
-        for forked, label in ((True, "forked"), (False, "new interpreters")):
-            seconds = [s for f, s in starts if f == forked]
-            if seconds:
-                parts.append(f"{len(seconds)} {label} (median {statistics.median(seconds):.1f} s)")
-        problem = self._zygote.problem
-        return f"worker starts: {', '.join(parts) or 'none'}" + (f"; {problem}" if problem else "")
+        return self.stats.worker_starts(since, self._zygote.problem)
 
     def _release(self, worker: WorkerProcess, fresh: bool) -> None:
         """Back to the pool, as a fresh process where the candidate may have left something behind
