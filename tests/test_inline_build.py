@@ -763,7 +763,8 @@ time.sleep(600)
 def test_no_prebuild_process_outlives_a_killed_owner(tmp_path, killed):
     """The owner of a BuildPool, or its build server, is SIGKILLed while a candidate spins in a
     prebuild child: the server sees its input close and ends the child and itself, or the child
-    sees its server gone and ends itself and what it started, within 2 s."""
+    sees its server gone and ends itself and what it started, within 10 s (each polls every 0.1 s;
+    the server runs at nice 10, so other work on a loaded 2-core machine delayed it past 2 s once)."""
     import os
     import signal
     import subprocess
@@ -789,7 +790,7 @@ def test_no_prebuild_process_outlives_a_killed_owner(tmp_path, killed):
             return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
         except FileNotFoundError:
             return False
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 10
     while any(alive(p) for p in tree) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(p) for p in tree), [p for p in tree if alive(p)]

@@ -145,3 +145,5 @@ def test_the_copying_diagnostic_tells_wrong_constants_from_wrong_structure():
     counts = copy_counts([(owner, reference), (owner, dropped), (Task(name="u", level=1, source=""), "x")])
     assert counts == {"tasks": 2, "structure": 1, "constants": 1, "both": 1}
     assert "structure right 1 (50.0%)" in format_copying(counts)
+    miscopied = copy_counts([(owner, reference.replace(f"{slope}f", f"{slope + 0.01:.3g}f")), (owner, reference)])
+    assert format_copying(miscopied).endswith("right structure with wrong constants 1 (50.0%)")

@@ -49,7 +49,10 @@ def copy_counts(pairs) -> dict[str, int]:
 
 
 def format_copying(counts: dict[str, int]) -> str:
-    n = counts["tasks"]
+    """One line of the counts; "miscopied" are the programs with the right structure and wrong
+    constants, what a model that recalls op names but not a task's numbers writes."""
+    n, miscopied = counts["tasks"], counts["structure"] - counts["both"]
     return (f"copying (against each task's reference solution, {n} tasks): structure right {counts['structure']} "
             f"({100 * counts['structure'] / n:.1f}%), constants right {counts['constants']} "
-            f"({100 * counts['constants'] / n:.1f}%), both {counts['both']} ({100 * counts['both'] / n:.1f}%)")
+            f"({100 * counts['constants'] / n:.1f}%), both {counts['both']} ({100 * counts['both'] / n:.1f}%), "
+            f"right structure with wrong constants {miscopied} ({100 * miscopied / n:.1f}%)")
