@@ -91,6 +91,17 @@ def test_a_cupy_kernel_is_the_candidates_only_when_its_own_code_asked_for_it(tmp
     assert candidate.own(modules["cupy"], check) is True
     assert candidate.through_cupyx(modules["cupy"], modules["cupyx"], check) is False
     assert modules["cupy"].compile_with_cache(check) is False      # asked for by this file: the harness's
+    # a standard-library frame between CuPy and the candidate (a `with` in CuPy) is passed over;
+    # one of a package installed under the standard library's folder is a library's
+    stdlib_dir = tmp_path / "lib" / "python3"
+    for folder, expected in ((stdlib_dir, True), (stdlib_dir / "site-packages" / "lib", False)):
+        folder.mkdir(parents=True, exist_ok=True)
+        relay = types.ModuleType("relay")
+        exec(compile("def call(f, *a):\n    return f(*a)\n", str(folder / "relay.py"), "exec"), relay.__dict__)
+        exec(compile("def via(relay, cupy, check):\n    return relay.call(cupy.compile_with_cache, check)\n",
+                     CANDIDATE_FILE, "exec"), candidate.__dict__)
+        stdlib_check = lambda: requested_by_candidate(sys._getframe(1), skip, (str(stdlib_dir) + "/",))  # noqa: E731
+        assert candidate.via(relay, modules["cupy"], stdlib_check) is expected, folder
 
 
 def test_library_compute_the_reference_lacks_is_invalid():

@@ -28,6 +28,7 @@ import os
 import re
 import struct
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from .harness import CANDIDATE_FILE
 from .rules import HarnessTampered, is_library_name, trusted
 
 STO_CUDA_ENTRY = 0x10
+PACKAGES = re.compile(r"[/\\](site|dist)-packages[/\\]")   # installed libraries, even under the stdlib's folder
 EM_CUDA = 190
 
 
@@ -340,14 +342,24 @@ def _mapped_libraries() -> set[str]:
         return set()
 
 
-def requested_by_candidate(frame, skip: tuple[str, ...]) -> bool:
+def requested_by_candidate(frame, skip: tuple[str, ...], stdlib: tuple[str, ...] = ()) -> bool:
     """Whether `frame` (the caller of a CuPy compile) runs for the candidate's own code: the
     innermost frame outside the folders `skip` (CuPy's packages and this file; CuPy's Cython code
-    makes no Python frames) is one of the candidate's module. A cupyx function between them, or
-    any other library, makes the kernel that library's."""
-    while frame is not None and frame.f_code.co_filename.startswith(skip):
+    makes no Python frames) and Python's standard library (`stdlib`, its installed packages
+    excepted: a `with` or `functools` frame of CuPy's is CuPy's) is one of the candidate's module.
+    A cupyx function between them, or any other library, makes the kernel that library's."""
+    def passed(name: str) -> bool:
+        return name.startswith(skip) or (name.startswith(stdlib) and not PACKAGES.search(name))
+
+    while frame is not None and passed(frame.f_code.co_filename):
         frame = frame.f_back
     return frame is not None and frame.f_code.co_filename == CANDIDATE_FILE
+
+
+def standard_library() -> tuple[str, ...]:
+    """The folders of Python's standard library, as imported and resolved."""
+    paths = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")}
+    return tuple({p.rstrip(os.sep) + os.sep for path in paths for p in (path, os.path.realpath(path))})
 
 
 def _hook_cupy(record) -> bool:
@@ -368,8 +380,10 @@ def _hook_cupy(record) -> bool:
     skip = tuple({os.path.dirname(path) + os.sep for m in (cupy, cupy_backends)
                   for path in (m.__file__, os.path.realpath(m.__file__))} | {__file__, os.path.realpath(__file__)})
 
+    stdlib = standard_library()
+
     def own(binary) -> None:
-        if requested_by_candidate(sys._getframe(2), skip):
+        if requested_by_candidate(sys._getframe(2), skip, stdlib):
             record(binary)
 
     def compiled_nvrtc(*args, **kwargs):
