@@ -377,8 +377,8 @@ def _hook_cupy(record) -> bool:
         return False
     load = backend.load
     # frames carry the path a module was imported by, which may run through a link
-    skip = tuple({os.path.dirname(path) + os.sep for m in (cupy, cupy_backends)
-                  for path in (m.__file__, os.path.realpath(m.__file__))} | {__file__, os.path.realpath(__file__)})
+    skip = tuple({folder.rstrip(os.sep) + os.sep for m in (cupy, cupy_backends) for path in m.__path__
+                  for folder in (path, os.path.realpath(path))} | {__file__, os.path.realpath(__file__)})
 
     stdlib = standard_library()
 
