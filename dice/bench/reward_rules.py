@@ -4,7 +4,7 @@
 The same programs judged twice, untimed, by one Verifier: under DICE's own reward
 (`train.py --reward-rules dice`, `protocols.DICE_REWARD`: KernelBench's check as DICE's RL calls
 it, one trial on the inputs as drawn, allclose at 1e-2, no kernel rule) and under ours (strict:
-`rl.rollout.verifier_options()`, the options `train.py` rewards with by default). Program sets:
+`rl.rollout.verifier_options` with `--verify-timeout`'s default, as `train.py` rewards). Program sets:
 - references: the reference solutions (`cuda_code`) of a DICE JSON file (DICE's 99 infilling ones);
 - rollouts: a DICE-shaped step replayed as `bench rl` replays one (`replay.replay_programs`: the
   first `--tasks-per-step` tasks with a reference, in curriculum order, `--group-size` salted
@@ -16,7 +16,8 @@ it, one trial on the inputs as drawn, allclose at 1e-2, no kernel rule) and unde
 
 The table: per set, programs judged by both, correct under each rule, and those DICE's reward calls
 correct that ours does not, counted by ours' verdict and reason (its message's first clause,
-numbers left out, `reason`). A second table lists the attacks DICE's reward calls correct, by name.
+numbers left out, `reason`); then a line for each attack, honest control or reference that DICE's
+reward calls correct and ours does not.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import re
 from pathlib import Path
 
 from ..cli import at_least, in_range
+from ..config import TrainConfig
 from ..protocols import DICE_REWARD
 from ..rl.rollout import verifier_options
 from ..tasks.load import curriculum, load_tasks, step_tasks
@@ -90,7 +92,7 @@ def reason(result) -> str:
 def bench_rules(args, bench) -> None:
     """Judge every set under both rules and print the tables (module docstring)."""
     sets = program_sets(args)
-    rules = {"dice": dict(DICE_REWARD), "strict": verifier_options()}
+    rules = {"dice": dict(DICE_REWARD), "strict": verifier_options(timeout_s=TrainConfig.verify_timeout)}
     let_through = []
     with Verifier(workers=args.workers) as verifier:
         for name, programs in sets.items():

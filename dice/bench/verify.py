@@ -163,7 +163,7 @@ def _row(run, label: str, n: int, results: list, seconds: float, complete: bool,
     and their seconds per request op (which of their jobs bounds them), the candidate workers'
     seconds per op (start-ups not included); the workers started in it (a load_inline candidate's
     is replaced after it: forked, ~1 s, or a new interpreter, ~9 s); a candidate's median seconds
-    in its stages (`Verifier.stats`: the prebuild, waiting for a worker, on it)."""
+    in its stages (`Verifier.stats`: the prebuild, the task's plan, waiting for a worker, on it)."""
     done = [r for r in results if r is not None]
     statuses = collections.Counter(r.status for r in done)
     return run.row({"mode": label, "kernels": f"{len(done)}" if complete else f"{len(done)}/{n}",

@@ -10,7 +10,7 @@ import statistics
 import threading
 from dataclasses import dataclass, field
 
-STAGES = ("prebuild", "waiting for a worker", "on the worker")
+STAGES = ("prebuild", "task plan", "waiting for a worker", "on the worker")
 
 WORKERS_PER_JUDGE = 4         # a new task costs its judge 5 references; a known one 5 comparisons a candidate
 # a worker's or judge's CUDA context, libraries and buffers after verifying a while: 0.6-1.0 GiB each
@@ -33,7 +33,8 @@ def default_judges(workers: int) -> int:
 class PoolStats:
     """starts: (forked from the zygote, seconds until ready) of every candidate worker's start (a
     list the pool's `WorkerProcess`es share); stages: each candidate's seconds from submission
-    until its load_inline prebuild reported, waiting for a free worker, and on the worker."""
+    until its load_inline prebuild reported and, beside it, until its task's trials were planned
+    (the judge's references for a new task), then waiting for a free worker, and on the worker."""
     starts: list[tuple[bool, float]] = field(default_factory=list)
     stages: dict[str, list[float]] = field(default_factory=lambda: {stage: [] for stage in STAGES})
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -228,11 +228,13 @@ class Verifier:
                     if "load_inline" in candidate_src else None)
         started = time.perf_counter()
         built = self._prebuild.submit(candidate_src, programs) if self._prebuild is not None and programs else None
+        if built is not None:   # timed as it ends: the plan below runs meanwhile
+            built.add_done_callback(lambda _: self.stats.add("prebuild", time.perf_counter() - started))
         plan = self._plans.plan(task_src, opts)   # while it builds, and before a worker is taken: a slow judge holds none
+        self.stats.add("task plan", time.perf_counter() - started)
         if built is not None:   # a report only: on a failure, or none in the prebuild's time limit, the worker builds
             with contextlib.suppress(FuturesTimeout):
                 built.result(timeout=self._prebuild.timeout_s + PREBUILD_SLACK_S)
-            self.stats.add("prebuild", time.perf_counter() - started)
         waited = time.perf_counter()
         worker = self._idle.get()
         taken = time.perf_counter()
