@@ -1,5 +1,7 @@
 """Candidates kept apart (issue #67, DESIGN.md §8.4): the trusted side's reading of a candidate's
 source decides whether its worker may serve the next candidate (`isolation.reuse_problem`)."""
+from pathlib import Path
+
 import pytest
 
 from dice.verifier.isolation import reuse_problem
@@ -167,6 +169,34 @@ def test_a_zygote_whose_imports_started_a_thread_says_so_and_workers_start_anew(
         worker.close()
     finally:
         zygote.close()
+
+
+@pytest.mark.slow
+def test_the_zygote_imports_with_no_gpu_visible_and_its_workers_see_the_trainers_devices(tmp_path, monkeypatch):
+    """On a GPU host, torch.utils.cpp_extension's import starts a driver thread (NVML's device count),
+    and a process with two threads is not forked: the zygote imports with CUDA_VISIBLE_DEVICES empty.
+    Its workers see the trainer's value (here "7"; unset stays unset), read at their cuInit."""
+    import os
+
+    from dice.verifier import Verifier
+    from test_verifier import RELU_TASK, candidate
+    told = "import os\n" + candidate("raise RuntimeError('devices=' + repr(os.environ.get('CUDA_VISIBLE_DEVICES')) + "
+                                      "' extra=' + repr(os.environ.get('DICE_WORKERS_CUDA_VISIBLE_DEVICES')))")
+    for value, expected in (("7", "devices='7' extra=None"), (None, "devices=None extra=None")):
+        if value is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+        with Verifier(workers=1, judges=1, device="cpu", cache_dir=tmp_path) as verifier:
+            zygote = verifier._zygote._process.pid
+            messages = [verifier.verify(RELU_TASK, told, timing=False).message for _ in range(2)]
+            verifier._idle.put(verifier._idle.get(timeout=120))
+            summary = verifier.worker_starts()
+            environ = Path(f"/proc/{zygote}/environ").read_bytes().split(b"\0")
+        assert "CUDA_VISIBLE_DEVICES=" in [e.decode() for e in environ], environ
+        assert summary.startswith("worker starts: 2 forked"), summary   # the second and third workers
+        for message in messages:    # the first from a new interpreter, the second forked
+            assert expected in message, message
 
 
 @pytest.mark.slow

@@ -8,7 +8,10 @@ A candidate that could leave something in its process is followed by a fresh wor
 CUDA context. The zygote pays the imports once: it imports the worker's modules (touching no GPU:
 a CUDA context does not survive a fork, so torch's availability check goes through NVML) and then
 forks each new keeper (`keeper.keep`), whose worker only makes its own CUDA context. It runs one
-thread (a fork copies the calling thread alone, so a lock another thread held would stay held).
+thread (a fork copies the calling thread alone, so a lock another thread held would stay held), and
+so imports with no GPU visible: torch.utils.cpp_extension's import asks for the device count, and
+even NVML's answer starts a driver thread on a GPU host. Each forked keeper gets the trainer's
+CUDA_VISIBLE_DEVICES back before its worker touches CUDA, which reads it at cuInit.
 
 Protocol on the control socket: a request is one JSON line {"role", "config", "log"} sent with the
 worker's end of its socket pair as an SCM_RIGHTS descriptor; the reply is {"pid": the keeper's
@@ -36,7 +39,8 @@ PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 # torch.cuda.is_available() without cuInit; CPU thread pools of one thread (OpenBLAS starts its pool at
 # numpy's import: the zygote would no longer fork from a single thread; workers use one anyway)
 ZYGOTE_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-              "MKL_NUM_THREADS": "1"}
+              "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+WORKERS_DEVICES = "DICE_WORKERS_CUDA_VISIBLE_DEVICES"   # the trainer's CUDA_VISIBLE_DEVICES (JSON: null if unset)
 SPAWN_TIMEOUT_S = 60.0
 
 
@@ -66,9 +70,11 @@ class Zygote:
 
     def __init__(self, env: dict):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        environ = {**os.environ, **env}
+        environ = {**environ, **ZYGOTE_ENV, WORKERS_DEVICES: json.dumps(environ.get("CUDA_VISIBLE_DEVICES"))}
         self._process = subprocess.Popen([sys.executable, "-m", "dice.verifier.zygote", str(os.getpid())],
                                          stdin=theirs, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                         cwd=PROJECT_ROOT, env={**os.environ, **env, **ZYGOTE_ENV})
+                                         cwd=PROJECT_ROOT, env=environ)
         theirs.close()
         self._socket, self._lock, self._replies = ours, threading.Lock(), []
         self._reply = threading.Condition()
@@ -166,10 +172,20 @@ def serve(parent: int) -> None:
             pid = os.fork()
             if pid == 0:
                 control.close()
+                _show_the_workers_devices()
                 keep(fd, request["role"], request["config"], request["log"], os.getppid())
             os.close(fd)
             keepers.add(pid)
             control.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+
+
+def _show_the_workers_devices() -> None:
+    """In a forked keeper: the trainer's CUDA_VISIBLE_DEVICES, for its worker's cuInit (module docstring)."""
+    devices = json.loads(os.environ.pop(WORKERS_DEVICES, "null"))
+    if devices is None:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
 
 
 def _refuse(control: socket.socket, problem: str) -> None:
