@@ -555,6 +555,7 @@ def test_reference_check_reports_a_broken_task_and_goes_on(tmp_path, capsys):
     assert "1/3 reference solutions verified correct" in out
     assert "incorrect: 1" in out and "task_error: 1" in out
     assert sum(line.startswith("- ") for line in out.splitlines()) == 2
+    assert "worker starts: 2 new interpreters" in out and "median task plan" in out, out   # where its time went
 
     # a run cut short (here: --limit 2) leaves its verdicts in the log; the next run does the rest
     log = tmp_path / "verdicts.jsonl"

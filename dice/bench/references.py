@@ -157,6 +157,7 @@ def check_reference_solutions(run, path: str, workers: int, timing: bool = False
                 pass
             # every solution here is a new task, so each judge computes a reference per solution
             judges, busy = verifier.judges, verifier.judge_busy_s / max(time.perf_counter() - map_start, 1e-9)
+            costs = f"{verifier.worker_starts()}; {verifier.stats.stage_times() or 'no candidate verified'}"
     finally:
         if log_file:
             log_file.close()
@@ -170,3 +171,4 @@ def check_reference_solutions(run, path: str, workers: int, timing: bool = False
     print(f"{correct}/{len(tasks)} reference solutions verified correct in {time.perf_counter() - start:.0f} s "
           f"({', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))}{reused}); "
           f"{judges} judge{'s' * (judges > 1)} busy {100 * busy / judges:.0f}% of the time")
+    print(costs)
