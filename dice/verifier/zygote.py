@@ -71,7 +71,8 @@ class Zygote:
     def __init__(self, env: dict):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         environ = {**os.environ, **env}
-        environ = {**environ, **ZYGOTE_ENV, WORKERS_DEVICES: json.dumps(environ.get("CUDA_VISIBLE_DEVICES"))}
+        devices = environ.get("CUDA_VISIBLE_DEVICES")     # before ZYGOTE_ENV hides the GPU from the zygote
+        environ.update(ZYGOTE_ENV, **{WORKERS_DEVICES: json.dumps(devices)})
         self._process = subprocess.Popen([sys.executable, "-m", "dice.verifier.zygote", str(os.getpid())],
                                          stdin=theirs, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                          cwd=PROJECT_ROOT, env=environ)
