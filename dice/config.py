@@ -21,7 +21,7 @@ RL settings a researcher tunes (the step, the sampler, the objective, the reward
 then RL's machinery (memory, processes, evaluation), SFT's and init's. The parser, CHOICES, RANGES,
 HELP, DEFAULTS, RESUME_FIELDS and run.json all name a setting by its flag. What the RL code needs as
 one object is built from them: `sampling()` the rollouts' `Sampling`, and
-`dice.rl.rollout.rl_rewards` the reward with its verifier.
+`dice.rl.reward.rl_rewards` the reward with its verifier.
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ class TrainConfig:
     rows_per_update: int = 256
     minibatch_order: str = "contiguous"
     optimizer_state: str = "step"
-    # the reward (dice.rl.rollout.rl_rewards)
+    # the reward (dice.rl.reward.rl_rewards)
     reward: str = "correct"
     reward_rules: str = "strict"
     verify_timeout: float = 15.0

@@ -482,7 +482,7 @@ def test_step_metrics_count_the_results_of_every_rollout_batch(tmp_path, monkeyp
     from types import SimpleNamespace
 
     import dice.sampling.completion
-    from dice.rl.rollout import verifier_reward
+    from dice.rl.reward import verifier_reward
 
     class AllCorrect:
         calls, prepared = 0, []
@@ -600,7 +600,7 @@ def test_the_rollouts_bf16_copy_of_an_fsdp_model_is_the_plain_models():
 def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():
     from types import SimpleNamespace
 
-    from dice.rl.rollout import verifier_reward
+    from dice.rl.reward import verifier_reward
 
     class FakeVerifier:
         """map reports a task whose reference crashes as the real one does with on_broken_task."""
@@ -626,14 +626,14 @@ def test_verifier_reward_survives_a_broken_task_and_checks_the_skeleton():
 
 
 def test_every_reward_scores_a_batch_prepares_tasks_and_reports_its_gpu_memory():
-    """One interface (`dice.rl.rollout.Reward`): a plain function's floats become Scores without
+    """One interface (`dice.rl.reward.Reward`): a plain function's floats become Scores without
     results and its Scores pass as they are, with nothing to prepare and no GPU memory; the
     verifier's reward asks its verifier for both, and a reward that only changes the program it
     verifies (`dice.bench.replay.ReplayedReward`) keeps them."""
     from types import SimpleNamespace
 
     from dice.bench.replay import ReplayedReward
-    from dice.rl.rollout import PythonReward, Reward, Scores, VerifierReward, as_reward
+    from dice.rl.reward import PythonReward, Reward, Scores, VerifierReward, as_reward
 
     tasks = [Task("a", 1, "SRC", solution="REFERENCE")]
     comps = [Completion([1], [2], [1], "", "GENERATED")]

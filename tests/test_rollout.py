@@ -122,7 +122,7 @@ def _rollout_with(monkeypatch, events: list, reward_fn, auto_batch: bool, genera
 def test_the_rollout_batch_is_sized_with_room_for_the_verifiers_processes(monkeypatch):
     """The reward's processes' GPU memory (`Verifier.gpu_bytes`) reaches the batch's sizing; a
     given batch is used as it is."""
-    from dice.rl.rollout import Reward
+    from dice.rl.reward import Reward
     events = []
 
     class Busy(Reward):
@@ -181,7 +181,7 @@ def test_rollouts_out_of_gpu_memory_say_which_flag_helps(monkeypatch):
     """Out of memory while generating is one line naming --rollout-batch at half the batch, not
     torch's traceback (the bench's 4B and 8B rollouts beside 17 verifier processes, 2026-12-06)."""
     from dice.errors import UserError
-    from dice.rl.rollout import PythonReward
+    from dice.rl.reward import PythonReward
 
     def generate(*args, **kw):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 850.00 MiB.")

@@ -351,7 +351,7 @@ def test_the_dice_reward_rules_are_dices_own_check():
 
     from dice.config import TrainConfig, UsageError
     from dice.protocols import DICE_REWARD
-    from dice.rl.rollout import verifier_reward
+    from dice.rl.reward import verifier_reward
     from dice.rl.train_rl import RESUME_FIELDS
     from dice.sampling.completion import Completion
     from dice.tasks.load import Task

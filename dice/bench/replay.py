@@ -11,7 +11,7 @@
   share, chosen at random, is broken: half of them with an undeclared identifier in the device
   code (compile_error), half with 1 added to ModelNew's output (the kernels run, the result is
   wrong: incorrect). The verifier sees these programs through the training reward
-  (`ReplayedReward`, a `dice.rl.rollout.VerifierReward`); `--reward python` scores 1 for an unbroken program instead (no
+  (`ReplayedReward`, a `dice.rl.reward.VerifierReward`); `--reward python` scores 1 for an unbroken program instead (no
   GPU needed; the references are then not checked);
 * lengths: a random model never samples an eos, so each rollout stops as if it had sampled one
   right after the program it stands for (`generate(lengths=...)`): the tokens of
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from ..model.sdar import SDAR_SHAPES
-from ..rl.rollout import PythonReward, Reward, Scores, VerifierReward, verifier_options
+from ..rl.reward import PythonReward, Reward, Scores, VerifierReward, verifier_options
 from ..tasks.load import curriculum
 
 CHARS_PER_TOKEN = 3.8   # the SDAR tokenizer on the 99 DICE infilling references: 71,964 chars, 18,862 tokens

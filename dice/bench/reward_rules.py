@@ -4,7 +4,7 @@
 The same programs judged twice, untimed, by one Verifier: under DICE's own reward
 (`train.py --reward-rules dice`, `protocols.DICE_REWARD`: KernelBench's check as DICE's RL calls
 it, one trial on the inputs as drawn, allclose at 1e-2, no kernel rule) and under ours (strict:
-`rl.rollout.verifier_options` with `--verify-timeout`'s default, as `train.py` rewards). Program sets:
+`rl.reward.verifier_options` with `--verify-timeout`'s default, as `train.py` rewards). Program sets:
 - references: the reference solutions (`cuda_code`) of a DICE JSON file (DICE's 99 infilling ones);
 - rollouts: a DICE-shaped step replayed as `bench rl` replays one (`replay.replay_programs`: the
   first `--tasks-per-step` tasks with a reference, in curriculum order, `--group-size` salted
@@ -29,7 +29,7 @@ from pathlib import Path
 from ..cli import at_least, in_range
 from ..config import TrainConfig
 from ..protocols import DICE_REWARD
-from ..rl.rollout import verifier_options
+from ..rl.reward import verifier_options
 from ..tasks.load import curriculum, load_tasks, step_tasks
 from ..verifier import Verifier
 from .common import BudgetSpent

@@ -1,10 +1,10 @@
 """BiC-RL: TraceRL rollouts -> verifier rewards -> policy update, in two phases (DESIGN.md §7).
 
 One RL step (`rl_step`, the function `train.py` runs and `python -m dice.bench rl` times) reads in
-three modules of dice/rl/, top to bottom. The rollouts (`dice.rl.rollout`): take `tasks_per_step`
+the modules of dice/rl/, top to bottom. The rollouts (`dice.rl.rollout`): take `tasks_per_step`
 tasks in curriculum order (ascending level, wrapping; or with `--task-order interleaved` every level
 in its share each step: `dice.tasks.load.curriculum`), sample `group_size` responses each with the
-block-diffusion sampler, reward each (`VerifierReward` there: 1 if the kernel compiles and is
+block-diffusion sampler, reward each (`dice.rl.reward.VerifierReward`: 1 if the kernel compiles and is
 correct; in the `infill` phase also only if the program keeps the given prefix and suffix), and form
 group z-score advantages A = (R - mean_g) / std_g, dropping groups whose rewards are all equal
 (`--dynamic-sampling-rounds N`, DAPO's dynamic sampling, draws the next tasks in their place, up to
@@ -40,7 +40,8 @@ from ..runtime import build_model, make_optimizer, setup_runtime
 from ..sampling.completion import FullParameters, complete, load_prompt_template, prompt_format, task_prompt_ids
 from ..tasks.load import Task, load_tasks, phase_tasks
 from ..tasks.prompts import PromptFormat
-from .rollout import Reward, RolloutOptions, Scores, StepSamples, rl_rewards, sample_step
+from .reward import Reward, Scores, rl_rewards
+from .rollout import RolloutOptions, StepSamples, sample_step
 from .update import OldLogprobs, policy_update, restart_moments
 
 # what a resumed RL run must keep (besides the tasks and the model)
@@ -208,7 +209,7 @@ def _evaluate(run: RLRun, cfg, rt, log, reward: Reward, gather, at_step: int, la
 def train_rl(cfg, reward_fn: Reward | Callable | None = None, tasks: list[Task] | None = None,
              eval_tasks: list[Task] | None = None) -> Path:
     """BiC-RL phase `cfg.phase` ("infill" or "e2e"); `reward_fn` replaces the kernel verifier (tests,
-    other rewards): a `dice.rl.rollout.Reward`, or any `reward_fn(tasks, completions)` returning a
+    other rewards): a `dice.rl.reward.Reward`, or any `reward_fn(tasks, completions)` returning a
     list of floats or Scores (a `PythonReward`). Returns the final model folder.
 
     Each step: `rl_step`, then the log and the checkpoint; a greedy evaluation before every
