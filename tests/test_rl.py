@@ -227,6 +227,19 @@ def test_policy_update_loss_hand_computed(norm, expected, rows, update_tokens):
     assert stats["compile_s"] == 0.0    # dense masks compile nothing
 
 
+def test_update_progress_starts_at_zero_and_counts_every_micro_batch():
+    """progress(done, total) is called once before the first micro-batch (a first compile and the old
+    log-probs' pass follow it: `bench rl` shows when the update began) and once after each: with
+    one-token micro-batches every round row is a micro-batch of its own (4 rows here)."""
+    model = load_model(TINY)
+    cfg = TrainConfig(phase="e2e", model=str(TINY), out="unused", update_tokens=1, update_rows="round",
+                      kl_beta=0.0, dtype="fp32")
+    calls = []
+    policy_update(model, None, [SHORT, LONG], [1.0, -1.0], cfg, Runtime(torch.device("cpu")),
+                  torch.optim.AdamW(model.parameters(), lr=0.0), 0, progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)]
+
+
 def test_an_update_out_of_gpu_memory_says_which_flags_help(monkeypatch):
     """Out of memory (the H100 of 2026-12-06 beside 17 verifier processes) is one line naming the
     levers, not torch's traceback."""

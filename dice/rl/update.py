@@ -223,7 +223,7 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
     The token weights count rows and responses over all processes, so a micro-batch's backward is
     already its share of the step; with several steps the ratio is to the rollout policy's
     log-probs, taken before the first (those `old_logprobs` computed while the reward finished,
-    `OldLogprobs`, and the rest here). progress(done, total) follows the micro-batches. kl and
+    `OldLogprobs`, and the rest here). progress(done, total) follows the micro-batches, from 0. kl and
     clip_fraction are means over every loss token of all processes; flops is the update's model
     FLOPs (`dice.model.packing.update_flops`), all processes'; compile_s the seconds it spent compiling
     FlexAttention (`CompileClock`; the slowest process's): a process's first update, 0 after;
@@ -258,6 +258,8 @@ def _run_plan(model, ref_model, plan, n_responses: int, n_rows: int, cfg, rt, op
     clock = CompileClock.for_masks(use_flex, device)
     U, total = len(plan), sum(map(len, plan))
     flops = sum(update_flops(config, b) for step in plan for b in step)
+    if progress is not None:   # the update's start, before a first compile or the old log-probs' pass
+        progress(0, total)
     old = None
     if U > 1:   # the rollout policy's log-probs, before the first update
         def old_of(b: PackedBatch) -> torch.Tensor:
