@@ -21,7 +21,7 @@ from dice.tasks.load import check_task_source
 from dice.verifier import TaskError, Verifier, VerifyResult, verify
 from dice.verifier.inline_build.cache import BuildCache, BuildError, build_error_message, nvrtc_error_message
 from dice.verifier.outputs import aliased_outputs, compare_outputs, fingerprint, modified_inputs
-from dice.verifier.process import GpuLock
+from dice.verifier.sealed import GpuLock
 from dice.verifier.results import static_check, trial_seeds
 from dice.verifier.rules import fallback_problem, kernel_names, replaced_functions
 

@@ -17,8 +17,8 @@ import threading
 from typing import Callable
 
 from .harness import trial_kinds
-from .process import GpuLock
 from .results import TaskError, VerifyOptions, trial_seeds
+from .sealed import GpuLock
 
 MAX_TASKS_REMEMBERED = 4096   # tasks whose trial kinds are kept (an RL run sees far fewer at a time)
 

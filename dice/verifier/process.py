@@ -14,9 +14,6 @@ trainer itself dies, every keeper notices within ~0.1 s and ends its subtree.
 
 Worker stdout/stderr (including C-level output: nvcc logs, CUDA asserts, faulthandler tracebacks)
 go to a per-worker log file; `WorkerDied` carries the tail written during the failed request.
-
-`GpuLock` is the pool-wide readers-writer lock: correctness checks hold it shared, timing holds it
-exclusive, so no other work of this pool runs on the GPU while a kernel is being timed.
 """
 
 from __future__ import annotations
@@ -32,7 +29,6 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -329,46 +325,6 @@ class WorkerProcess:
             f.seek(max(start, info.st_size - LOG_TAIL_BYTES))
             text = f.read(LOG_TAIL_BYTES).decode(errors="replace")
         return "\n".join(text.strip().splitlines()[-LOG_TAIL_LINES:])
-
-
-class GpuLock:
-    """Readers-writer lock, writer-preferring: `shared()` for checks, `exclusive()` for timing.
-
-    Writer preference keeps a steady stream of correctness checks from starving timing."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._writers_waiting = 0
-
-    @contextmanager
-    def shared(self):
-        with self._cond:
-            while self._writer or self._writers_waiting:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self):
-        with self._cond:
-            self._writers_waiting += 1
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._writers_waiting -= 1
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
 
 
 def _state(pid: int) -> str | None:

@@ -14,11 +14,16 @@ does to its own clocks, timers, replies or records changes its time; it can only
 A call's outputs are compared with the baseline's, in the judge, where they lie, while the worker
 is stopped, with probability COMPARED drawn after the call from os.urandom: work skipped on a
 share f of calls is caught with probability 1 - (1 - COMPARED f)^calls.
+
+`GpuLock` is the pool-wide readers-writer lock: correctness checks hold it shared, timing holds it
+exclusive, so no other work of this pool runs on the GPU while a kernel is being timed.
 """
 from __future__ import annotations
 
 import os
 import statistics
+import threading
+from contextlib import contextmanager
 
 from .calls import JUDGE_TIMEOUT_S, Clock, ask, failed, judge_call
 from .process import WorkerProcess
@@ -173,3 +178,43 @@ class SealedCalls:
 
     def _ms(self, seconds: float) -> float:
         return max((seconds - self.overhead_s) * 1e3, MIN_MS)
+
+
+class GpuLock:
+    """Readers-writer lock, writer-preferring: `shared()` for checks, `exclusive()` for timing.
+
+    Writer preference keeps a steady stream of correctness checks from starving timing."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    @contextmanager
+    def shared(self):
+        with self._cond:
+            while self._writer or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self):
+        with self._cond:
+            self._writers_waiting += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()

@@ -68,13 +68,13 @@ from ..tasks.load import check_task_source
 from .inline_build.pool import BuildPool
 from .calls import JUDGE_TIMEOUT_S, Clock, ask, failed, judge_call
 from .kernels import default_library_paths, library_kernel_names
-from .process import WORKER_ENV, GpuLock, WorkerDied, WorkerProcess, WorkerTimeout, close_all
+from .process import WORKER_ENV, WorkerDied, WorkerProcess, WorkerTimeout, close_all
 from .pool_costs import PoolStats, default_judges, pool_gpu_bytes
 from .zygote import Zygote
 from .isolation import reuse_problem
 from .plans import TrialPlans
 from .results import TaskError, VerifyOptions, VerifyResult, static_check
-from .sealed import sealed_timing
+from .sealed import GpuLock, sealed_timing
 from .speedup import BUDGET_S, PLAUSIBLE, Timing
 from .verdicts import trial_verdict
 
