@@ -14,7 +14,7 @@ import torch
 from dice.verifier import VerifyOptions
 from dice.verifier.harness import (DOMINATED_KINDS, HEAVY_KINDS, call_draws, make_inputs, load_task, structured,
                                    timed_inputs, trial_inputs, trial_kinds, with_heavy)
-from dice.verifier.kernels import qualified_name
+from dice.verifier.kernel_names import qualified_name
 from dice.verifier.outputs import compare_outputs
 from dice.verifier.precision import (DICE_TOLERANCE, SERIAL, SERIAL_DOMINATED, own_error, reduction_terms, tolerances,
                                      unit)

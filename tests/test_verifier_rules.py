@@ -10,7 +10,7 @@ import torch
 
 from dice.verifier import VerifyOptions
 from dice.verifier.harness import HOT_FADE, JITTER, SPIKE, SPIKE_EVERY, structured, timed_inputs, trial_kinds
-from dice.verifier.kernels import entry_symbols, library_kernel_names, qualified_from_mangled, qualified_name
+from dice.verifier.kernel_names import entry_symbols, library_kernel_names, qualified_from_mangled, qualified_name
 from dice.verifier.outputs import compare_outputs, relative_error
 from dice.verifier.precision import own_error, tolerances
 from dice.verifier.records import activity, busy_ns, split_marker
@@ -183,9 +183,9 @@ def test_library_kernel_names_are_read_from_a_librarys_read_only_data(tmp_path, 
     # read once per process (every Verifier asks), again once a library changes
     import os
 
-    from dice.verifier import kernels
+    from dice.verifier import kernel_names
     reads = []
-    monkeypatch.setattr(kernels, "_read_only_sections", lambda f: reads.append(f.name) or [])
+    monkeypatch.setattr(kernel_names, "_read_only_sections", lambda f: reads.append(f.name) or [])
     assert library_kernel_names(paths) == names and not reads
     os.utime(tmp_path / "libfake.so", ns=(1, 1))
     assert library_kernel_names(paths) == set() and reads == [str(p) for p in paths[:2]]

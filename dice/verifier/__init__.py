@@ -22,6 +22,7 @@
 | `speedup` | the paired candidate / baseline rounds and their confidence interval |
 | `isolation` | which candidates leave a worker the next may use (else a fresh process) |
 | `kernels` | what the profiler saw, and which kernels the candidate compiled (machine code) |
+| `kernel_names` | kernel names read from machine code (entry points, library kernels) and from the profiler |
 | `epilogues` | which library GEMM kernels compute an activation, learnt from the task's own products (judge) |
 | `rules` | the source and kernel rules as plain functions; `trusted`, the torch functions captured before any candidate |
 | `outputs` | the tensor rules: exact bits, inputs modified, aliasing, fingerprints, the comparison with the reference |

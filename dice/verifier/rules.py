@@ -168,7 +168,7 @@ def kernel_problem(launched: dict, own: set, reference: dict, copies: dict, refe
 
     launched / reference: {kernel name: launches} of the candidate's and the reference's forward
     on the same inputs; own: qualified names of the kernels the candidate compiled; copies:
-    {"dtoh", "htod"} counts; qualify: profiler name -> qualified name (`kernels.qualified_name`);
+    {"dtoh", "htod"} counts; qualify: profiler name -> qualified name (`kernel_names.qualified_name`);
     epilogues: {library GEMM kernel: activations its epilogue computes} (`epilogues`).
     A launched kernel is the candidate's own when its qualified name is one it compiled, is no
     library name, and no kernel of the reference has it (a name shared with the reference is

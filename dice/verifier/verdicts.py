@@ -5,7 +5,7 @@ facts, so a candidate's behaviour is only ever judged against what its task's re
 """
 from __future__ import annotations
 
-from .kernels import qualified_name
+from .kernel_names import qualified_name
 from .records import activity, split_marker, unrecorded_launches
 from .results import VerifyOptions, VerifyResult
 from .rules import kernel_problem
@@ -38,7 +38,7 @@ def trial_verdict(where: str, ran: dict, judged: dict, history: list, opts: Veri
                   marker: str, library: frozenset = frozenset(), families: list = ()) -> VerifyResult | None:
     """The verdict of one trial when it fails, else None; appends the trial to `history`
     ([(reference fingerprints, candidate fingerprints, activity)], the earlier trials).
-    `library`: kernel names torch and the CUDA libraries hold (`kernels.library_kernel_names`);
+    `library`: kernel names torch and the CUDA libraries hold (`kernel_names.library_kernel_names`);
     `families`: the launch families the worker's recording matched (`kernels.matched_families`)."""
     def invalid(message):
         return VerifyResult("invalid", compiled=True, message=message)

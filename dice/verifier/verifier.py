@@ -67,7 +67,7 @@ import torch
 from ..tasks.load import check_task_source
 from .inline_build.pool import BuildPool
 from .calls import JUDGE_TIMEOUT_S, Clock, ask, failed, judge_call
-from .kernels import default_library_paths, library_kernel_names
+from .kernel_names import default_library_paths, library_kernel_names
 from .process import WORKER_ENV, WorkerDied, WorkerProcess, WorkerTimeout, close_all
 from .pool_costs import PoolStats, default_judges, pool_gpu_bytes
 from .zygote import Zygote
