@@ -296,3 +296,34 @@ def test_bench_stability_logs_each_verifiers_speedups_as_they_come(monkeypatch, 
     first = next(iter(stability.CASES))
     assert f"verifier 1/2 speedups: {first} 1.100x" in err and f"verifier 2/2 speedups: {first} 1.200x" in err
     assert f"{list(stability.CASES)[-1]} incorrect" in err
+
+
+@pytest.mark.parametrize("units", ["own", "shared"])
+def test_bench_builds_keeps_units_where_asked(tmp_path, monkeypatch, units):
+    """`--units own` builds each program with its units in its own folder, as the verifier builds a
+    candidate (nothing one compiled is used for another); `shared` in the cache's one store (None:
+    `fast_build`'s default, the root)."""
+    from types import SimpleNamespace
+
+    import dice.bench.build_cost as build_cost
+    seen = []
+
+    def fast_build(arguments, name, build_dir, root, capability, slots, *, flags=None, binding=None, units=None):
+        seen.append((Path(build_dir), units))
+        return build_dir / "ext.so", {"binding": binding, "host_cpu_s": 1.0, "device_cpu_s": 1.0, "link_cpu_s": 0.1}
+
+    monkeypatch.setattr(build_cost.fast, "fast_build", fast_build)
+    monkeypatch.setattr(build_cost, "_warm", lambda *a: 0.0)
+    program = ("import torch\nfrom torch.utils.cpp_extension import load_inline\n"
+               "ext = load_inline(name='relu', cpp_sources='torch::Tensor f(torch::Tensor x);', "
+               "cuda_sources='torch::Tensor f(torch::Tensor x) { return x; }', functions=['f'])\n"
+               "class ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return ext.f(x)\n")
+    task = "import torch\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x\n" \
+           "def get_inputs():\n    return [torch.randn(4)]\ndef get_init_inputs():\n    return []\n"
+    (tmp_path / "s.json").write_text(json.dumps([{"pytorch_code": task, "cuda_code": program}]))
+    args = SimpleNamespace(solutions=str(tmp_path / "s.json"), limit=None, group=None, jobs=2, arch=(9, 0),
+                           binding=["dispatch"], units=units)
+    build_cost.bench_builds(args, BenchRun("builds"))
+    assert len(seen) == 1
+    folder, kept = seen[0]
+    assert kept == (folder if units == "own" else None)

@@ -14,8 +14,10 @@ trusted reference files only.
 `--group N` builds what the RL reward builds: each reference as an RL group of N programs, salted
 and 30% broken as `bench rl` replays them (`replay.replay_programs`), every program submitted at
 once, `--jobs` at a time (default 16, the verifier's prebuild children on one H200's host) with
-compilers bounded by this machine's cores (`toolchain.CompilerSlots`). A group's programs share
-their host unit: the row counts the host units compiled.
+compilers bounded by this machine's cores (`toolchain.CompilerSlots`). `--units`: where compiled
+units are kept, "own" (each program's folder, as the verifier builds a candidate since issue #67:
+nothing one candidate compiled is used for another) or "shared" (one store for all, so a group's
+programs share their host unit); the row counts the host units compiled.
 """
 from __future__ import annotations
 
@@ -50,12 +52,13 @@ def _flags(arguments: dict, capability: tuple[int, int]) -> Flags:
 
 
 def build_one(call: dict, binding: str, root: Path, folder: Path, capability: tuple[int, int],
-              slots: CompilerSlots) -> dict:
-    """Compile and link one load_inline call; {"built": bool, CPU seconds or "error"}."""
+              slots: CompilerSlots, units: Path | None = None) -> dict:
+    """Compile and link one load_inline call; {"built": bool, CPU seconds or "error"}; `units`: where
+    its compiled units are kept (None: `root`, shared)."""
     arguments = BuildCache(root, capability=capability, build="fast").arguments(**call)
     try:
         _, report = fast.fast_build(arguments, "ext", folder, root, capability, slots,
-                                         flags=_flags(arguments, capability), binding=binding)
+                                    flags=_flags(arguments, capability), binding=binding, units=units)
     except (Unsplittable, FastBuildFailed, SharedCompileError) as exc:
         first = next((line for line in str(exc).splitlines() if "error" in line), str(exc).strip()[:200])
         return {"built": False, "error": f"{type(exc).__name__}: {first.replace(str(folder) + '/', '')}"[:240]}
@@ -93,6 +96,7 @@ def bench_builds(args, bench) -> None:
                          "run); pass a file of load_inline programs, e.g. DICE's kernel_infilling_evaluation.json")
     print(f"{len(calls)} programs, sm_{capability[0]}{capability[1]}, {jobs} at a time"
           + (f", groups of {args.group}, compilers bounded by {os.cpu_count()} cores" if args.group else "")
+          + (", units kept in each program's folder" if args.units == "own" else ", units kept in one shared store")
           + ("; CPU-only torch: linked without " + " ".join(CPU_ONLY_LIBRARIES) if torch.version.cuda is None else ""))
     for binding in args.binding:
         bench.check(f"the {binding} binding")
@@ -106,7 +110,8 @@ def bench_builds(args, bench) -> None:
                 if bench.left() <= 0:   # the budget is spent: no new build starts
                     return
                 (root / f"p{i}").mkdir()
-                results[i] = build_one(calls[i][1], binding, root, root / f"p{i}", capability, slots)
+                units = root / f"p{i}" if args.units == "own" else None
+                results[i] = build_one(calls[i][1], binding, root, root / f"p{i}", capability, slots, units)
                 bench.progress(f"{binding}: programs built", sum(r is not None for r in results), len(calls))
             with ThreadPoolExecutor(jobs) as pool:
                 list(pool.map(job, range(len(calls))))
@@ -137,5 +142,8 @@ def add_arguments(b) -> None:
     b.add_argument("--group", type=at_least(2), default=None, metavar="N",
                    help="each reference as an RL group of N salted programs, 30%% broken, submitted at once")
     b.add_argument("--limit", type=at_least(1), help="only the first N solutions")
+    b.add_argument("--units", choices=("own", "shared"), default="own",
+                   help="where compiled units are kept: own (each program's folder, as the verifier builds) or "
+                        "shared (one store: a group's programs share their host unit)")
     b.add_argument("--arch", type=at_least(0), nargs=2, default=(9, 0), metavar=("MAJOR", "MINOR"),
                    help="the architecture to build for without a GPU (default: 9 0, Hopper)")
