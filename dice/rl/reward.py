@@ -1,8 +1,8 @@
 """BiC-RL's rewards (DESIGN.md §7, §8.6): one small interface, and the kernel verifier as one.
 
-A reward is a `Reward`: `reward(tasks, completions)` scores a batch (`Scores`: one reward per completion, and the verifier
-results behind them); `prepare(tasks)` is told a step's tasks before their rollouts, so a verifier
-computes their references while the sampler runs; `gpu_bytes()` is the GPU memory its processes
+A reward is a `Reward`: `reward(tasks, completions)` scores a batch (`Scores`: one reward per
+completion, and the verifier results behind them); `prepare(tasks)` is told a step's tasks before
+their rollouts, so a verifier computes their references while the sampler runs; `gpu_bytes()` is the GPU memory its processes
 hold once busy, which the rollout batch and the update's micro-batches set aside when they are
 sized from the free memory. `PythonReward` turns any function `fn(tasks, completions) -> list of
 floats or Scores` into one (it prepares nothing and holds no GPU memory); `VerifierReward` is
