@@ -403,6 +403,8 @@ def _tokenizer_and_model(args, config, rt, chosen):
 
 
 def _describe(args, config, rt, chosen, replay, prompts, lengths, tok_dir, verdicts, kept: Path | None) -> None:
+    """The bench's header line: the model, the GPU, the replayed programs and their references' verdicts
+    (kept where `kept` says), the lengths, the sampler's and the update's settings."""
     kinds = collections.Counter("load_inline" if "load_inline" in t.solution else "CuPy" if "cupy" in t.solution
                                 else "other" for t in chosen)
     where = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "CPU"
