@@ -1,6 +1,7 @@
 """The fast load_inline build on the CPU: torch's generated files, the device/host split (what it
 accepts, what it refuses, the launch shims), cache keys, torch's flags, the fallback to torch's
 build, and (slow: nvcc and g++ here) compiling split programs and a BuildPool prebuild."""
+import fcntl
 import hashlib
 import hmac
 import inspect
@@ -953,3 +954,17 @@ def test_a_group_shares_its_host_unit_through_trusted_builds_that_no_planted_uni
         seal = pool.submit(_candidate(variants[0], "import sys\nraise RuntimeError(bytes(sys.modules['__main__'].SEAL).hex())\n")
                            ).result()
         assert seal["status"] == "error" and seal["message"] == "RuntimeError: " + "00" * 32, seal
+
+
+def test_a_unit_lock_held_too_long_is_passed_by(tmp_path):
+    """A compiled unit's lock that another process holds (a candidate's could, for ever) is waited
+    for at most the given seconds (`fast._locked_within`); then the build compiles on its own."""
+    from dice.verifier.inline_build.fast import _locked_within
+    path = tmp_path / "unit.lock"
+    with open(path, "w") as holder, open(path, "w") as waiter:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        start = time.monotonic()
+        assert not _locked_within(waiter, 0.3)
+        assert 0.3 <= time.monotonic() - start < 2.0
+        fcntl.flock(holder, fcntl.LOCK_UN)
+        assert _locked_within(waiter, 0.3)

@@ -43,6 +43,9 @@ from .toolchain import (CompilerSlots, Flags, compiler_version, dispatcher, head
                         precompiled_header, run_compiler, torch_macros)
 
 PCH_REJECTED = "not used because"
+# longest wait for a unit a sibling is compiling (seconds of a contended host unit's compile, with
+# room); a lock held longer, as a candidate's process could hold one, is passed by: compiled anew
+UNIT_LOCK_WAIT_S = 120.0
 QUOTED = r"['\u2018\"](\w+)['\u2019\"]"
 UNDECLARED = re.compile(rf"error: (?:identifier \"(\w+)\" is undefined|{QUOTED} (?:was not declared in this scope|"
                         rf"does not name a type|has not been declared)|{QUOTED} in namespace \S+ does not name a type)")
@@ -94,7 +97,8 @@ class CompiledUnits:
         # object (holding no compiler slot) instead of compiling it 16 times; a failed unit, never kept,
         # is then compiled by each in turn; a killed holder's lock goes with it
         with open(kept.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not _locked_within(lock, UNIT_LOCK_WAIT_S):   # a candidate's process may hold it: keep nothing
+                return run_compiler(argv, log, slots)
             found = self._read_kept(kept, key)
             if found is not None:
                 obj, output = found
@@ -129,6 +133,19 @@ class CompiledUnits:
     def _mac(self, key: str, obj: bytes, output: bytes) -> bytes:
         message = b"\0".join([key.encode(), hashlib.sha256(obj).digest(), hashlib.sha256(output).digest()])
         return hmac.new(self.seal, message, hashlib.sha256).digest()
+
+
+def _locked_within(lock, seconds: float) -> bool:
+    """Take `lock`'s exclusive flock, waiting at most `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
 
 
 def shared_error(log: str, names: frozenset[str], declared: frozenset[str]) -> str | None:

@@ -18,6 +18,11 @@ server ends its children and itself when its input closes (the pool closed, or i
 Compilers over all children and workers are bounded by the core count (`toolchain.CompilerSlots`).
 What a child reports is only information: a failed or killed prebuild leaves the GPU worker to
 build and report the real compile_error itself.
+
+Shared units (DESIGN.md §8.4): a child whose candidate makes one load_inline call reports its
+arguments ("delegate") instead of building; the server then forks a trusted builder
+(`_build_delegated`), which runs no candidate code and alone holds `SEAL`, the key of the compiled
+units every trusted build shares (`fast.CompiledUnits`): an RL group compiles its host unit once.
 """
 
 from __future__ import annotations
