@@ -1,6 +1,9 @@
 """The fast load_inline build on the CPU: torch's generated files, the device/host split (what it
 accepts, what it refuses, the launch shims), cache keys, torch's flags, the fallback to torch's
 build, and (slow: nvcc and g++ here) compiling split programs and a BuildPool prebuild."""
+import fcntl
+import hashlib
+import hmac
 import inspect
 import os
 import shutil
@@ -899,3 +902,69 @@ def test_only_a_candidate_with_load_inline_programs_waits_for_the_toolchain(tmp_
         assert pool.toolchain(wait=False) == {}
         pool._warm.set_result({"status": "warmed", "toolchain": {"pch": "digest"}})
         assert pool.toolchain(wait=False) == {"pch": "digest"} == pool.toolchain()
+
+
+def _candidate(cuda_sources: str, before: str = "") -> str:
+    """A candidate.py whose one load_inline call builds MANY-like `cuda_sources` (the generic binding)."""
+    return (f"from torch.utils.cpp_extension import load_inline\n{before}"
+            f"ext = load_inline('many', {CPP!r}, cuda_sources={cuda_sources!r}, functions=['run'])\n")
+
+
+@pytest.mark.slow
+def test_a_group_shares_its_host_unit_through_trusted_builds_that_no_planted_unit_reaches(tmp_path, monkeypatch):
+    """BuildPool (DESIGN.md §8.4): a candidate's one load_inline call is built by a trusted builder
+    (`pool._build_delegated`) into the candidate's own folder, its compiled units shared under the
+    seal: three programs differing in a kernel's body compile one host unit between them. A unit a
+    candidate's process changes in the shared store fails its seal and is compiled again; a
+    candidate's process holds no seal. (Linked against empty stand-ins of the CUDA libraries the
+    CPU wheel lacks.)"""
+    if not HAVE_NVCC:
+        pytest.skip("needs nvcc and g++")
+    from dice.verifier.inline_build.pool import BuildPool
+    stand_ins = tmp_path / "libs"
+    stand_ins.mkdir()
+    for lib in ("c10_cuda", "torch_cuda"):
+        subprocess.run(["c++", "-shared", "-x", "c++", "/dev/null", "-o", str(stand_ins / f"lib{lib}.so")], check=True)
+    monkeypatch.setenv("LIBRARY_PATH", str(stand_ins))
+    monkeypatch.setenv("CUDA_HOME", "/usr/local/cuda")   # the server is a process of its own
+    body = "if (i < n) y[i] = s.a * x[i] + s.b;"
+    variants = [MANY.replace(body, body.replace("s.b;", f"s.b + {k}.0f;")) for k in range(3)]
+    root = tmp_path / "cache" / "torch_extensions"
+    with BuildPool(tmp_path / "cache", processes=2, timeout_s=600, capability=(9, 0)) as pool:
+        warmed = pool.warm().result()
+        assert warmed["status"] == "warmed", warmed
+        folders = [root / "candidates" / f"c{k}" for k in range(4)]
+        reports = [pool.submit(_candidate(v), folder) for v, folder in zip(variants, folders)]
+        reports = [r.result() for r in reports]
+        assert all(r["status"] == "built" for r in reports), reports
+        hosts = [b["host_cpu_s"] > 0 for r in reports for b in r["builds"]]
+        assert sorted(hosts) == [False, False, True], reports   # one host unit compiled, two copied
+        assert all(list(f.glob("dice_ext_*.so")) for f in folders[:3])
+        assert not any((f / "objects").exists() for f in folders[:3])   # units only in the sealed store
+        kept = sorted((root / "objects").rglob("*.o"))
+        assert len(kept) == 4 and all(o.with_suffix(".mac").is_file() for o in kept)   # 1 host + 3 device
+        for o in kept:   # what a candidate's process could do to the store
+            o.write_bytes(b"planted")
+        again = pool.submit(_candidate(variants[0].replace("+ 0.0f", "+ 7.0f")), folders[3]).result()
+        assert again["status"] == "built" and again["builds"][0]["host_cpu_s"] > 0, again
+        resealed = next(o for o in (root / "objects").rglob("*.o") if o.read_bytes() != b"planted")
+        message = b"\0".join([resealed.stem.encode(), hashlib.sha256(resealed.read_bytes()).digest(),
+                              hashlib.sha256(resealed.with_suffix(".log").read_bytes()).digest()])
+        assert resealed.with_suffix(".mac").read_bytes() != hmac.new(bytes(32), message, hashlib.sha256).digest()
+        seal = pool.submit(_candidate(variants[0], "import sys\nraise RuntimeError(bytes(sys.modules['__main__'].SEAL).hex())\n")
+                           ).result()
+        assert seal["status"] == "error" and seal["message"] == "RuntimeError: " + "00" * 32, seal
+
+
+def test_a_unit_lock_held_too_long_is_passed_by(tmp_path):
+    """A compiled unit's lock that another process holds (a candidate's could, for ever) is waited
+    for at most the given seconds (`fast._locked_within`); then the build compiles on its own."""
+    from dice.verifier.inline_build.fast import _locked_within
+    path = tmp_path / "unit.lock"
+    with open(path, "w") as holder, open(path, "w") as waiter:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        start = time.monotonic()
+        assert not _locked_within(waiter, 0.3)
+        assert 0.3 <= time.monotonic() - start < 2.0
+        fcntl.flock(holder, fcntl.LOCK_UN)
+        assert _locked_within(waiter, 0.3)

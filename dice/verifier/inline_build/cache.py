@@ -66,13 +66,15 @@ class BuildCache:
     picks the fast build's one architecture; `history` records how each build went."""
 
     def __init__(self, root: Path, device: torch.device | None = None, *, capability: tuple[int, int] | None = None,
-                 build: str | None = None, programs: Path | None = None):
+                 build: str | None = None, programs: Path | None = None, units: Path | None = None,
+                 seal: bytes | None = None):
         self.build = build or os.environ.get("DICE_INLINE_BUILD") or "fast"
         if self.build not in BUILDS:
             raise ValueError(f"build={self.build!r}: choose one of {', '.join(BUILDS)}")
         if capability is None and device is not None and device.type == "cuda":
             capability = tuple(torch.cuda.get_device_capability(device))
         self.root, self.capability, self.programs = root, capability, programs or root
+        self.units, self.seal = units or self.programs, seal   # where compiled units are kept (`fast.CompiledUnits`)
         root.mkdir(parents=True, exist_ok=True)
         self.programs.mkdir(parents=True, exist_ok=True)
         now = time.time()
@@ -117,14 +119,52 @@ class BuildCache:
                     except UntrustedArtifact:   # a dispatcher someone changed: torch's own build decides
                         self.build = "torch"
                         self.loaded[name] = self._build(name, arguments, library)
+                    except Exception:   # built but never imported (`build_only`): built again, as a fast build
+                        generic.unlink()   # that does not import is (then torch's way)
+                        self.loaded[name] = self._build(name, arguments, library)
                 elif library.exists():
-                    self.loaded[name] = _load_library(name, library, arguments["is_python_module"])
+                    try:
+                        self.loaded[name] = _load_library(name, library, arguments["is_python_module"])
+                    except Exception:
+                        library.unlink()
+                        self.loaded[name] = self._build(name, arguments, library)
                 elif failed.exists():   # a compiler error another process of this cache hit
                     self.failed[name] = failed.read_text()
                     raise BuildError(self.failed[name])
                 else:
                     self.loaded[name] = self._build(name, arguments, library)
         return self.loaded[name]
+
+    def build_only(self, arguments: dict) -> str:
+        """Build `arguments` (`self.arguments`) the fast way into the programs folder without loading
+        it, for a builder that must run nothing a candidate wrote (`pool`'s trusted builder): "built"
+        or "cached". Raises BuildError on a compile error torch's build shares (remembered as
+        `load_inline` remembers it), Unsplittable or FastBuildFailed where only torch's build (which
+        imports what it built) would do. A library that then does not import is built again by the
+        worker (`load_inline`)."""
+        name = self.name(arguments)
+        library, generic = self.programs / f"{name}.so", self.programs / f"{name}.dispatch.so"
+        with open(self._lock_file(name), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if generic.exists() or library.exists():
+                return "cached"
+            if (self.programs / f"{name}.failed").exists():
+                raise BuildError((self.programs / f"{name}.failed").read_text())
+            build_dir = tempfile.mkdtemp(prefix="build-", dir=self.programs)
+            start = time.perf_counter()
+            try:
+                built, report = fast_build(arguments, name, Path(build_dir), self.root, self.capability, self.slots,
+                                           units=self.units, seal=self.seal)
+                self._place(built, library, report, Path(build_dir))
+                self.history.append({"name": name, "how": "fast", "wall_s": time.perf_counter() - start, **report})
+                return "built"
+            except SharedCompileError as exc:
+                self.failed[name] = build_error_message(str(exc), build_dir)
+                if not TRANSIENT.search(str(exc)):
+                    self._remember_failure(name, build_dir)
+                raise BuildError(self.failed[name]) from None
+            finally:
+                shutil.rmtree(build_dir, ignore_errors=True)
 
     def _lock_file(self, name: str) -> Path:
         folder = self.programs / "locks"
@@ -192,19 +232,25 @@ class BuildCache:
     def _fast(self, name: str, arguments: dict, library: Path, build_dir: Path, start: float):
         """The fast build, imported from build_dir (an import failure is a FastBuildFailed too)."""
         built, report = fast_build(arguments, name, build_dir, self.root, self.capability, self.slots,
-                                   units=self.programs)
+                                   units=self.units, seal=self.seal)
         try:
             loaded = (load_dispatched(name, built, report["dispatcher"]) if report["dispatcher"] else
                       _load_library(name, built, arguments["is_python_module"]))
         except Exception as exc:
             raise FastBuildFailed(f"the split build did not import: {exc}") from None
-        if report["dispatcher"]:   # the pointer first: a library in place always has one
+        self._place(built, library, report, build_dir)
+        self.history.append({"name": name, "how": "fast", "wall_s": time.perf_counter() - start, **report})
+        return loaded if arguments["is_python_module"] else str(library)
+
+    @staticmethod
+    def _place(built: Path, library: Path, report: dict, build_dir: Path) -> None:
+        """Move a fast build's library into the cache (atomic renames; with the generic binding as
+        `<name>.dispatch.so`, its dispatcher's path beside it first: a library in place always has one)."""
+        if report["dispatcher"]:
             library = library.with_suffix(".dispatch.so")
             Path(build_dir, "dispatcher").write_text(report["dispatcher"])
             os.replace(Path(build_dir, "dispatcher"), f"{library}.dispatcher")
         os.replace(built, library)
-        self.history.append({"name": name, "how": "fast", "wall_s": time.perf_counter() - start, **report})
-        return loaded if arguments["is_python_module"] else str(library)
 
     def _torch_load_inline(self, **arguments):
         """torch's load_inline; without visible GPUs (a prebuild) torch needs the architecture list."""

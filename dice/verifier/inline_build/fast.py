@@ -29,11 +29,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import hmac
 import json
 import os
 import random
 import re
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,6 +43,9 @@ from .toolchain import (CompilerSlots, Flags, compiler_version, dispatcher, head
                         precompiled_header, run_compiler, torch_macros)
 
 PCH_REJECTED = "not used because"
+# longest wait for a unit a sibling is compiling (seconds of a contended host unit's compile, with
+# room); a lock held longer, as a candidate's process could hold one, is passed by: compiled anew
+UNIT_LOCK_WAIT_S = 120.0
 QUOTED = r"['\u2018\"](\w+)['\u2019\"]"
 UNDECLARED = re.compile(rf"error: (?:identifier \"(\w+)\" is undefined|{QUOTED} (?:was not declared in this scope|"
                         rf"does not name a type|has not been declared)|{QUOTED} in namespace \S+ does not name a type)")
@@ -67,10 +70,15 @@ class CompiledUnits:
     the units' `#line` directives name. Only objects of successful compiles are kept, each with its
     compiler output (the folder's path in it replaced by the copying build's); a failure is compiled
     again, so its message is the program's. A copied object's `__FILE__` names the folder that
-    compiled it: a path in a message, never a verdict."""
+    compiled it: a path in a message, never a verdict.
 
-    def __init__(self, root: Path, build_dir: Path):
-        self.folder, self.build_dir = root / "objects", build_dir
+    `seal`: a key only builders that run no candidate code hold (`pool.serve`, DESIGN.md §8.4).
+    Each kept unit then also has `<key>.mac`, an HMAC-SHA256 of its key, object and output under
+    `seal`, written last; a unit is copied only when the bytes read match it, so a unit planted or
+    changed by a candidate's process is compiled again, never used."""
+
+    def __init__(self, root: Path, build_dir: Path, seal: bytes | None = None):
+        self.folder, self.build_dir, self.seal = root / "objects", build_dir, seal
 
     def compile(self, argv: list[str], compiler: list[str], log: Path, slots: CompilerSlots) -> tuple[int, float]:
         """run_compiler's (exit status, CPU seconds) for `argv` (`-c SOURCE -o OBJECT` at its end); a
@@ -89,20 +97,55 @@ class CompiledUnits:
         # object (holding no compiler slot) instead of compiling it 16 times; a failed unit, never kept,
         # is then compiled by each in turn; a killed holder's lock goes with it
         with open(kept.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if kept.is_file() and kept.with_suffix(".log").is_file():
-                log.write_text(kept.with_suffix(".log").read_text(errors="replace").replace(BUILD_FOLDER, folder))
-                shutil.copyfile(kept, target)
+            if not _locked_within(lock, UNIT_LOCK_WAIT_S):   # a candidate's process may hold it: keep nothing
+                return run_compiler(argv, log, slots)
+            found = self._read_kept(kept, key)
+            if found is not None:
+                obj, output = found
+                log.write_text(output.decode(errors="replace").replace(BUILD_FOLDER, folder))
+                target.write_bytes(obj)   # the bytes checked, not the file again
                 return 0, 0.0
             status, cpu_s = run_compiler(argv, log, slots)
             if status == 0:
-                output = log.read_text(errors="replace").replace(folder, BUILD_FOLDER)
-                for write, name in ((lambda tmp: tmp.write_text(output), kept.with_suffix(".log")),
-                                    (lambda tmp: shutil.copyfile(target, tmp), kept)):   # the object last: it marks both
+                output = log.read_text(errors="replace").replace(folder, BUILD_FOLDER).encode()
+                obj = target.read_bytes()
+                files = [(kept.with_suffix(".log"), output), (kept, obj)]
+                if self.seal is not None:
+                    files.append((kept.with_suffix(".mac"), self._mac(key, obj, output)))
+                for name, data in files:   # the last written marks all: the object, or its seal
                     tmp = name.with_name(f"{name.name}.{os.getpid()}.{random.getrandbits(32):08x}.tmp")
-                    write(tmp)
+                    tmp.write_bytes(data)
                     os.replace(tmp, name)
         return status, cpu_s
+
+    def _read_kept(self, kept: Path, key: str) -> tuple[bytes, bytes] | None:
+        """(object, compiler output) of a kept unit, or None where there is none (or, sealed, none
+        whose bytes match their seal)."""
+        try:
+            obj, output = kept.read_bytes(), kept.with_suffix(".log").read_bytes()
+            mac = kept.with_suffix(".mac").read_bytes() if self.seal is not None else None
+        except OSError:
+            return None
+        if self.seal is not None and not hmac.compare_digest(mac, self._mac(key, obj, output)):
+            return None
+        return obj, output
+
+    def _mac(self, key: str, obj: bytes, output: bytes) -> bytes:
+        message = b"\0".join([key.encode(), hashlib.sha256(obj).digest(), hashlib.sha256(output).digest()])
+        return hmac.new(self.seal, message, hashlib.sha256).digest()
+
+
+def _locked_within(lock, seconds: float) -> bool:
+    """Take `lock`'s exclusive flock, waiting at most `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
 
 
 def shared_error(log: str, names: frozenset[str], declared: frozenset[str]) -> str | None:
@@ -135,12 +178,12 @@ def warm_toolchain(root: Path, capability: tuple[int, int], slots: CompilerSlots
 
 def fast_build(arguments: dict, name: str, build_dir: Path, root: Path, capability: tuple[int, int] | None,
                slots: CompilerSlots, *, flags: Flags | None = None, binding: str | None = None,
-               units: Path | None = None) -> tuple[Path, dict]:
+               units: Path | None = None, seal: bytes | None = None) -> tuple[Path, dict]:
     """Build `name`.so in build_dir the split way; (library, report), the report's "dispatcher"
     naming the dice_dispatch module that loads a library with the generic binding (else None).
     `flags`: torch's (default: `Flags` of the call); `binding`: "pybind" forces torch's binding,
     otherwise the generic one wherever it applies; `units`: where compiled units are kept (default
-    `root`, where the toolchain's artifacts are). Raises Unsplittable before compiling,
+    `root`, where the toolchain's artifacts are), under `seal` if given (`CompiledUnits`). Raises Unsplittable before compiling,
     SharedCompileError or FastBuildFailed after."""
     if not arguments["cuda_sources"] or arguments["with_cuda"] is False or arguments.get("sycl_sources") \
             or arguments.get("no_implicit_headers") or arguments.get("use_pch") or capability is None:
@@ -164,7 +207,7 @@ def fast_build(arguments: dict, name: str, build_dir: Path, root: Path, capabili
         split = make_split("pybind")
     pch = precompiled_header(root, flags, slots, split.binding)
     try:
-        library, report = _compile_and_link(split, flags, build_dir, pch, slots, CompiledUnits(units or root, build_dir))
+        library, report = _compile_and_link(split, flags, build_dir, pch, slots, CompiledUnits(units or root, build_dir, seal))
     except FastBuildFailed as exc:   # the headers' names are read only when a build fails
         names = header_names(root, flags)
         if names is not None and shared_error(str(exc), names, split.declared):

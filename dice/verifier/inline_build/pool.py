@@ -18,11 +18,17 @@ server ends its children and itself when its input closes (the pool closed, or i
 Compilers over all children and workers are bounded by the core count (`toolchain.CompilerSlots`).
 What a child reports is only information: a failed or killed prebuild leaves the GPU worker to
 build and report the real compile_error itself.
+
+Shared units (DESIGN.md §8.4): a child whose candidate makes one load_inline call reports its
+arguments ("delegate") instead of building; the server then forks a trusted builder
+(`_build_delegated`), which runs no candidate code and alone holds `SEAL`, the key of the compiled
+units every trusted build shares (`fast.CompiledUnits`): an RL group compiles its host unit once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import re
@@ -48,12 +54,19 @@ CHILD_FILE_BYTES = 2**30      # largest file a child may write (a build's object
 # the judges), which run at the default 0; under Linux's CFS a nice-10 process weighs ~1/10 of one at 0
 BUILD_NICE = 10
 REPORT_BYTES = 2**20
+PR_SET_DUMPABLE = 4   # prctl's option (linux/prctl.h)
 # the server forks a child per build, and a fork copies no thread but the caller (a lock another
 # thread held then is never released in the child), so it runs one: no GPU, torch's CPU pools at one
 # thread, and torch.cuda.is_available() (asked by torch.utils.cpp_extension's import) answered by
 # NVML, not by cuInit, which starts a driver thread even when no GPU is visible
 SERVER_ENV = {"CUDA_VISIBLE_DEVICES": "", "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "OMP_NUM_THREADS": "1",
               "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+# the key of the shared compiled units (`fast.CompiledUnits`): read by `serve` into this buffer in
+# place (no copy left in the heap its children inherit), zeroed in every child before candidate
+# code runs there, and copied only in trusted builders, which run none (DESIGN.md §8.4)
+SEAL = bytearray(32)
 
 
 class _Built(Exception):
@@ -190,8 +203,16 @@ def serve(processes: int) -> None:
     at BUILD_NICE."""
     with contextlib.suppress(OSError):   # a sandbox that refuses it builds at the owner's priority
         os.nice(max(0, BUILD_NICE - os.nice(0)))
+    random = os.open("/dev/urandom", os.O_RDONLY)
+    os.readv(random, [SEAL])
+    os.close(random)
+    with contextlib.suppress(OSError, AttributeError):   # no other process of the user reads our memory
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     # imported once here, not in every child, nor in the trainer that imports this module for BuildPool
-    import torch.utils.cpp_extension  # noqa: F401
+    import torch.utils.cpp_extension
+    if torch.utils.cpp_extension.CUDA_HOME is None and os.environ.get("CUDA_HOME"):
+        # a CPU-only torch beside a CUDA toolkit (builds for a given capability, as `bench builds`)
+        torch.utils.cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"]
     from . import cache  # noqa: F401
     from .. import harness  # noqa: F401
     set_child_subreaper()
@@ -226,14 +247,15 @@ def serve(processes: int) -> None:
             else:
                 running[key.fd][3].append(chunk)
                 if not chunk or b"\n" in chunk:    # a report is one line; the child then waits to be killed
-                    _finish(selector, running, key.fd, None)
+                    queue[:0] = _finish(selector, running, key.fd, None)   # a delegated build next
         for fd, (_, request, start, _) in list(running.items()):
             if time.monotonic() > start + request["timeout_s"]:
                 _finish(selector, running, fd, f"prebuild killed after {request['timeout_s']:.0f} s")
 
 
-def _finish(selector, running: dict, fd: int, timed_out: str | None) -> None:
-    """Kill a child and everything it started (it is their subreaper), and send its report."""
+def _finish(selector, running: dict, fd: int, timed_out: str | None) -> list[dict]:
+    """Kill a child and everything it started (it is their subreaper), and send its report; or,
+    for a child that delegated its build, the request that follows it instead (`_follow_up`)."""
     pid, request, start, chunks = running.pop(fd)
     selector.unregister(fd)
     os.close(fd)
@@ -245,9 +267,26 @@ def _finish(selector, running: dict, fd: int, timed_out: str | None) -> None:
             report = json.loads(b"".join(chunks).split(b"\n")[0][:REPORT_BYTES])
         except ValueError as exc:   # the child died, or wrote something else
             report = {"status": "error", "builds": [], "message": f"the prebuild process failed ({exc!r})"}
-    sys.stdout.write(json.dumps({"id": request["id"], **report, "seconds": time.monotonic() - start},
+    follow = _follow_up(request, report, request.get("since", start))
+    if follow:
+        return follow
+    sys.stdout.write(json.dumps({"id": request["id"], **report, "seconds": time.monotonic() - request.get("since", start)},
                                 default=str) + "\n")
     sys.stdout.flush()
+    return []
+
+
+def _follow_up(request: dict, report: dict, since: float) -> list[dict]:
+    """What runs after a child's report instead of sending it: a candidate's child that delegated its
+    one load_inline call ("delegate", with the call's arguments) is followed by a trusted build of
+    them; a trusted build the fast way cannot do ("unsplittable") by the candidate's child again,
+    building in its own process as before. Each keeps the request's id and first start."""
+    if report.get("status") == "delegate" and isinstance(report.get("arguments"), dict) \
+            and request.get("arguments") is None:
+        return [{**request, "arguments": report["arguments"], "since": since}]
+    if report.get("status") == "unsplittable" and request.get("arguments") is not None:
+        return [{**request, "arguments": None, "delegate": False, "since": since}]
+    return []
 
 
 def _die_with(server: int) -> None:
@@ -273,6 +312,9 @@ def _child(report_fd: int, request: dict) -> None:
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
     os.dup2(null, 2)
+    if request.get("arguments") is not None:
+        _build_delegated(report_fd, request)
+    SEAL[:] = bytes(len(SEAL))   # before any candidate code runs in this process
     # cache hits: the server loaded them before it forked (`serve`), not at the top, where the trainer would
     import torch.utils.cpp_extension
     from .cache import BuildCache, BuildError
@@ -293,8 +335,14 @@ def _child(report_fd: int, request: dict) -> None:
     cache = BuildCache(Path(root), capability=tuple(capability) if capability else None, build=build,
                        programs=Path(request.get("programs") or root))
     expected, calls = max(1, len(re.findall(r"\bload_inline\s*\(", candidate_src))), []
+    delegate = expected == 1 and build == "fast" and request.get("delegate", True)
 
     def load_inline(*args, **kwargs):
+        if delegate:   # its one call built by a trusted builder (`_build_delegated`), where it can
+            with contextlib.suppress(TypeError, ValueError):   # be plain data in a report
+                report = {"status": "delegate", "arguments": cache.arguments(*args, **kwargs)}
+                if len(json.dumps(report)) < REPORT_BYTES:
+                    _report(report_fd, report)
         module = cache.load_inline(*args, **kwargs)
         calls.append(module)
         if len(calls) >= expected:
@@ -313,6 +361,34 @@ def _child(report_fd: int, request: dict) -> None:
         status, message = "error", f"{type(exc).__name__}: {str(exc)[:500]}"
     if status == "no build" and calls:
         status = "built" if cache.history else "cached"
+    _report(report_fd, {"status": status, "builds": cache.history, "message": message})
+
+
+def _build_delegated(report_fd: int, request: dict) -> NoReturn:
+    """A trusted builder (DESIGN.md §8.4): builds a candidate's one load_inline call from the arguments
+    its child reported, the fast way and without importing it, so nothing the candidate wrote runs
+    in this process, which alone holds the seal of the shared compiled units (`SEAL`): an RL group's
+    programs compile their common host unit once. Reports "built", "cached", "failed" (a compile
+    error torch's build shares), "unsplittable" (only torch's build would do: the candidate's child
+    then builds it as before, `_follow_up`) or "error"."""
+    from . import toolchain
+    from .cache import BuildCache, BuildError
+    from .fast import FastBuildFailed
+    from .inline import Unsplittable
+
+    toolchain.TRUSTED = request.get("toolchain")
+    root, capability = Path(request["root"]), request["capability"]
+    cache = BuildCache(root, capability=tuple(capability) if capability else None, build="fast",
+                       programs=Path(request.get("programs") or root), units=root, seal=bytes(SEAL))
+    status, message = "error", ""
+    try:
+        status = cache.build_only(request["arguments"])
+    except BuildError as exc:
+        status, message = "failed", str(exc)
+    except (Unsplittable, FastBuildFailed) as exc:
+        status, message = "unsplittable", f"{type(exc).__name__}: {str(exc)[:500]}"
+    except Exception as exc:
+        message = f"{type(exc).__name__}: {str(exc)[:500]}"
     _report(report_fd, {"status": status, "builds": cache.history, "message": message})
 
 
