@@ -15,9 +15,10 @@ trusted reference files only.
 and 30% broken as `bench rl` replays them (`replay.replay_programs`), every program submitted at
 once, `--jobs` at a time (default 16, the verifier's prebuild children on one H200's host) with
 compilers bounded by this machine's cores (`toolchain.CompilerSlots`). `--units`: where compiled
-units are kept, "own" (each program's folder, as the verifier builds a candidate since issue #67:
-nothing one candidate compiled is used for another) or "shared" (one store for all, so a group's
-programs share their host unit); the row counts the host units compiled.
+units are kept, "own" (each program's folder: no program uses another's, as the verifier built
+before its trusted builds, and still builds what a candidate's own process builds) or "shared" (one
+store for all, as the verifier's trusted builds share sealed units: a group's programs share their
+host unit); the row counts the host units compiled.
 """
 from __future__ import annotations
 
@@ -143,7 +144,7 @@ def add_arguments(b) -> None:
                    help="each reference as an RL group of N salted programs, 30%% broken, submitted at once")
     b.add_argument("--limit", type=at_least(1), help="only the first N solutions")
     b.add_argument("--units", choices=("own", "shared"), default="own",
-                   help="where compiled units are kept: own (each program's folder, as the verifier builds) or "
-                        "shared (one store: a group's programs share their host unit)")
+                   help="where compiled units are kept: own (each program's folder) or shared (one store, as the "
+                        "verifier's trusted builds: a group's programs share their host unit)")
     b.add_argument("--arch", type=at_least(0), nargs=2, default=(9, 0), metavar=("MAJOR", "MINOR"),
                    help="the architecture to build for without a GPU (default: 9 0, Hopper)")

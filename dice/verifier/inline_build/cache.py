@@ -119,21 +119,25 @@ class BuildCache:
                     except UntrustedArtifact:   # a dispatcher someone changed: torch's own build decides
                         self.build = "torch"
                         self.loaded[name] = self._build(name, arguments, library)
-                    except Exception:   # built but never imported (`build_only`): built again, as a fast build
-                        generic.unlink()   # that does not import is (then torch's way)
-                        self.loaded[name] = self._build(name, arguments, library)
+                    except Exception:
+                        self.loaded[name] = self._rebuild(name, arguments, generic)
                 elif library.exists():
                     try:
                         self.loaded[name] = _load_library(name, library, arguments["is_python_module"])
                     except Exception:
-                        library.unlink()
-                        self.loaded[name] = self._build(name, arguments, library)
+                        self.loaded[name] = self._rebuild(name, arguments, library)
                 elif failed.exists():   # a compiler error another process of this cache hit
                     self.failed[name] = failed.read_text()
                     raise BuildError(self.failed[name])
                 else:
                     self.loaded[name] = self._build(name, arguments, library)
         return self.loaded[name]
+
+    def _rebuild(self, name: str, arguments: dict, cached: Path):
+        """A cached library that does not import (`build_only` never imports what it builds) is
+        removed and built again here, as a fast build that does not import is: then torch's way."""
+        cached.unlink()
+        return self._build(name, arguments, self.programs / f"{name}.so")
 
     def build_only(self, arguments: dict) -> str:
         """Build `arguments` (`self.arguments`) the fast way into the programs folder without loading
@@ -159,10 +163,7 @@ class BuildCache:
                 self.history.append({"name": name, "how": "fast", "wall_s": time.perf_counter() - start, **report})
                 return "built"
             except SharedCompileError as exc:
-                self.failed[name] = build_error_message(str(exc), build_dir)
-                if not TRANSIENT.search(str(exc)):
-                    self._remember_failure(name, build_dir)
-                raise BuildError(self.failed[name]) from None
+                raise self._shared_failure(name, exc, build_dir) from None
             finally:
                 shutil.rmtree(build_dir, ignore_errors=True)
 
@@ -212,9 +213,8 @@ class BuildCache:
             if isinstance(exc, SharedCompileError):
                 self.history.append({"name": name, "how": "fast", "reason": "compile error torch's build shares",
                                      "wall_s": time.perf_counter() - start})
-            self.failed[name] = str(exc) if isinstance(exc, BuildError) else build_error_message(str(exc), build_dir)
-            if isinstance(exc, SharedCompileError) and not TRANSIENT.search(str(exc)):
-                self._remember_failure(name, build_dir)
+                raise self._shared_failure(name, exc, build_dir) from None
+            self.failed[name] = str(exc)
             raise BuildError(self.failed[name]) from None
         except Exception as exc:
             self.failed[name] = build_error_message(str(exc), torch_dir)
@@ -223,6 +223,14 @@ class BuildCache:
             raise BuildError(self.failed[name]) from None
         finally:
             shutil.rmtree(build_dir, ignore_errors=True)
+
+    def _shared_failure(self, name: str, exc: SharedCompileError, build_dir: str) -> BuildError:
+        """The BuildError of a compile error torch's build shares, remembered in this process and, unless
+        transient, for every process of the cache (`<name>.failed`)."""
+        self.failed[name] = build_error_message(str(exc), build_dir)
+        if not TRANSIENT.search(str(exc)):
+            self._remember_failure(name, build_dir)
+        return BuildError(self.failed[name])
 
     def _remember_failure(self, name: str, build_dir: str) -> None:
         """`<name>.failed` with the message, written atomically (under the name's lock)."""

@@ -183,8 +183,8 @@ def fast_build(arguments: dict, name: str, build_dir: Path, root: Path, capabili
     naming the dice_dispatch module that loads a library with the generic binding (else None).
     `flags`: torch's (default: `Flags` of the call); `binding`: "pybind" forces torch's binding,
     otherwise the generic one wherever it applies; `units`: where compiled units are kept (default
-    `root`, where the toolchain's artifacts are), under `seal` if given (`CompiledUnits`). Raises Unsplittable before compiling,
-    SharedCompileError or FastBuildFailed after."""
+    `root`, where the toolchain's artifacts are), under `seal` if given (`CompiledUnits`). Raises
+    Unsplittable before compiling, SharedCompileError or FastBuildFailed after."""
     if not arguments["cuda_sources"] or arguments["with_cuda"] is False or arguments.get("sycl_sources") \
             or arguments.get("no_implicit_headers") or arguments.get("use_pch") or capability is None:
         raise Unsplittable("arguments", "not a plain CUDA load_inline call")
@@ -207,7 +207,8 @@ def fast_build(arguments: dict, name: str, build_dir: Path, root: Path, capabili
         split = make_split("pybind")
     pch = precompiled_header(root, flags, slots, split.binding)
     try:
-        library, report = _compile_and_link(split, flags, build_dir, pch, slots, CompiledUnits(units or root, build_dir, seal))
+        objects = CompiledUnits(units or root, build_dir, seal)
+        library, report = _compile_and_link(split, flags, build_dir, pch, slots, objects)
     except FastBuildFailed as exc:   # the headers' names are read only when a build fails
         names = header_names(root, flags)
         if names is not None and shared_error(str(exc), names, split.declared):

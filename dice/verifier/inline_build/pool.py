@@ -203,9 +203,9 @@ def serve(processes: int) -> None:
     at BUILD_NICE."""
     with contextlib.suppress(OSError):   # a sandbox that refuses it builds at the owner's priority
         os.nice(max(0, BUILD_NICE - os.nice(0)))
-    random = os.open("/dev/urandom", os.O_RDONLY)
-    os.readv(random, [SEAL])
-    os.close(random)
+    urandom = os.open("/dev/urandom", os.O_RDONLY)
+    os.readv(urandom, [SEAL])
+    os.close(urandom)
     with contextlib.suppress(OSError, AttributeError):   # no other process of the user reads our memory
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     # imported once here, not in every child, nor in the trainer that imports this module for BuildPool
@@ -267,11 +267,11 @@ def _finish(selector, running: dict, fd: int, timed_out: str | None) -> list[dic
             report = json.loads(b"".join(chunks).split(b"\n")[0][:REPORT_BYTES])
         except ValueError as exc:   # the child died, or wrote something else
             report = {"status": "error", "builds": [], "message": f"the prebuild process failed ({exc!r})"}
-    follow = _follow_up(request, report, request.get("since", start))
+    since = request.get("since", start)
+    follow = _follow_up(request, report, since)
     if follow:
         return follow
-    sys.stdout.write(json.dumps({"id": request["id"], **report, "seconds": time.monotonic() - request.get("since", start)},
-                                default=str) + "\n")
+    sys.stdout.write(json.dumps({"id": request["id"], **report, "seconds": time.monotonic() - since}, default=str) + "\n")
     sys.stdout.flush()
     return []
 
