@@ -465,6 +465,25 @@ def test_fallback_to_torch(tmp_path, monkeypatch, cuda_home):
     assert fake.calls == 2   # torch's main.cpp is that text: no rebuild
 
 
+def test_a_cached_library_that_does_not_import_is_built_again_by_torch(tmp_path):
+    """`build_only` places what it built without importing it, so a cached `<name>.so` or
+    `<name>.dispatch.so` may not import: `load_inline` removes it and builds the program again with
+    torch's build (which imports what it built), once; the next load uses the new library."""
+    for suffix in (".so", ".dispatch.so"):
+        cache = BuildCache(tmp_path / suffix.strip("."), capability=(9, 0), build="torch")
+        cache.real_load_inline = fake = _FakeTorchBuild()
+        call = dict(name="x", cpp_sources=CPP, cuda_sources=MANY, functions=["run"])
+        name = cache.name(cache.arguments(**call))
+        broken = cache.programs / f"{name}{suffix}"
+        broken.write_bytes(b"not an ELF file")
+        if suffix == ".dispatch.so":
+            Path(f"{broken}.dispatcher").write_text(str(broken))   # not a trusted dispatcher: one that fails
+        assert cache.load_inline(**call) == "module" and fake.calls == 1, suffix
+        assert cache.history[-1]["how"] == "torch" and (cache.programs / f"{name}.so").read_bytes() == b""
+        assert (suffix == ".so" or not broken.exists()) and not list(cache.programs.glob("build-*"))
+        assert cache.load_inline(**call) == "module" and fake.calls == 1   # loaded once, remembered
+
+
 class _FailingTorchBuild(_FakeTorchBuild):
     """torch's load_inline failing with `log` as its build output."""
 
