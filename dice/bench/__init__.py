@@ -13,7 +13,7 @@ their commands and hardware: `dice/PERFORMANCE.md`.
 | `build_cost` | `builds` (load_inline fast-build CPU per program, generic vs torch's binding; no GPU needed) |
 | `stability` | `stability` (honest candidates' speedups from fresh Verifiers: do they repeat?) |
 | `reward_rules` | `rules` (the same programs under DICE's reward and ours: what DICE's lets through, by reason) |
-| `rl_step`, `replay` | `rl` (one BiC-RL step, DICE's 64 x 16 on request: generate / verify / update seconds, update TFLOP/s, the bound; torchrun: FSDP2 over N GPUs) |
+| `rl_step`, `rl_setup`, `replay` | `rl` (one BiC-RL step, DICE's 64 x 16 on request: generate / verify / update seconds, update TFLOP/s, the bound; torchrun: FSDP2 over N GPUs) |
 | `suite` | `check` (the GPU test suite and the headline numbers above in one call, one table last) |
 """
 from __future__ import annotations
