@@ -37,6 +37,7 @@ there is no device memory to plan: UPDATE_TOKENS_CPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Callable, Sequence
@@ -280,12 +281,15 @@ class UpdateTokens:
     `--update-tokens` as given, or auto (`auto_update_tokens`, for the largest group of the step's
     completions), keeping the last budget while it still fits and holds that group, so that compiled
     FlexAttention meets one shape a run and compiles again only where the memory shrank. Under
-    torchrun every process calls it alike and all take the smallest. others(): the bytes of the
-    verifier's processes (`Verifier.gpu_bytes`); optimizer None: no moments held."""
+    torchrun every process calls it alike and all take the smallest. Where the longest group fits only
+    with gradient checkpointing, auto turns it on for the rest of the run (`checkpointing`) and says so
+    through `log`. others(): the bytes of the verifier's processes (`Verifier.gpu_bytes`); optimizer
+    None: no moments held."""
 
-    def __init__(self, model, optimizer, rt, others: Callable[[], int] | None = None):
-        self.model, self.optimizer, self.rt, self.others = model, optimizer, rt, others
-        self.last = 0
+    def __init__(self, model, optimizer, rt, others: Callable[[], int] | None = None,
+                 log: Callable[[str], None] | None = None):
+        self.model, self.optimizer, self.rt, self.others, self.log = model, optimizer, rt, others, log
+        self.last, self.checkpointing = 0, False
 
     def __call__(self, cfg, completions) -> int:
         """The budget for an update over `completions` (their largest group, `largest_group`)."""
@@ -315,6 +319,26 @@ class UpdateTokens:
         """The budget for groups of up to `longest` tokens."""
         if cfg.update_tokens:
             return cfg.update_tokens
+        tokens, shortage = self._fit(cfg, longest)
+        if not tokens and not (cfg.gradient_checkpointing or self.checkpointing):
+            self.checkpointing = True
+            tokens, again = self._fit(cfg, longest)
+            if not tokens:
+                self.checkpointing, shortage = False, again or shortage
+            else:
+                self.model.gradient_checkpointing = True
+                if self.log is not None:
+                    self.log(f"gradient checkpointing turned on: the update's longest group ({longest} tokens) "
+                             f"does not fit this GPU without it ({shortage})")
+        if not tokens:
+            raise shortage or MemoryShortage("the RL update does not fit another process's GPU (its line above)")
+        self.last = self.last if longest <= self.last <= tokens else tokens
+        return self.last
+
+    def _fit(self, cfg, longest: int) -> tuple[int, MemoryShortage | None]:
+        """(`auto_update_tokens`' budget, the smallest over the processes (0: none fits), this process's
+        shortage or None), with gradient checkpointing where `checkpointing` turned it on."""
+        cfg = dataclasses.replace(cfg, gradient_checkpointing=cfg.gradient_checkpointing or self.checkpointing)
         # asked on a GPU alone: a reward's stand-in on the CPU (tests) need not know the verifier's memory
         cuda = compute_device(self.model).type == "cuda"
         shortage, tokens = None, 0
@@ -323,11 +347,7 @@ class UpdateTokens:
                                         self.optimizer, longest, self.rt.world)
         except MemoryShortage as e:   # said once every process has heard: a process alone must not stop
             shortage = e
-        tokens = int(-self.rt.all_max(-tokens))
-        if not tokens:
-            raise shortage or MemoryShortage("the RL update does not fit another process's GPU (its line above)")
-        self.last = self.last if longest <= self.last <= tokens else tokens
-        return self.last
+        return int(-self.rt.all_max(-tokens)), shortage
 
 
 # ---------------------------------------------------------------- refusals, and the out-of-memory error
@@ -361,7 +381,8 @@ def check_update_fits(config, device: torch.device, *, tokens: int, longest: int
         left = free - weights - verifier
         return (UPDATE_SHARE * left if planned else left) - fixed >= size * per_token, size * per_token
 
-    ok, need = fits(gradient_checkpointing, micro)
+    # auto may turn gradient checkpointing on (`UpdateTokens.plan`): refused only where even that cannot fit
+    ok, need = fits(gradient_checkpointing or not explicit, micro)
     # the state leaves the plan no room: refused whatever the budget (the 4B on an 80 GB GPU)
     starved = not fits(True, granule, planned=True)[0]
     if ok and not starved:

@@ -959,6 +959,10 @@ def test_a_group_shares_its_host_unit_through_trusted_builds_that_no_planted_uni
         hosts = [b["host_cpu_s"] > 0 for r in reports for b in r["builds"]]
         assert sorted(hosts) == [False, False, True], reports   # one host unit compiled, two copied
         assert all(list(f.glob("dice_ext_*.so")) for f in folders[:3])
+        for r, f in zip(reports, folders):   # what the worker will load from the folder: these bytes alone
+            [(name, pin)] = r["pins"].items()
+            library = f / (f"{name}.dispatch.so" if pin["dispatcher"] else f"{name}.so")
+            assert pin["sha256"] == hashlib.sha256(library.read_bytes()).hexdigest(), r
         assert not any((f / "objects").exists() for f in folders[:3])   # units only in the sealed store
         kept = sorted((root / "objects").rglob("*.o"))
         assert len(kept) == 4 and all(o.with_suffix(".mac").is_file() for o in kept)   # 1 host + 3 device

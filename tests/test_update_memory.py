@@ -157,6 +157,37 @@ def test_the_runs_budget_is_kept_while_it_fits_and_given_ones_are_used_as_given(
     assert tokens.plan(given, 9000) == tokens.for_forwards(given, response) == 3000 and len(asked) == 5
 
 
+def test_auto_turns_gradient_checkpointing_on_where_only_that_fits(monkeypatch):
+    """A group that fits only with gradient checkpointing: the plan turns it on for the run (the model's
+    flag, one log line naming why) and plans with it from then on; a group that fits neither way is
+    refused with the checkpointed plan's shortage (which names no checkpointing to turn on)."""
+    asked = []
+
+    def auto(model, cfg, others, optimizer, longest, processes):
+        asked.append((longest, cfg.gradient_checkpointing))
+        if longest > 9000 or not cfg.gradient_checkpointing:
+            raise MemoryShortage(f"{longest} tokens do not fit" + ("" if cfg.gradient_checkpointing else "; ckpt"))
+        return 8192
+    monkeypatch.setattr(memory, "auto_update_tokens", auto)
+    model = SimpleNamespace(config=SimpleNamespace(block_size=4), parameters=lambda: iter([Param(1)]),
+                            gradient_checkpointing=False)
+    lines = []
+    tokens = UpdateTokens(model, None, CPU, log=lines.append)
+    cfg = TrainConfig(phase="e2e")
+    assert tokens.plan(cfg, 5000) == 8192 and model.gradient_checkpointing and tokens.checkpointing
+    assert asked == [(5000, False), (5000, True)] and len(lines) == 1
+    assert "(5000 tokens) does not fit this GPU without it (5000 tokens do not fit; ckpt)" in lines[0]
+    assert tokens.plan(cfg, 6000) == 8192 and asked[-1] == (6000, True) and len(lines) == 1
+    with pytest.raises(MemoryShortage, match=r"^9500 tokens do not fit$"):
+        tokens.plan(cfg, 9500)
+
+    model.gradient_checkpointing, asked[:] = False, []
+    tokens = UpdateTokens(model, None, CPU, log=lines.append)
+    with pytest.raises(MemoryShortage, match=r"^9500 tokens do not fit$"):
+        tokens.plan(cfg, 9500)
+    assert asked == [(9500, False), (9500, True)] and not model.gradient_checkpointing and not tokens.checkpointing
+
+
 def test_a_groups_bound_and_the_plan_before_the_rollouts():
     """A prompt of 6 (its last block holds 2 of them) and 9 response tokens with a tail of 1: 16
     positions; a response-rows group holds them and a copy of 16 - 4 = 12; a round-rows group 2 x 16.
@@ -225,14 +256,17 @@ def test_the_4b_on_an_80_gb_gpu_is_refused_before_the_first_rollout(monkeypatch,
 
 def test_the_update_check_names_the_lever_that_fits(monkeypatch):
     """The 1.7B on 79 GiB beside 10 GiB of verifier processes: a response of 4,096 tokens (a micro-batch
-    of 8,192 at 4.5 MiB a token) does not fit the plan without gradient checkpointing, fits with it;
-    an explicit 16,384 does not fit where auto would; more room and the verifier's memory are named."""
+    of 8,192 at 4.5 MiB a token) does not fit the plan without gradient checkpointing, fits with it, so
+    auto passes (it turns checkpointing on, `UpdateTokens.plan`); an explicit 8,192 beside 30 GiB fits
+    only with checkpointing; an explicit 16,384 does not fit where auto would; more room and the
+    verifier's memory are named."""
     on_a_gpu_of(monkeypatch, 79.0)
     check = dict(device=torch.device("cuda", 0), autocast=True, processes=1, flags=FLAGS)
     config = sdar_shape("1.7b")
-    with pytest.raises(MemoryShortage, match=r"a micro-batch of 8192 tokens .* planned within 90%.*; pass --ckpt$"):
-        check_update_fits(config, tokens=0, longest=8192, gradient_checkpointing=False, others=10 * GIB, **check)
-    check_update_fits(config, tokens=0, longest=8192, gradient_checkpointing=True, others=10 * GIB, **check)
+    for ckpt in (False, True):
+        check_update_fits(config, tokens=0, longest=8192, gradient_checkpointing=ckpt, others=10 * GIB, **check)
+    with pytest.raises(MemoryShortage, match=r"a micro-batch's activations \(8192 tokens\).*; pass --ckpt$"):
+        check_update_fits(config, tokens=8192, longest=8192, gradient_checkpointing=False, others=30 * GIB, **check)
     with pytest.raises(MemoryShortage, match=r"; pass --update-tokens auto \(planned to fit\) or a smaller one$"):
         check_update_fits(config, tokens=16384, longest=0, gradient_checkpointing=False, others=17 * GIB, **check)
     with pytest.raises(MemoryShortage, match=r"; lower --max-new-tokens$"):

@@ -281,6 +281,60 @@ def test_32_concurrent_candidates_with_a_poisoned_worker_all_get_their_verdict(v
                                                      if r.status != expected[i]]
 
 
+SABOTAGE = """import fcntl
+import time
+from pathlib import Path
+
+# what another candidate's process can do to its siblings' own build folders (issue #67, item 3): it
+# lists them, takes every library away, leaves a failure marker under each program's name and holds
+# every build lock it finds, for up to a minute
+folders, log, held, start, acted = Path(ROOT) / "candidates", Path(LOG), [], time.monotonic(), None
+while time.monotonic() - start < 60 and (acted is None or time.monotonic() - acted < 20):
+    for folder in list(folders.glob("*")):
+        names = []
+        for lib in folder.glob("dice_ext_*.so"):
+            names.append(lib.name.split(".")[0])
+            try:
+                lib.rename(lib.with_name(lib.name + ".gone"))
+            except OSError:
+                pass
+        for lock in folder.glob("locks/*.lock"):
+            names.append(lock.stem)
+            try:
+                handle = open(lock, "a")
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(handle)
+            except OSError:
+                pass
+        for name in names:
+            try:
+                (folder / (name + ".failed")).write_text("load_inline build failed: planted by a sibling")
+            except OSError:
+                pass
+        if names:
+            acted = acted or time.monotonic()
+            with open(log, "a") as f:
+                f.write(" ".join(names) + chr(10))
+    time.sleep(0.005)
+"""
+
+
+@pytest.mark.slow
+def test_a_candidate_sabotaging_its_siblings_build_folders_changes_no_verdict(verifier, tmp_path):
+    """Issue #67's class "one candidate changes another's verdict", through the files it can name: while
+    three load_inline siblings build and load, a candidate lists their own folders, takes their libraries
+    away, plants failure markers and holds their locks. Each worker loads only the bytes its prebuild
+    pinned, or builds again itself (`inline_build.pinned`): all three stay `correct`."""
+    log = tmp_path / "sabotage.log"
+    saboteur = cupy_candidate(RELU_FORWARD, extra=SABOTAGE.replace("ROOT", repr(str(verifier.cache_dir / "torch_extensions")))
+                              .replace("LOG", repr(str(log))))
+    siblings = [INLINE_RELU.replace("int threads = 256;", f"int threads = {64 << k};  // sibling {k}")
+                for k in range(3)]
+    results = verifier.map([(RELU_TASK, saboteur)] + [(RELU_TASK, c) for c in siblings], timing=False, seed=1100)
+    assert log.exists() and log.read_text().strip(), "the saboteur found no sibling to act on: the test proved nothing"
+    assert [r.status for r in results[1:]] == ["correct"] * 3, [r.message[:300] for r in results[1:]]
+
+
 NUMPY_INPUTS_TASK = RELU_TASK.replace("def get_inputs():", "def get_inputs_cpu():") + '''
 
 def get_inputs():

@@ -50,6 +50,7 @@ from ..config import UPDATE_ROWS, TrainConfig
 from ..memory import UpdateTokens
 from ..rl.rollout import OVERLAP, RolloutOptions, rank_slots
 from ..rl.train_rl import Learner, rl_step
+from ..run_folder import make_logger
 from ..runtime import make_optimizer, rank_verifier, setup_runtime, shard
 from ..sampling.completion import FullParameters
 from ..tasks.load import step_tasks
@@ -273,7 +274,8 @@ def bench_rl(args, bench) -> None:
                            verify_timeout=args.verify_timeout, seed=args.seed)
         optimizer = make_optimizer(model, base)
         # one budget for every step of the process: its FlexAttention shapes compile once
-        tokens = None if args.skip_update else UpdateTokens(model, optimizer, rt, verifier and verifier.gpu_bytes)
+        tokens = None if args.skip_update else UpdateTokens(model, optimizer, rt, verifier and verifier.gpu_bytes,
+                                                            make_logger(rt))
         given = BASELINE if args.baseline else \
             Settings(args.overlap, args.rollout_batch, args.rollout_dtype, args.attention, args.update_rows)
         for i, settings in enumerate([BASELINE, given] if args.compare else [given]):

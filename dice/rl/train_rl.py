@@ -221,7 +221,7 @@ def train_rl(cfg, reward_fn: Reward | Callable | None = None, tasks: list[Task] 
     verifier, reward, eval_reward = rl_rewards(cfg, rt, reward_fn)
     # the update's micro-batch budget, with room for the verifier's processes; planned now for a response
     # of --max-new-tokens, so that one no step could hold is refused before the first rollout
-    tokens = UpdateTokens(run.model, run.optimizer, rt, reward.gpu_bytes)
+    tokens = UpdateTokens(run.model, run.optimizer, rt, reward.gpu_bytes, log)
     # generation calls the layers, not the root forward: under FSDP every parameter is gathered first
     gather = FullParameters(run.model) if rt.sharded else contextlib.nullcontext()
     learner = Learner(run.model, run.tok, run.optimizer, reward, tokens, run.ref_model, run.fmt, gather)

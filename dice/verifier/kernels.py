@@ -138,7 +138,7 @@ class CompiledKernels:
         self._names: set[str] = set()
         self._maps_before: set[str] = _mapped_libraries()
         self._roots: tuple[str, ...] = ()
-        self.hooked = _hook_cupy(self._add_binary)
+        self.hooked = _hook_cupy(self.add_binary)
 
     def start(self, roots: list[str]) -> None:
         self._roots = tuple(os.path.realpath(r) + os.sep for r in [*roots, tempfile.gettempdir()])
@@ -148,13 +148,13 @@ class CompiledKernels:
             if os.path.realpath(path).startswith(self._roots):
                 try:
                     with open(path, "rb") as f:
-                        self._add_binary(f.read())
+                        self.add_binary(f.read())
                 except OSError:
                     pass
                 self._maps_before.add(path)
         return set(self._names)
 
-    def _add_binary(self, data) -> None:
+    def add_binary(self, data) -> None:
         if isinstance(data, (bytes, bytearray)):
             for symbol in entry_symbols(bytes(data)):
                 name = qualified_from_mangled(symbol)

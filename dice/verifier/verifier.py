@@ -232,15 +232,16 @@ class Verifier:
             built.add_done_callback(lambda _: self.stats.add("prebuild", time.perf_counter() - started))
         plan = self._plans.plan(task_src, opts)   # while it builds, and before a worker is taken: a slow judge holds none
         self.stats.add("task plan", time.perf_counter() - started)
+        pins = {}   # what the prebuild made in the candidate's folder, all the worker will use from it (`pinned`)
         if built is not None:   # a report only: on a failure, or none in the prebuild's time limit, the worker builds
             with contextlib.suppress(FuturesTimeout):
-                built.result(timeout=self._prebuild.timeout_s + PREBUILD_SLACK_S)
+                pins = built.result(timeout=self._prebuild.timeout_s + PREBUILD_SLACK_S).get("pins") or {}
         waited = time.perf_counter()
         worker = self._idle.get()
         taken = time.perf_counter()
         self.stats.add("waiting for a worker", taken - waited)
         try:
-            return self._run_candidate(worker, plan, candidate_src, opts, programs)
+            return self._run_candidate(worker, plan, candidate_src, opts, programs, pins)
         finally:
             self.stats.add("on the worker", time.perf_counter() - taken)
             self._release(worker, fresh=reuse_problem(candidate_src) is not None)
@@ -248,13 +249,13 @@ class Verifier:
                 shutil.rmtree(programs, ignore_errors=True)
 
     def _run_candidate(self, worker: WorkerProcess, plan: dict, candidate_src: str, opts: VerifyOptions,
-                       programs: Path | None) -> VerifyResult:
+                       programs: Path | None, pins: dict) -> VerifyResult:
         task, init_seed, seeds, kinds = plan["task"], plan["init_seed"], plan["seeds"], plan["kinds"]
         timing_seed, warmup_seed = plan["timing_seed"], plan["warmup_seed"]
         # DICE's check: one deadline for the build and the run (its subprocess's timeout)
         clock = Clock(opts.timeout_s) if opts.rules == "dice" else None
         load = {"op": "load", **task, "candidate_src": candidate_src, "init_seed": init_seed,
-                "programs": str(programs) if programs else None,
+                "programs": str(programs) if programs else None, "pins": pins,
                 "toolchain": None if self._prebuild is None else self._prebuild.toolchain(wait=programs is not None)}
         reply = ask(worker, load, clock or Clock(opts.compile_timeout_s), "loading the candidate module")
         if reply["status"] != "ok":  # the module imported if the failure came after that

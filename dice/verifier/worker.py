@@ -38,6 +38,7 @@ from torch import nn
 from . import guard, harness as harness_module, isolation, judge, kernels, outputs, records, rules, timing, wire
 from .inline_build import cache, toolchain
 from .inline_build.cache import BuildCache, BuildError, is_nvrtc_error, nvrtc_error_message
+from .inline_build.pinned import valid_pins
 from .epilogues import unfuse_activations
 from .harness import (CANDIDATE_FILE, build_model, cuda_context_broken, describe_exception, init_device, load_module, load_task,
                       rewritten_in_place, trial_inputs)
@@ -161,9 +162,10 @@ class CandidateHandler:
         # its builds in a folder of its own, the toolchain's shared artifacts checked against their
         # trusted build's digests (DESIGN.md §8.4)
         toolchain.TRUSTED = request.get("toolchain")
-        if request.get("programs"):
+        if request.get("programs"):   # only what its prebuild made there (`pinned`), the kernels named from those bytes
             self.builds = BuildCache(self.builds.root, self.device, build=self.build_way,
-                                     programs=Path(request["programs"]))
+                                     programs=Path(request["programs"]), pins=valid_pins(request.get("pins")),
+                                     on_library=self.compiled.add_binary)
         self.builds.install()  # again: an earlier candidate may have replaced load_inline
         self.compiled.start([str(self.builds.programs)])
         self.loads += 1

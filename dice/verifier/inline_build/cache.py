@@ -20,8 +20,10 @@ compile_error without compiling the program again.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
+import importlib.machinery
 import importlib.util
 import inspect
 import json
@@ -41,6 +43,7 @@ from . import toolchain
 from .cxx import normalise
 from .fast import CompilerSlots, FastBuildFailed, SharedCompileError, fast_build, warm_toolchain
 from .inline import Unsplittable
+from .pinned import digest, load_sealed, pinned_bytes
 
 BUILDS = ("fast", "torch")
 STALE_BUILD_S = 3600.0  # build-* folders older than this were left by killed builds
@@ -67,7 +70,7 @@ class BuildCache:
 
     def __init__(self, root: Path, device: torch.device | None = None, *, capability: tuple[int, int] | None = None,
                  build: str | None = None, programs: Path | None = None, units: Path | None = None,
-                 seal: bytes | None = None):
+                 seal: bytes | None = None, pins: dict[str, dict] | None = None, on_library=None):
         self.build = build or os.environ.get("DICE_INLINE_BUILD") or "fast"
         if self.build not in BUILDS:
             raise ValueError(f"build={self.build!r}: choose one of {', '.join(BUILDS)}")
@@ -75,6 +78,9 @@ class BuildCache:
             capability = tuple(torch.cuda.get_device_capability(device))
         self.root, self.capability, self.programs = root, capability, programs or root
         self.units, self.seal = units or self.programs, seal   # where compiled units are kept (`fast.CompiledUnits`)
+        # a candidate's own folder, which other candidates can write into: only what `pins` records is
+        # used from it, and what this cache builds there is recorded in `made` (`pinned`, DESIGN.md §8.4)
+        self.pins, self.made, self.on_library = pins, {}, on_library
         root.mkdir(parents=True, exist_ok=True)
         self.programs.mkdir(parents=True, exist_ok=True)
         now = time.time()
@@ -106,13 +112,14 @@ class BuildCache:
         name = self.name(arguments)
         if name in self.failed:
             raise BuildError(self.failed[name])
+        if name not in self.loaded and self.pins is not None:
+            self.loaded[name] = self._load_pinned(name, arguments)
         if name not in self.loaded:
             library, generic = self.programs / f"{name}.so", self.programs / f"{name}.dispatch.so"
             failed = self.programs / f"{name}.failed"
             # one build of a name at a time over every process of this cache (a prebuild and a worker
             # asking for the same program): the second waits and loads what the first built
-            with open(self._lock_file(name), "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+            with self._name_lock(name):
                 if generic.exists():
                     try:
                         self.loaded[name] = load_dispatched(name, generic, Path(f"{generic}.dispatcher").read_text())
@@ -133,6 +140,24 @@ class BuildCache:
                     self.loaded[name] = self._build(name, arguments, library)
         return self.loaded[name]
 
+    def _load_pinned(self, name: str, arguments: dict):
+        """In a candidate's own folder (`pins` given): the pinned compile error, the pinned library
+        from a sealed copy of the bytes its digest names (`pinned`), or else a build of this process."""
+        pin = self.pins.get(name)
+        if pin and "failed" in pin:
+            self.failed[name] = pin["failed"]
+            raise BuildError(pin["failed"])
+        data = pinned_bytes(self.programs, name, pin) if pin else None
+        library = self.programs / f"{name}.so"
+        if data is not None:
+            with contextlib.suppress(Exception):   # a library that does not import: built again below
+                loaded = load_sealed(name, data, lambda path: load_dispatched(name, path, pin["dispatcher"])
+                                     if pin["dispatcher"] else _load_library(name, path, arguments["is_python_module"]))
+                if self.on_library is not None:
+                    self.on_library(data)
+                return loaded if arguments["is_python_module"] else str(library)
+        return self._build(name, arguments, library)
+
     def _rebuild(self, name: str, arguments: dict, cached: Path):
         """A cached library that does not import (`build_only` never imports what it builds) is
         removed and built again here, as a fast build that does not import is: then torch's way."""
@@ -148,18 +173,17 @@ class BuildCache:
         worker (`load_inline`)."""
         name = self.name(arguments)
         library, generic = self.programs / f"{name}.so", self.programs / f"{name}.dispatch.so"
-        with open(self._lock_file(name), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if generic.exists() or library.exists():
+        with self._name_lock(name):
+            if self.pins is None and (generic.exists() or library.exists()):
                 return "cached"
-            if (self.programs / f"{name}.failed").exists():
+            if self.pins is None and (self.programs / f"{name}.failed").exists():
                 raise BuildError((self.programs / f"{name}.failed").read_text())
             build_dir = tempfile.mkdtemp(prefix="build-", dir=self.programs)
             start = time.perf_counter()
             try:
                 built, report = fast_build(arguments, name, Path(build_dir), self.root, self.capability, self.slots,
-                                           units=self.units, seal=self.seal)
-                self._place(built, library, report, Path(build_dir))
+                                           units=self._units(Path(build_dir)), seal=self.seal)
+                self._place(name, built, library, report, Path(build_dir))
                 self.history.append({"name": name, "how": "fast", "wall_s": time.perf_counter() - start, **report})
                 return "built"
             except SharedCompileError as exc:
@@ -167,10 +191,23 @@ class BuildCache:
             finally:
                 shutil.rmtree(build_dir, ignore_errors=True)
 
-    def _lock_file(self, name: str) -> Path:
+    @contextlib.contextmanager
+    def _name_lock(self, name: str):
+        """The name's build lock over every process of this cache; none in a candidate's own folder,
+        whose builds share no file (`pinned`) and where another candidate may hold any lock."""
+        if self.pins is not None:
+            yield
+            return
         folder = self.programs / "locks"
         folder.mkdir(exist_ok=True)
-        return folder / f"{name}.lock"
+        with open(folder / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def _units(self, build_dir: Path) -> Path:
+        """Where a build's compiled units are kept: unsealed in a candidate's own folder, the build's
+        alone (a unit object another candidate put there is never linked)."""
+        return build_dir if self.pins is not None and self.seal is None else self.units
 
     def arguments(self, *args, **kwargs) -> dict:
         """load_inline's arguments by name, defaults filled in."""
@@ -205,6 +242,7 @@ class BuildCache:
             os.mkdir(torch_dir)
             loaded = self._torch_load_inline(**{**arguments, "name": name, "build_directory": torch_dir,
                                                 "verbose": False})
+            self._record(name, (Path(torch_dir) / f"{name}.so").read_bytes(), None)
             os.replace(Path(torch_dir) / f"{name}.so", library)
             self.history.append({"name": name, "how": "torch", "reason": reason,
                                  "wall_s": time.perf_counter() - start})
@@ -236,29 +274,38 @@ class BuildCache:
         """`<name>.failed` with the message, written atomically (under the name's lock)."""
         Path(build_dir, "failed").write_text(self.failed[name])
         os.replace(Path(build_dir, "failed"), self.programs / f"{name}.failed")
+        self.made[name] = {"failed": self.failed[name]}
 
     def _fast(self, name: str, arguments: dict, library: Path, build_dir: Path, start: float):
         """The fast build, imported from build_dir (an import failure is a FastBuildFailed too)."""
         built, report = fast_build(arguments, name, build_dir, self.root, self.capability, self.slots,
-                                   units=self.units, seal=self.seal)
+                                   units=self._units(build_dir), seal=self.seal)
         try:
             loaded = (load_dispatched(name, built, report["dispatcher"]) if report["dispatcher"] else
                       _load_library(name, built, arguments["is_python_module"]))
         except Exception as exc:
             raise FastBuildFailed(f"the split build did not import: {exc}") from None
-        self._place(built, library, report, build_dir)
+        self._place(name, built, library, report, build_dir)
         self.history.append({"name": name, "how": "fast", "wall_s": time.perf_counter() - start, **report})
         return loaded if arguments["is_python_module"] else str(library)
 
-    @staticmethod
-    def _place(built: Path, library: Path, report: dict, build_dir: Path) -> None:
+    def _place(self, name: str, built: Path, library: Path, report: dict, build_dir: Path) -> None:
         """Move a fast build's library into the cache (atomic renames; with the generic binding as
-        `<name>.dispatch.so`, its dispatcher's path beside it first: a library in place always has one)."""
+        `<name>.dispatch.so`, its dispatcher's path beside it first: a library in place always has one),
+        recording its digest in `made`."""
+        self._record(name, built.read_bytes(), report["dispatcher"] or None)
         if report["dispatcher"]:
             library = library.with_suffix(".dispatch.so")
             Path(build_dir, "dispatcher").write_text(report["dispatcher"])
             os.replace(Path(build_dir, "dispatcher"), f"{library}.dispatcher")
         os.replace(built, library)
+
+    def _record(self, name: str, data: bytes, dispatcher: str | None) -> None:
+        """A library this cache built: its digest in `made`, its bytes to `on_library` (the worker's
+        kernel names, read from what was built rather than from a file another process can change)."""
+        self.made[name] = {"sha256": digest(data), "dispatcher": dispatcher}
+        if self.on_library is not None:
+            self.on_library(data)
 
     def _torch_load_inline(self, **arguments):
         """torch's load_inline; without visible GPUs (a prebuild) torch needs the architecture list."""
@@ -276,7 +323,9 @@ def _load_library(name: str, library: Path, is_python_module: bool):
     if not is_python_module:
         torch.ops.load_library(str(library))
         return str(library)
-    spec = importlib.util.spec_from_file_location(name, library)
+    # the loader named: a sealed copy's path (`pinned`) has no suffix to choose it by
+    spec = importlib.util.spec_from_file_location(
+        name, library, loader=importlib.machinery.ExtensionFileLoader(name, str(library)))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -333,7 +333,7 @@ def _child(report_fd: int, request: dict) -> None:
                             "toolchain": toolchain.artifact_digests(Path(root))})
     toolchain.TRUSTED = request.get("toolchain")
     cache = BuildCache(Path(root), capability=tuple(capability) if capability else None, build=build,
-                       programs=Path(request.get("programs") or root))
+                       programs=Path(request.get("programs") or root), pins=_pins(request))
     expected, calls = max(1, len(re.findall(r"\bload_inline\s*\(", candidate_src))), []
     delegate = expected == 1 and build == "fast" and request.get("delegate", True)
 
@@ -361,7 +361,12 @@ def _child(report_fd: int, request: dict) -> None:
         status, message = "error", f"{type(exc).__name__}: {str(exc)[:500]}"
     if status == "no build" and calls:
         status = "built" if cache.history else "cached"
-    _report(report_fd, {"status": status, "builds": cache.history, "message": message})
+    _report(report_fd, {"status": status, "builds": cache.history, "message": message, "pins": cache.made})
+
+
+def _pins(request: dict) -> dict | None:
+    """{} in a candidate's own folder (its builds there trust nothing found on disk, `pinned`), else None."""
+    return {} if request.get("programs") not in (None, request["root"]) else None
 
 
 def _build_delegated(report_fd: int, request: dict) -> NoReturn:
@@ -379,7 +384,8 @@ def _build_delegated(report_fd: int, request: dict) -> NoReturn:
     toolchain.TRUSTED = request.get("toolchain")
     root, capability = Path(request["root"]), request["capability"]
     cache = BuildCache(root, capability=tuple(capability) if capability else None, build="fast",
-                       programs=Path(request.get("programs") or root), units=root, seal=bytes(SEAL))
+                       programs=Path(request.get("programs") or root), units=root, seal=bytes(SEAL),
+                       pins=_pins(request))
     status, message = "error", ""
     try:
         status = cache.build_only(request["arguments"])
@@ -389,7 +395,7 @@ def _build_delegated(report_fd: int, request: dict) -> NoReturn:
         status, message = "unsplittable", f"{type(exc).__name__}: {str(exc)[:500]}"
     except Exception as exc:
         message = f"{type(exc).__name__}: {str(exc)[:500]}"
-    _report(report_fd, {"status": status, "builds": cache.history, "message": message})
+    _report(report_fd, {"status": status, "builds": cache.history, "message": message, "pins": cache.made})
 
 
 def _report(report_fd: int, report: dict) -> NoReturn:
