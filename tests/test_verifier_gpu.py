@@ -42,10 +42,10 @@ extern "C" __global__ void spin_kernel(const int* flag, float* y, long long n) {
 extern "C" __global__ void slow_relu_kernel(const float* x, float* y, long long n) {
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     long long start = clock64();
-    // ~10 ms before writing anything: far longer than forward's return and the harness's read, short
-    // enough that a GPU shared with the other workers' contexts (which stretched 150 ms to >25 s a
-    // verdict in a map) still ends it within the candidate's time
-    while (clock64() - start < 20000000LL) { }
+    // ~1 ms before writing anything: far longer than forward's return and the harness's read (the
+    // records' slack is 2 us), short enough that a GPU shared with the other workers' contexts (which
+    // stretched 150 ms to >25 s a verdict in a map, and 10 ms past 30 s once on an H100) ends it in time
+    while (clock64() - start < 2000000LL) { }
     if (i < n) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
 }
 extern "C" __global__ void sum_kernel(const float* x, float* total, long long n) {

@@ -407,9 +407,6 @@ ATTACKS = {
     "skips work on back-to-back calls": (RELU_TASK, candidate(
         "import time\nnow = time.perf_counter()\nquick, self.last = now - self.last < 0.002, now\n"
         "if quick:\n    return torch.zeros_like(x)\n" + OWN_RELU, init="self.last = 0.0"), None),
-    "answers its timed call early through the worker's connection": (RELU_TASK, candidate(
-        TIMED + "if timed and conn is not None and not torch.cuda.is_current_stream_capturing():\n"
-        "    conn.send({'status': 'ok'})\n" + OWN_RELU), None),
     "returns the previous timed call's output": (RELU_TASK, candidate(
         EAGER_ONLY + TIMED + "if timed and self.last is not None:\n    return self.last\n"
         + OWN_RELU.replace("return y", "self.last = y\nreturn y"), init="self.last = None"), None),
@@ -434,6 +431,10 @@ TIMING_ATTACKS = {
         "            time.sleep(0.02)\n"
         "    ctypes.dice_hog = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(hog)\n"
         "    ctypes.CDLL(None).pthread_create(ctypes.byref(ctypes.c_ulong()), None, ctypes.dice_hog, None)\n" + OWN_RELU),
+    # eager timing only (a graph replays no Python, so the attack would not run): the early answer is a claim
+    # the trusted side's clock and records do not take
+    "answers its timed call early through the worker's connection": candidate(
+        EAGER_ONLY + TIMED + "if timed and conn is not None:\n    conn.send({'status': 'ok'})\n" + OWN_RELU),
     "skips its kernel on every other timed call": candidate(
         EAGER_ONLY + TIMED + "self.calls += 1\nif timed and self.calls % 2:\n    return self.last\n"
         + OWN_RELU.replace("return y", "self.last = y\nreturn y"), init="self.calls, self.last = 0, None"),
