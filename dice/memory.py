@@ -269,7 +269,8 @@ def auto_update_tokens(model, cfg, others_bytes: int = 0, optimizer=None, longes
     fix = "lower --max-new-tokens" + ("" if cfg.gradient_checkpointing else f" or {CHECKPOINTING}")
     raise MemoryShortage(f"the RL update cannot hold a micro-batch of its longest response ({longest} tokens: the "
                          f"clean stream and one noisy copy, {longest * per_token / GIB:.1f} GiB) in the "
-                         f"{available / GIB:.1f} GiB this process can take on {device}, less "
+                         f"{available / GIB:.1f} GiB this process can take on {device} (other processes, the "
+                         f"verifier's, and its CUDA context hold {in_use / GIB:.1f} GiB), less "
                          f"{fixed / GIB:.1f} GiB of gradients, AdamW moments and bf16 weight copies still to come"
                          + (f" and {unheld / GIB:.1f} GiB the verifier's processes do not hold yet" if unheld else "")
                          + f"; {fix}")
