@@ -18,9 +18,11 @@ from dice.verifier.inline_build import cache as build_module
 from dice.verifier.inline_build.cache import BuildCache, BuildError
 from dice.verifier.inline_build.pinned import load_sealed, sealed_copy, valid_pins
 
-from test_inline_build import CPP, HAVE_NVCC, MANY, PLUS, _FakeTorchBuild
+from test_inline_build import CPP, HAVE_NVCC, MANY, _FakeTorchBuild
 
 CALL = dict(name="x", cpp_sources=CPP, cuda_sources=MANY, functions=["run"])
+# a program no other test imports: a process imports an extension module of one name once
+PLUS = "int plus(int a, int b) { return b + a; }"
 
 
 def _cache(folder: Path, pins, **kwargs) -> BuildCache:
@@ -156,7 +158,8 @@ def test_a_prebuild_pins_what_it_built_and_a_worker_imports_it_from_the_sealed_c
     from dice.verifier.inline_build.pool import BuildPool
     folder = tmp_path / "cache" / "torch_extensions" / "candidates" / "c0"
     with BuildPool(tmp_path / "cache", processes=1, timeout_s=600, capability=(9, 0)) as pool:
-        report = pool.submit("from torch.utils.cpp_extension import load_inline\n" + PLUS, folder).result()
+        report = pool.submit(f"from torch.utils.cpp_extension import load_inline\n"
+                             f"ext = load_inline('plus', {PLUS!r}, functions=['plus'])", folder).result()
     assert report["status"] == "built", report
     [(name, pin)] = valid_pins(report["pins"]).items()
     assert pin == {"sha256": hashlib.sha256((folder / f"{name}.so").read_bytes()).hexdigest(), "dispatcher": None}
@@ -164,7 +167,7 @@ def test_a_prebuild_pins_what_it_built_and_a_worker_imports_it_from_the_sealed_c
     worker = BuildCache(tmp_path / "cache" / "torch_extensions", capability=(9, 0), programs=folder,
                         pins={name: pin}, on_library=seen.append)
     worker.real_load_inline = _FakeTorchBuild()
-    ext = worker.load_inline("plus", "int plus(int a, int b) { return a + b; }", functions=["plus"])
+    ext = worker.load_inline("plus", PLUS, functions=["plus"])
     assert ext.plus(2, 3) == 5 and worker.real_load_inline.calls == 0 and ext.__file__.startswith("/proc/self/fd/")
     assert seen == [(folder / f"{name}.so").read_bytes()]
 
@@ -177,7 +180,6 @@ def test_a_prebuild_pins_what_it_built_and_a_worker_imports_it_from_the_sealed_c
         fcntl.flock(held, fcntl.LOCK_EX)
         worker = BuildCache(tmp_path / "cache" / "torch_extensions", capability=(9, 0), programs=folder,
                             pins={name: pin}, on_library=seen.append)
-        ext = _within(300, lambda: worker.load_inline("plus", "int plus(int a, int b) { return a + b; }",
-                                                      functions=["plus"]))
+        ext = _within(300, lambda: worker.load_inline("plus", PLUS, functions=["plus"]))
     assert ext.plus(2, 3) == 5 and worker.history[-1]["how"] == "torch"
     assert len(seen) == 2 and seen[1].startswith(b"\x7fELF")   # its kernel names from the bytes it built

@@ -245,7 +245,7 @@ def policy_update(model, ref_model, completions, advantages, cfg, rt, optimizer,
                          old_logprobs) | {"update_tokens": budget}
     except torch.OutOfMemoryError:
         fix = f"--update-tokens {max(budget // 2, 1)}"
-        if not model.gradient_checkpointing:   # off as configured, and not turned on by the budget's plan
+        if not (cfg.gradient_checkpointing or model.gradient_checkpointing):   # nor turned on by the budget's plan
             fix += f" or {CHECKPOINTING}"
         raise out_of_memory("the RL update", device, f"micro-batches of {budget} tokens", fix) from None
 

@@ -9,5 +9,6 @@
 | `toolchain` | torch's flags for a call, the compilers under shared slots, what is built once per toolchain (precompiled headers, the dispatcher, torch's names) |
 | `fast` | the fast build: two compiles on a precompiled header, one link, the failures that are torch's own |
 | `pool` | `BuildPool`: prebuilding candidates on the CPU, apart from the GPU workers |
+| `pinned` | a candidate's own build folder, used only as its builds made it (digests, sealed in-memory copies) |
 | `dispatch.h`, `dispatch.cpp` | the fast build's generic binding: per-program entries, one Python dispatcher per torch build |
 """
