@@ -183,3 +183,45 @@ def test_a_prebuild_pins_what_it_built_and_a_worker_imports_it_from_the_sealed_c
         ext = _within(300, lambda: worker.load_inline("plus", PLUS, functions=["plus"]))
     assert ext.plus(2, 3) == 5 and worker.history[-1]["how"] == "torch"
     assert len(seen) == 2 and seen[1].startswith(b"\x7fELF")   # its kernel names from the bytes it built
+
+
+@pytest.mark.slow
+def test_the_verifier_hands_the_prebuilds_pins_to_the_worker_and_none_without_a_report(tmp_path, monkeypatch):
+    """`Verifier._verify_one`: what the prebuild's report pins goes with the candidate to its worker;
+    a prebuild with no report in time (or none at all) leaves `{}`, so the worker trusts nothing in
+    the candidate's folder and builds itself."""
+    from concurrent.futures import Future
+    from dice.verifier import Verifier, VerifyResult
+    from test_verifier import RELU_TASK, candidate
+
+    pins = {"dice_ext_1": {"sha256": "ab", "dispatcher": None}}
+
+    class Prebuild:
+        timeout_s = 0.1
+
+        def __init__(self, report):
+            self.report = report
+
+        def submit(self, source, programs):
+            done = Future()
+            if self.report is not None:
+                done.set_result(self.report)
+            return done
+
+        def toolchain(self, wait=True):
+            return None
+
+        def close(self):
+            pass
+
+    handed = []
+    with Verifier(workers=1, judges=1, device="cpu", cache_dir=tmp_path) as verifier:
+        monkeypatch.setattr(verifier, "_run_candidate", lambda worker, plan, src, opts, programs, got:
+                            handed.append((programs, got)) or VerifyResult("correct", compiled=True))
+        monkeypatch.setattr("dice.verifier.verifier.PREBUILD_SLACK_S", 0.1)
+        source = candidate("return x.clamp_min(0)", extra="# load_inline is named, so it builds in its own folder")
+        for report in ({"status": "built", "pins": pins}, {"status": "error"}, None):
+            verifier._prebuild = Prebuild(report)
+            assert verifier.verify(RELU_TASK, source, timing=False).correct
+    assert [got for _, got in handed] == [pins, {}, {}]
+    assert all(programs is not None and programs.parent.name == "candidates" for programs, _ in handed)
