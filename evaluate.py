@@ -43,7 +43,8 @@ from dice import load_model, load_tokenizer
 from dice.cli import ArgumentParser, ProgressLine, at_least, eta, fail_cleanly, in_range
 from dice.errors import DataError, UsageError, read_text
 from dice.inputs import input_path, output_file, output_folder
-from dice.memory import check_fits, kv_cache_bytes, parameter_bytes
+from dice.memory import kv_cache_bytes, parameter_bytes
+from dice.refusals import check_fits
 from dice.metrics import format_summary, summarize
 from dice.model.checkpoint import read_config
 from dice.protocols import DEFAULT_GENERATION, DICE_PROMPT_TOKENS, PROTOCOLS, VERIFY_FLAGS, decoding, verify_options

@@ -20,7 +20,8 @@ from dice import load_model, load_tokenizer
 from dice.cli import ArgumentParser, ProgressLine, at_least, eta, fail_cleanly, in_range
 from dice.errors import UsageError
 from dice.inputs import input_path, output_file
-from dice.memory import check_fits, kv_cache_bytes, parameter_bytes
+from dice.memory import kv_cache_bytes, parameter_bytes
+from dice.refusals import check_fits
 from dice.model.checkpoint import read_config
 from dice.sampling.completion import complete, load_prompt_template, prompt_format, task_prompt_ids
 from dice.sampling.sampler import REMASKING, Engine, Sampling

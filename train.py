@@ -26,17 +26,17 @@ from dice.cli import fail_cleanly, usage_error
 from dice.config import EMBEDDED_DATA, RL_PHASES, config_from_args, with_embedded_defaults
 from dice.errors import UsageError
 from dice.inputs import input_path, output_folder
-from dice.memory import (check_fits, check_update_fits, kv_cache_bytes, micro_batch_bytes, parameter_bytes,
-                         planned_verifier_bytes)
+from dice.memory import kv_cache_bytes, micro_batch_bytes, parameter_bytes, planned_verifier_bytes
 from dice.model.checkpoint import CheckpointError, read_config
 from dice.model.packing import group_bound
+from dice.refusals import check_fits, check_update_fits
 from dice.rl.train_rl import train_rl
 from dice.run_folder import RUN_ENTRIES, check_run_folder, latest_checkpoint
 from dice.sampling.completion import load_prompt_template
 from dice.sft.train_sft import INIT_ENTRIES, init_model_folder, sft_sizes, train_sft
 
 MODEL_GIVE = "pass --model DIR (a downloaded SDAR/DICE checkpoint, or a folder written by train.py)"
-# what names the fixes when the RL update cannot fit (`dice.memory.check_update_fits`)
+# what names the fixes when the RL update cannot fit (`dice.refusals.check_update_fits`)
 UPDATE_FLAGS = {"state": "train a smaller --model, keep its float32 state in host memory (--offload cpu), or spread "
                          "it over more GPUs (torchrun --nproc_per_node N: FSDP2 shards the weights, gradients and "
                          "moments)",

@@ -13,7 +13,7 @@ stops a run that would fit (one that passes can still run out later, in memory n
   doubled, `[x_t ; x_0]`, DESIGN.md §4), and on a CPU the dense attention bias, rows x length^2 x 4;
 - the RL update: its micro-batch budget is planned, not only checked (`update_token_bytes` a token,
   `update_fixed_bytes` beside the optimiser's state, `plan_update_tokens`); these count what a
-  micro-batch holds at its peak, an upper bound. `check_update_fits` refuses, before the first
+  micro-batch holds at its peak, an upper bound. `dice.refusals.check_update_fits` refuses, before the first
   rollout, the sizes whose training state leaves the plan no room, or whose plan could not hold the
   micro-batch of one response of --max-new-tokens, which any step may bring.
 Free memory: CUDA's free device memory; on a CPU MemAvailable, or less where a cgroup limit says so.
@@ -349,79 +349,3 @@ class UpdateTokens:
         except MemoryShortage as e:   # said once every process has heard: a process alone must not stop
             shortage = e
         return int(-self.rt.all_max(-tokens)), shortage
-
-
-# ---------------------------------------------------------------- refusals, and the out-of-memory error
-
-def check_update_fits(config, device: torch.device, *, tokens: int, longest: int, gradient_checkpointing: bool,
-                      autocast: bool, processes: int, others: int, flags: dict[str, str], offload: bool = False) -> None:
-    """Refuse, before any rollout, an RL update that cannot run on `device` (free now, before the
-    model loads): float32 weights, gradients and AdamW moments (16 bytes a parameter; FSDP2 shards
-    them over `processes`) and `update_fixed_bytes`, beside `others` bytes of the verifier's
-    processes, and one micro-batch. Auto (`tokens` 0): the micro-batch of the largest group, `longest`
-    tokens, planned as `plan_update_tokens` will plan it (within UPDATE_SHARE, at the upper bound
-    `update_token_bytes`). An explicit `--update-tokens` is the user's: refused where its
-    micro-batch's activations alone, without the logits, pass all the free memory, or where the
-    state leaves the plan no room for any micro-batch (which refuses every budget). The fix named:
-    flags["state"] (the command's words for a smaller model or more GPUs; with fewer of
-    flags["workers"] where that would make the room), or the first of auto flags["tokens"],
-    flags["checkpointing"], a lower flags["length"] that would fit. offload (`--offload cpu`): the
-    float32 weights, gradients and moments are in host memory, none of them on `device`."""
-    free = free_bytes(device)
-    weights, state = (0, 0) if offload else (parameter_bytes(config, 4, processes), parameter_bytes(config, 12, processes))
-    fixed = state + update_fixed_bytes(config, autocast, processes)
-    granule = math.lcm(config.block_size, FLEX_TILE)
-    least = max(granule, -(-longest // granule) * granule)
-    explicit = bool(tokens)
-    # an explicit budget's micro-batches: the budget, or a multiple of it for a group over it (`flex_length`)
-    micro = (tokens * -(-longest // tokens) if longest > tokens else tokens) if explicit else least
-
-    def fits(ckpt: bool, size: int, verifier: int = others, planned: bool = not explicit) -> tuple[bool, int]:
-        """(whether a micro-batch of `size` tokens fits, its bytes), planned or (explicit) at least."""
-        per_token = update_token_bytes(config, ckpt, 2 if autocast else 4, LOSS_SHARE if planned else 0)
-        left = free - weights - verifier
-        return (UPDATE_SHARE * left if planned else left) - fixed >= size * per_token, size * per_token
-
-    # auto may turn gradient checkpointing on (`UpdateTokens.plan`): refused only where even that cannot fit
-    ok, need = fits(gradient_checkpointing or not explicit, micro)
-    # the state leaves the plan no room: refused whatever the budget (the 4B on an 80 GB GPU)
-    starved = not fits(True, granule, planned=True)[0]
-    if ok and not starved:
-        return
-    if starved:
-        fix = flags["state"] + (f", or fewer {flags['workers']}"
-                                if others and fits(True, granule, 0, planned=True)[0] else "")
-    elif explicit and fits(gradient_checkpointing, least, planned=True)[0]:
-        fix = f"pass {flags['tokens']} auto (planned to fit) or a smaller one"
-    elif not gradient_checkpointing and fits(True, micro)[0]:
-        fix = f"pass {flags['checkpointing']}"
-    else:
-        fix = f"lower {flags['length']}" + ("" if gradient_checkpointing else f" and pass {flags['checkpointing']}")
-    parts = {"float32 weights, gradients and AdamW moments": weights + state,
-             "bf16 weight copies and a gradient's casts": fixed - state, "the verifier's processes": others,
-             (f"a micro-batch's activations ({micro} tokens)" if explicit else f"a micro-batch of {micro} tokens"): need}
-    shown = ", ".join(f"{what} {_gib(size)}" for what, size in parts.items() if size)
-    within = "" if explicit else f", planned within {UPDATE_SHARE:.0%} of what the weights and the verifier leave"
-    raise MemoryShortage(f"the RL update needs {_gib(sum(parts.values()))} on {device} ({shown}) and "
-                         f"{_gib(free)} is free{within}; {fix}")
-
-
-def check_fits(parts: dict[str, int], device: torch.device, fix: str) -> None:
-    """Refuse when the parts (what -> bytes) need more than `device` has free, naming them and `fix`."""
-    need, free = sum(parts.values()), free_bytes(device)
-    if need > free:
-        shown = ", ".join(f"{what} {_gib(size)}" for what, size in parts.items())
-        raise MemoryShortage(f"these sizes need at least {_gib(need)} on {device} ({shown}) and {_gib(free)} "
-                             f"is free; {fix}")
-
-
-def out_of_memory(what: str, device: torch.device, sizes: str, fix: str) -> UserError:
-    """The one-line error for `what` that ran out of GPU memory at `sizes`: how much was in use on
-    `device` (other processes, the verifier's, included) and the flag that fixes it."""
-    free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (0, 0)
-    return UserError(f"{what} ran out of GPU memory ({(total - free) / GIB:.0f} of {total / GIB:.0f} GiB in use, "
-                     f"other processes' (the verifier's) included) with {sizes}; pass {fix}")
-
-
-def _gib(size: int) -> str:
-    return f"{size / GIB:.1f} GiB" if size >= GIB / 10 else f"{size / GIB:.3f} GiB"

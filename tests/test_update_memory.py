@@ -12,11 +12,11 @@ import torch
 import dice.memory as memory
 from dice import load_model
 from dice.config import TrainConfig
-from dice.memory import (GIB, MemoryShortage, UpdateTokens, auto_update_tokens, check_update_fits, update_fixed_bytes,
-                         update_token_bytes)
+from dice.memory import GIB, MemoryShortage, UpdateTokens, auto_update_tokens, update_fixed_bytes, update_token_bytes
 from dice.model.checkpoint import read_config
 from dice.model.packing import group_bound, largest_group
 from dice.model.sdar import sdar_shape
+from dice.refusals import check_update_fits
 from dice.rl.update import policy_update
 from dice.sampling.completion import Completion
 from dice.runtime import Runtime

@@ -41,7 +41,8 @@ def test_kv_cache_estimate_is_the_samplers_allocation():
 
 
 def test_memory_refusal_names_the_sizes_and_a_fit_passes(monkeypatch):
-    from dice.memory import MemoryShortage, check_fits
+    from dice.memory import MemoryShortage
+    from dice.refusals import check_fits
     monkeypatch.setattr("dice.memory.free_bytes", lambda device: 3 * 2 ** 30)
     check_fits({"weights": 2 ** 30, "the KV cache": 2 * 2 ** 30}, torch.device("cpu"), "lower --max-new-tokens")
     with pytest.raises(MemoryShortage, match=r"at least 3\.5 GiB on cpu \(weights 1\.0 GiB, the KV cache 2\.5 GiB\) "

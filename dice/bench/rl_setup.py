@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..memory import MemoryShortage, check_fits, check_update_fits, kv_cache_bytes, planned_verifier_bytes
+from ..memory import MemoryShortage, kv_cache_bytes, planned_verifier_bytes
+from ..refusals import check_fits, check_update_fits
 from ..model.sdar import SDAR
 from ..model.tokenizer import load_tokenizer
 from ..sampling.completion import prompt_format, task_prompt_ids
@@ -22,7 +23,7 @@ from .common import BudgetSpent
 from .replay import CHARS_PER_TOKEN, ReplayTokenizer, correct_references, tokenizer_folder
 from .training import model_config
 
-# what names the fixes when the update cannot fit (`dice.memory.check_update_fits`)
+# what names the fixes when the update cannot fit (`dice.refusals.check_update_fits`)
 UPDATE_FLAGS = {"state": "pass a smaller --shape, --offload cpu (the float32 state in host memory), --skip-update to "
                          "time its rollouts alone, or spread it over more GPUs (torchrun --nproc_per_node N: FSDP2 "
                          "shards the weights, gradients and moments)",

@@ -24,7 +24,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..memory import auto_rollout_batch, out_of_memory
+from ..memory import auto_rollout_batch
+from ..refusals import out_of_memory
 from ..model.sdar import compute_device
 from ..sampling.completion import Completion, complete, generation_copy, prompt_format, task_prompt_ids
 from ..sampling.sampler import Sampling

@@ -54,7 +54,8 @@ from typing import Sequence
 
 import torch
 
-from ..memory import CHECKPOINTING, UpdateTokens, out_of_memory
+from ..memory import CHECKPOINTING, UpdateTokens
+from ..refusals import out_of_memory
 from ..model.packing import (CompileClock, PackedBatch, Round, empty_batch, flex_length, group_rounds, micro_batches,
                              pack, pad_batch, packed_logprobs, update_flops, uses_flex)
 from ..model.sdar import compute_device
